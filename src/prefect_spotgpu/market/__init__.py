@@ -1,0 +1,47 @@
+"""The spot auction, as pure logic: data in, decisions out (DESIGN §3).
+
+Nothing in this package does I/O, reads a clock, or imports a database, web, Prefect or NVML
+library (``tests/test_architecture.py`` fails if it does). The service, the agent and the worker
+use it; it uses nothing of theirs.
+"""
+
+from prefect_spotgpu.market.decision import (
+    Charge,
+    Charges,
+    Decision,
+    Ending,
+    Notice,
+    Placement,
+    PlacementKind,
+    Placements,
+    PoolQuote,
+)
+from prefect_spotgpu.market.engine import Market, Settlement, clear
+from prefect_spotgpu.market.gpus import (
+    DEFAULT_CATALOG,
+    GpuCatalog,
+    GpuModel,
+    normalize_gpu_model,
+)
+from prefect_spotgpu.market.policies import PACKING_POLICIES, get_packing_policy
+from prefect_spotgpu.market.types import (
+    ANY_REGION,
+    MAX_GPUS_PER_NODE,
+    Allocation,
+    AllocationStatus,
+    Bid,
+    Interval,
+    MarketConfig,
+    MarketState,
+    Node,
+    NodeState,
+    NoticeReason,
+)
+
+__all__ = [
+    "ANY_REGION", "DEFAULT_CATALOG", "MAX_GPUS_PER_NODE", "PACKING_POLICIES", "Allocation",
+    "AllocationStatus", "Bid", "Charge", "Charges", "Decision", "Ending", "GpuCatalog",
+    "GpuModel", "Interval", "Market", "MarketConfig", "MarketState", "Node", "NodeState",
+    "Notice", "NoticeReason", "Placement", "PlacementKind", "Placements", "PoolQuote",
+    "Settlement", "clear", "get_packing_policy", "normalize_gpu_model",
+]

@@ -1,0 +1,1160 @@
+"""The clearing engine: one uniform-price auction per pool, every tick (DESIGN §3).
+
+Invariants (each property-tested in ``tests/test_market_properties.py``):
+
+- no node ever has more GPUs in use (running + noticed) or promised (running + reserved) than
+  it has; so no GPU is held by two allocations;
+- a running allocation pays ``min(max(pool clearing price, its node's reserve), its max price)``
+  per GPU-second: never above its own maximum, never below its node's reserve;
+- the same inputs give the same decision: ``Market`` carries its book between ticks, and its
+  decision equals that of a market rebuilt cold from ``snapshot()``;
+- a waiting bid that outbids a running one in its pool by more than the hysteresis margin, and
+  would fit on that one's node once it left, is never left waiting while the other runs.
+
+The rule, per tick and per GPU model (pools of a model share its "any region" bids):
+
+1. notices for allocations on reclaimed nodes, over a raised reserve or whose window closes;
+   endings for lost nodes, passed notice deadlines and expired reservations; reservations whose
+   GPUs are free start (RESERVED -> RUNNING);
+2. waiting bids, best first (price, then age), each take the tightest free fit on a node whose
+   reserve they meet; with no free fit, the weakest running incumbents they beat by more than the
+   hysteresis margin on one node get a notice and the challenger reserves their GPUs; a bid that
+   can do neither ends its book's turn (every bid behind it in that book is lower and fails too);
+   a noticed bid gets a migration reservation on free GPUs of its pool at once, when there are any;
+3. the clearing price of a pool is the highest losing eligible bid, at least the lowest reserve;
+4. every running or noticed allocation is charged for the seconds since its last charge at the
+   price that was in force, and takes the new price.
+
+``Market`` is the only mutable object in ``market/``: an in-memory index changed only through
+its methods; it reads no clock and does no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from heapq import heappop, heappush
+
+import numpy as np
+
+from prefect_spotgpu.market.book import (
+    MAX_NODES,
+    ROW_BITS,
+    ROW_MASK,
+    Book,
+    PoolCapacity,
+    priority_order,
+)
+from prefect_spotgpu.market.decision import (
+    Charges,
+    Decision,
+    Ending,
+    Notice,
+    PlacementKind,
+    Placements,
+    PoolQuote,
+)
+from prefect_spotgpu.market.gpus import DEFAULT_CATALOG
+from prefect_spotgpu.market.policies import get_packing_policy
+from prefect_spotgpu.market.types import (
+    ANY_REGION,
+    MAX_GPUS_PER_NODE,
+    Allocation,
+    AllocationStatus,
+    Bid,
+    Interval,
+    MarketConfig,
+    MarketState,
+    Node,
+    NodeState,
+    NoticeReason,
+    check_price,
+    check_region,
+    check_time,
+)
+
+# Bid row status.
+GONE, WAITING, ACTIVE = 0, 1, 2
+# Allocation row status codes, in AllocationStatus order.
+_STATUSES = tuple(AllocationStatus)
+RESERVED, RUNNING, NOTICED, PREEMPTED, FINISHED, RELEASED = range(6)
+_REASONS = tuple(NoticeReason)
+_KIND = {k: i for i, k in enumerate(PlacementKind)}
+_SECONDS_PER_HOUR = 3600.0
+
+
+class _Columns:
+    """Growable numpy columns (rows are appended, never moved)."""
+
+    def __init__(self, **dtypes: object) -> None:
+        self.n = 0
+        self._dtypes = dtypes
+        for name, dtype in dtypes.items():
+            setattr(self, name, np.zeros(16, dtype))
+
+    def reserve(self, extra: int) -> slice:
+        need = self.n + extra
+        cap = len(getattr(self, next(iter(self._dtypes))))
+        if need > cap:
+            new_cap = max(need, cap * 2)
+            for name, dtype in self._dtypes.items():
+                old = getattr(self, name)
+                new = np.zeros(new_cap, dtype)
+                new[: self.n] = old[: self.n]
+                setattr(self, name, new)
+        s = slice(self.n, need)
+        self.n = need
+        return s
+
+
+@dataclass(slots=True)
+class _Pool:
+    index: int
+    model: int
+    region: int
+    nodes: list[int] = field(default_factory=list)  # node rows, kept sorted by node id
+    capacity: PoolCapacity = field(default_factory=PoolCapacity)
+    incumbents: np.ndarray | None = None  # alloc rows RUNNING at tick start, weakest first
+    incumbent_eff: np.ndarray | None = None
+    evict_failed_size: int = MAX_GPUS_PER_NODE + 1
+    busy: int = 0  # GPUs running, noticed or reserved on its nodes
+    free: int = 0  # sum of free GPUs of its live nodes
+    live: list[int] | None = None  # live node rows (None: recompute)
+
+
+@dataclass(slots=True)
+class _TickOut:
+    """What a tick (or an external change) decided so far, as plain lists."""
+
+    p_alloc: list[int] = field(default_factory=list)
+    p_bid: list[int] = field(default_factory=list)
+    p_node: list[int] = field(default_factory=list)
+    p_gpus: list[int] = field(default_factory=list)
+    p_kind: list[int] = field(default_factory=list)
+    p_expires: list[float] = field(default_factory=list)
+    notices: list[Notice] = field(default_factory=list)
+    endings: list[Ending] = field(default_factory=list)
+    promotions: list[int] = field(default_factory=list)
+    final_charges: list[tuple[int, int, int, int, float, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    """What an external change (cancel, ack, job end) ended and charged."""
+
+    endings: tuple[Ending, ...]
+    charges: Charges
+
+
+class Market:
+    """The market's order book and allocations, cleared by :meth:`tick`.
+
+    >>> m = Market()
+    >>> m.upsert_node(Node(1, "A100-80G", "eu-west", 8, reserve_price=0.9))
+    >>> m.add_bid(Bid(1, "a100 80g", 4, 1.2, region="eu-west"))
+    >>> d = m.tick(now=100.0)
+    >>> [(p.bid_id, p.node_id, p.status.value) for p in d.placements]
+    [(1, 1, 'running')]
+    >>> d.quote("A100-80G", "eu-west").clearing_price
+    0.9
+    """
+
+    def __init__(self, config: MarketConfig | None = None, *, next_allocation_id: int = 1) -> None:
+        self.config = config or MarketConfig()
+        self._policy = get_packing_policy(self.config.packing)
+        self._next_alloc_id = next_allocation_id
+        self._now = -math.inf
+        self._tick = 0
+        self._out = _TickOut()
+        # interning
+        self._models: list[str] = []
+        self._model_index: dict[str, int] = {}
+        self._regions: list[str] = []
+        self._region_index: dict[str, int] = {}
+        self._windows: list[Interval] = []
+        self._window_index: dict[Interval, int] = {}
+        self._pools: list[_Pool] = []
+        self._pool_index: dict[tuple[int, int], int] = {}
+        self._model_pools: dict[int, list[int]] = {}  # sorted by region name
+        self._books: list[Book] = []
+        self._book_index: dict[tuple[int, int, int, int], int] = {}
+        self._model_books: dict[int, list[int]] = {}
+        # nodes (python lists: scalar access in the hot loop)
+        self._node_row: dict[int, int] = {}
+        self.n_id: list[int] = []
+        self.n_pool: list[int] = []
+        self.n_cap: list[int] = []
+        self.n_reserve: list[float] = []
+        self.n_state: list[NodeState] = []
+        self.n_running: list[int] = []
+        self.n_noticed: list[int] = []
+        self.n_reserved: list[int] = []
+        self.n_free: list[int] = []
+        self.n_allocs: list[set[int]] = []
+        self._n_reserve_np: np.ndarray | None = None
+        self._suspect_nodes: set[int] = set()
+        # bids
+        self.b = _Columns(id=np.int64, model=np.int32, region=np.int32, gpus=np.int32,
+                          price=np.float64, created=np.float64, window=np.int32,
+                          deadline=np.float64, tenant=np.int64, status=np.int8,
+                          epoch=np.int64, book=np.int32)
+        self._bid_row: dict[int, int] = {}
+        self._bid_allocs: dict[int, list[int]] = {}
+        # allocations
+        self.a = _Columns(id=np.int64, bid=np.int64, node=np.int64, pool=np.int32,
+                          gpus=np.int32, status=np.int8, price=np.float64,
+                          charged=np.float64, started=np.float64, deadline=np.float64,
+                          reason=np.int8, tick=np.int64)
+        self._alloc_row: dict[int, int] = {}
+        self._deadlines: list[tuple[float, int, int]] = []
+        self._reserved: set[int] = set()
+        self._window_allocs: dict[int, set[int]] = {}
+        self._noticed_outbid: set[int] = set()
+
+    # ------------------------------------------------------------------ building
+
+    @classmethod
+    def from_state(cls, state: MarketState) -> Market:
+        """A market holding exactly ``state`` (as if it had been built by ticks)."""
+        market = cls(state.config, next_allocation_id=state.next_allocation_id)
+        for node in sorted(state.nodes, key=lambda n: n.id):
+            market.upsert_node(node)
+        for bid in sorted(state.bids, key=lambda b: b.id):
+            market.add_bid(bid)
+        for alloc in sorted(state.allocations, key=lambda a: a.id):
+            market._load_allocation(alloc)
+        market._compact_books(force=True)
+        return market
+
+    def _intern_model(self, name: str) -> int:
+        i = self._model_index.get(name)
+        if i is None:
+            i = self._model_index[name] = len(self._models)
+            self._models.append(name)
+            self._model_pools[i] = []
+            self._model_books[i] = []
+        return i
+
+    def _intern_region(self, name: str) -> int:
+        i = self._region_index.get(name)
+        if i is None:
+            i = self._region_index[name] = len(self._regions)
+            self._regions.append(name)
+        return i
+
+    def _pool_for(self, model: int, region: int) -> _Pool:
+        i = self._pool_index.get((model, region))
+        if i is None:
+            i = self._pool_index[(model, region)] = len(self._pools)
+            self._pools.append(_Pool(i, model, region))
+            pools = self._model_pools[model]
+            pools.append(i)
+            pools.sort(key=lambda p: self._regions[self._pools[p].region])
+        return self._pools[i]
+
+    def _known_region(self, region: str) -> bool:
+        if self.config.regions is not None:
+            return region in self.config.regions
+        return region in self._region_index
+
+    # ------------------------------------------------------------------ nodes
+
+    def upsert_node(self, node: Node) -> None:
+        """Register a node, or change its state or reserve price (model, region, size are fixed)."""
+        row = self._node_row.get(node.id)
+        if row is None:
+            if len(self.n_id) >= MAX_NODES:
+                raise ValueError(f"a market holds at most {MAX_NODES} nodes")
+            model = self._intern_model(node.gpu_model)
+            region = self._intern_region(node.region)
+            pool = self._pool_for(model, region)
+            row = self._node_row[node.id] = len(self.n_id)
+            self.n_id.append(node.id)
+            self.n_pool.append(pool.index)
+            self.n_cap.append(node.gpu_count)
+            self.n_reserve.append(node.reserve_price)
+            self.n_state.append(node.state)
+            self.n_running.append(0)
+            self.n_noticed.append(0)
+            self.n_reserved.append(0)
+            self.n_free.append(-1)
+            self.n_allocs.append(set())
+            self._n_reserve_np = None
+            pool.nodes.append(row)
+            pool.live = None
+            if len(pool.nodes) > 1 and self.n_id[pool.nodes[-2]] > node.id:
+                pool.nodes.sort(key=self.n_id.__getitem__)
+            self._refresh_free(row)
+            return
+        pool = self._pools[self.n_pool[row]]
+        if (
+            self._models[pool.model] != node.gpu_model
+            or self._regions[pool.region] != node.region
+            or self.n_cap[row] != node.gpu_count
+        ):
+            raise ValueError(
+                f"node {node.id}: gpu_model, region and gpu_count cannot change "
+                "(register the host as a new node)"
+            )
+        if self.n_state[row] is NodeState.LOST and node.state is not NodeState.LOST:
+            pass  # a lost node that comes back starts empty: its allocations already ended
+        self.n_state[row] = node.state
+        self.n_reserve[row] = node.reserve_price
+        self._n_reserve_np = None
+        pool.live = None
+        self._suspect_nodes.add(row)
+        self._refresh_free(row, force=True)
+
+    def _refresh_free(self, row: int, force: bool = False) -> None:
+        if self.n_state[row].offers_capacity():
+            free = self.n_cap[row] - self.n_running[row] - max(self.n_noticed[row],
+                                                               self.n_reserved[row])
+        else:
+            free = -1
+        old = self.n_free[row]
+        if free != old or force:
+            self.n_free[row] = free
+            self._pools[self.n_pool[row]].free += max(free, 0) - max(old, 0)
+            if free > 0:
+                self._pools[self.n_pool[row]].capacity.push(
+                    (self.n_id[row] << ROW_BITS) | row, self.n_reserve[row], free
+                )
+
+    # ------------------------------------------------------------------ bids
+
+    def _book_for(self, model: int, region: int, size: int, window: int) -> Book:
+        key = (model, region, size, window)
+        i = self._book_index.get(key)
+        if i is None:
+            i = self._book_index[key] = len(self._books)
+            self._books.append(Book(i, model, region, size, window))
+            self._model_books[model].append(i)
+        return self._books[i]
+
+    def add_bid(self, bid: Bid) -> None:
+        """Add an open bid to the book (it waits until a tick places it)."""
+        if bid.id in self._bid_row:
+            raise ValueError(f"bid.id {bid.id} is already in the book")
+        if bid.region != ANY_REGION and not self._known_region(bid.region):
+            raise ValueError(
+                f"region {bid.region!r} is not a known region; known regions: "
+                f"{', '.join(sorted(self.config.regions or self._regions)) or 'none'}"
+            )
+        model = self._intern_model(bid.gpu_model)
+        region = -1 if bid.region == ANY_REGION else self._intern_region(bid.region)
+        window = -1
+        if bid.window is not None:
+            window = self._window_index.get(bid.window, -1)
+            if window < 0:
+                window = self._window_index[bid.window] = len(self._windows)
+                self._windows.append(bid.window)
+        book = self._book_for(model, region, bid.gpu_count, window)
+        s = self.b.reserve(1)
+        row = s.start
+        b = self.b
+        b.id[row], b.model[row], b.region[row], b.gpus[row] = bid.id, model, region, bid.gpu_count
+        b.price[row], b.created[row], b.window[row] = bid.max_price, bid.created_at, window
+        b.deadline[row] = math.nan if bid.deadline is None else bid.deadline
+        b.tenant[row], b.status[row], b.epoch[row], b.book[row] = bid.tenant_id, WAITING, 0, book.index
+        self._bid_row[bid.id] = row
+        book.insert((-bid.max_price, bid.created_at, bid.id), row, 0)
+
+    def add_bid_arrays(self, *, gpu_model: str, region: str, ids: np.ndarray,
+                       gpu_counts: np.ndarray, max_prices: np.ndarray, created_at: np.ndarray,
+                       tenant_ids: np.ndarray | None = None) -> None:
+        """Bulk-load bids of one model and region (no window), validated as a whole.
+
+        The fast path for loading a large book; each array holds one value per bid.
+        """
+        gpu_model = DEFAULT_CATALOG.normalize(gpu_model)
+        region = check_region("region", region, allow_any=True)
+        if region != ANY_REGION and not self._known_region(region):
+            raise ValueError(f"region {region!r} is not a known region")
+        ids = np.asarray(ids, np.int64)
+        n = len(ids)
+        gpus = np.asarray(gpu_counts, np.int64)
+        prices = np.asarray(max_prices, np.float64)
+        created = np.asarray(created_at, np.float64)
+        tenants = np.zeros(n, np.int64) if tenant_ids is None else np.asarray(tenant_ids, np.int64)
+        for name, arr in (("gpu_counts", gpus), ("max_prices", prices), ("created_at", created),
+                          ("tenant_ids", tenants)):
+            if len(arr) != n:
+                raise ValueError(f"{name} has {len(arr)} values, ids has {n}")
+        if n and (ids.min() < 0):
+            raise ValueError("bid ids must be non-negative")
+        bad = ~(np.isfinite(prices) & (prices > 0))
+        if bad.any():
+            raise ValueError(f"max_price must be a positive finite price, got {prices[bad][0]!r}")
+        bad = (gpus < 1) | (gpus > MAX_GPUS_PER_NODE)
+        if bad.any():
+            raise ValueError(
+                f"gpu_count must be between 1 and {MAX_GPUS_PER_NODE}, got {gpus[bad][0]!r}"
+            )
+        if not np.isfinite(created).all():
+            raise ValueError("created_at must be finite")
+        if len(np.unique(ids)) != n or any(i in self._bid_row for i in ids[:1].tolist()) or (
+            self._bid_row and not self._bid_row.keys().isdisjoint(ids.tolist())
+        ):
+            raise ValueError("bid ids must be unique and not already in the book")
+        model = self._intern_model(gpu_model)
+        reg = -1 if region == ANY_REGION else self._intern_region(region)
+        s = self.b.reserve(n)
+        b = self.b
+        b.id[s], b.model[s], b.region[s], b.gpus[s] = ids, model, reg, gpus
+        b.price[s], b.created[s], b.window[s], b.deadline[s] = prices, created, -1, math.nan
+        b.tenant[s], b.status[s], b.epoch[s] = tenants, WAITING, 0
+        rows = np.arange(s.start, s.stop, dtype=np.int64)
+        self._bid_row.update(zip(ids.tolist(), range(s.start, s.stop)))
+        for size in np.unique(gpus).tolist():
+            book = self._book_for(model, reg, int(size), -1)
+            sel = rows[gpus == size]
+            b.book[sel] = book.index
+            merged = np.concatenate([book.live_rows(b.status, b.epoch, WAITING), sel])
+            order = priority_order(b.price[merged], b.created[merged], b.id[merged])
+            book.reset(merged[order], b.epoch[merged[order]])
+
+    def _bid_row_of(self, bid_id: int) -> int:
+        row = self._bid_row.get(bid_id)
+        if row is None or self.b.status[row] == GONE:
+            raise KeyError(f"bid {bid_id} is not open in the market")
+        return row
+
+    def reprice_bid(self, bid_id: int, max_price: float) -> None:
+        """Change a bid's maximum price; it keeps its age (and its GPUs, if it runs)."""
+        price = check_price("max_price", max_price)
+        row = self._bid_row_of(bid_id)
+        b = self.b
+        b.price[row] = price
+        if b.status[row] == WAITING:
+            b.epoch[row] += 1
+            book = self._books[b.book[row]]
+            book.count -= 1
+            book.insert((-price, float(b.created[row]), int(b.id[row])), row, int(b.epoch[row]))
+        else:
+            for arow in self._bid_allocs.get(row, ()):
+                self._pools[self.a.pool[arow]].incumbents = None
+
+    def cancel_bid(self, bid_id: int, at: float) -> Settlement:
+        """Close a bid: it leaves the book; its allocations end FINISHED (reservations RELEASED)."""
+        at = check_time("at", at)
+        row = self._bid_row_of(bid_id)
+        out, self._out = self._out, _TickOut()
+        try:
+            for arow in sorted(self._bid_allocs.get(row, ()), key=lambda r: self.a.id[r]):
+                status = RELEASED if self.a.status[arow] == RESERVED else FINISHED
+                self._end(arow, status, "bid cancelled", max(at, float(self.a.charged[arow])))
+            self._close_bid(row)
+            return self._settlement()
+        finally:
+            self._out = out
+
+    def end_allocation(self, allocation_id: int, status: AllocationStatus | str,
+                       at: float) -> Settlement:
+        """End an allocation from outside the tick.
+
+        ``PREEMPTED``: a noticed job acked its final save (its bid waits again, or starts on its
+        migration reservation). ``FINISHED``: the job completed; its bid closes.
+        ``RELEASED``: a reservation given up.
+        """
+        at = check_time("at", at)
+        status = AllocationStatus(status)
+        if not status.is_terminal():
+            raise ValueError(f"status must be a terminal status, got {status.value!r}")
+        arow = self._alloc_row.get(allocation_id)
+        if arow is None or _STATUSES[self.a.status[arow]].is_terminal():
+            raise KeyError(f"allocation {allocation_id} is not active")
+        current = self.a.status[arow]
+        if (status is AllocationStatus.RELEASED) != (current == RESERVED):
+            raise ValueError(
+                f"allocation {allocation_id} is {_STATUSES[current].value}: "
+                f"it cannot end as {status.value}"
+            )
+        out, self._out = self._out, _TickOut()
+        try:
+            self._end(arow, _STATUSES.index(status), f"ended: {status.value}",
+                      max(at, float(self.a.charged[arow])))
+            if status is AllocationStatus.FINISHED:
+                bid_row = int(self.a.bid[arow])
+                for other in sorted(self._bid_allocs.get(bid_row, ()), key=lambda r: self.a.id[r]):
+                    self._end(other, RELEASED if self.a.status[other] == RESERVED else FINISHED,
+                              "bid finished", max(at, float(self.a.charged[other])))
+                self._close_bid(bid_row)
+            return self._settlement()
+        finally:
+            self._out = out
+
+    def _settlement(self) -> Settlement:
+        return Settlement(tuple(self._out.endings), self._final_charges())
+
+    def _close_bid(self, row: int) -> None:
+        b = self.b
+        if b.status[row] == WAITING:
+            self._books[b.book[row]].count -= 1
+        b.status[row] = GONE
+        del self._bid_row[int(b.id[row])]
+        self._bid_allocs.pop(row, None)
+
+    def _to_waiting(self, row: int) -> None:
+        b = self.b
+        b.status[row] = WAITING
+        b.epoch[row] += 1
+        self._books[b.book[row]].insert(
+            (-float(b.price[row]), float(b.created[row]), int(b.id[row])), row, int(b.epoch[row])
+        )
+
+    # ------------------------------------------------------------------ allocations
+
+    def _load_allocation(self, alloc: Allocation) -> None:
+        brow = self._bid_row_of(alloc.bid_id)
+        nrow = self._node_row[alloc.node_id]
+        status = _STATUSES.index(alloc.status)
+        self._new_alloc(alloc.id, brow, nrow, alloc.gpu_count, status, alloc.started_at,
+                        alloc.deadline, alloc.notice_reason)
+        arow = self._alloc_row[alloc.id]
+        self.a.price[arow] = alloc.price
+        self.a.charged[arow] = alloc.charged_until
+        self.a.tick[arow] = -1
+        self._suspect_nodes.add(nrow)
+
+    def _new_alloc(self, alloc_id: int, brow: int, nrow: int, gpus: int, status: int,
+                   now: float, deadline: float | None, reason: NoticeReason | None) -> int:
+        s = self.a.reserve(1)
+        arow = s.start
+        a = self.a
+        a.id[arow], a.bid[arow], a.node[arow] = alloc_id, brow, nrow
+        a.pool[arow], a.gpus[arow], a.status[arow] = self.n_pool[nrow], gpus, status
+        a.price[arow], a.charged[arow], a.started[arow] = 0.0, now, now
+        a.deadline[arow] = math.nan if deadline is None else deadline
+        a.reason[arow] = -1 if reason is None else _REASONS.index(reason)
+        a.tick[arow] = self._tick
+        self._alloc_row[alloc_id] = arow
+        self._pools[self.n_pool[nrow]].busy += gpus
+        self._bid_allocs.setdefault(brow, []).append(arow)
+        self.n_allocs[nrow].add(arow)
+        b = self.b
+        if b.status[brow] == WAITING:
+            self._books[b.book[brow]].count -= 1
+        b.status[brow] = ACTIVE
+        if status == RUNNING:
+            self.n_running[nrow] += gpus
+            self._track_window(arow, True)
+        elif status == NOTICED:
+            self.n_noticed[nrow] += gpus
+            heappush(self._deadlines, (deadline, alloc_id, arow))
+            if reason is NoticeReason.OUTBID:
+                self._noticed_outbid.add(arow)
+        else:
+            self.n_reserved[nrow] += gpus
+            self._reserved.add(arow)
+            heappush(self._deadlines, (deadline, alloc_id, arow))
+        self._refresh_free(nrow)
+        return arow
+
+    def _track_window(self, arow: int, running: bool) -> None:
+        window = int(self.b.window[self.a.bid[arow]])
+        if window >= 0:
+            allocs = self._window_allocs.setdefault(window, set())
+            if running:
+                allocs.add(arow)
+            else:
+                allocs.discard(arow)
+
+    def _place(self, brow: int, nrow: int, kind: PlacementKind, now: float,
+               expires: float | None = None) -> int:
+        alloc_id = self._next_alloc_id
+        self._next_alloc_id += 1
+        gpus = int(self.b.gpus[brow])
+        status = RUNNING if kind is PlacementKind.NEW else RESERVED
+        arow = self._new_alloc(alloc_id, brow, nrow, gpus, status, now, expires, None)
+        out = self._out
+        out.p_alloc.append(alloc_id)
+        out.p_bid.append(int(self.b.id[brow]))
+        out.p_node.append(self.n_id[nrow])
+        out.p_gpus.append(gpus)
+        out.p_kind.append(_KIND[kind])
+        out.p_expires.append(math.nan if expires is None else expires)
+        return arow
+
+    def _notice(self, arow: int, reason: NoticeReason, deadline: float, now: float) -> None:
+        a = self.a
+        nrow, gpus = int(a.node[arow]), int(a.gpus[arow])
+        a.status[arow] = NOTICED
+        a.deadline[arow] = deadline
+        a.reason[arow] = _REASONS.index(reason)
+        self.n_running[nrow] -= gpus
+        self.n_noticed[nrow] += gpus
+        self._track_window(arow, False)
+        alloc_id = int(a.id[arow])
+        heappush(self._deadlines, (deadline, alloc_id, arow))
+        if reason is NoticeReason.OUTBID:
+            self._noticed_outbid.add(arow)
+        brow = int(a.bid[arow])
+        self._out.notices.append(
+            Notice(alloc_id, int(self.b.id[brow]), self.n_id[nrow], reason, deadline)
+        )
+        self._refresh_free(nrow)
+        if reason in (NoticeReason.RECLAIMED, NoticeReason.OUTBID, NoticeReason.RESERVE_RAISED):
+            self._migrate(brow, deadline, now)
+
+    def _migrate(self, brow: int, deadline: float, now: float) -> None:
+        """Reserve free GPUs of the bid's pool at once for a noticed bid (DESIGN §3)."""
+        if any(self.a.status[r] == RESERVED for r in self._bid_allocs.get(brow, ())):
+            return
+        nrow = self._free_fit(brow)
+        if nrow is not None:
+            self._place(brow, nrow, PlacementKind.MIGRATION, now,
+                        deadline + self.config.reservation_grace_seconds)
+
+    def _end(self, arow: int, status: int, reason: str, at: float) -> None:
+        a = self.a
+        old = int(a.status[arow])
+        nrow, gpus, brow = int(a.node[arow]), int(a.gpus[arow]), int(a.bid[arow])
+        if old in (RUNNING, NOTICED):
+            self._final_charge(arow, at)
+        if old == RUNNING:
+            self.n_running[nrow] -= gpus
+            self._track_window(arow, False)
+        elif old == NOTICED:
+            self.n_noticed[nrow] -= gpus
+            self._noticed_outbid.discard(arow)
+        else:
+            self.n_reserved[nrow] -= gpus
+            self._reserved.discard(arow)
+        a.status[arow] = status
+        self._pools[self.n_pool[nrow]].busy -= gpus
+        self.n_allocs[nrow].discard(arow)
+        if old == RUNNING:
+            self._pools[int(a.pool[arow])].incumbents = None
+        allocs = self._bid_allocs.get(brow)
+        if allocs is not None:
+            allocs.remove(arow)
+            if not allocs:
+                del self._bid_allocs[brow]
+                if self.b.status[brow] == ACTIVE:
+                    self._to_waiting(brow)
+        self._out.endings.append(
+            Ending(int(a.id[arow]), int(self.b.id[brow]), self.n_id[nrow], _STATUSES[status],
+                   reason, at)
+        )
+        self._refresh_free(nrow)
+
+    def _final_charge(self, arow: int, at: float) -> None:
+        a = self.a
+        seconds = at - float(a.charged[arow])
+        if seconds > 0:
+            brow = int(a.bid[arow])
+            price, gpus = float(a.price[arow]), int(a.gpus[arow])
+            self._out.final_charges.append(
+                (int(a.id[arow]), int(self.b.id[brow]), int(self.b.tenant[brow]), gpus, price,
+                 seconds)
+            )
+        a.charged[arow] = max(at, float(a.charged[arow]))
+
+    def _final_charges(self) -> Charges:
+        rows = self._out.final_charges
+        if not rows:
+            return Charges.empty()
+        ids, bids, tenants, gpus, price, seconds = (np.asarray(c) for c in zip(*rows))
+        price = price.astype(np.float64)
+        seconds = seconds.astype(np.float64)
+        amount = price * gpus * seconds / _SECONDS_PER_HOUR
+        return Charges(ids.astype(np.int64), bids.astype(np.int64), tenants.astype(np.int64),
+                       gpus.astype(np.int64), price, seconds, amount)
+
+    # ------------------------------------------------------------------ the tick
+
+    def tick(self, now: float) -> Decision:
+        """Clear every pool at time ``now`` and return what changed (DESIGN §3)."""
+        now = check_time("now", now)
+        if now < self._now:
+            raise ValueError(f"now must not go backwards: {now!r} < {self._now!r}")
+        self._now = now
+        self._tick += 1
+        self._out = _TickOut()
+        self._compact_books()
+        for pool in self._pools:
+            pool.incumbents = None
+        self._node_conditions(now)
+        self._deadlines_due(now)
+        self._windows_closing(now)
+        self._promote(now)
+        for model in sorted(range(len(self._models)), key=self._models.__getitem__):
+            self._clear_model(model, now)
+        quotes, clearing = self._quotes(now)
+        charges = Charges.concat([self._final_charges(), self._charge_running(now, clearing)])
+        out = self._out
+        placements = Placements(
+            np.asarray(out.p_alloc, np.int64), np.asarray(out.p_bid, np.int64),
+            np.asarray(out.p_node, np.int64), np.asarray(out.p_gpus, np.int64),
+            np.asarray(out.p_kind, np.int8), np.asarray(out.p_expires, np.float64),
+        )
+        self._out = _TickOut()
+        return Decision(now, placements, tuple(out.notices), tuple(out.endings),
+                        tuple(out.promotions), charges, quotes)
+
+    def _compact_books(self, force: bool = False) -> None:
+        b = self.b
+        for book in self._books:
+            if force or book.needs_compaction():
+                rows = book.live_rows(b.status, b.epoch, WAITING)
+                order = priority_order(b.price[rows], b.created[rows], b.id[rows])
+                book.reset(rows[order], b.epoch[rows[order]])
+        for pool in self._pools:
+            if pool.capacity.entries > 4 * len(pool.nodes) + 64:
+                live = [r for r in pool.nodes if self.n_free[r] > 0]
+                pool.capacity.rebuild([(self.n_id[r] << ROW_BITS) | r for r in live],
+                                      [self.n_reserve[r] for r in live],
+                                      [self.n_free[r] for r in live])
+
+    def _node_conditions(self, now: float) -> None:
+        """Notices or endings for allocations on reclaimed, lost or re-priced nodes."""
+        suspects = sorted(self._suspect_nodes, key=self.n_id.__getitem__)
+        self._suspect_nodes = set()
+        a = self.a
+        deadline = now + self.config.notice_seconds
+        for nrow in suspects:
+            state = self.n_state[nrow]
+            for arow in sorted(self.n_allocs[nrow], key=lambda r: a.id[r]):
+                status = a.status[arow]
+                if state is NodeState.LOST:
+                    self._end(arow, RELEASED if status == RESERVED else PREEMPTED,
+                              "node lost", now)
+                elif state is NodeState.RECLAIMED:
+                    if status == RESERVED:
+                        self._end(arow, RELEASED, "node reclaimed", now)
+                    elif status == RUNNING:
+                        self._notice(arow, NoticeReason.RECLAIMED, deadline, now)
+                elif status == RUNNING and self.b.price[a.bid[arow]] < self.n_reserve[nrow]:
+                    self._notice(arow, NoticeReason.RESERVE_RAISED, deadline, now)
+
+    def _deadlines_due(self, now: float) -> None:
+        a = self.a
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            deadline, _, arow = heappop(heap)
+            status = a.status[arow]
+            if status in (NOTICED, RESERVED) and a.deadline[arow] == deadline:
+                if status == NOTICED:
+                    self._end(arow, PREEMPTED, "notice deadline passed", deadline)
+                else:
+                    self._end(arow, RELEASED, "reservation expired", deadline)
+
+    def _windows_closing(self, now: float) -> None:
+        a = self.a
+        for window in sorted(self._window_allocs, key=self._windows.__getitem__):
+            interval = self._windows[window]
+            if interval.end - now > self.config.notice_seconds and interval.start <= now:
+                continue
+            deadline = max(interval.end, now) if interval.start <= now else now
+            for arow in sorted(self._window_allocs[window], key=lambda r: a.id[r]):
+                self._notice(arow, NoticeReason.WINDOW_CLOSING, deadline, now)
+
+    def _window_open(self, window: int, now: float) -> bool:
+        """Whether a bid with this window may start now (not within a notice of its close)."""
+        if window < 0:
+            return True
+        interval = self._windows[window]
+        return interval.start <= now and interval.end - now > self.config.notice_seconds
+
+    def _promote(self, now: float) -> None:
+        a = self.a
+        for arow in sorted(self._reserved, key=lambda r: a.id[r]):
+            brow, nrow, gpus = int(a.bid[arow]), int(a.node[arow]), int(a.gpus[arow])
+            if any(a.status[r] in (RUNNING, NOTICED) for r in self._bid_allocs[brow]):
+                continue
+            if self.n_running[nrow] + self.n_noticed[nrow] + gpus > self.n_cap[nrow]:
+                continue
+            if self.n_state[nrow] not in (NodeState.LIVE, NodeState.DRAINING):
+                continue
+            self._reserved.discard(arow)
+            self.n_reserved[nrow] -= gpus
+            self.n_running[nrow] += gpus
+            a.status[arow] = RUNNING
+            a.charged[arow] = a.started[arow] = now
+            a.deadline[arow] = math.nan
+            a.tick[arow] = self._tick
+            self._track_window(arow, True)
+            self._out.promotions.append(int(a.id[arow]))
+            self._refresh_free(nrow)
+
+    # ------------------------------------------------------------------ clearing
+
+    def _free_fit(self, brow: int) -> int | None:
+        """The node row a bid would take among free GPUs now, or None."""
+        b = self.b
+        size, price, model, region = int(b.gpus[brow]), float(b.price[brow]), int(b.model[brow]), \
+            int(b.region[brow])
+        if region >= 0:
+            p = self._pool_index.get((model, region))
+            if p is None:
+                return None
+            found = self._fit(self._pools[p].capacity, size, price)
+            return None if found is None else found[-1] & ROW_MASK
+        best = None
+        for p in self._model_pools[model]:
+            found = self._fit(self._pools[p].capacity, size, price)
+            if found is not None and (best is None or found < best):
+                best = found
+        return None if best is None else best[-1] & ROW_MASK
+
+    def _fit(self, capacity: PoolCapacity, size: int, price: float):
+        if self._policy.name == "best-fit":
+            return capacity.best_fit(size, price, self.n_free, self.n_reserve)
+        return capacity.first_fit(size, price, self.n_free, self.n_reserve)
+
+    def _clear_model(self, model: int, now: float) -> None:
+        b = self.b
+        open_books = [
+            self._books[i] for i in self._model_books[model]
+            if self._books[i].count > 0 and self._window_open(self._books[i].window, now)
+        ]
+        if not open_books:
+            return
+        for p in self._model_pools[model]:
+            pool = self._pools[p]
+            pool.evict_failed_size = MAX_GPUS_PER_NODE + 1
+        if self._policy.perfect_packing:
+            for p in self._model_pools[model]:
+                self._bulk_admit(self._pools[p], open_books, now)
+        heap: list[tuple[tuple[float, float, int], int]] = []
+        peek_args = (b.status, b.epoch, b.price, b.created, b.id, WAITING)
+        for book in open_books:
+            head = book.peek(*peek_args)
+            if head is not None:
+                heap.append((head[0], book.index))
+        heap.sort()
+        while heap:
+            _, bi = heappop(heap)
+            book = self._books[bi]
+            head = book.peek(*peek_args)
+            if head is None:
+                continue
+            row = head[1]
+            nrow = self._free_fit(row)
+            if nrow is not None:
+                book.pop(row)
+                self._place(row, nrow, PlacementKind.NEW, now)
+            elif self._evict_for(row, now):
+                book.pop(row)
+            else:
+                continue  # this book is done for the tick: its head is its highest loser
+            nxt = book.peek(*peek_args)
+            if nxt is not None:
+                heappush(heap, (nxt[0], bi))
+
+    def _bulk_admit(self, pool: _Pool, open_books: list[Book], now: float) -> None:
+        """Place the best bids of an empty, divisible pool at once, packed perfectly.
+
+        Applies when no allocation is on the pool's live nodes, all have one reserve, and the
+        bids taken come from books whose GPU count divides every node's GPU count: then any set
+        of bids whose GPUs add up to at most the pool's GPUs packs exactly (largest first), so
+        the greedy rule reduces to a prefix of the priority order. It stops before the first bid
+        it cannot judge (an any-region bid, or a size that does not divide).
+        """
+        if pool.busy:
+            return
+        live = self._live(pool)
+        if not live:
+            return
+        reserve = self.n_reserve[live[0]]
+        if any(self.n_reserve[r] != reserve for r in live):
+            return
+        gcd = 0
+        for r in live:
+            gcd = math.gcd(gcd, self.n_cap[r])
+        b = self.b
+        mine, stop_key = [], None
+        peek_args = (b.status, b.epoch, b.price, b.created, b.id, WAITING)
+        for book in open_books:
+            if book.region == pool.region and gcd % book.size == 0:
+                mine.append(book)
+            elif book.region < 0 or book.region == pool.region:
+                head = book.peek(*peek_args)
+                if head is not None and (stop_key is None or head[0] < stop_key):
+                    stop_key = head[0]
+        if not mine:
+            return
+        rows = np.concatenate([bk.live_rows(b.status, b.epoch, WAITING) for bk in mine])
+        if len(rows) == 0:
+            return
+        price, created, ids = b.price[rows], b.created[rows], b.id[rows]
+        order = priority_order(price, created, ids)
+        rows, price = rows[order], price[order]
+        k = int(np.searchsorted(-price, -reserve, side="right"))  # price >= reserve
+        if stop_key is not None:
+            sp, sc, si = stop_key
+            ahead = (-price < sp) | ((-price == sp) & (
+                (b.created[rows] < sc) | ((b.created[rows] == sc) & (b.id[rows] < si))))
+            k = min(k, int(np.argmin(ahead)) if not ahead.all() else len(rows))
+        gpus = b.gpus[rows[:k]].astype(np.int64)
+        total = sum(self.n_cap[r] for r in live)
+        k = int(np.searchsorted(np.cumsum(gpus), total, side="right"))
+        if k == 0:
+            return
+        won, gpus = rows[:k], gpus[:k]
+        by_size = np.argsort(-gpus, kind="stable")
+        offsets = np.cumsum(gpus[by_size]) - gpus[by_size]
+        cum_cap = np.cumsum([self.n_cap[r] for r in live])
+        node_pos = np.empty(k, np.int64)
+        node_pos[by_size] = np.searchsorted(cum_cap, offsets, side="right")
+        live_arr = np.asarray(live, np.int64)
+        nrows = live_arr[node_pos]
+        # record allocations (ids in priority order)
+        alloc_ids = np.arange(self._next_alloc_id, self._next_alloc_id + k, dtype=np.int64)
+        self._next_alloc_id += k
+        s = self.a.reserve(k)
+        a = self.a
+        a.id[s], a.bid[s], a.node[s], a.pool[s] = alloc_ids, won, nrows, pool.index
+        a.gpus[s], a.status[s], a.price[s], a.charged[s] = gpus, RUNNING, 0.0, now
+        a.started[s], a.deadline[s], a.reason[s], a.tick[s] = now, math.nan, -1, self._tick
+        b.status[won] = ACTIVE
+        pool.busy += int(gpus.sum())
+        for book in mine:
+            rest = book.rows[book.head:]
+            alive = (b.status[rest] == WAITING) & (b.epoch[rest] == book.epochs[book.head:])
+            book.head += int(np.argmax(alive)) if alive.any() else len(rest)
+            book.count = int(np.count_nonzero(alive)) + sum(
+                1 for *_, r, e in book.delta if b.status[r] == WAITING and b.epoch[r] == e)
+        arows = range(s.start, s.stop)
+        self._alloc_row.update(zip(alloc_ids.tolist(), arows))
+        bid_allocs, n_allocs = self._bid_allocs, self.n_allocs
+        windows = b.window[won]
+        for arow, brow, nrow in zip(arows, won.tolist(), nrows.tolist()):
+            bid_allocs[brow] = [arow]
+            n_allocs[nrow].add(arow)
+        if (windows >= 0).any():
+            for arow in np.arange(s.start, s.stop)[windows >= 0].tolist():
+                self._track_window(arow, True)
+        used = np.bincount(node_pos, weights=gpus, minlength=len(live)).astype(np.int64)
+        for r, u in zip(live, used.tolist()):
+            self.n_running[r] += u
+            self.n_free[r] = self.n_cap[r] - self.n_running[r]
+        pool.free -= int(gpus.sum())
+        pool.capacity.rebuild([(self.n_id[r] << ROW_BITS) | r for r in live],
+                              [self.n_reserve[r] for r in live], [self.n_free[r] for r in live])
+        out = self._out
+        out.p_alloc.extend(alloc_ids.tolist())
+        out.p_bid.extend(b.id[won].tolist())
+        out.p_node.extend([self.n_id[r] for r in nrows.tolist()])
+        out.p_gpus.extend(gpus.tolist())
+        out.p_kind.extend([_KIND[PlacementKind.NEW]] * k)
+        out.p_expires.extend([math.nan] * k)
+
+    def _incumbents(self, pool: _Pool) -> tuple[np.ndarray, np.ndarray]:
+        """Running allocations of the pool from before this tick, weakest first."""
+        if pool.incumbents is None:
+            a = self.a
+            n = a.n
+            rows = np.flatnonzero((a.pool[:n] == pool.index) & (a.status[:n] == RUNNING))
+            eff = self.b.price[a.bid[rows]] * (1.0 + self.config.hysteresis)
+            order = np.lexsort((-a.id[rows], eff))
+            pool.incumbents, pool.incumbent_eff = rows[order], eff[order]
+        return pool.incumbents, pool.incumbent_eff
+
+    def _evict_for(self, brow: int, now: float) -> bool:
+        """Notice the weakest incumbents a challenger beats on one node, and reserve it there."""
+        b, a = self.b, self.a
+        size, price, model, region = int(b.gpus[brow]), float(b.price[brow]), int(b.model[brow]), \
+            int(b.region[brow])
+        pools = self._model_pools[model] if region < 0 else [self._pool_index.get((model, region))]
+        h = 1.0 + self.config.hysteresis
+        for p in pools:
+            if p is None:
+                continue
+            pool = self._pools[p]
+            if size >= pool.evict_failed_size:
+                continue
+            rows, eff = self._incumbents(pool)
+            limit = int(np.searchsorted(eff, price, side="left"))  # eff < price
+            seen: set[int] = set()
+            examined = 0
+            for i in range(limit):
+                arow = int(rows[i])
+                if a.status[arow] != RUNNING or a.tick[arow] == self._tick:
+                    continue
+                nrow = int(a.node[arow])
+                if nrow in seen:
+                    continue
+                seen.add(nrow)
+                examined += 1
+                if examined > self.config.eviction_scan_limit:
+                    break
+                if not self.n_state[nrow].offers_capacity() or self.n_reserve[nrow] > price:
+                    continue
+                room = self.n_cap[nrow] - self.n_running[nrow] - self.n_reserved[nrow]
+                if room + sum(int(a.gpus[r]) for r in self.n_allocs[nrow]
+                              if a.status[r] == RUNNING) < size:
+                    continue
+                victims = sorted(
+                    (r for r in self.n_allocs[nrow] if a.status[r] == RUNNING
+                     and a.tick[r] != self._tick and b.price[a.bid[r]] * h < price),
+                    key=lambda r: (float(b.price[a.bid[r]]), -int(a.id[r])),
+                )
+                chosen = []
+                for r in victims:
+                    if room >= size:
+                        break
+                    chosen.append(r)
+                    room += int(a.gpus[r])
+                if room < size:
+                    continue
+                deadline = now + self.config.notice_seconds
+                # reserve first, so a victim's migration cannot take these GPUs
+                self._place(brow, nrow, PlacementKind.TAKEOVER, now,
+                            deadline + self.config.reservation_grace_seconds)
+                for r in chosen:
+                    self._notice(r, NoticeReason.OUTBID, deadline, now)
+                return True
+            pool.evict_failed_size = min(pool.evict_failed_size, size)
+        return False
+
+    # ------------------------------------------------------------------ prices and charges
+
+    def _live(self, pool: _Pool) -> list[int]:
+        if pool.live is None:
+            pool.live = [r for r in pool.nodes if self.n_state[r].offers_capacity()]
+        return pool.live
+
+    def _quotes(self, now: float) -> tuple[tuple[PoolQuote, ...], np.ndarray]:
+        b, a = self.b, self.a
+        n_pools = len(self._pools)
+        losing = np.full(n_pools, -math.inf)
+        waiting = np.zeros(n_pools, np.int64)
+        max_cap = [max((self.n_cap[r] for r in self._live(p)), default=0) for p in self._pools]
+        peek_args = (b.status, b.epoch, b.price, b.created, b.id, WAITING)
+        for book in self._books:
+            if book.count <= 0 or not self._window_open(book.window, now):
+                continue
+            head = book.peek(*peek_args)
+            pools = self._model_pools[book.model] if book.region < 0 else \
+                [self._pool_index.get((book.model, book.region))]
+            for p in pools:
+                if p is None or max_cap[p] < book.size:
+                    continue
+                waiting[p] += book.count
+                if head is not None:
+                    losing[p] = max(losing[p], -head[0][0])
+        for arow in self._noticed_outbid:
+            if a.status[arow] != NOTICED:
+                continue
+            brow = int(a.bid[arow])
+            if any(a.status[r] == RESERVED for r in self._bid_allocs.get(brow, ())):
+                continue
+            if self._window_open(int(b.window[brow]), now):
+                p = int(a.pool[arow])
+                losing[p] = max(losing[p], float(b.price[brow]))
+        n = a.n
+        busy = np.flatnonzero((a.status[:n] == RUNNING) | (a.status[:n] == NOTICED))
+        running = np.bincount(a.pool[busy], weights=a.gpus[busy], minlength=n_pools)
+        clearing = np.full(n_pools, np.nan)
+        quotes = []
+        for pool in sorted(self._pools, key=lambda q: (self._models[q.model],
+                                                       self._regions[q.region])):
+            live = self._live(pool)
+            reserve = min((self.n_reserve[r] for r in live), default=None)
+            lose = float(losing[pool.index]) if losing[pool.index] > -math.inf else None
+            price = None
+            if reserve is not None:
+                price = max(reserve, lose) if lose is not None else reserve
+                clearing[pool.index] = price
+            quotes.append(PoolQuote(
+                gpu_model=self._models[pool.model],
+                region=self._regions[pool.region],
+                clearing_price=price,
+                reserve_price=reserve,
+                highest_losing_bid=lose,
+                gpus_total=sum(self.n_cap[r] for r in live),
+                gpus_free=pool.free,
+                gpus_running=int(running[pool.index]),
+                waiting_bids=int(waiting[pool.index]),
+            ))
+        return tuple(quotes), clearing
+
+    def _charge_running(self, now: float, clearing: np.ndarray) -> Charges:
+        a, b = self.a, self.b
+        n = a.n
+        status = a.status[:n]
+        rows = np.flatnonzero((status == RUNNING) | (status == NOTICED))
+        if len(rows) == 0:
+            return Charges.empty()
+        seconds = now - a.charged[rows]
+        gpus = a.gpus[rows].astype(np.int64)
+        price = a.price[rows]
+        bill = seconds > 0
+        brows = a.bid[rows]
+        charged = rows[bill]
+        order = np.argsort(a.id[charged], kind="stable")
+        charged = charged[order]
+        c_price, c_seconds = price[bill][order], seconds[bill][order]
+        c_gpus = gpus[bill][order]
+        charges = Charges(
+            a.id[charged].copy(), b.id[a.bid[charged]], b.tenant[a.bid[charged]], c_gpus,
+            c_price.copy(), c_seconds, c_price * c_gpus * c_seconds / _SECONDS_PER_HOUR,
+        )
+        # the price in force from now on
+        if self._n_reserve_np is None:
+            self._n_reserve_np = np.asarray(self.n_reserve, np.float64)
+        node_reserve = self._n_reserve_np[a.node[rows]]
+        pool_price = clearing[a.pool[rows]]
+        pool_price = np.where(np.isnan(pool_price), node_reserve, pool_price)
+        a.price[rows] = np.minimum(np.maximum(pool_price, node_reserve), b.price[brows])
+        a.charged[rows] = now
+        return charges
+
+    # ------------------------------------------------------------------ views
+
+    def snapshot(self) -> MarketState:
+        """The market's current contents as frozen values (``from_state`` rebuilds it)."""
+        b, a = self.b, self.a
+        nodes = tuple(
+            Node(self.n_id[r], self._models[self._pools[self.n_pool[r]].model],
+                 self._regions[self._pools[self.n_pool[r]].region], self.n_cap[r],
+                 self.n_reserve[r], self.n_state[r])
+            for r in range(len(self.n_id))
+        )
+        bids = []
+        for row in range(b.n):
+            if b.status[row] == GONE:
+                continue
+            window = int(b.window[row])
+            deadline = float(b.deadline[row])
+            bids.append(Bid(
+                id=int(b.id[row]), gpu_model=self._models[b.model[row]],
+                gpu_count=int(b.gpus[row]), max_price=float(b.price[row]),
+                region=ANY_REGION if b.region[row] < 0 else self._regions[b.region[row]],
+                created_at=float(b.created[row]),
+                window=None if window < 0 else self._windows[window],
+                deadline=None if math.isnan(deadline) else deadline,
+                tenant_id=int(b.tenant[row]),
+            ))
+        allocs = []
+        for arow in range(a.n):
+            status = _STATUSES[a.status[arow]]
+            if status.is_terminal():
+                continue
+            deadline = float(a.deadline[arow])
+            reason = int(a.reason[arow])
+            allocs.append(Allocation(
+                id=int(a.id[arow]), bid_id=int(b.id[a.bid[arow]]),
+                node_id=self.n_id[a.node[arow]], gpu_count=int(a.gpus[arow]), status=status,
+                started_at=float(a.started[arow]), charged_until=float(a.charged[arow]),
+                price=float(a.price[arow]), deadline=None if math.isnan(deadline) else deadline,
+                notice_reason=None if reason < 0 else _REASONS[reason],
+            ))
+        return MarketState(nodes, tuple(bids), tuple(allocs), self.config, self._next_alloc_id)
+
+    @property
+    def now(self) -> float:
+        return self._now
+
+    def node_load(self, node_id: int) -> tuple[int, int, int, int]:
+        """``(gpu_count, running, noticed, reserved)`` GPUs of a node."""
+        r = self._node_row[node_id]
+        return self.n_cap[r], self.n_running[r], self.n_noticed[r], self.n_reserved[r]
+
+
+def clear(state: MarketState, now: float) -> Decision:
+    """Clear ``state`` at ``now``: the pure form of :meth:`Market.tick`."""
+    return Market.from_state(state).tick(now)
+
+

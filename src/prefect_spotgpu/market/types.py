@@ -1,0 +1,351 @@
+"""The market's data: nodes, bids, allocations and their statuses — frozen values, validated.
+
+Times are UNIX seconds (floats) passed in by the caller; nothing here reads a clock. Prices are
+per GPU-hour in one currency unit. Constructors reject bad input with a ``ValueError`` that names
+the field and the value, so the service can turn it into a 4xx without guessing.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from prefect_spotgpu.market.gpus import DEFAULT_CATALOG
+
+MAX_GPUS_PER_NODE = 16
+"""The largest node the market accepts; a bid for more GPUs can never fit on one node."""
+
+_REGION = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
+ANY_REGION = "any"
+
+
+class NodeState(StrEnum):
+    """Where a node stands as a seller of GPUs."""
+
+    LIVE = "live"
+    """Heartbeating and offering its GPUs."""
+    DRAINING = "draining"
+    """Keeps the work it has, takes no new work (owner maintenance, agent upgrade)."""
+    RECLAIMED = "reclaimed"
+    """The owner takes it back: every allocation on it gets a notice, then it leaves the pool."""
+    LOST = "lost"
+    """Heartbeats stopped: its allocations end as preempted at once, with no notice."""
+
+    def offers_capacity(self) -> bool:
+        """Whether new allocations may be placed on a node in this state."""
+        return self is NodeState.LIVE
+
+
+class AllocationStatus(StrEnum):
+    """The life of an allocation: GPUs on one node held for one bid.
+
+    ``RESERVED -> RUNNING -> NOTICED -> PREEMPTED`` is the reclaim path; ``FINISHED`` ends a job
+    that completed or was cancelled, ``RELEASED`` a reservation that was never used.
+    """
+
+    RESERVED = "reserved"
+    """GPUs promised to the bid (a migration target, or GPUs a noticed allocation will free);
+    the job has not started and nothing is charged."""
+    RUNNING = "running"
+    """The job runs and pays the pool's clearing price every second."""
+    NOTICED = "noticed"
+    """Evicted with a deadline; still runs and pays until it acks its final save or the
+    deadline passes."""
+    PREEMPTED = "preempted"
+    """Terminal: ended by eviction (after the notice, or at once when the node was lost)."""
+    FINISHED = "finished"
+    """Terminal: the job completed or the bid was cancelled."""
+    RELEASED = "released"
+    """Terminal: a reservation that expired or was given up before it ran."""
+
+    def is_terminal(self) -> bool:
+        return self in _TERMINAL
+
+    def holds_gpus(self) -> bool:
+        """Whether GPUs are physically in use by this allocation now."""
+        return self in (AllocationStatus.RUNNING, AllocationStatus.NOTICED)
+
+    def is_charged(self) -> bool:
+        return self in (AllocationStatus.RUNNING, AllocationStatus.NOTICED)
+
+    @classmethod
+    def active_statuses(cls) -> frozenset[AllocationStatus]:
+        """Statuses that hold or promise GPUs on a node."""
+        return frozenset(s for s in cls if not s.is_terminal())
+
+
+_TERMINAL = frozenset(
+    {AllocationStatus.PREEMPTED, AllocationStatus.FINISHED, AllocationStatus.RELEASED}
+)
+
+
+class NoticeReason(StrEnum):
+    """Why an allocation got a notice."""
+
+    OUTBID = "outbid"
+    """A challenger bid more than the hysteresis margin above it, and fits once it leaves."""
+    RECLAIMED = "reclaimed"
+    """The owner took the node back."""
+    WINDOW_CLOSING = "window_closing"
+    """The bid's eligibility window (e.g. the cheap night window) closes by the deadline."""
+    RESERVE_RAISED = "reserve_raised"
+    """The owner raised the node's reserve above the bid's maximum price."""
+
+
+def check_price(field_name: str, value: object) -> float:
+    """A finite, positive price, or ``ValueError`` naming the field."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{field_name} must be a number, got {value!r}")
+    price = float(value)
+    if not math.isfinite(price) or price <= 0:
+        raise ValueError(f"{field_name} must be a positive finite price, got {value!r}")
+    return price
+
+
+def check_gpu_count(field_name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{field_name} must be an integer, got {value!r}")
+    if not 1 <= value <= MAX_GPUS_PER_NODE:
+        raise ValueError(
+            f"{field_name} must be between 1 and {MAX_GPUS_PER_NODE} (GPUs of one node), "
+            f"got {value!r}"
+        )
+    return value
+
+
+def check_time(field_name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{field_name} must be a finite UNIX time in seconds, got {value!r}")
+    return float(value)
+
+
+def check_region(field_name: str, value: object, *, allow_any: bool) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{field_name} must be a string, got {value!r}")
+    region = value.strip().lower()
+    if region == ANY_REGION and allow_any:
+        return ANY_REGION
+    if not _REGION.match(region) or region == ANY_REGION:
+        raise ValueError(
+            f"{field_name} must be a region name like 'eu-west' (lowercase letters, digits, '-')"
+            + (" or 'any'" if allow_any else "")
+            + f", got {value!r}"
+        )
+    return region
+
+
+def check_id(field_name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{field_name} must be a non-negative integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Interval:
+    """An eligibility window ``[start, end)`` in UNIX seconds.
+
+    The service turns recurring windows (the cheap night window) into the interval that is open
+    now or opens next, so the market itself needs no calendar.
+    """
+
+    start: float
+    end: float
+
+    def __post_init__(self) -> None:
+        check_time("window.start", self.start)
+        check_time("window.end", self.end)
+        if not self.end > self.start:
+            raise ValueError(
+                f"window.end must be after window.start, got {self.start!r}..{self.end!r}"
+            )
+
+    def is_open(self, now: float) -> bool:
+        return self.start <= now < self.end
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """A GPU host offering ``gpu_count`` GPUs of one model in one region at a reserve price."""
+
+    id: int
+    gpu_model: str
+    region: str
+    gpu_count: int
+    reserve_price: float
+    state: NodeState = NodeState.LIVE
+
+    def __post_init__(self) -> None:
+        check_id("node.id", self.id)
+        object.__setattr__(self, "gpu_model", DEFAULT_CATALOG.normalize(self.gpu_model))
+        object.__setattr__(self, "region", check_region("region", self.region, allow_any=False))
+        check_gpu_count("gpu_count", self.gpu_count)
+        object.__setattr__(self, "reserve_price", check_price("reserve_price", self.reserve_price))
+        object.__setattr__(self, "state", NodeState(self.state))
+
+    @property
+    def pool(self) -> tuple[str, str]:
+        return (self.gpu_model, self.region)
+
+
+@dataclass(frozen=True, slots=True)
+class Bid:
+    """Demand for ``gpu_count`` GPUs on one node, at most ``max_price`` per GPU-hour.
+
+    ``region`` is a region name or ``"any"``. ``created_at`` orders bids of equal price (older
+    first). ``window``, when set, limits when the bid may run; ``deadline`` is carried for the
+    deadline-aware policies and does not change clearing.
+    """
+
+    id: int
+    gpu_model: str
+    gpu_count: int
+    max_price: float
+    region: str = ANY_REGION
+    created_at: float = 0.0
+    window: Interval | None = None
+    deadline: float | None = None
+    tenant_id: int = 0
+
+    def __post_init__(self) -> None:
+        check_id("bid.id", self.id)
+        object.__setattr__(self, "gpu_model", DEFAULT_CATALOG.normalize(self.gpu_model))
+        check_gpu_count("gpu_count", self.gpu_count)
+        object.__setattr__(self, "max_price", check_price("max_price", self.max_price))
+        object.__setattr__(self, "region", check_region("region", self.region, allow_any=True))
+        check_time("created_at", self.created_at)
+        if self.window is not None and not isinstance(self.window, Interval):
+            raise ValueError(f"window must be an Interval or None, got {self.window!r}")
+        if self.deadline is not None:
+            check_time("deadline", self.deadline)
+        check_id("tenant_id", self.tenant_id)
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """GPUs of one node held (or promised) for one bid.
+
+    ``price`` is the price per GPU-hour in force since ``charged_until``: the next charge bills
+    ``price * gpu_count * (t - charged_until) / 3600``. ``deadline`` is the notice deadline of a
+    ``NOTICED`` allocation and the expiry of a ``RESERVED`` one.
+    """
+
+    id: int
+    bid_id: int
+    node_id: int
+    gpu_count: int
+    status: AllocationStatus
+    started_at: float
+    charged_until: float
+    price: float = 0.0
+    deadline: float | None = None
+    notice_reason: NoticeReason | None = None
+
+    def __post_init__(self) -> None:
+        check_id("allocation.id", self.id)
+        check_id("bid_id", self.bid_id)
+        check_id("node_id", self.node_id)
+        check_gpu_count("gpu_count", self.gpu_count)
+        object.__setattr__(self, "status", AllocationStatus(self.status))
+        check_time("started_at", self.started_at)
+        check_time("charged_until", self.charged_until)
+        if self.status.is_terminal():
+            raise ValueError(f"an allocation in the market must be active, got {self.status!r}")
+        if self.status in (AllocationStatus.NOTICED, AllocationStatus.RESERVED):
+            if self.deadline is None:
+                raise ValueError(f"a {self.status.value} allocation needs a deadline")
+            check_time("deadline", self.deadline)
+        if self.notice_reason is not None:
+            object.__setattr__(self, "notice_reason", NoticeReason(self.notice_reason))
+
+
+@dataclass(frozen=True, slots=True)
+class MarketConfig:
+    """Tunables of the clearing rule (DESIGN §3)."""
+
+    hysteresis: float = 0.05
+    """A challenger must bid more than ``(1 + hysteresis)`` times an incumbent to evict it."""
+    notice_seconds: float = 300.0
+    """Time from notice to forced stop."""
+    reservation_grace_seconds: float = 60.0
+    """How long past the related notice deadline a reservation waits before it is released."""
+    packing: str = "best-fit"
+    """Name of the packing policy (see ``prefect_spotgpu.market.policies``)."""
+    eviction_scan_limit: int = 512
+    """How many of a pool's weakest incumbents one challenger examines for an eviction."""
+    regions: frozenset[str] | None = None
+    """Regions bids may name; ``None`` accepts the regions of the registered nodes."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.hysteresis) and 0 <= self.hysteresis < 10):
+            raise ValueError(f"hysteresis must be in [0, 10), got {self.hysteresis!r}")
+        if not (math.isfinite(self.notice_seconds) and self.notice_seconds > 0):
+            raise ValueError(f"notice_seconds must be positive, got {self.notice_seconds!r}")
+        if not (
+            math.isfinite(self.reservation_grace_seconds) and self.reservation_grace_seconds >= 0
+        ):
+            raise ValueError(
+                "reservation_grace_seconds must be >= 0, "
+                f"got {self.reservation_grace_seconds!r}"
+            )
+        if self.eviction_scan_limit < 1:
+            raise ValueError(
+                f"eviction_scan_limit must be >= 1, got {self.eviction_scan_limit!r}"
+            )
+        from prefect_spotgpu.market.policies import get_packing_policy
+
+        get_packing_policy(self.packing)
+        if self.regions is not None:
+            object.__setattr__(
+                self,
+                "regions",
+                frozenset(check_region("regions", r, allow_any=False) for r in self.regions),
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class MarketState:
+    """Everything ``clear`` needs: the nodes, the open bids, the active allocations."""
+
+    nodes: tuple[Node, ...] = ()
+    bids: tuple[Bid, ...] = ()
+    allocations: tuple[Allocation, ...] = ()
+    config: MarketConfig = field(default_factory=MarketConfig)
+    next_allocation_id: int = 1
+    """The id the next new allocation gets (ids are never reused)."""
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "bids", "allocations"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        _check_unique("node", [n.id for n in self.nodes])
+        _check_unique("bid", [b.id for b in self.bids])
+        _check_unique("allocation", [a.id for a in self.allocations])
+        regions = self.config.regions or frozenset(n.region for n in self.nodes)
+        for bid in self.bids:
+            if bid.region != ANY_REGION and bid.region not in regions:
+                raise ValueError(
+                    f"region {bid.region!r} of bid {bid.id} is not a known region; "
+                    f"known regions: {', '.join(sorted(regions)) or 'none'}"
+                )
+        node_ids = {n.id for n in self.nodes}
+        bid_ids = {b.id for b in self.bids}
+        for alloc in self.allocations:
+            if alloc.node_id not in node_ids:
+                raise ValueError(f"allocation {alloc.id} names unknown node_id {alloc.node_id}")
+            if alloc.bid_id not in bid_ids:
+                raise ValueError(f"allocation {alloc.id} names unknown bid_id {alloc.bid_id}")
+        highest = max((a.id for a in self.allocations), default=0)
+        if self.next_allocation_id <= highest:
+            raise ValueError(
+                f"next_allocation_id must exceed every allocation id ({highest}), "
+                f"got {self.next_allocation_id}"
+            )
+
+
+def _check_unique(kind: str, ids: list[int]) -> None:
+    seen: set[int] = set()
+    for i in ids:
+        if i in seen:
+            raise ValueError(f"duplicate {kind} id {i}")
+        seen.add(i)
