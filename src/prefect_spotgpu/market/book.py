@@ -30,8 +30,18 @@ MAX_NODES = 1 << ROW_BITS
 class Book:
     """Waiting bids of one (model, region-or-any, size, window), best first."""
 
-    __slots__ = ("index", "model", "region", "size", "window", "rows", "epochs", "head",
-                 "delta", "count")
+    __slots__ = (
+        "count",
+        "delta",
+        "epochs",
+        "head",
+        "index",
+        "model",
+        "region",
+        "rows",
+        "size",
+        "window",
+    )
 
     def __init__(self, index: int, model: int, region: int, size: int, window: int) -> None:
         self.index = index
@@ -106,7 +116,7 @@ def priority_order(price: np.ndarray, created: np.ndarray, ids: np.ndarray) -> n
 class PoolCapacity:
     """Live nodes of one pool bucketed by free GPUs, per reserve tier."""
 
-    __slots__ = ("tiers", "reserves", "entries")
+    __slots__ = ("entries", "reserves", "tiers")
 
     def __init__(self) -> None:
         self.tiers: dict[float, list[list[int]]] = {}

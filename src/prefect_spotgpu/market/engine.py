@@ -116,10 +116,14 @@ class _Pool:
     capacity: PoolCapacity = field(default_factory=PoolCapacity)
     incumbents: np.ndarray | None = None  # alloc rows RUNNING at tick start, weakest first
     incumbent_eff: np.ndarray | None = None
+    scan_from: int = 0  # incumbents before this index are no longer running
     evict_failed_size: int = MAX_GPUS_PER_NODE + 1
     busy: int = 0  # GPUs running, noticed or reserved on its nodes
     free: int = 0  # sum of free GPUs of its live nodes
     live: list[int] | None = None  # live node rows (None: recompute)
+    max_cap: int = 0
+    total: int = 0
+    min_reserve: float | None = None
 
 
 @dataclass(slots=True)
@@ -136,6 +140,30 @@ class _TickOut:
     endings: list[Ending] = field(default_factory=list)
     promotions: list[int] = field(default_factory=list)
     final_charges: list[tuple[int, int, int, int, float, float]] = field(default_factory=list)
+    chunks: list[tuple[np.ndarray, ...]] = field(default_factory=list)
+
+    def add_chunk(self, *columns: np.ndarray) -> None:
+        """Append placements decided in bulk, after those decided one by one so far."""
+        self.flush()
+        self.chunks.append(columns)
+
+    def flush(self) -> None:
+        if self.p_alloc:
+            self.chunks.append((
+                np.asarray(self.p_alloc, np.int64), np.asarray(self.p_bid, np.int64),
+                np.asarray(self.p_node, np.int64), np.asarray(self.p_gpus, np.int64),
+                np.asarray(self.p_kind, np.int8), np.asarray(self.p_expires, np.float64),
+            ))
+            for column in (self.p_alloc, self.p_bid, self.p_node, self.p_gpus, self.p_kind,
+                           self.p_expires):
+                column.clear()
+
+    def placements(self) -> Placements:
+        self.flush()
+        if not self.chunks:
+            return Placements(*(np.zeros(0, t) for t in (np.int64, np.int64, np.int64, np.int64,
+                                                         np.int8, np.float64)))
+        return Placements(*(np.concatenate(c) for c in zip(*self.chunks)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,22 +218,24 @@ class Market:
         self.n_noticed: list[int] = []
         self.n_reserved: list[int] = []
         self.n_free: list[int] = []
-        self.n_allocs: list[set[int]] = []
+        self._csr: tuple[np.ndarray, np.ndarray] | None = None  # node -> alloc rows index
+        self._node_extra: dict[int, list[int]] = {}  # alloc rows added since the index
+        self._extra_count = 0
         self._n_reserve_np: np.ndarray | None = None
         self._suspect_nodes: set[int] = set()
         # bids
         self.b = _Columns(id=np.int64, model=np.int32, region=np.int32, gpus=np.int32,
                           price=np.float64, created=np.float64, window=np.int32,
                           deadline=np.float64, tenant=np.int64, status=np.int8,
-                          epoch=np.int64, book=np.int32)
+                          epoch=np.int64, book=np.int32, run=np.int64, res=np.int64)
         self._bid_row: dict[int, int] = {}
-        self._bid_allocs: dict[int, list[int]] = {}
         # allocations
         self.a = _Columns(id=np.int64, bid=np.int64, node=np.int64, pool=np.int32,
                           gpus=np.int32, status=np.int8, price=np.float64,
                           charged=np.float64, started=np.float64, deadline=np.float64,
                           reason=np.int8, tick=np.int64)
         self._alloc_row: dict[int, int] = {}
+        self._alloc_blocks: list[tuple[int, int, int]] = []  # (first id, end id, first row)
         self._deadlines: list[tuple[float, int, int]] = []
         self._reserved: set[int] = set()
         self._window_allocs: dict[int, set[int]] = {}
@@ -278,7 +308,6 @@ class Market:
             self.n_noticed.append(0)
             self.n_reserved.append(0)
             self.n_free.append(-1)
-            self.n_allocs.append(set())
             self._n_reserve_np = None
             pool.nodes.append(row)
             pool.live = None
@@ -356,6 +385,7 @@ class Market:
         b.price[row], b.created[row], b.window[row] = bid.max_price, bid.created_at, window
         b.deadline[row] = math.nan if bid.deadline is None else bid.deadline
         b.tenant[row], b.status[row], b.epoch[row], b.book[row] = bid.tenant_id, WAITING, 0, book.index
+        b.run[row] = b.res[row] = -1
         self._bid_row[bid.id] = row
         book.insert((-bid.max_price, bid.created_at, bid.id), row, 0)
 
@@ -403,6 +433,7 @@ class Market:
         b.id[s], b.model[s], b.region[s], b.gpus[s] = ids, model, reg, gpus
         b.price[s], b.created[s], b.window[s], b.deadline[s] = prices, created, -1, math.nan
         b.tenant[s], b.status[s], b.epoch[s] = tenants, WAITING, 0
+        b.run[s] = b.res[s] = -1
         rows = np.arange(s.start, s.stop, dtype=np.int64)
         self._bid_row.update(zip(ids.tolist(), range(s.start, s.stop)))
         for size in np.unique(gpus).tolist():
@@ -430,9 +461,8 @@ class Market:
             book = self._books[b.book[row]]
             book.count -= 1
             book.insert((-price, float(b.created[row]), int(b.id[row])), row, int(b.epoch[row]))
-        else:
-            for arow in self._bid_allocs.get(row, ()):
-                self._pools[self.a.pool[arow]].incumbents = None
+        elif b.run[row] >= 0:
+            self._pools[int(self.a.pool[b.run[row]])].incumbents = None
 
     def cancel_bid(self, bid_id: int, at: float) -> Settlement:
         """Close a bid: it leaves the book; its allocations end FINISHED (reservations RELEASED)."""
@@ -440,7 +470,7 @@ class Market:
         row = self._bid_row_of(bid_id)
         out, self._out = self._out, _TickOut()
         try:
-            for arow in sorted(self._bid_allocs.get(row, ()), key=lambda r: self.a.id[r]):
+            for arow in self._bid_alloc_rows(row):
                 status = RELEASED if self.a.status[arow] == RESERVED else FINISHED
                 self._end(arow, status, "bid cancelled", max(at, float(self.a.charged[arow])))
             self._close_bid(row)
@@ -460,7 +490,7 @@ class Market:
         status = AllocationStatus(status)
         if not status.is_terminal():
             raise ValueError(f"status must be a terminal status, got {status.value!r}")
-        arow = self._alloc_row.get(allocation_id)
+        arow = self._alloc_row_of(allocation_id)
         if arow is None or _STATUSES[self.a.status[arow]].is_terminal():
             raise KeyError(f"allocation {allocation_id} is not active")
         current = self.a.status[arow]
@@ -475,7 +505,7 @@ class Market:
                       max(at, float(self.a.charged[arow])))
             if status is AllocationStatus.FINISHED:
                 bid_row = int(self.a.bid[arow])
-                for other in sorted(self._bid_allocs.get(bid_row, ()), key=lambda r: self.a.id[r]):
+                for other in self._bid_alloc_rows(bid_row):
                     self._end(other, RELEASED if self.a.status[other] == RESERVED else FINISHED,
                               "bid finished", max(at, float(self.a.charged[other])))
                 self._close_bid(bid_row)
@@ -492,7 +522,6 @@ class Market:
             self._books[b.book[row]].count -= 1
         b.status[row] = GONE
         del self._bid_row[int(b.id[row])]
-        self._bid_allocs.pop(row, None)
 
     def _to_waiting(self, row: int) -> None:
         b = self.b
@@ -510,7 +539,7 @@ class Market:
         status = _STATUSES.index(alloc.status)
         self._new_alloc(alloc.id, brow, nrow, alloc.gpu_count, status, alloc.started_at,
                         alloc.deadline, alloc.notice_reason)
-        arow = self._alloc_row[alloc.id]
+        arow = self._alloc_row_of(alloc.id)
         self.a.price[arow] = alloc.price
         self.a.charged[arow] = alloc.charged_until
         self.a.tick[arow] = -1
@@ -529,9 +558,14 @@ class Market:
         a.tick[arow] = self._tick
         self._alloc_row[alloc_id] = arow
         self._pools[self.n_pool[nrow]].busy += gpus
-        self._bid_allocs.setdefault(brow, []).append(arow)
-        self.n_allocs[nrow].add(arow)
+        if self._csr is not None:
+            self._node_extra.setdefault(nrow, []).append(arow)
+            self._extra_count += 1
         b = self.b
+        if status == RESERVED:
+            b.res[brow] = arow
+        else:
+            b.run[brow] = arow
         if b.status[brow] == WAITING:
             self._books[b.book[brow]].count -= 1
         b.status[brow] = ACTIVE
@@ -549,6 +583,33 @@ class Market:
             heappush(self._deadlines, (deadline, alloc_id, arow))
         self._refresh_free(nrow)
         return arow
+
+    def _alloc_row_of(self, alloc_id: int) -> int | None:
+        row = self._alloc_row.get(alloc_id)
+        if row is None:
+            for first, end, first_row in self._alloc_blocks:
+                if first <= alloc_id < end:
+                    return first_row + alloc_id - first
+        return row
+
+    def _bid_alloc_rows(self, brow: int) -> list[int]:
+        """Active allocation rows of a bid, by allocation id."""
+        rows = [int(r) for r in (self.b.run[brow], self.b.res[brow]) if r >= 0]
+        return sorted(rows, key=lambda r: int(self.a.id[r]))
+
+    def _node_allocs(self, nrow: int) -> list[int]:
+        """Active allocation rows on a node, by allocation id."""
+        a = self.a
+        if self._csr is None or self._extra_count > 65536:
+            n = a.n
+            active = np.flatnonzero(a.status[:n] < PREEMPTED)
+            rows = active[np.argsort(a.node[active], kind="stable")]
+            starts = np.searchsorted(a.node[rows], np.arange(len(self.n_id) + 1))
+            self._csr, self._node_extra, self._extra_count = (rows, starts), {}, 0
+        rows, starts = self._csr
+        found = rows[starts[nrow]:starts[nrow + 1]].tolist() if nrow + 1 < len(starts) else []
+        found.extend(self._node_extra.get(nrow, ()))
+        return sorted((r for r in found if a.status[r] < PREEMPTED), key=lambda r: int(a.id[r]))
 
     def _track_window(self, arow: int, running: bool) -> None:
         window = int(self.b.window[self.a.bid[arow]])
@@ -598,7 +659,7 @@ class Market:
 
     def _migrate(self, brow: int, deadline: float, now: float) -> None:
         """Reserve free GPUs of the bid's pool at once for a noticed bid (DESIGN §3)."""
-        if any(self.a.status[r] == RESERVED for r in self._bid_allocs.get(brow, ())):
+        if self.b.res[brow] >= 0:
             return
         nrow = self._free_fit(brow)
         if nrow is not None:
@@ -622,16 +683,15 @@ class Market:
             self._reserved.discard(arow)
         a.status[arow] = status
         self._pools[self.n_pool[nrow]].busy -= gpus
-        self.n_allocs[nrow].discard(arow)
         if old == RUNNING:
             self._pools[int(a.pool[arow])].incumbents = None
-        allocs = self._bid_allocs.get(brow)
-        if allocs is not None:
-            allocs.remove(arow)
-            if not allocs:
-                del self._bid_allocs[brow]
-                if self.b.status[brow] == ACTIVE:
-                    self._to_waiting(brow)
+        b = self.b
+        if b.res[brow] == arow:
+            b.res[brow] = -1
+        if b.run[brow] == arow:
+            b.run[brow] = -1
+        if b.res[brow] < 0 and b.run[brow] < 0 and b.status[brow] == ACTIVE:
+            self._to_waiting(brow)
         self._out.endings.append(
             Ending(int(a.id[arow]), int(self.b.id[brow]), self.n_id[nrow], _STATUSES[status],
                    reason, at)
@@ -683,11 +743,7 @@ class Market:
         quotes, clearing = self._quotes(now)
         charges = Charges.concat([self._final_charges(), self._charge_running(now, clearing)])
         out = self._out
-        placements = Placements(
-            np.asarray(out.p_alloc, np.int64), np.asarray(out.p_bid, np.int64),
-            np.asarray(out.p_node, np.int64), np.asarray(out.p_gpus, np.int64),
-            np.asarray(out.p_kind, np.int8), np.asarray(out.p_expires, np.float64),
-        )
+        placements = out.placements()
         self._out = _TickOut()
         return Decision(now, placements, tuple(out.notices), tuple(out.endings),
                         tuple(out.promotions), charges, quotes)
@@ -714,7 +770,7 @@ class Market:
         deadline = now + self.config.notice_seconds
         for nrow in suspects:
             state = self.n_state[nrow]
-            for arow in sorted(self.n_allocs[nrow], key=lambda r: a.id[r]):
+            for arow in self._node_allocs(nrow):
                 status = a.status[arow]
                 if state is NodeState.LOST:
                     self._end(arow, RELEASED if status == RESERVED else PREEMPTED,
@@ -760,19 +816,20 @@ class Market:
         a = self.a
         for arow in sorted(self._reserved, key=lambda r: a.id[r]):
             brow, nrow, gpus = int(a.bid[arow]), int(a.node[arow]), int(a.gpus[arow])
-            if any(a.status[r] in (RUNNING, NOTICED) for r in self._bid_allocs[brow]):
+            if self.b.run[brow] >= 0:
                 continue
             if self.n_running[nrow] + self.n_noticed[nrow] + gpus > self.n_cap[nrow]:
                 continue
             if self.n_state[nrow] not in (NodeState.LIVE, NodeState.DRAINING):
                 continue
             self._reserved.discard(arow)
+            self.b.res[brow], self.b.run[brow] = -1, arow
             self.n_reserved[nrow] -= gpus
             self.n_running[nrow] += gpus
             a.status[arow] = RUNNING
             a.charged[arow] = a.started[arow] = now
             a.deadline[arow] = math.nan
-            a.tick[arow] = self._tick
+            a.tick[arow] = -1  # an incumbent: challengers of this tick may outbid it
             self._track_window(arow, True)
             self._out.promotions.append(int(a.id[arow]))
             self._refresh_free(nrow)
@@ -814,8 +871,7 @@ class Market:
             pool = self._pools[p]
             pool.evict_failed_size = MAX_GPUS_PER_NODE + 1
         if self._policy.perfect_packing:
-            for p in self._model_pools[model]:
-                self._bulk_admit(self._pools[p], open_books, now)
+            self._bulk_admit(model, open_books, now)
         heap: list[tuple[tuple[float, float, int], int]] = []
         peek_args = (b.status, b.epoch, b.price, b.created, b.id, WAITING)
         for book in open_books:
@@ -842,103 +898,155 @@ class Market:
             if nxt is not None:
                 heappush(heap, (nxt[0], bi))
 
-    def _bulk_admit(self, pool: _Pool, open_books: list[Book], now: float) -> None:
-        """Place the best bids of an empty, divisible pool at once, packed perfectly.
+    def _bulk_admit(self, model: int, open_books: list[Book], now: float) -> None:
+        """Place the best bids of a model's empty, divisible pools at once, packed perfectly.
 
-        Applies when no allocation is on the pool's live nodes, all have one reserve, and the
-        bids taken come from books whose GPU count divides every node's GPU count: then any set
-        of bids whose GPUs add up to at most the pool's GPUs packs exactly (largest first), so
-        the greedy rule reduces to a prefix of the priority order. It stops before the first bid
-        it cannot judge (an any-region bid, or a size that does not divide).
+        A pool qualifies when nothing is allocated on its live nodes and they share one reserve;
+        a book qualifies when its GPU count divides every node of its pool (every pool of the
+        model, for an any-region book, and then only if all the model's pools qualify). Then
+        any set of bids whose GPUs add up to at most a pool's GPUs packs exactly, largest first,
+        so the greedy rule needs only each pool's remaining GPUs: a region bid is admitted when
+        they suffice, an any-region bid goes to the pool with the fewest remaining GPUs that
+        suffice (best fit between pools; ties: region name). It stops before the first bid of a
+        book that does not qualify; the one-by-one loop takes it from there.
         """
-        if pool.busy:
-            return
-        live = self._live(pool)
-        if not live:
-            return
-        reserve = self.n_reserve[live[0]]
-        if any(self.n_reserve[r] != reserve for r in live):
-            return
-        gcd = 0
-        for r in live:
-            gcd = math.gcd(gcd, self.n_cap[r])
         b = self.b
+        fresh: dict[int, tuple[_Pool, list[int], float, int]] = {}
+        all_fresh, any_gcd = True, 0
+        for p in self._model_pools[model]:
+            pool = self._pools[p]
+            live = self._live(pool)
+            if not live:
+                continue
+            reserve = pool.min_reserve
+            if pool.busy or any(self.n_reserve[r] != reserve for r in live):
+                all_fresh = False
+                continue
+            gcd = 0
+            for r in live:
+                gcd = math.gcd(gcd, self.n_cap[r])
+            fresh[pool.region] = (pool, live, reserve, gcd)
+            any_gcd = math.gcd(any_gcd, gcd)
+        if not fresh:
+            return
         mine, stop_key = [], None
         peek_args = (b.status, b.epoch, b.price, b.created, b.id, WAITING)
         for book in open_books:
-            if book.region == pool.region and gcd % book.size == 0:
+            if book.region >= 0:
+                entry = fresh.get(book.region)
+                if entry is None:
+                    continue  # another pool's book: it cannot take these GPUs
+                qualifies = entry[3] % book.size == 0
+            else:
+                qualifies = all_fresh and any_gcd % book.size == 0
+            if qualifies:
                 mine.append(book)
-            elif book.region < 0 or book.region == pool.region:
-                head = book.peek(*peek_args)
-                if head is not None and (stop_key is None or head[0] < stop_key):
-                    stop_key = head[0]
+                continue
+            head = book.peek(*peek_args)
+            if head is not None and (stop_key is None or head[0] < stop_key):
+                stop_key = head[0]
         if not mine:
             return
         rows = np.concatenate([bk.live_rows(b.status, b.epoch, WAITING) for bk in mine])
-        if len(rows) == 0:
-            return
-        price, created, ids = b.price[rows], b.created[rows], b.id[rows]
-        order = priority_order(price, created, ids)
-        rows, price = rows[order], price[order]
-        k = int(np.searchsorted(-price, -reserve, side="right"))  # price >= reserve
+        rows = rows[priority_order(b.price[rows], b.created[rows], b.id[rows])]
         if stop_key is not None:
             sp, sc, si = stop_key
-            ahead = (-price < sp) | ((-price == sp) & (
+            neg = -b.price[rows]
+            ahead = (neg < sp) | ((neg == sp) & (
                 (b.created[rows] < sc) | ((b.created[rows] == sc) & (b.id[rows] < si))))
-            k = min(k, int(np.argmin(ahead)) if not ahead.all() else len(rows))
-        gpus = b.gpus[rows[:k]].astype(np.int64)
-        total = sum(self.n_cap[r] for r in live)
-        k = int(np.searchsorted(np.cumsum(gpus), total, side="right"))
-        if k == 0:
+            rows = rows[: int(np.argmin(ahead)) if not ahead.all() else len(rows)]
+        if len(rows) == 0:
             return
-        won, gpus = rows[:k], gpus[:k]
-        by_size = np.argsort(-gpus, kind="stable")
-        offsets = np.cumsum(gpus[by_size]) - gpus[by_size]
-        cum_cap = np.cumsum([self.n_cap[r] for r in live])
-        node_pos = np.empty(k, np.int64)
-        node_pos[by_size] = np.searchsorted(cum_cap, offsets, side="right")
-        live_arr = np.asarray(live, np.int64)
-        nrows = live_arr[node_pos]
+        # the greedy admission: each pool's remaining GPUs are all that matter
+        regions = sorted(fresh, key=self._regions.__getitem__)
+        remaining = {r: sum(self.n_cap[n] for n in fresh[r][1]) for r in regions}
+        reserve = {r: fresh[r][2] for r in regions}
+        left = sum(remaining.values())
+        smallest = min(bk.size for bk in mine)
+        won: list[int] = []
+        won_region: list[int] = []
+        for i, (region, size, price) in enumerate(zip(
+                b.region[rows].tolist(), b.gpus[rows].tolist(), b.price[rows].tolist(),
+                strict=True)):
+            if region >= 0:
+                if remaining[region] >= size and price >= reserve[region]:
+                    remaining[region] -= size
+                else:
+                    continue
+            else:
+                best = -1
+                for r in regions:
+                    room = remaining[r]
+                    if room >= size and price >= reserve[r] and (
+                            best < 0 or room < remaining[best]):
+                        best = r
+                if best < 0:
+                    continue
+                remaining[best] -= size
+                region = best
+            won.append(i)
+            won_region.append(region)
+            left -= size
+            if left < smallest:
+                break
+        if not won:
+            return
+        won_rows = rows[np.asarray(won, np.int64)]
+        won_region_arr = np.asarray(won_region, np.int64)
+        k = len(won_rows)
+        gpus = b.gpus[won_rows].astype(np.int64)
+        nrows = np.empty(k, np.int64)
+        pool_of = np.empty(k, np.int64)
+        for region in regions:
+            pool, live, _, _ = fresh[region]
+            sel = np.flatnonzero(won_region_arr == region)
+            if len(sel) == 0:
+                continue
+            g = gpus[sel]
+            by_size = np.argsort(-g, kind="stable")
+            offsets = np.cumsum(g[by_size]) - g[by_size]
+            cum_cap = np.cumsum([self.n_cap[r] for r in live])
+            node_pos = np.empty(len(sel), np.int64)
+            node_pos[by_size] = np.searchsorted(cum_cap, offsets, side="right")
+            nrows[sel] = np.asarray(live, np.int64)[node_pos]
+            pool_of[sel] = pool.index
+            used = np.bincount(node_pos, weights=g, minlength=len(live)).astype(np.int64)
+            for r, u in zip(live, used.tolist(), strict=True):
+                if u:
+                    self.n_running[r] += u
+                    self.n_free[r] = self.n_cap[r] - self.n_running[r]
+            taken = int(g.sum())
+            pool.busy += taken
+            pool.free -= taken
+            pool.capacity.rebuild([(self.n_id[r] << ROW_BITS) | r for r in live],
+                                  [self.n_reserve[r] for r in live],
+                                  [self.n_free[r] for r in live])
         # record allocations (ids in priority order)
         alloc_ids = np.arange(self._next_alloc_id, self._next_alloc_id + k, dtype=np.int64)
         self._next_alloc_id += k
         s = self.a.reserve(k)
         a = self.a
-        a.id[s], a.bid[s], a.node[s], a.pool[s] = alloc_ids, won, nrows, pool.index
+        a.id[s], a.bid[s], a.node[s], a.pool[s] = alloc_ids, won_rows, nrows, pool_of
         a.gpus[s], a.status[s], a.price[s], a.charged[s] = gpus, RUNNING, 0.0, now
         a.started[s], a.deadline[s], a.reason[s], a.tick[s] = now, math.nan, -1, self._tick
-        b.status[won] = ACTIVE
-        pool.busy += int(gpus.sum())
+        b.status[won_rows] = ACTIVE
+        b.run[won_rows] = np.arange(s.start, s.stop)
+        self._alloc_blocks.append((int(alloc_ids[0]), int(alloc_ids[-1]) + 1, s.start))
+        self._csr = None
         for book in mine:
             rest = book.rows[book.head:]
             alive = (b.status[rest] == WAITING) & (b.epoch[rest] == book.epochs[book.head:])
             book.head += int(np.argmax(alive)) if alive.any() else len(rest)
             book.count = int(np.count_nonzero(alive)) + sum(
                 1 for *_, r, e in book.delta if b.status[r] == WAITING and b.epoch[r] == e)
-        arows = range(s.start, s.stop)
-        self._alloc_row.update(zip(alloc_ids.tolist(), arows))
-        bid_allocs, n_allocs = self._bid_allocs, self.n_allocs
-        windows = b.window[won]
-        for arow, brow, nrow in zip(arows, won.tolist(), nrows.tolist()):
-            bid_allocs[brow] = [arow]
-            n_allocs[nrow].add(arow)
+        windows = b.window[won_rows]
         if (windows >= 0).any():
             for arow in np.arange(s.start, s.stop)[windows >= 0].tolist():
                 self._track_window(arow, True)
-        used = np.bincount(node_pos, weights=gpus, minlength=len(live)).astype(np.int64)
-        for r, u in zip(live, used.tolist()):
-            self.n_running[r] += u
-            self.n_free[r] = self.n_cap[r] - self.n_running[r]
-        pool.free -= int(gpus.sum())
-        pool.capacity.rebuild([(self.n_id[r] << ROW_BITS) | r for r in live],
-                              [self.n_reserve[r] for r in live], [self.n_free[r] for r in live])
-        out = self._out
-        out.p_alloc.extend(alloc_ids.tolist())
-        out.p_bid.extend(b.id[won].tolist())
-        out.p_node.extend([self.n_id[r] for r in nrows.tolist()])
-        out.p_gpus.extend(gpus.tolist())
-        out.p_kind.extend([_KIND[PlacementKind.NEW]] * k)
-        out.p_expires.extend([math.nan] * k)
+        self._out.add_chunk(
+            alloc_ids, b.id[won_rows], np.asarray(self.n_id, np.int64)[nrows], gpus,
+            np.full(k, _KIND[PlacementKind.NEW], np.int8), np.full(k, math.nan),
+        )
 
     def _incumbents(self, pool: _Pool) -> tuple[np.ndarray, np.ndarray]:
         """Running allocations of the pool from before this tick, weakest first."""
@@ -949,6 +1057,7 @@ class Market:
             eff = self.b.price[a.bid[rows]] * (1.0 + self.config.hysteresis)
             order = np.lexsort((-a.id[rows], eff))
             pool.incumbents, pool.incumbent_eff = rows[order], eff[order]
+            pool.scan_from = 0
         return pool.incumbents, pool.incumbent_eff
 
     def _evict_for(self, brow: int, now: float) -> bool:
@@ -966,9 +1075,13 @@ class Market:
                 continue
             rows, eff = self._incumbents(pool)
             limit = int(np.searchsorted(eff, price, side="left"))  # eff < price
+            start = pool.scan_from
+            while start < limit and a.status[rows[start]] != RUNNING:
+                start += 1
+            pool.scan_from = start
             seen: set[int] = set()
             examined = 0
-            for i in range(limit):
+            for i in range(start, limit):
                 arow = int(rows[i])
                 if a.status[arow] != RUNNING or a.tick[arow] == self._tick:
                     continue
@@ -982,11 +1095,10 @@ class Market:
                 if not self.n_state[nrow].offers_capacity() or self.n_reserve[nrow] > price:
                     continue
                 room = self.n_cap[nrow] - self.n_running[nrow] - self.n_reserved[nrow]
-                if room + sum(int(a.gpus[r]) for r in self.n_allocs[nrow]
-                              if a.status[r] == RUNNING) < size:
+                if room + self.n_running[nrow] < size:
                     continue
                 victims = sorted(
-                    (r for r in self.n_allocs[nrow] if a.status[r] == RUNNING
+                    (r for r in self._node_allocs(nrow) if a.status[r] == RUNNING
                      and a.tick[r] != self._tick and b.price[a.bid[r]] * h < price),
                     key=lambda r: (float(b.price[a.bid[r]]), -int(a.id[r])),
                 )
@@ -1012,7 +1124,10 @@ class Market:
 
     def _live(self, pool: _Pool) -> list[int]:
         if pool.live is None:
-            pool.live = [r for r in pool.nodes if self.n_state[r].offers_capacity()]
+            live = pool.live = [r for r in pool.nodes if self.n_state[r].offers_capacity()]
+            pool.max_cap = max((self.n_cap[r] for r in live), default=0)
+            pool.total = sum(self.n_cap[r] for r in live)
+            pool.min_reserve = min((self.n_reserve[r] for r in live), default=None)
         return pool.live
 
     def _quotes(self, now: float) -> tuple[tuple[PoolQuote, ...], np.ndarray]:
@@ -1020,7 +1135,9 @@ class Market:
         n_pools = len(self._pools)
         losing = np.full(n_pools, -math.inf)
         waiting = np.zeros(n_pools, np.int64)
-        max_cap = [max((self.n_cap[r] for r in self._live(p)), default=0) for p in self._pools]
+        for pool in self._pools:
+            self._live(pool)
+        max_cap = [pool.max_cap for pool in self._pools]
         peek_args = (b.status, b.epoch, b.price, b.created, b.id, WAITING)
         for book in self._books:
             if book.count <= 0 or not self._window_open(book.window, now):
@@ -1038,7 +1155,7 @@ class Market:
             if a.status[arow] != NOTICED:
                 continue
             brow = int(a.bid[arow])
-            if any(a.status[r] == RESERVED for r in self._bid_allocs.get(brow, ())):
+            if b.res[brow] >= 0:
                 continue
             if self._window_open(int(b.window[brow]), now):
                 p = int(a.pool[arow])
@@ -1050,8 +1167,7 @@ class Market:
         quotes = []
         for pool in sorted(self._pools, key=lambda q: (self._models[q.model],
                                                        self._regions[q.region])):
-            live = self._live(pool)
-            reserve = min((self.n_reserve[r] for r in live), default=None)
+            reserve = pool.min_reserve
             lose = float(losing[pool.index]) if losing[pool.index] > -math.inf else None
             price = None
             if reserve is not None:
@@ -1063,7 +1179,7 @@ class Market:
                 clearing_price=price,
                 reserve_price=reserve,
                 highest_losing_bid=lose,
-                gpus_total=sum(self.n_cap[r] for r in live),
+                gpus_total=pool.total,
                 gpus_free=pool.free,
                 gpus_running=int(running[pool.index]),
                 waiting_bids=int(waiting[pool.index]),
