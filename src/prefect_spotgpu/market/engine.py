@@ -117,6 +117,7 @@ class _Pool:
     incumbents: np.ndarray | None = None  # alloc rows RUNNING at tick start, weakest first
     incumbent_eff: np.ndarray | None = None
     scan_from: int = 0  # incumbents before this index are no longer running
+    noticed_nodes: set[int] = field(default_factory=set)  # nodes with noticed GPUs
     evict_failed_size: int = MAX_GPUS_PER_NODE + 1
     busy: int = 0  # GPUs running, noticed or reserved on its nodes
     free: int = 0  # sum of free GPUs of its live nodes
@@ -461,8 +462,10 @@ class Market:
             book = self._books[b.book[row]]
             book.count -= 1
             book.insert((-price, float(b.created[row]), int(b.id[row])), row, int(b.epoch[row]))
-        elif b.run[row] >= 0:
-            self._pools[int(self.a.pool[b.run[row]])].incumbents = None
+        else:
+            for arow in (b.run[row], b.res[row]):  # below a reserve now?
+                if arow >= 0:
+                    self._suspect_nodes.add(int(self.a.node[arow]))
 
     def cancel_bid(self, bid_id: int, at: float) -> Settlement:
         """Close a bid: it leaves the book; its allocations end FINISHED (reservations RELEASED)."""
@@ -574,6 +577,7 @@ class Market:
             self._track_window(arow, True)
         elif status == NOTICED:
             self.n_noticed[nrow] += gpus
+            self._pools[self.n_pool[nrow]].noticed_nodes.add(nrow)
             heappush(self._deadlines, (deadline, alloc_id, arow))
             if reason is NoticeReason.OUTBID:
                 self._noticed_outbid.add(arow)
@@ -644,6 +648,7 @@ class Market:
         a.reason[arow] = _REASONS.index(reason)
         self.n_running[nrow] -= gpus
         self.n_noticed[nrow] += gpus
+        self._pools[self.n_pool[nrow]].noticed_nodes.add(nrow)
         self._track_window(arow, False)
         alloc_id = int(a.id[arow])
         heappush(self._deadlines, (deadline, alloc_id, arow))
@@ -654,7 +659,7 @@ class Market:
             Notice(alloc_id, int(self.b.id[brow]), self.n_id[nrow], reason, deadline)
         )
         self._refresh_free(nrow)
-        if reason in (NoticeReason.RECLAIMED, NoticeReason.OUTBID, NoticeReason.RESERVE_RAISED):
+        if reason in (NoticeReason.RECLAIMED, NoticeReason.OUTBID, NoticeReason.BELOW_RESERVE):
             self._migrate(brow, deadline, now)
 
     def _migrate(self, brow: int, deadline: float, now: float) -> None:
@@ -677,6 +682,8 @@ class Market:
             self._track_window(arow, False)
         elif old == NOTICED:
             self.n_noticed[nrow] -= gpus
+            if not self.n_noticed[nrow]:
+                self._pools[self.n_pool[nrow]].noticed_nodes.discard(nrow)
             self._noticed_outbid.discard(arow)
         else:
             self.n_reserved[nrow] -= gpus
@@ -780,8 +787,11 @@ class Market:
                         self._end(arow, RELEASED, "node reclaimed", now)
                     elif status == RUNNING:
                         self._notice(arow, NoticeReason.RECLAIMED, deadline, now)
-                elif status == RUNNING and self.b.price[a.bid[arow]] < self.n_reserve[nrow]:
-                    self._notice(arow, NoticeReason.RESERVE_RAISED, deadline, now)
+                elif self.b.price[a.bid[arow]] < self.n_reserve[nrow]:
+                    if status == RUNNING:
+                        self._notice(arow, NoticeReason.BELOW_RESERVE, deadline, now)
+                    elif status == RESERVED:
+                        self._end(arow, RELEASED, "below reserve", now)
 
     def _deadlines_due(self, now: float) -> None:
         a = self.a
@@ -792,7 +802,7 @@ class Market:
             if status in (NOTICED, RESERVED) and a.deadline[arow] == deadline:
                 if status == NOTICED:
                     self._end(arow, PREEMPTED, "notice deadline passed", deadline)
-                else:
+                elif not self._try_promote(arow, now):  # late tick: start it if it can
                     self._end(arow, RELEASED, "reservation expired", deadline)
 
     def _windows_closing(self, now: float) -> None:
@@ -813,26 +823,33 @@ class Market:
         return interval.start <= now and interval.end - now > self.config.notice_seconds
 
     def _promote(self, now: float) -> None:
+        for arow in sorted(self._reserved, key=lambda r: self.a.id[r]):
+            self._try_promote(arow, now)
+
+    def _try_promote(self, arow: int, now: float) -> bool:
+        """Start a reservation whose bid runs nowhere else and whose GPUs are free now."""
         a = self.a
-        for arow in sorted(self._reserved, key=lambda r: a.id[r]):
-            brow, nrow, gpus = int(a.bid[arow]), int(a.node[arow]), int(a.gpus[arow])
-            if self.b.run[brow] >= 0:
-                continue
-            if self.n_running[nrow] + self.n_noticed[nrow] + gpus > self.n_cap[nrow]:
-                continue
-            if self.n_state[nrow] not in (NodeState.LIVE, NodeState.DRAINING):
-                continue
-            self._reserved.discard(arow)
-            self.b.res[brow], self.b.run[brow] = -1, arow
-            self.n_reserved[nrow] -= gpus
-            self.n_running[nrow] += gpus
-            a.status[arow] = RUNNING
-            a.charged[arow] = a.started[arow] = now
-            a.deadline[arow] = math.nan
-            a.tick[arow] = -1  # an incumbent: challengers of this tick may outbid it
-            self._track_window(arow, True)
-            self._out.promotions.append(int(a.id[arow]))
-            self._refresh_free(nrow)
+        brow, nrow, gpus = int(a.bid[arow]), int(a.node[arow]), int(a.gpus[arow])
+        if self.b.run[brow] >= 0:
+            return False
+        if self.n_running[nrow] + self.n_noticed[nrow] + gpus > self.n_cap[nrow]:
+            return False
+        if self.n_state[nrow] not in (NodeState.LIVE, NodeState.DRAINING):
+            return False
+        if self.b.price[brow] < self.n_reserve[nrow]:
+            return False
+        self._reserved.discard(arow)
+        self.b.res[brow], self.b.run[brow] = -1, arow
+        self.n_reserved[nrow] -= gpus
+        self.n_running[nrow] += gpus
+        a.status[arow] = RUNNING
+        a.charged[arow] = a.started[arow] = now
+        a.deadline[arow] = math.nan
+        a.tick[arow] = -1  # an incumbent: challengers of this tick may outbid it
+        self._track_window(arow, True)
+        self._out.promotions.append(int(a.id[arow]))
+        self._refresh_free(nrow)
+        return True
 
     # ------------------------------------------------------------------ clearing
 
@@ -890,7 +907,7 @@ class Market:
             if nrow is not None:
                 book.pop(row)
                 self._place(row, nrow, PlacementKind.NEW, now)
-            elif self._evict_for(row, now):
+            elif self._claim_noticed(row, now) or self._evict_for(row, now):
                 book.pop(row)
             else:
                 continue  # this book is done for the tick: its head is its highest loser
@@ -908,7 +925,8 @@ class Market:
         so the greedy rule needs only each pool's remaining GPUs: a region bid is admitted when
         they suffice, an any-region bid goes to the pool with the fewest remaining GPUs that
         suffice (best fit between pools; ties: region name). It stops before the first bid of a
-        book that does not qualify; the one-by-one loop takes it from there.
+        book that does not qualify; the one-by-one loop takes it from there. Bids are packed
+        largest first into the smallest nodes first, so whole large nodes stay free longest.
         """
         b = self.b
         fresh: dict[int, tuple[_Pool, list[int], float, int]] = {}
@@ -999,6 +1017,7 @@ class Market:
         pool_of = np.empty(k, np.int64)
         for region in regions:
             pool, live, _, _ = fresh[region]
+            live = sorted(live, key=lambda r: (self.n_cap[r], self.n_id[r]))  # small nodes first
             sel = np.flatnonzero(won_region_arr == region)
             if len(sel) == 0:
                 continue
@@ -1059,6 +1078,30 @@ class Market:
             pool.incumbents, pool.incumbent_eff = rows[order], eff[order]
             pool.scan_from = 0
         return pool.incumbents, pool.incumbent_eff
+
+    def _claim_noticed(self, brow: int, now: float) -> bool:
+        """Reserve GPUs that noticed allocations will free and nobody has claimed yet."""
+        b = self.b
+        size, price, model, region = int(b.gpus[brow]), float(b.price[brow]), int(b.model[brow]), \
+            int(b.region[brow])
+        pools = self._model_pools[model] if region < 0 else [self._pool_index.get((model, region))]
+        best = None
+        for p in pools:
+            if p is None:
+                continue
+            for nrow in self._pools[p].noticed_nodes:
+                if not self.n_state[nrow].offers_capacity() or self.n_reserve[nrow] > price:
+                    continue
+                room = self.n_cap[nrow] - self.n_running[nrow] - self.n_reserved[nrow]
+                if room >= size:
+                    key = (room, self.n_reserve[nrow], self.n_id[nrow])
+                    if best is None or key < best[0]:
+                        best = (key, nrow)
+        if best is None:
+            return False
+        self._place(brow, best[1], PlacementKind.TAKEOVER, now,
+                    now + self.config.notice_seconds + self.config.reservation_grace_seconds)
+        return True
 
     def _evict_for(self, brow: int, now: float) -> bool:
         """Notice the weakest incumbents a challenger beats on one node, and reserve it there."""

@@ -90,8 +90,9 @@ class NoticeReason(StrEnum):
     """The owner took the node back."""
     WINDOW_CLOSING = "window_closing"
     """The bid's eligibility window (e.g. the cheap night window) closes by the deadline."""
-    RESERVE_RAISED = "reserve_raised"
-    """The owner raised the node's reserve above the bid's maximum price."""
+    BELOW_RESERVE = "below_reserve"
+    """The node's reserve is now above the bid's maximum price (the owner raised the reserve,
+    or the user lowered the bid)."""
 
 
 def check_price(field_name: str, value: object) -> float:
@@ -142,7 +143,7 @@ def check_id(field_name: str, value: object) -> int:
     return value
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, order=True)
 class Interval:
     """An eligibility window ``[start, end)`` in UNIX seconds.
 

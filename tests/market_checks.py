@@ -1,0 +1,149 @@
+"""Independent checks of the market's invariants (DESIGN §3), computed from plain data.
+
+These re-derive every rule from a ``MarketState`` snapshot and a ``Decision`` without using the
+engine's internal indexes, so a bug in those indexes cannot hide itself.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from prefect_spotgpu.market import (
+    ANY_REGION,
+    AllocationStatus,
+    Decision,
+    MarketState,
+    NodeState,
+)
+
+RUNNING, NOTICED, RESERVED = (
+    AllocationStatus.RUNNING,
+    AllocationStatus.NOTICED,
+    AllocationStatus.RESERVED,
+)
+
+
+def bid_fits_pool(bid, node) -> bool:
+    return bid.gpu_model == node.gpu_model and bid.region in (ANY_REGION, node.region)
+
+
+def window_allows_start(bid, now: float, notice_seconds: float) -> bool:
+    w = bid.window
+    return w is None or (w.start <= now and w.end - now > notice_seconds)
+
+
+def check_capacity(state: MarketState) -> None:
+    """No GPU held twice: in use and promised GPUs of each node fit the node."""
+    in_use: dict[int, int] = defaultdict(int)
+    promised: dict[int, int] = defaultdict(int)
+    for a in state.allocations:
+        if a.status in (RUNNING, NOTICED):
+            in_use[a.node_id] += a.gpu_count
+        if a.status in (RUNNING, RESERVED):
+            promised[a.node_id] += a.gpu_count
+    for node in state.nodes:
+        assert in_use[node.id] <= node.gpu_count, f"node {node.id} over-committed now"
+        assert promised[node.id] <= node.gpu_count, f"node {node.id} over-promised"
+
+
+def check_allocations(state: MarketState) -> None:
+    bids = {b.id: b for b in state.bids}
+    nodes = {n.id: n for n in state.nodes}
+    per_bid: dict[int, list] = defaultdict(list)
+    for a in state.allocations:
+        bid, node = bids[a.bid_id], nodes[a.node_id]
+        per_bid[a.bid_id].append(a)
+        assert bid_fits_pool(bid, node), f"allocation {a.id} outside its bid's pool"
+        assert a.gpu_count == bid.gpu_count
+        if a.status is RUNNING:
+            assert node.state in (NodeState.LIVE, NodeState.DRAINING), (
+                f"allocation {a.id} runs on a {node.state} node without notice"
+            )
+            assert bid.max_price >= node.reserve_price, (
+                f"bid {bid.id} at {bid.max_price} runs below reserve {node.reserve_price}"
+            )
+        if a.status.is_charged():
+            assert a.price <= bid.max_price + 1e-12, f"allocation {a.id} pays above its max"
+            if a.status is RUNNING and a.price > 0:
+                assert a.price >= node.reserve_price - 1e-12, f"{a.id} pays below reserve"
+    for bid_id, allocs in per_bid.items():
+        assert sum(a.status in (RUNNING, NOTICED) for a in allocs) <= 1, bid_id
+        assert sum(a.status is RESERVED for a in allocs) <= 1, bid_id
+
+
+def waiting_bids(state: MarketState) -> list:
+    active = {a.bid_id for a in state.allocations}
+    return [b for b in state.bids if b.id not in active]
+
+
+def check_outbid_rule(state: MarketState, now: float) -> None:
+    """A waiting bid that beats a running one by more than the hysteresis margin, and would
+    fit on its node once it left, is never left waiting."""
+    cfg = state.config
+    nodes = {n.id: n for n in state.nodes}
+    bids = {b.id: b for b in state.bids}
+    running = defaultdict(int)
+    reserved = defaultdict(int)
+    for a in state.allocations:
+        if a.status is RUNNING:
+            running[a.node_id] += a.gpu_count
+        elif a.status is RESERVED:
+            reserved[a.node_id] += a.gpu_count
+    for c in waiting_bids(state):
+        if not window_allows_start(c, now, cfg.notice_seconds):
+            continue
+        for a in state.allocations:
+            if a.status is not RUNNING:
+                continue
+            node = nodes[a.node_id]
+            inc = bids[a.bid_id]
+            if node.state is not NodeState.LIVE or not bid_fits_pool(c, node):
+                continue
+            if node.reserve_price > c.max_price:
+                continue
+            room = node.gpu_count - running[node.id] - reserved[node.id] + a.gpu_count
+            if c.max_price > inc.max_price * (1 + cfg.hysteresis) and c.gpu_count <= room:
+                raise AssertionError(
+                    f"bid {c.id} at {c.max_price} waits while bid {inc.id} at "
+                    f"{inc.max_price} runs on node {node.id} where it would fit"
+                )
+
+
+def check_free_fit_used(state: MarketState, now: float) -> None:
+    """A waiting bid never waits while free GPUs it could use sit idle."""
+    cfg = state.config
+    busy = defaultdict(int)
+    noticed = defaultdict(int)
+    reserved = defaultdict(int)
+    for a in state.allocations:
+        if a.status is RUNNING:
+            busy[a.node_id] += a.gpu_count
+        elif a.status is NOTICED:
+            noticed[a.node_id] += a.gpu_count
+        else:
+            reserved[a.node_id] += a.gpu_count
+    for c in waiting_bids(state):
+        if not window_allows_start(c, now, cfg.notice_seconds):
+            continue
+        for node in state.nodes:
+            if node.state is not NodeState.LIVE or not bid_fits_pool(c, node):
+                continue
+            free = node.gpu_count - busy[node.id] - max(noticed[node.id], reserved[node.id])
+            if node.reserve_price <= c.max_price and free >= c.gpu_count:
+                raise AssertionError(f"bid {c.id} waits though node {node.id} has {free} free")
+
+
+def expected_prices(state: MarketState, decision: Decision) -> dict[int, float]:
+    """The price each charged allocation should be paying from now on (per GPU-hour)."""
+    nodes = {n.id: n for n in state.nodes}
+    bids = {b.id: b for b in state.bids}
+    quotes = {(q.gpu_model, q.region): q for q in decision.quotes}
+    prices = {}
+    for a in state.allocations:
+        if not a.status.is_charged():
+            continue
+        node = nodes[a.node_id]
+        quote = quotes[(node.gpu_model, node.region)]
+        pool_price = quote.clearing_price if quote.clearing_price is not None else 0.0
+        prices[a.id] = min(max(pool_price, node.reserve_price), bids[a.bid_id].max_price)
+    return prices

@@ -1,0 +1,234 @@
+"""Worked examples of the clearing rule (DESIGN §3), one behaviour each."""
+
+import pytest
+
+from prefect_spotgpu.market import (
+    AllocationStatus,
+    Bid,
+    Interval,
+    Market,
+    MarketConfig,
+    Node,
+    NodeState,
+    NoticeReason,
+    PlacementKind,
+)
+
+A100 = "A100-80G"
+
+
+def market_with(*nodes, **config):
+    market = Market(MarketConfig(**config))
+    for node in nodes:
+        market.upsert_node(node)
+    return market
+
+
+def bid(i, count, price, region="eu-west", created=0.0, **kw):
+    return Bid(i, A100, count, price, region=region, created_at=created, **kw)
+
+
+def placed(decision):
+    return {p.bid_id: (p.node_id, p.kind) for p in decision.placements}
+
+
+def test_highest_bids_win_and_the_highest_loser_sets_the_price():
+    m = market_with(Node(1, A100, "eu-west", 4, 0.9))
+    for i, price in enumerate([1.5, 1.2, 1.1, 1.0], start=1):
+        m.add_bid(bid(i, 1, price))
+    m.add_bid(bid(5, 1, 1.05))
+    d = m.tick(10.0)
+    assert set(placed(d)) == {1, 2, 3, 5}
+    quote = d.quote(A100, "eu-west")
+    assert quote.clearing_price == 1.0  # the (k+1)-th price
+    assert quote.gpus_free == 0 and quote.waiting_bids == 1
+
+
+def test_the_price_never_falls_below_the_reserve():
+    m = market_with(Node(1, A100, "eu-west", 8, 0.9))
+    m.add_bid(bid(1, 2, 1.5))
+    assert m.tick(10.0).quote(A100, "eu-west").clearing_price == 0.9
+
+
+def test_equal_prices_go_to_the_older_bid():
+    m = market_with(Node(1, A100, "eu-west", 1, 0.5))
+    m.add_bid(bid(2, 1, 1.0, created=5.0))
+    m.add_bid(bid(1, 1, 1.0, created=7.0))
+    assert set(placed(m.tick(10.0))) == {2}
+
+
+def test_best_fit_keeps_whole_nodes_for_big_bids():
+    m = market_with(Node(1, A100, "eu-west", 8, 0.5), Node(2, A100, "eu-west", 4, 0.5))
+    m.add_bid(bid(1, 4, 2.0))  # lands on the 4-GPU node, keeping node 1 whole
+    m.add_bid(bid(2, 8, 1.5))
+    assert placed(m.tick(1.0)) == {1: (2, PlacementKind.NEW), 2: (1, PlacementKind.NEW)}
+
+
+def test_first_fit_is_the_naive_alternative():
+    m = market_with(Node(1, A100, "eu-west", 8, 0.5), Node(2, A100, "eu-west", 4, 0.5),
+                    packing="first-fit")
+    m.add_bid(bid(1, 4, 2.0))
+    m.add_bid(bid(2, 8, 1.5))
+    assert placed(m.tick(1.0)) == {1: (1, PlacementKind.NEW)}
+
+
+def test_a_bid_only_lands_on_nodes_whose_reserve_it_meets():
+    m = market_with(Node(1, A100, "eu-west", 8, 2.0), Node(2, A100, "eu-west", 8, 0.5))
+    m.add_bid(bid(1, 8, 1.0))
+    m.add_bid(bid(2, 8, 0.4))
+    d = m.tick(1.0)
+    assert placed(d) == {1: (2, PlacementKind.NEW)}
+    assert d.charges.total() == 0  # charges start from the placement
+
+
+def test_any_region_bids_use_every_pool_of_their_model():
+    m = market_with(Node(1, A100, "eu-west", 2, 0.5), Node(2, A100, "us-east", 4, 0.5))
+    m.add_bid(bid(1, 2, 2.0, region="eu-west"))
+    m.add_bid(bid(2, 4, 1.0, region="any"))
+    assert placed(m.tick(1.0)) == {1: (1, PlacementKind.NEW), 2: (2, PlacementKind.NEW)}
+
+
+def test_incumbents_keep_their_gpus_within_the_hysteresis_margin():
+    m = market_with(Node(1, A100, "eu-west", 8, 0.5))
+    m.add_bid(bid(1, 8, 1.00))
+    m.tick(1.0)
+    m.add_bid(bid(2, 8, 1.05))  # exactly 5 % more: not enough
+    d = m.tick(2.0)
+    assert not d.notices and len(d.placements) == 0
+    assert d.quote(A100, "eu-west").clearing_price == 1.05
+    assert d.charges.price.tolist() == [0.5]  # the price set at the previous tick
+    d = m.tick(3.0)
+    assert d.charges.price.tolist() == [1.0]  # never above the incumbent's own max
+
+
+def test_an_outbid_incumbent_gets_a_notice_and_the_challenger_its_gpus():
+    m = market_with(Node(1, A100, "eu-west", 8, 0.5))
+    m.add_bid(bid(1, 4, 1.0))
+    m.add_bid(bid(2, 4, 0.9))
+    m.tick(1.0)
+    m.add_bid(bid(3, 8, 1.2))
+    d = m.tick(2.0)
+    notices = {n.bid_id: n for n in d.notices}
+    assert set(notices) == {1, 2}
+    assert all(n.reason is NoticeReason.OUTBID and n.deadline == 302.0 for n in notices.values())
+    assert placed(d) == {3: (1, PlacementKind.TAKEOVER)}
+    assert m.node_load(1) == (8, 0, 8, 8)  # both keep running through the notice
+    # the first acks its final save; the second runs out its deadline
+    settled = m.end_allocation(notices[1].allocation_id, AllocationStatus.PREEMPTED, 40.0)
+    assert settled.charges.seconds.tolist() == [38.0]
+    assert not m.tick(41.0).promotions  # still 4 GPUs in use by the second
+    d = m.tick(400.0)
+    assert [e.bid_id for e in d.endings] == [2] and d.endings[0].at == 302.0
+    assert d.promotions == (placed_id := d.promotions[0],) and placed_id
+    assert m.node_load(1) == (8, 8, 0, 0)
+
+
+def test_the_weakest_incumbents_are_the_ones_evicted():
+    m = market_with(Node(1, A100, "eu-west", 4, 0.5), Node(2, A100, "eu-west", 4, 0.5))
+    m.add_bid(bid(1, 4, 1.0))
+    m.add_bid(bid(2, 4, 0.6))
+    m.tick(1.0)
+    m.add_bid(bid(3, 4, 1.1))  # beats bid 2 by more than 5 %, bid 1 by less
+    d = m.tick(2.0)
+    assert [n.bid_id for n in d.notices] == [2]
+
+
+def test_a_reclaim_notices_and_migrates_at_once_when_a_free_node_exists():
+    m = market_with(Node(1, A100, "eu-west", 8, 0.5), Node(2, A100, "eu-west", 8, 0.5))
+    m.add_bid(bid(1, 8, 1.0))
+    m.tick(1.0)
+    m.upsert_node(Node(1, A100, "eu-west", 8, 0.5, NodeState.RECLAIMED))
+    d = m.tick(2.0)
+    assert [(n.bid_id, n.reason) for n in d.notices] == [(1, NoticeReason.RECLAIMED)]
+    assert placed(d) == {1: (2, PlacementKind.MIGRATION)}
+    migration = next(iter(d.placements))
+    assert migration.status is AllocationStatus.RESERVED and migration.expires_at == 362.0
+    # the job acks its final save: it restarts on the reserved node at the next tick
+    m.end_allocation(d.notices[0].allocation_id, AllocationStatus.PREEMPTED, 20.0)
+    d = m.tick(21.0)
+    assert d.promotions == (migration.allocation_id,)
+
+
+def test_a_lost_node_ends_its_allocations_at_once_and_the_bid_waits_again():
+    m = market_with(Node(1, A100, "eu-west", 8, 0.5), Node(2, A100, "eu-west", 8, 0.5))
+    m.add_bid(bid(1, 8, 1.0))
+    m.tick(1.0)
+    m.upsert_node(Node(1, A100, "eu-west", 8, 0.5, NodeState.LOST))
+    d = m.tick(2.0)
+    assert [(e.bid_id, e.status, e.reason) for e in d.endings] == [
+        (1, AllocationStatus.PREEMPTED, "node lost")]
+    assert not d.notices
+    assert placed(d) == {1: (2, PlacementKind.NEW)}  # resumes elsewhere in the same tick
+
+
+def test_a_draining_node_keeps_its_work_and_takes_no_more():
+    m = market_with(Node(1, A100, "eu-west", 8, 0.5))
+    m.add_bid(bid(1, 4, 1.0))
+    m.tick(1.0)
+    m.upsert_node(Node(1, A100, "eu-west", 8, 0.5, NodeState.DRAINING))
+    m.add_bid(bid(2, 4, 1.0))
+    d = m.tick(2.0)
+    assert not d.notices and len(d.placements) == 0 and len(d.charges) == 1
+    assert d.quote(A100, "eu-west").gpus_total == 0
+
+
+def test_raising_the_reserve_above_a_bid_notices_it():
+    m = market_with(Node(1, A100, "eu-west", 8, 0.5))
+    m.add_bid(bid(1, 8, 1.0))
+    m.tick(1.0)
+    m.upsert_node(Node(1, A100, "eu-west", 8, 1.5))
+    d = m.tick(2.0)
+    assert [(n.bid_id, n.reason) for n in d.notices] == [(1, NoticeReason.BELOW_RESERVE)]
+
+
+def test_a_cheap_window_bid_runs_inside_it_and_is_noticed_for_its_end():
+    window = Interval(1000.0, 5000.0)
+    m = market_with(Node(1, A100, "eu-west", 8, 0.5))
+    m.add_bid(bid(1, 8, 1.0, window=window))
+    assert len(m.tick(999.0).placements) == 0  # not open yet
+    assert len(m.tick(1000.0).placements) == 1
+    assert not m.tick(4699.0).notices  # 301 s before the end
+    d = m.tick(4700.0)  # 300 s before the end: the notice's deadline is the window's end
+    assert [(n.reason, n.deadline) for n in d.notices] == [(NoticeReason.WINDOW_CLOSING, 5000.0)]
+    d = m.tick(5001.0)
+    assert [(e.status, e.at) for e in d.endings] == [(AllocationStatus.PREEMPTED, 5000.0)]
+    assert len(d.placements) == 0  # and it does not start again outside its window
+
+
+def test_charges_bill_each_second_at_the_price_in_force():
+    m = market_with(Node(1, A100, "eu-west", 8, 0.5))
+    m.add_bid(bid(1, 2, 2.0))
+    m.add_bid(bid(2, 6, 1.0))
+    m.add_bid(bid(3, 4, 0.8))  # loses: sets the price at 0.8
+    m.tick(0.0)
+    d = m.tick(10.0)
+    assert sorted(zip(d.charges.bid_id.tolist(), d.charges.amount.tolist())) == [
+        (1, pytest.approx(0.8 * 2 * 10 / 3600)), (2, pytest.approx(0.8 * 6 * 10 / 3600))]
+    settled = m.cancel_bid(2, at=15.0)  # the job ends: final charge, GPUs free
+    assert settled.charges.amount.tolist() == [pytest.approx(0.8 * 6 * 5 / 3600)]
+    assert [e.status for e in settled.endings] == [AllocationStatus.FINISHED]
+    d = m.tick(20.0)
+    assert placed(d) == {3: (1, PlacementKind.NEW)}
+    assert d.quote(A100, "eu-west").clearing_price == 0.5  # nobody loses: the reserve
+
+
+def test_a_finished_job_closes_its_bid():
+    m = market_with(Node(1, A100, "eu-west", 8, 0.5))
+    m.add_bid(bid(1, 8, 1.0))
+    d = m.tick(0.0)
+    m.end_allocation(next(iter(d.placements)).allocation_id, "finished", 5.0)
+    assert m.snapshot().bids == ()
+    with pytest.raises(KeyError):
+        m.cancel_bid(1, 6.0)
+
+
+def test_ending_an_allocation_checks_the_status():
+    m = market_with(Node(1, A100, "eu-west", 8, 0.5))
+    m.add_bid(bid(1, 8, 1.0))
+    alloc = next(iter(m.tick(0.0).placements)).allocation_id
+    with pytest.raises(ValueError, match="cannot end as released"):
+        m.end_allocation(alloc, "released", 1.0)
+    with pytest.raises(ValueError, match="terminal status"):
+        m.end_allocation(alloc, "running", 1.0)
+    with pytest.raises(KeyError):
+        m.end_allocation(999, "finished", 1.0)

@@ -1,0 +1,220 @@
+"""Property tests of the clearing engine against the invariants of DESIGN §3.
+
+A hypothesis-generated life of a small market — bids arriving, repriced and cancelled, nodes
+reclaimed, lost, drained and re-priced, jobs acking and finishing, time passing — with every
+invariant checked after every tick, and every tick's decision compared with the decision of a
+market rebuilt cold from the same state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from market_checks import (
+    check_allocations,
+    check_capacity,
+    check_free_fit_used,
+    check_outbid_rule,
+    expected_prices,
+)
+from prefect_spotgpu.market import (
+    AllocationStatus,
+    Bid,
+    Interval,
+    Market,
+    MarketConfig,
+    Node,
+    NodeState,
+    clear,
+)
+
+MODELS = ("A100-80G", "RTX-4090")
+REGIONS = ("eu-west", "us-east")
+PRICES = (0.3, 0.5, 0.8, 1.0, 1.05, 1.1, 1.2, 1.5, 2.0, 3.0)
+
+node_st = st.tuples(
+    st.sampled_from(MODELS), st.sampled_from(REGIONS), st.sampled_from((1, 2, 3, 4, 8)),
+    st.sampled_from((0.2, 0.5, 1.0)),
+)
+bid_st = st.tuples(
+    st.sampled_from(MODELS), st.sampled_from((*REGIONS, "any")),
+    st.sampled_from((1, 1, 2, 2, 3, 4, 8)), st.sampled_from(PRICES),
+    st.sampled_from((None, None, None, (0, 900), (200, 5000))),
+)
+op_st = st.one_of(
+    st.tuples(st.just("reprice"), st.integers(0, 10**6), st.sampled_from(PRICES)),
+    st.tuples(st.just("cancel"), st.integers(0, 10**6)),
+    st.tuples(st.just("node"), st.integers(0, 10**6),
+              st.sampled_from(("reclaim", "lose", "drain", "live", "reserve"))),
+    st.tuples(st.just("ack"), st.integers(0, 10**6)),
+    st.tuples(st.just("finish"), st.integers(0, 10**6)),
+)
+round_st = st.tuples(
+    st.lists(bid_st, min_size=0, max_size=5),
+    st.lists(op_st, min_size=0, max_size=2),
+    st.sampled_from((1, 1, 5, 60, 301, 400)),
+)
+# a life: rounds of (new bids, other changes, then a tick after dt seconds), flattened
+step_st = st.lists(round_st, min_size=1, max_size=12).map(
+    lambda rounds: [
+        step
+        for bids, ops, dt in rounds
+        for step in [*(("bid", b) for b in bids), *ops, ("tick", dt)]
+    ]
+)
+
+
+def _pick(items, i):
+    return items[i % len(items)] if items else None
+
+
+def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
+    config = MarketConfig(
+        hysteresis=hysteresis, notice_seconds=300, regions=frozenset(REGIONS)
+    )
+    market = Market(config)
+    for i, (model, region, count, reserve) in enumerate(nodes, start=1):
+        market.upsert_node(Node(i, model, region, count, reserve))
+    now, next_bid = 0.0, 1
+    total_charged = 0.0
+    expected: dict[int, float] = {}  # allocation id -> price in force (checker's view)
+    last_tick = None
+    for step in steps:
+        kind = step[0]
+        state = market.snapshot()
+        if kind == "bid":
+            model, region, count, price, window = step[1]
+            market.add_bid(Bid(next_bid, model, count, price, region=region, created_at=now,
+                               window=None if window is None else Interval(*window)))
+            next_bid += 1
+        elif kind == "reprice" and state.bids:
+            market.reprice_bid(_pick(state.bids, step[1]).id, step[2])
+        elif kind == "cancel" and state.bids:
+            settled = market.cancel_bid(_pick(state.bids, step[1]).id, now)
+            total_charged += settled.charges.total()
+        elif kind == "node":
+            node = _pick(state.nodes, step[1])
+            change = step[2]
+            if node.state is NodeState.LOST and change != "live":
+                continue
+            new_state = {"reclaim": NodeState.RECLAIMED, "lose": NodeState.LOST,
+                         "drain": NodeState.DRAINING, "live": NodeState.LIVE}.get(change,
+                                                                                  node.state)
+            reserve = node.reserve_price * 3 if change == "reserve" else node.reserve_price
+            market.upsert_node(Node(node.id, node.gpu_model, node.region, node.gpu_count,
+                                    reserve, new_state))
+        elif kind in ("ack", "finish"):
+            want = AllocationStatus.NOTICED if kind == "ack" else AllocationStatus.RUNNING
+            allocs = [a for a in state.allocations if a.status is want]
+            if allocs:
+                alloc = _pick(allocs, step[1])
+                status = AllocationStatus.PREEMPTED if kind == "ack" else \
+                    AllocationStatus.FINISHED
+                settled = market.end_allocation(alloc.id, status, now)
+                total_charged += settled.charges.total()
+                for c in settled.charges:
+                    assert math.isclose(c.price, expected[c.allocation_id])
+        elif kind == "tick":
+            now += step[1]
+            before = market.snapshot()
+            cold = clear(before, now) if check_each_tick else None
+            decision = market.tick(now)
+            if cold is not None:
+                assert decision.equals(cold), "incremental and cold decisions differ"
+            after = market.snapshot()
+            check_tick(before, after, decision, expected, now)
+            total_charged += decision.charges.total()
+            last_tick = decision
+    return market, total_charged, last_tick
+
+
+def check_tick(before, after, decision, expected, now):
+    check_capacity(after)
+    check_allocations(after)
+    check_outbid_rule(after, now)
+    check_free_fit_used(after, now)
+    # charges: each row bills the price the checker computed at the previous tick
+    for c in decision.charges:
+        assert c.amount == pytest.approx(c.price * c.gpu_count * c.seconds / 3600)
+        assert c.allocation_id in expected, f"charge for unknown allocation {c.allocation_id}"
+        assert c.price == pytest.approx(expected[c.allocation_id])
+    prices = expected_prices(after, decision)
+    for a in after.allocations:
+        if a.status.is_charged():
+            assert a.price == pytest.approx(prices[a.id]), (a, prices[a.id])
+            assert a.charged_until == now
+    expected.clear()
+    expected.update(prices)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(nodes=st.lists(node_st, min_size=2, max_size=5),
+       steps=step_st)
+def test_invariants_hold_through_a_market_life(nodes, steps):
+    run_life(nodes, steps)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(nodes=st.lists(node_st, min_size=2, max_size=5),
+       steps=step_st, hysteresis=st.sampled_from((0, 0.2)))
+def test_invariants_hold_for_any_hysteresis(nodes, steps, hysteresis):
+    run_life(nodes, steps, hysteresis=hysteresis)
+
+
+@settings(max_examples=100, deadline=None)
+@given(nodes=st.lists(node_st, min_size=1, max_size=4),
+       steps=step_st, data=st.data())
+def test_a_losing_bid_raised_above_everyone_wins_next_tick(nodes, steps, data):
+    """A waiting bid raised beyond every other bid's price times (1 + hysteresis), with a
+    node of its pool that could hold it once the incumbents left, wins the next tick."""
+    market, _, _ = run_life(nodes, [*steps, ("tick", 1)], check_each_tick=False)
+    state = market.snapshot()
+    active = {a.bid_id for a in state.allocations}
+    waiting = [b for b in state.bids if b.id not in active and b.window is None]
+    if not waiting:
+        return
+    bid = data.draw(st.sampled_from(waiting))
+    top = max(b.max_price for b in state.bids) * 1.05 + 1.0
+    reserved = {}
+    for a in state.allocations:
+        if a.status is AllocationStatus.RESERVED:
+            reserved[a.node_id] = reserved.get(a.node_id, 0) + a.gpu_count
+    fits = any(
+        n.state is NodeState.LIVE and n.gpu_model == bid.gpu_model
+        and bid.region in ("any", n.region) and n.reserve_price <= top
+        and n.gpu_count - reserved.get(n.id, 0) >= bid.gpu_count
+        for n in state.nodes
+    )
+    market.reprice_bid(bid.id, top)
+    decision = market.tick(market.now + 1)
+    won = {p.bid_id for p in decision.placements}
+    assert (bid.id in won) == fits
+
+
+@settings(max_examples=100, deadline=None)
+@given(nodes=st.lists(node_st, min_size=2, max_size=5),
+       bids=st.lists(bid_st, min_size=1, max_size=20))
+def test_a_bid_below_every_reserve_never_runs(nodes, bids):
+    market = Market(MarketConfig(regions=frozenset(REGIONS)))
+    for i, (model, region, count, reserve) in enumerate(nodes, start=1):
+        market.upsert_node(Node(i, model, region, count, reserve))
+    for i, (model, region, count, _, _) in enumerate(bids, start=1):
+        market.add_bid(Bid(i, model, count, 0.1, region=region))
+    decision = market.tick(10.0)
+    assert len(decision.placements) == 0
+    for q in decision.quotes:
+        assert q.clearing_price is None or q.clearing_price >= q.reserve_price
+
+
+@settings(max_examples=50, deadline=None)
+@given(nodes=st.lists(node_st, min_size=2, max_size=5),
+       steps=step_st)
+def test_clearing_is_deterministic(nodes, steps):
+    market, _, _ = run_life(nodes, steps, check_each_tick=False)
+    state = market.snapshot()
+    now = market.now + 7 if market.now > -math.inf else 7.0
+    assert clear(state, now).equals(clear(state, now))
