@@ -7,8 +7,23 @@ import sys
 
 import prefect_spotgpu.market
 
-FORBIDDEN = ("sqlalchemy", "fastapi", "prefect", "pynvml", "httpx", "boto3", "starlette",
-             "uvicorn", "requests", "socket", "time", "datetime", "os", "subprocess", "asyncio")
+FORBIDDEN = (
+    "sqlalchemy",
+    "fastapi",
+    "prefect",
+    "pynvml",
+    "httpx",
+    "boto3",
+    "starlette",
+    "uvicorn",
+    "requests",
+    "socket",
+    "time",
+    "datetime",
+    "os",
+    "subprocess",
+    "asyncio",
+)
 MARKET = pathlib.Path(prefect_spotgpu.market.__file__).parent
 
 

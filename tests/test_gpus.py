@@ -35,8 +35,13 @@ def test_unknown_models_are_rejected_naming_the_known_ones(name):
 
 def test_reference_prices_match_the_brief():
     prices = {m.name: m.on_demand_price for m in DEFAULT_CATALOG}
-    assert prices == {"RTX-4090": 0.68, "RTX-3090Ti": 0.52, "A100-80G": 2.10,
-                      "H100-80G": 3.80, "H200": 4.50}
+    assert prices == {
+        "RTX-4090": 0.68,
+        "RTX-3090Ti": 0.52,
+        "A100-80G": 2.10,
+        "H100-80G": 3.80,
+        "H200": 4.50,
+    }
 
 
 def test_registering_a_model_makes_it_known_and_conflicts_fail():

@@ -62,7 +62,7 @@ def test_bid_region_unknown_to_the_market_is_rejected():
 
 
 def test_windows_and_times_are_checked():
-    with pytest.raises(ValueError, match="window.end must be after window.start"):
+    with pytest.raises(ValueError, match=r"window\.end must be after window\.start"):
         Interval(10, 10)
     with pytest.raises(ValueError, match="created_at"):
         Bid(1, "A100-80G", 1, 1.0, created_at=math.nan)
@@ -100,12 +100,19 @@ def test_state_references_are_checked():
 def test_bulk_load_rejects_bad_rows_and_writes_nothing():
     market = Market()
     market.upsert_node(Node(1, "A100-80G", "eu-west", 8, 1.0))
-    good = dict(gpu_model="A100-80G", region="eu-west", ids=np.arange(3),
-                gpu_counts=np.array([1, 2, 4]), max_prices=np.array([1.0, 2.0, 3.0]),
-                created_at=np.zeros(3))
-    for field, bad in [("max_prices", np.array([1.0, np.nan, 3.0])),
-                       ("gpu_counts", np.array([1, 0, 4])),
-                       ("ids", np.array([1, 1, 2]))]:
+    good = dict(
+        gpu_model="A100-80G",
+        region="eu-west",
+        ids=np.arange(3),
+        gpu_counts=np.array([1, 2, 4]),
+        max_prices=np.array([1.0, 2.0, 3.0]),
+        created_at=np.zeros(3),
+    )
+    for field, bad in [
+        ("max_prices", np.array([1.0, np.nan, 3.0])),
+        ("gpu_counts", np.array([1, 0, 4])),
+        ("ids", np.array([1, 1, 2])),
+    ]:
         with pytest.raises(ValueError):
             market.add_bid_arrays(**{**good, field: bad})
     assert market.snapshot().bids == ()

@@ -37,19 +37,26 @@ REGIONS = ("eu-west", "us-east")
 PRICES = (0.3, 0.5, 0.8, 1.0, 1.05, 1.1, 1.2, 1.5, 2.0, 3.0)
 
 node_st = st.tuples(
-    st.sampled_from(MODELS), st.sampled_from(REGIONS), st.sampled_from((1, 2, 3, 4, 8)),
+    st.sampled_from(MODELS),
+    st.sampled_from(REGIONS),
+    st.sampled_from((1, 2, 3, 4, 8)),
     st.sampled_from((0.2, 0.5, 1.0)),
 )
 bid_st = st.tuples(
-    st.sampled_from(MODELS), st.sampled_from((*REGIONS, "any")),
-    st.sampled_from((1, 1, 2, 2, 3, 4, 8)), st.sampled_from(PRICES),
+    st.sampled_from(MODELS),
+    st.sampled_from((*REGIONS, "any")),
+    st.sampled_from((1, 1, 2, 2, 3, 4, 8)),
+    st.sampled_from(PRICES),
     st.sampled_from((None, None, None, (0, 900), (200, 5000))),
 )
 op_st = st.one_of(
     st.tuples(st.just("reprice"), st.integers(0, 10**6), st.sampled_from(PRICES)),
     st.tuples(st.just("cancel"), st.integers(0, 10**6)),
-    st.tuples(st.just("node"), st.integers(0, 10**6),
-              st.sampled_from(("reclaim", "lose", "drain", "live", "reserve"))),
+    st.tuples(
+        st.just("node"),
+        st.integers(0, 10**6),
+        st.sampled_from(("reclaim", "lose", "drain", "live", "reserve")),
+    ),
     st.tuples(st.just("ack"), st.integers(0, 10**6)),
     st.tuples(st.just("finish"), st.integers(0, 10**6)),
 )
@@ -73,9 +80,7 @@ def _pick(items, i):
 
 
 def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
-    config = MarketConfig(
-        hysteresis=hysteresis, notice_seconds=300, regions=frozenset(REGIONS)
-    )
+    config = MarketConfig(hysteresis=hysteresis, notice_seconds=300, regions=frozenset(REGIONS))
     market = Market(config)
     for i, (model, region, count, reserve) in enumerate(nodes, start=1):
         market.upsert_node(Node(i, model, region, count, reserve))
@@ -88,8 +93,17 @@ def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
         state = market.snapshot()
         if kind == "bid":
             model, region, count, price, window = step[1]
-            market.add_bid(Bid(next_bid, model, count, price, region=region, created_at=now,
-                               window=None if window is None else Interval(*window)))
+            market.add_bid(
+                Bid(
+                    next_bid,
+                    model,
+                    count,
+                    price,
+                    region=region,
+                    created_at=now,
+                    window=None if window is None else Interval(*window),
+                )
+            )
             next_bid += 1
         elif kind == "reprice" and state.bids:
             market.reprice_bid(_pick(state.bids, step[1]).id, step[2])
@@ -101,19 +115,22 @@ def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
             change = step[2]
             if node.state is NodeState.LOST and change != "live":
                 continue
-            new_state = {"reclaim": NodeState.RECLAIMED, "lose": NodeState.LOST,
-                         "drain": NodeState.DRAINING, "live": NodeState.LIVE}.get(change,
-                                                                                  node.state)
+            new_state = {
+                "reclaim": NodeState.RECLAIMED,
+                "lose": NodeState.LOST,
+                "drain": NodeState.DRAINING,
+                "live": NodeState.LIVE,
+            }.get(change, node.state)
             reserve = node.reserve_price * 3 if change == "reserve" else node.reserve_price
-            market.upsert_node(Node(node.id, node.gpu_model, node.region, node.gpu_count,
-                                    reserve, new_state))
+            market.upsert_node(
+                Node(node.id, node.gpu_model, node.region, node.gpu_count, reserve, new_state)
+            )
         elif kind in ("ack", "finish"):
             want = AllocationStatus.NOTICED if kind == "ack" else AllocationStatus.RUNNING
             allocs = [a for a in state.allocations if a.status is want]
             if allocs:
                 alloc = _pick(allocs, step[1])
-                status = AllocationStatus.PREEMPTED if kind == "ack" else \
-                    AllocationStatus.FINISHED
+                status = AllocationStatus.PREEMPTED if kind == "ack" else AllocationStatus.FINISHED
                 settled = market.end_allocation(alloc.id, status, now)
                 total_charged += settled.charges.total()
                 for c in settled.charges:
@@ -152,22 +169,23 @@ def check_tick(before, after, decision, expected, now):
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(nodes=st.lists(node_st, min_size=2, max_size=5),
-       steps=step_st)
+@given(nodes=st.lists(node_st, min_size=2, max_size=5), steps=step_st)
 def test_invariants_hold_through_a_market_life(nodes, steps):
     run_life(nodes, steps)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(nodes=st.lists(node_st, min_size=2, max_size=5),
-       steps=step_st, hysteresis=st.sampled_from((0, 0.2)))
+@given(
+    nodes=st.lists(node_st, min_size=2, max_size=5),
+    steps=step_st,
+    hysteresis=st.sampled_from((0, 0.2)),
+)
 def test_invariants_hold_for_any_hysteresis(nodes, steps, hysteresis):
     run_life(nodes, steps, hysteresis=hysteresis)
 
 
 @settings(max_examples=100, deadline=None)
-@given(nodes=st.lists(node_st, min_size=1, max_size=4),
-       steps=step_st, data=st.data())
+@given(nodes=st.lists(node_st, min_size=1, max_size=4), steps=step_st, data=st.data())
 def test_a_losing_bid_raised_above_everyone_wins_next_tick(nodes, steps, data):
     """A waiting bid raised beyond every other bid's price times (1 + hysteresis), with a
     node of its pool that could hold it once the incumbents left, wins the next tick."""
@@ -184,8 +202,10 @@ def test_a_losing_bid_raised_above_everyone_wins_next_tick(nodes, steps, data):
         if a.status is AllocationStatus.RESERVED:
             reserved[a.node_id] = reserved.get(a.node_id, 0) + a.gpu_count
     fits = any(
-        n.state is NodeState.LIVE and n.gpu_model == bid.gpu_model
-        and bid.region in ("any", n.region) and n.reserve_price <= top
+        n.state is NodeState.LIVE
+        and n.gpu_model == bid.gpu_model
+        and bid.region in ("any", n.region)
+        and n.reserve_price <= top
         and n.gpu_count - reserved.get(n.id, 0) >= bid.gpu_count
         for n in state.nodes
     )
@@ -196,8 +216,9 @@ def test_a_losing_bid_raised_above_everyone_wins_next_tick(nodes, steps, data):
 
 
 @settings(max_examples=100, deadline=None)
-@given(nodes=st.lists(node_st, min_size=2, max_size=5),
-       bids=st.lists(bid_st, min_size=1, max_size=20))
+@given(
+    nodes=st.lists(node_st, min_size=2, max_size=5), bids=st.lists(bid_st, min_size=1, max_size=20)
+)
 def test_a_bid_below_every_reserve_never_runs(nodes, bids):
     market = Market(MarketConfig(regions=frozenset(REGIONS)))
     for i, (model, region, count, reserve) in enumerate(nodes, start=1):
@@ -211,8 +232,7 @@ def test_a_bid_below_every_reserve_never_runs(nodes, bids):
 
 
 @settings(max_examples=50, deadline=None)
-@given(nodes=st.lists(node_st, min_size=2, max_size=5),
-       steps=step_st)
+@given(nodes=st.lists(node_st, min_size=2, max_size=5), steps=step_st)
 def test_clearing_is_deterministic(nodes, steps):
     market, _, _ = run_life(nodes, steps, check_each_tick=False)
     state = market.snapshot()

@@ -10,11 +10,27 @@ REGIONS = ("eu-west", "us-east")
 
 def random_instance(rng: random.Random):
     models = ("A100-80G", "RTX-4090")
-    nodes = [Node(j + 1, rng.choice(models), rng.choice(REGIONS), rng.choice((1, 2, 4, 8)),
-                  rng.choice((0.2, 0.5, 0.8))) for j in range(rng.randint(1, 4))]
-    bids = [Bid(i + 1, rng.choice(models), rng.choice((1, 1, 2, 2, 4, 8)),
-                round(rng.uniform(0.1, 3.0), 2), region=rng.choice((*REGIONS, "any")),
-                created_at=float(i)) for i in range(rng.randint(1, 12))]
+    nodes = [
+        Node(
+            j + 1,
+            rng.choice(models),
+            rng.choice(REGIONS),
+            rng.choice((1, 2, 4, 8)),
+            rng.choice((0.2, 0.5, 0.8)),
+        )
+        for j in range(rng.randint(1, 4))
+    ]
+    bids = [
+        Bid(
+            i + 1,
+            rng.choice(models),
+            rng.choice((1, 1, 2, 2, 4, 8)),
+            round(rng.uniform(0.1, 3.0), 2),
+            region=rng.choice((*REGIONS, "any")),
+            created_at=float(i),
+        )
+        for i in range(rng.randint(1, 12))
+    ]
     return nodes, bids
 
 
@@ -34,8 +50,11 @@ def welfare_ratios(n: int, seed: int = 7, packing: str = "best-fit") -> list[flo
 
 def test_optimum_of_a_tiny_market_by_hand():
     nodes = [Node(1, "A100-80G", "eu-west", 8, 0.5)]
-    bids = [Bid(1, "A100-80G", 1, 3.0, "eu-west"), Bid(2, "A100-80G", 8, 2.0, "eu-west"),
-            Bid(3, "A100-80G", 4, 0.4, "eu-west")]
+    bids = [
+        Bid(1, "A100-80G", 1, 3.0, "eu-west"),
+        Bid(2, "A100-80G", 8, 2.0, "eu-west"),
+        Bid(3, "A100-80G", 4, 0.4, "eu-west"),
+    ]
     # 8 GPUs at 2.0 (=16) beat 1 at 3.0 (=3); bid 3 is below the reserve
     assert optimal_welfare(nodes, bids) == 16.0
 

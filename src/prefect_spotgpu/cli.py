@@ -34,8 +34,12 @@ def models() -> None:
     table.add_column("on-demand / GPU-hour", justify="right")
     table.add_column("also known as")
     for model in DEFAULT_CATALOG:
-        table.add_row(model.name, f"{model.memory_gb} GB", f"{model.on_demand_price:.2f}",
-                      ", ".join(model.aliases))
+        table.add_row(
+            model.name,
+            f"{model.memory_gb} GB",
+            f"{model.on_demand_price:.2f}",
+            ", ".join(model.aliases),
+        )
     console.print(table)
 
 
@@ -54,9 +58,14 @@ def demo(
 
     for rnd in run_demo(rounds=rounds, seed=seed):
         table = Table(title=f"round {rnd.number}", title_justify="left")
-        for column, justify in (("pool", "left"), ("free/total", "right"),
-                                ("clearing", "right"), ("on-demand", "right"),
-                                ("discount", "right"), ("waiting", "right")):
+        for column, justify in (
+            ("pool", "left"),
+            ("free/total", "right"),
+            ("clearing", "right"),
+            ("on-demand", "right"),
+            ("discount", "right"),
+            ("waiting", "right"),
+        ):
             table.add_column(column, justify=justify)
         for quote in rnd.decision.quotes:
             on_demand = DEFAULT_CATALOG.get(quote.gpu_model).on_demand_price
@@ -71,8 +80,10 @@ def demo(
             )
         console.print(table)
         placed = len(rnd.decision.placements)
-        console.print(f"  {placed} placements, {len(rnd.decision.notices)} notices, "
-                      f"charged {rnd.decision.charges.total():.4f} this round")
+        console.print(
+            f"  {placed} placements, {len(rnd.decision.notices)} notices, "
+            f"charged {rnd.decision.charges.total():.4f} this round"
+        )
         for event in rnd.events[:6]:
             console.print(f"  [yellow]{event}[/yellow]")
         if len(rnd.events) > 6:

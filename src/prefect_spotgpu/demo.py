@@ -56,18 +56,30 @@ def run_demo(rounds: int = 6, seed: int = 2026, tick_seconds: float = 60.0) -> I
             on_demand = DEFAULT_CATALOG.get(model).on_demand_price
             price = round(on_demand * rng.uniform(0.35, 0.85), 2)
             count = rng.choice((1, 1, 2, 4, 8))
-            market.add_bid(Bid(bid_id, model, count, price,
-                               region=rng.choice((region, region, "any")), created_at=now))
+            market.add_bid(
+                Bid(
+                    bid_id,
+                    model,
+                    count,
+                    price,
+                    region=rng.choice((region, region, "any")),
+                    created_at=now,
+                )
+            )
         if number == 3:
             market.upsert_node(Node(1, "RTX-4090", "eu-west", 8, 0.30, NodeState.RECLAIMED))
             events.append("owner reclaims node 1 (RTX-4090, eu-west)")
         decision = market.tick(now)
         for notice in decision.notices:
-            events.append(f"notice to bid {notice.bid_id} on node {notice.node_id}: "
-                          f"{notice.reason.value}, save by +{notice.deadline - now:.0f} s")
+            events.append(
+                f"notice to bid {notice.bid_id} on node {notice.node_id}: "
+                f"{notice.reason.value}, save by +{notice.deadline - now:.0f} s"
+            )
         for placement in decision.placements:
             if placement.kind.value != "new":
-                events.append(f"bid {placement.bid_id}: {placement.kind.value} reservation "
-                              f"on node {placement.node_id}")
+                events.append(
+                    f"bid {placement.bid_id}: {placement.kind.value} reservation "
+                    f"on node {placement.node_id}"
+                )
         yield Round(number, now, decision, tuple(events))
         now += tick_seconds

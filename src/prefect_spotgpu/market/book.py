@@ -59,8 +59,15 @@ class Book:
         bisect.insort(self.delta, (key[0], key[1], key[2], row, epoch))
         self.count += 1
 
-    def peek(self, status: np.ndarray, epoch: np.ndarray, price: np.ndarray,
-             created: np.ndarray, ids: np.ndarray, waiting: int):
+    def peek(
+        self,
+        status: np.ndarray,
+        epoch: np.ndarray,
+        price: np.ndarray,
+        created: np.ndarray,
+        ids: np.ndarray,
+        waiting: int,
+    ):
         """The best live entry as ``(key, row)``, or ``None``; drops stale entries on the way."""
         rows, epochs, head = self.rows, self.epochs, self.head
         n = len(rows)
@@ -92,8 +99,8 @@ class Book:
 
     def live_rows(self, status: np.ndarray, epoch: np.ndarray, waiting: int) -> np.ndarray:
         """All live entries (main after head, then delta), in no particular order."""
-        rows = self.rows[self.head:]
-        live = rows[(status[rows] == waiting) & (epoch[rows] == self.epochs[self.head:])]
+        rows = self.rows[self.head :]
+        live = rows[(status[rows] == waiting) & (epoch[rows] == self.epochs[self.head :])]
         if self.delta:
             extra = [r for _, _, _, r, e in self.delta if status[r] == waiting and epoch[r] == e]
             live = np.concatenate([live, np.asarray(extra, np.int64)])
@@ -145,8 +152,9 @@ class PoolCapacity:
             for bucket in tier:
                 heapify(bucket)
 
-    def best_fit(self, size: int, max_price: float, free_now: list[int],
-                 reserve: list[float]) -> tuple[int, float, int] | None:
+    def best_fit(
+        self, size: int, max_price: float, free_now: list[int], reserve: list[float]
+    ) -> tuple[int, float, int] | None:
         """``(free, reserve, key)`` of the tightest live node with ``size`` free GPUs and
         reserve <= ``max_price``; the row is ``key & ROW_MASK``."""
         for f in range(size, MAX_GPUS_PER_NODE + 1):
@@ -162,8 +170,9 @@ class PoolCapacity:
                     self.entries -= 1
         return None
 
-    def first_fit(self, size: int, max_price: float, free_now: list[int],
-                  reserve: list[float]) -> tuple[int] | None:
+    def first_fit(
+        self, size: int, max_price: float, free_now: list[int], reserve: list[float]
+    ) -> tuple[int] | None:
         """``(key,)`` of the lowest-id live node with ``size`` free GPUs and reserve <=
         ``max_price``."""
         best = None

@@ -14,8 +14,22 @@ from dataclasses import dataclass, field
 
 # Tokens that name a form factor or memory type, not a different product for the buyer.
 _NOISE_TOKENS = frozenset(
-    {"NVIDIA", "GEFORCE", "TESLA", "SXM", "SXM2", "SXM4", "SXM5", "PCIE", "HBM2", "HBM2E",
-     "HBM3", "HBM3E", "NVL", "GPU"}
+    {
+        "NVIDIA",
+        "GEFORCE",
+        "TESLA",
+        "SXM",
+        "SXM2",
+        "SXM4",
+        "SXM5",
+        "PCIE",
+        "HBM2",
+        "HBM2E",
+        "HBM3",
+        "HBM3E",
+        "NVL",
+        "GPU",
+    }
 )
 _MEMORY_TOKEN = re.compile(r"^(\d+)(?:GB|G)$")
 

@@ -10,7 +10,7 @@ bids and 4 nodes).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import lru_cache
+from functools import cache
 
 from prefect_spotgpu.market.types import ANY_REGION, Bid, Node
 
@@ -26,9 +26,12 @@ def optimal_welfare(nodes: Sequence[Node], bids: Sequence[Bid]) -> float:
         raise ValueError("optimal_welfare is exhaustive: use at most 16 bids and 6 nodes")
     options = [
         tuple(
-            j for j, n in enumerate(live)
-            if n.gpu_model == b.gpu_model and b.region in (ANY_REGION, n.region)
-            and n.reserve_price <= b.max_price and n.gpu_count >= b.gpu_count
+            j
+            for j, n in enumerate(live)
+            if n.gpu_model == b.gpu_model
+            and b.region in (ANY_REGION, n.region)
+            and n.reserve_price <= b.max_price
+            and n.gpu_count >= b.gpu_count
         )
         for b in bids
     ]
@@ -40,7 +43,7 @@ def optimal_welfare(nodes: Sequence[Node], bids: Sequence[Bid]) -> float:
     for k in range(len(order) - 1, -1, -1):
         suffix[k] = suffix[k + 1] + values[order[k]]
 
-    @lru_cache(maxsize=None)
+    @cache
     def best(k: int, free: tuple[int, ...]) -> float:
         if k == len(order):
             return 0.0

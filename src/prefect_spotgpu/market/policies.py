@@ -26,7 +26,9 @@ class PackingPolicy:
 PACKING_POLICIES: dict[str, PackingPolicy] = {
     p.name: p
     for p in (
-        PackingPolicy("best-fit", "tightest node that fits; perfect packing when sizes divide", True),
+        PackingPolicy(
+            "best-fit", "tightest node that fits; perfect packing when sizes divide", True
+        ),
         PackingPolicy("first-fit", "lowest node id that fits (naive baseline)", False),
     )
 }

@@ -287,13 +287,10 @@ class MarketConfig:
             math.isfinite(self.reservation_grace_seconds) and self.reservation_grace_seconds >= 0
         ):
             raise ValueError(
-                "reservation_grace_seconds must be >= 0, "
-                f"got {self.reservation_grace_seconds!r}"
+                f"reservation_grace_seconds must be >= 0, got {self.reservation_grace_seconds!r}"
             )
         if self.eviction_scan_limit < 1:
-            raise ValueError(
-                f"eviction_scan_limit must be >= 1, got {self.eviction_scan_limit!r}"
-            )
+            raise ValueError(f"eviction_scan_limit must be >= 1, got {self.eviction_scan_limit!r}")
         from prefect_spotgpu.market.policies import get_packing_policy
 
         get_packing_policy(self.packing)

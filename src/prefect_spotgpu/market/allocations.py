@@ -1,0 +1,320 @@
+"""Allocation bookkeeping: create, notice, migrate, end; the node and bid indexes.
+
+Allocation rows change status only through ``_new_alloc``, ``_notice``, ``_try_promote`` and
+``_end``, which keep the per-node GPU counters, the per-pool aggregates and the bid links
+consistent with the rows."""
+
+from __future__ import annotations
+
+import math
+from heapq import heappop, heappush
+
+import numpy as np
+
+from prefect_spotgpu.market.decision import (
+    Ending,
+    Notice,
+    PlacementKind,
+)
+from prefect_spotgpu.market.tables import (
+    ACTIVE,
+    KIND_CODES,
+    NOTICED,
+    PREEMPTED,
+    REASONS,
+    RELEASED,
+    RESERVED,
+    RUNNING,
+    STATUSES,
+    WAITING,
+)
+from prefect_spotgpu.market.types import (
+    Allocation,
+    NodeState,
+    NoticeReason,
+)
+
+
+class AllocationsMixin:
+    """Part of :class:`prefect_spotgpu.market.engine.Market` (split for size)."""
+
+    # ------------------------------------------------------------------ allocations
+
+    def _load_allocation(self, alloc: Allocation) -> None:
+        brow = self._bid_row_of(alloc.bid_id)
+        nrow = self._node_row[alloc.node_id]
+        status = STATUSES.index(alloc.status)
+        self._new_alloc(
+            alloc.id,
+            brow,
+            nrow,
+            alloc.gpu_count,
+            status,
+            alloc.started_at,
+            alloc.deadline,
+            alloc.notice_reason,
+        )
+        arow = self._alloc_row_of(alloc.id)
+        self.a.price[arow] = alloc.price
+        self.a.charged[arow] = alloc.charged_until
+        self.a.tick[arow] = -1
+        self._suspect_nodes.add(nrow)
+
+    def _new_alloc(
+        self,
+        alloc_id: int,
+        brow: int,
+        nrow: int,
+        gpus: int,
+        status: int,
+        now: float,
+        deadline: float | None,
+        reason: NoticeReason | None,
+    ) -> int:
+        s = self.a.reserve(1)
+        arow = s.start
+        a = self.a
+        a.id[arow], a.bid[arow], a.node[arow] = alloc_id, brow, nrow
+        a.pool[arow], a.gpus[arow], a.status[arow] = self.n_pool[nrow], gpus, status
+        a.price[arow], a.charged[arow], a.started[arow] = 0.0, now, now
+        a.deadline[arow] = math.nan if deadline is None else deadline
+        a.reason[arow] = -1 if reason is None else REASONS.index(reason)
+        a.tick[arow] = self._tick
+        self._alloc_row[alloc_id] = arow
+        self._pools[self.n_pool[nrow]].busy += gpus
+        if self._csr is not None:
+            self._node_extra.setdefault(nrow, []).append(arow)
+            self._extra_count += 1
+        b = self.b
+        if status == RESERVED:
+            b.res[brow] = arow
+        else:
+            b.run[brow] = arow
+        if b.status[brow] == WAITING:
+            self._books[b.book[brow]].count -= 1
+        b.status[brow] = ACTIVE
+        if status == RUNNING:
+            self.n_running[nrow] += gpus
+            self._track_window(arow, True)
+        elif status == NOTICED:
+            self.n_noticed[nrow] += gpus
+            self._pools[self.n_pool[nrow]].noticed_nodes.add(nrow)
+            heappush(self._deadlines, (deadline, alloc_id, arow))
+            if reason is NoticeReason.OUTBID:
+                self._noticed_outbid.add(arow)
+        else:
+            self.n_reserved[nrow] += gpus
+            self._reserved.add(arow)
+            heappush(self._deadlines, (deadline, alloc_id, arow))
+        self._refresh_free(nrow)
+        return arow
+
+    def _alloc_row_of(self, alloc_id: int) -> int | None:
+        row = self._alloc_row.get(alloc_id)
+        if row is None:
+            for first, end, first_row in self._alloc_blocks:
+                if first <= alloc_id < end:
+                    return first_row + alloc_id - first
+        return row
+
+    def _bid_alloc_rows(self, brow: int) -> list[int]:
+        """Active allocation rows of a bid, by allocation id."""
+        rows = [int(r) for r in (self.b.run[brow], self.b.res[brow]) if r >= 0]
+        return sorted(rows, key=lambda r: int(self.a.id[r]))
+
+    def _node_allocs(self, nrow: int) -> list[int]:
+        """Active allocation rows on a node, by allocation id."""
+        a = self.a
+        if self._csr is None or self._extra_count > 65536:
+            n = a.n
+            active = np.flatnonzero(a.status[:n] < PREEMPTED)
+            rows = active[np.argsort(a.node[active], kind="stable")]
+            starts = np.searchsorted(a.node[rows], np.arange(len(self.n_id) + 1))
+            self._csr, self._node_extra, self._extra_count = (rows, starts), {}, 0
+        rows, starts = self._csr
+        found = rows[starts[nrow] : starts[nrow + 1]].tolist() if nrow + 1 < len(starts) else []
+        found.extend(self._node_extra.get(nrow, ()))
+        return sorted((r for r in found if a.status[r] < PREEMPTED), key=lambda r: int(a.id[r]))
+
+    def _track_window(self, arow: int, running: bool) -> None:
+        window = int(self.b.window[self.a.bid[arow]])
+        if window >= 0:
+            allocs = self._window_allocs.setdefault(window, set())
+            if running:
+                allocs.add(arow)
+            else:
+                allocs.discard(arow)
+
+    def _place(
+        self, brow: int, nrow: int, kind: PlacementKind, now: float, expires: float | None = None
+    ) -> int:
+        alloc_id = self._next_alloc_id
+        self._next_alloc_id += 1
+        gpus = int(self.b.gpus[brow])
+        status = RUNNING if kind is PlacementKind.NEW else RESERVED
+        arow = self._new_alloc(alloc_id, brow, nrow, gpus, status, now, expires, None)
+        out = self._out
+        out.p_alloc.append(alloc_id)
+        out.p_bid.append(int(self.b.id[brow]))
+        out.p_node.append(self.n_id[nrow])
+        out.p_gpus.append(gpus)
+        out.p_kind.append(KIND_CODES[kind])
+        out.p_expires.append(math.nan if expires is None else expires)
+        return arow
+
+    def _notice(self, arow: int, reason: NoticeReason, deadline: float, now: float) -> None:
+        a = self.a
+        nrow, gpus = int(a.node[arow]), int(a.gpus[arow])
+        a.status[arow] = NOTICED
+        a.deadline[arow] = deadline
+        a.reason[arow] = REASONS.index(reason)
+        self.n_running[nrow] -= gpus
+        self.n_noticed[nrow] += gpus
+        self._pools[self.n_pool[nrow]].noticed_nodes.add(nrow)
+        self._track_window(arow, False)
+        alloc_id = int(a.id[arow])
+        heappush(self._deadlines, (deadline, alloc_id, arow))
+        if reason is NoticeReason.OUTBID:
+            self._noticed_outbid.add(arow)
+        brow = int(a.bid[arow])
+        self._out.notices.append(
+            Notice(alloc_id, int(self.b.id[brow]), self.n_id[nrow], reason, deadline)
+        )
+        self._refresh_free(nrow)
+        if reason in (NoticeReason.RECLAIMED, NoticeReason.OUTBID, NoticeReason.BELOW_RESERVE):
+            self._migrate(brow, deadline, now)
+
+    def _migrate(self, brow: int, deadline: float, now: float) -> None:
+        """Reserve free GPUs of the bid's pool at once for a noticed bid (DESIGN §3)."""
+        if self.b.res[brow] >= 0:
+            return
+        nrow = self._free_fit(brow)
+        if nrow is not None:
+            self._place(
+                brow,
+                nrow,
+                PlacementKind.MIGRATION,
+                now,
+                deadline + self.config.reservation_grace_seconds,
+            )
+
+    def _end(self, arow: int, status: int, reason: str, at: float) -> None:
+        a = self.a
+        old = int(a.status[arow])
+        nrow, gpus, brow = int(a.node[arow]), int(a.gpus[arow]), int(a.bid[arow])
+        if old in (RUNNING, NOTICED):
+            self._final_charge(arow, at)
+        if old == RUNNING:
+            self.n_running[nrow] -= gpus
+            self._track_window(arow, False)
+        elif old == NOTICED:
+            self.n_noticed[nrow] -= gpus
+            if not self.n_noticed[nrow]:
+                self._pools[self.n_pool[nrow]].noticed_nodes.discard(nrow)
+            self._noticed_outbid.discard(arow)
+        else:
+            self.n_reserved[nrow] -= gpus
+            self._reserved.discard(arow)
+        a.status[arow] = status
+        self._pools[self.n_pool[nrow]].busy -= gpus
+        if old == RUNNING:
+            self._pools[int(a.pool[arow])].incumbents = None
+        b = self.b
+        if b.res[brow] == arow:
+            b.res[brow] = -1
+        if b.run[brow] == arow:
+            b.run[brow] = -1
+        if b.res[brow] < 0 and b.run[brow] < 0 and b.status[brow] == ACTIVE:
+            self._to_waiting(brow)
+        self._out.endings.append(
+            Ending(
+                int(a.id[arow]),
+                int(self.b.id[brow]),
+                self.n_id[nrow],
+                STATUSES[status],
+                reason,
+                at,
+            )
+        )
+        self._refresh_free(nrow)
+
+    def _node_conditions(self, now: float) -> None:
+        """Notices or endings for allocations on reclaimed, lost or re-priced nodes."""
+        suspects = sorted(self._suspect_nodes, key=self.n_id.__getitem__)
+        self._suspect_nodes = set()
+        a = self.a
+        deadline = now + self.config.notice_seconds
+        for nrow in suspects:
+            state = self.n_state[nrow]
+            for arow in self._node_allocs(nrow):
+                status = a.status[arow]
+                if state is NodeState.LOST:
+                    self._end(arow, RELEASED if status == RESERVED else PREEMPTED, "node lost", now)
+                elif state is NodeState.RECLAIMED:
+                    if status == RESERVED:
+                        self._end(arow, RELEASED, "node reclaimed", now)
+                    elif status == RUNNING:
+                        self._notice(arow, NoticeReason.RECLAIMED, deadline, now)
+                elif self.b.price[a.bid[arow]] < self.n_reserve[nrow]:
+                    if status == RUNNING:
+                        self._notice(arow, NoticeReason.BELOW_RESERVE, deadline, now)
+                    elif status == RESERVED:
+                        self._end(arow, RELEASED, "below reserve", now)
+
+    def _deadlines_due(self, now: float) -> None:
+        a = self.a
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            deadline, _, arow = heappop(heap)
+            status = a.status[arow]
+            if status in (NOTICED, RESERVED) and a.deadline[arow] == deadline:
+                if status == NOTICED:
+                    self._end(arow, PREEMPTED, "notice deadline passed", deadline)
+                elif not self._try_promote(arow, now):  # late tick: start it if it can
+                    self._end(arow, RELEASED, "reservation expired", deadline)
+
+    def _windows_closing(self, now: float) -> None:
+        a = self.a
+        for window in sorted(self._window_allocs, key=self._windows.__getitem__):
+            interval = self._windows[window]
+            if interval.end - now > self.config.notice_seconds and interval.start <= now:
+                continue
+            deadline = max(interval.end, now) if interval.start <= now else now
+            for arow in sorted(self._window_allocs[window], key=lambda r: a.id[r]):
+                self._notice(arow, NoticeReason.WINDOW_CLOSING, deadline, now)
+
+    def _window_open(self, window: int, now: float) -> bool:
+        """Whether a bid with this window may start now (not within a notice of its close)."""
+        if window < 0:
+            return True
+        interval = self._windows[window]
+        return interval.start <= now and interval.end - now > self.config.notice_seconds
+
+    def _promote(self, now: float) -> None:
+        for arow in sorted(self._reserved, key=lambda r: self.a.id[r]):
+            self._try_promote(arow, now)
+
+    def _try_promote(self, arow: int, now: float) -> bool:
+        """Start a reservation whose bid runs nowhere else and whose GPUs are free now."""
+        a = self.a
+        brow, nrow, gpus = int(a.bid[arow]), int(a.node[arow]), int(a.gpus[arow])
+        if self.b.run[brow] >= 0:
+            return False
+        if self.n_running[nrow] + self.n_noticed[nrow] + gpus > self.n_cap[nrow]:
+            return False
+        if self.n_state[nrow] not in (NodeState.LIVE, NodeState.DRAINING):
+            return False
+        if self.b.price[brow] < self.n_reserve[nrow]:
+            return False
+        self._reserved.discard(arow)
+        self.b.res[brow], self.b.run[brow] = -1, arow
+        self.n_reserved[nrow] -= gpus
+        self.n_running[nrow] += gpus
+        a.status[arow] = RUNNING
+        a.charged[arow] = a.started[arow] = now
+        a.deadline[arow] = math.nan
+        a.tick[arow] = -1  # an incumbent: challengers of this tick may outbid it
+        self._track_window(arow, True)
+        self._out.promotions.append(int(a.id[arow]))
+        self._refresh_free(nrow)
+        return True

@@ -1,0 +1,167 @@
+"""Pool quotes (the uniform clearing price) and per-second charges."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from prefect_spotgpu.market.decision import (
+    Charges,
+    PoolQuote,
+)
+from prefect_spotgpu.market.tables import (
+    NOTICED,
+    RUNNING,
+    SECONDS_PER_HOUR,
+    WAITING,
+    Pool,
+)
+
+
+class PricingMixin:
+    """Part of :class:`prefect_spotgpu.market.engine.Market` (split for size)."""
+
+    # ------------------------------------------------------------------ prices and charges
+
+    def _live(self, pool: Pool) -> list[int]:
+        if pool.live is None:
+            live = pool.live = [r for r in pool.nodes if self.n_state[r].offers_capacity()]
+            pool.max_cap = max((self.n_cap[r] for r in live), default=0)
+            pool.total = sum(self.n_cap[r] for r in live)
+            pool.min_reserve = min((self.n_reserve[r] for r in live), default=None)
+        return pool.live
+
+    def _quotes(self, now: float) -> tuple[tuple[PoolQuote, ...], np.ndarray]:
+        b, a = self.b, self.a
+        n_pools = len(self._pools)
+        losing = np.full(n_pools, -math.inf)
+        waiting = np.zeros(n_pools, np.int64)
+        for pool in self._pools:
+            self._live(pool)
+        max_cap = [pool.max_cap for pool in self._pools]
+        peek_args = (b.status, b.epoch, b.price, b.created, b.id, WAITING)
+        for book in self._books:
+            if book.count <= 0 or not self._window_open(book.window, now):
+                continue
+            head = book.peek(*peek_args)
+            pools = (
+                self._model_pools[book.model]
+                if book.region < 0
+                else [self._pool_index.get((book.model, book.region))]
+            )
+            for p in pools:
+                if p is None or max_cap[p] < book.size:
+                    continue
+                waiting[p] += book.count
+                if head is not None:
+                    losing[p] = max(losing[p], -head[0][0])
+        for arow in self._noticed_outbid:
+            if a.status[arow] != NOTICED:
+                continue
+            brow = int(a.bid[arow])
+            if b.res[brow] >= 0:
+                continue
+            if self._window_open(int(b.window[brow]), now):
+                p = int(a.pool[arow])
+                losing[p] = max(losing[p], float(b.price[brow]))
+        n = a.n
+        busy = np.flatnonzero((a.status[:n] == RUNNING) | (a.status[:n] == NOTICED))
+        running = np.bincount(a.pool[busy], weights=a.gpus[busy], minlength=n_pools)
+        clearing = np.full(n_pools, np.nan)
+        quotes = []
+        for pool in sorted(
+            self._pools, key=lambda q: (self._models[q.model], self._regions[q.region])
+        ):
+            reserve = pool.min_reserve
+            lose = float(losing[pool.index]) if losing[pool.index] > -math.inf else None
+            price = None
+            if reserve is not None:
+                price = max(reserve, lose) if lose is not None else reserve
+                clearing[pool.index] = price
+            quotes.append(
+                PoolQuote(
+                    gpu_model=self._models[pool.model],
+                    region=self._regions[pool.region],
+                    clearing_price=price,
+                    reserve_price=reserve,
+                    highest_losing_bid=lose,
+                    gpus_total=pool.total,
+                    gpus_free=pool.free,
+                    gpus_running=int(running[pool.index]),
+                    waiting_bids=int(waiting[pool.index]),
+                )
+            )
+        return tuple(quotes), clearing
+
+    def _charge_running(self, now: float, clearing: np.ndarray) -> Charges:
+        a, b = self.a, self.b
+        n = a.n
+        status = a.status[:n]
+        rows = np.flatnonzero((status == RUNNING) | (status == NOTICED))
+        if len(rows) == 0:
+            return Charges.empty()
+        seconds = now - a.charged[rows]
+        gpus = a.gpus[rows].astype(np.int64)
+        price = a.price[rows]
+        bill = seconds > 0
+        brows = a.bid[rows]
+        charged = rows[bill]
+        order = np.argsort(a.id[charged], kind="stable")
+        charged = charged[order]
+        c_price, c_seconds = price[bill][order], seconds[bill][order]
+        c_gpus = gpus[bill][order]
+        charges = Charges(
+            a.id[charged].copy(),
+            b.id[a.bid[charged]],
+            b.tenant[a.bid[charged]],
+            c_gpus,
+            c_price.copy(),
+            c_seconds,
+            c_price * c_gpus * c_seconds / SECONDS_PER_HOUR,
+        )
+        # the price in force from now on
+        if self._n_reserve_np is None:
+            self._n_reserve_np = np.asarray(self.n_reserve, np.float64)
+        node_reserve = self._n_reserve_np[a.node[rows]]
+        pool_price = clearing[a.pool[rows]]
+        pool_price = np.where(np.isnan(pool_price), node_reserve, pool_price)
+        a.price[rows] = np.minimum(np.maximum(pool_price, node_reserve), b.price[brows])
+        a.charged[rows] = now
+        return charges
+
+    def _final_charge(self, arow: int, at: float) -> None:
+        a = self.a
+        seconds = at - float(a.charged[arow])
+        if seconds > 0:
+            brow = int(a.bid[arow])
+            price, gpus = float(a.price[arow]), int(a.gpus[arow])
+            self._out.final_charges.append(
+                (
+                    int(a.id[arow]),
+                    int(self.b.id[brow]),
+                    int(self.b.tenant[brow]),
+                    gpus,
+                    price,
+                    seconds,
+                )
+            )
+        a.charged[arow] = max(at, float(a.charged[arow]))
+
+    def _final_charges(self) -> Charges:
+        rows = self._out.final_charges
+        if not rows:
+            return Charges.empty()
+        ids, bids, tenants, gpus, price, seconds = (np.asarray(c) for c in zip(*rows, strict=False))
+        price = price.astype(np.float64)
+        seconds = seconds.astype(np.float64)
+        amount = price * gpus * seconds / SECONDS_PER_HOUR
+        return Charges(
+            ids.astype(np.int64),
+            bids.astype(np.int64),
+            tenants.astype(np.int64),
+            gpus.astype(np.int64),
+            price,
+            seconds,
+            amount,
+        )

@@ -1,0 +1,119 @@
+"""Plain containers the engine keeps its state in: growable numpy columns, pools, tick output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from prefect_spotgpu.market.book import PoolCapacity
+from prefect_spotgpu.market.decision import Ending, Notice, PlacementKind, Placements
+from prefect_spotgpu.market.types import MAX_GPUS_PER_NODE, AllocationStatus, NoticeReason
+
+# Bid row status.
+GONE, WAITING, ACTIVE = 0, 1, 2
+# Allocation row status codes, in AllocationStatus order.
+STATUSES = tuple(AllocationStatus)
+RESERVED, RUNNING, NOTICED, PREEMPTED, FINISHED, RELEASED = range(6)
+REASONS = tuple(NoticeReason)
+KIND_CODES = {k: i for i, k in enumerate(PlacementKind)}
+SECONDS_PER_HOUR = 3600.0
+
+
+class Columns:
+    """Growable numpy columns (rows are appended, never moved)."""
+
+    def __init__(self, **dtypes: object) -> None:
+        self.n = 0
+        self._dtypes = dtypes
+        for name, dtype in dtypes.items():
+            setattr(self, name, np.zeros(16, dtype))
+
+    def reserve(self, extra: int) -> slice:
+        need = self.n + extra
+        cap = len(getattr(self, next(iter(self._dtypes))))
+        if need > cap:
+            new_cap = max(need, cap * 2)
+            for name, dtype in self._dtypes.items():
+                old = getattr(self, name)
+                new = np.zeros(new_cap, dtype)
+                new[: self.n] = old[: self.n]
+                setattr(self, name, new)
+        s = slice(self.n, need)
+        self.n = need
+        return s
+
+
+@dataclass(slots=True)
+class Pool:
+    index: int
+    model: int
+    region: int
+    nodes: list[int] = field(default_factory=list)  # node rows, kept sorted by node id
+    capacity: PoolCapacity = field(default_factory=PoolCapacity)
+    incumbents: np.ndarray | None = None  # alloc rows RUNNING at tick start, weakest first
+    incumbent_eff: np.ndarray | None = None
+    scan_from: int = 0  # incumbents before this index are no longer running
+    noticed_nodes: set[int] = field(default_factory=set)  # nodes with noticed GPUs
+    evict_failed_size: int = MAX_GPUS_PER_NODE + 1
+    busy: int = 0  # GPUs running, noticed or reserved on its nodes
+    free: int = 0  # sum of free GPUs of its live nodes
+    live: list[int] | None = None  # live node rows (None: recompute)
+    max_cap: int = 0
+    total: int = 0
+    min_reserve: float | None = None
+
+
+@dataclass(slots=True)
+class TickOut:
+    """What a tick (or an external change) decided so far, as plain lists."""
+
+    p_alloc: list[int] = field(default_factory=list)
+    p_bid: list[int] = field(default_factory=list)
+    p_node: list[int] = field(default_factory=list)
+    p_gpus: list[int] = field(default_factory=list)
+    p_kind: list[int] = field(default_factory=list)
+    p_expires: list[float] = field(default_factory=list)
+    notices: list[Notice] = field(default_factory=list)
+    endings: list[Ending] = field(default_factory=list)
+    promotions: list[int] = field(default_factory=list)
+    final_charges: list[tuple[int, int, int, int, float, float]] = field(default_factory=list)
+    chunks: list[tuple[np.ndarray, ...]] = field(default_factory=list)
+
+    def add_chunk(self, *columns: np.ndarray) -> None:
+        """Append placements decided in bulk, after those decided one by one so far."""
+        self.flush()
+        self.chunks.append(columns)
+
+    def flush(self) -> None:
+        if self.p_alloc:
+            self.chunks.append(
+                (
+                    np.asarray(self.p_alloc, np.int64),
+                    np.asarray(self.p_bid, np.int64),
+                    np.asarray(self.p_node, np.int64),
+                    np.asarray(self.p_gpus, np.int64),
+                    np.asarray(self.p_kind, np.int8),
+                    np.asarray(self.p_expires, np.float64),
+                )
+            )
+            for column in (
+                self.p_alloc,
+                self.p_bid,
+                self.p_node,
+                self.p_gpus,
+                self.p_kind,
+                self.p_expires,
+            ):
+                column.clear()
+
+    def placements(self) -> Placements:
+        self.flush()
+        if not self.chunks:
+            return Placements(
+                *(
+                    np.zeros(0, t)
+                    for t in (np.int64, np.int64, np.int64, np.int64, np.int8, np.float64)
+                )
+            )
+        return Placements(*(np.concatenate(c) for c in zip(*self.chunks, strict=False)))
