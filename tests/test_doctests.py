@@ -1,0 +1,19 @@
+"""The examples in the market's docstrings run."""
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import prefect_spotgpu.market
+
+MODULES = [
+    m.name for m in pkgutil.iter_modules(prefect_spotgpu.market.__path__, "prefect_spotgpu.market.")
+]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    result = doctest.testmod(importlib.import_module(name))
+    assert result.failed == 0
