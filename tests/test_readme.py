@@ -25,3 +25,12 @@ def test_readme_opens_with_the_two_setup_commands():
     ]
     ci = (README.parent / ".ci" / "run").read_text()
     assert first_block[1] in ci
+
+
+def test_readme_state_diagram_names_every_allocation_status():
+    from prefect_spotgpu.market import AllocationStatus
+
+    text = README.read_text()
+    diagram = text[text.index("### Allocation states") : text.index("### GPU models")]
+    for status in AllocationStatus:
+        assert status.name in diagram, status
