@@ -15,6 +15,12 @@ app = typer.Typer(
     add_completion=False,
 )
 console = Console()
+server_app = typer.Typer(help="Run the market service.", no_args_is_help=True)
+admin_app = typer.Typer(help="Administer a running market service.", no_args_is_help=True)
+app.add_typer(server_app, name="server")
+app.add_typer(admin_app, name="admin")
+
+DEFAULT_MARKET = "http://127.0.0.1:4300"
 
 
 @app.command()
@@ -89,6 +95,119 @@ def demo(
         if len(rnd.events) > 6:
             console.print(f"  [yellow]... and {len(rnd.events) - 6} more[/yellow]")
     console.print("[green]demo complete[/green]: the market cleared every round.")
+
+
+@server_app.command("start")
+def server_start(
+    db: str = typer.Option(
+        None,
+        "--db",
+        envvar="SPOTGPU_DB_URL",
+        help="SQLAlchemy URL (default: SQLite in ~/.spotgpu). PostgreSQL: "
+        "postgresql+psycopg://user@host/db",
+    ),
+    host: str = typer.Option("127.0.0.1", envvar="SPOTGPU_HOST", help="Interface to bind."),
+    port: int = typer.Option(4300, envvar="SPOTGPU_PORT", min=1, max=65535, help="Port."),
+    tick_seconds: float = typer.Option(None, help="Seconds between clearing ticks (1)."),
+    log_level: str = typer.Option("info", help="debug, info, warning or error."),
+) -> None:
+    """Start the market service: API, migrations, the per-second tick and webhooks.
+
+    Run several against one PostgreSQL database for more API capacity: exactly one of them
+    leads the tick loop at a time. The admin key is SPOTGPU_ADMIN_KEY, or generated once into
+    ~/.spotgpu/admin_key.
+    """
+    from pydantic import ValidationError
+
+    from prefect_spotgpu.service.server import serve
+    from prefect_spotgpu.service.settings import ServiceSettings
+
+    overrides = {"host": host, "port": port}
+    if db is not None:
+        overrides["db_url"] = db
+    if tick_seconds is not None:
+        overrides["tick_seconds"] = tick_seconds
+    try:
+        settings = ServiceSettings(**overrides)
+    except ValidationError as exc:
+        console.print(f"[red]bad setting[/red]: {exc}")
+        raise typer.Exit(2) from None
+    console.print(
+        f"market service on http://{settings.host}:{settings.port} "
+        f"(database: {settings.database_url().split('@')[-1]}); "
+        f"API docs at /docs"
+    )
+    serve(settings, log_level=log_level)
+
+
+def _admin_client(market: str):
+    import httpx
+
+    from prefect_spotgpu.service.settings import ServiceSettings
+
+    key = ServiceSettings().resolved_admin_key()
+    return httpx.Client(
+        base_url=market.rstrip("/") + "/api/v1",
+        timeout=30,
+        headers={"Authorization": f"Bearer {key}"},
+    )
+
+
+def _fail(response) -> None:
+    try:
+        detail = response.json().get("detail")
+    except ValueError:
+        detail = response.text
+    console.print(f"[red]error {response.status_code}[/red]: {detail}")
+    raise typer.Exit(1)
+
+
+@admin_app.command("create-tenant")
+def admin_create_tenant(
+    name: str = typer.Argument(..., help="Tenant name (letters, digits, '-', '_', '.')."),
+    credit: float = typer.Option(None, help="Starting credit (default: the service's, 10)."),
+    market: str = typer.Option(
+        DEFAULT_MARKET, envvar="SPOTGPU_MARKET_URL", help="URL of the market service."
+    ),
+) -> None:
+    """Create a tenant and print its API key (shown once)."""
+    import httpx
+
+    body = {"name": name}
+    if credit is not None:
+        body["starting_credit"] = credit
+    try:
+        with _admin_client(market) as client:
+            response = client.post("/tenants", json=body)
+    except httpx.HTTPError as exc:
+        console.print(f"[red]cannot reach the market at {market}[/red]: {exc}")
+        raise typer.Exit(1) from None
+    if response.status_code != 201:
+        _fail(response)
+    tenant = response.json()
+    console.print(
+        f"tenant [bold]{tenant['name']}[/bold] (id {tenant['id']}), balance {tenant['balance']:.2f}"
+    )
+    console.print(f"API key: {tenant['api_key']}")
+
+
+@admin_app.command("tenants")
+def admin_tenants(
+    market: str = typer.Option(
+        DEFAULT_MARKET, envvar="SPOTGPU_MARKET_URL", help="URL of the market service."
+    ),
+) -> None:
+    """List tenants and their balances."""
+    with _admin_client(market) as client:
+        response = client.get("/tenants")
+    if response.status_code != 200:
+        _fail(response)
+    table = Table(title="tenants")
+    for column in ("id", "name", "balance"):
+        table.add_column(column)
+    for t in response.json():
+        table.add_row(str(t["id"]), t["name"], f"{t['balance']:.4f}")
+    console.print(table)
 
 
 if __name__ == "__main__":  # pragma: no cover

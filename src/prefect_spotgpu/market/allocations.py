@@ -234,6 +234,7 @@ class AllocationsMixin:
                 STATUSES[status],
                 reason,
                 at,
+                STATUSES[old],
             )
         )
         self._refresh_free(nrow)

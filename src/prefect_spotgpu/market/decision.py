@@ -98,6 +98,8 @@ class Ending:
     status: AllocationStatus
     reason: str
     at: float
+    previous: AllocationStatus
+    """The status it ended from."""
 
 
 @dataclass(frozen=True, slots=True)

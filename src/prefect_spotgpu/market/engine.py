@@ -55,9 +55,11 @@ from prefect_spotgpu.market.pricing import PricingMixin
 from prefect_spotgpu.market.tables import (
     FINISHED,
     GONE,
+    NOTICED,
     REASONS,
     RELEASED,
     RESERVED,
+    RUNNING,
     STATUSES,
     WAITING,
     Columns,
@@ -220,6 +222,8 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
         return self._pools[i]
 
     def _known_region(self, region: str) -> bool:
+        if self.config.open_regions:
+            return True
         if self.config.regions is not None:
             return region in self.config.regions
         return region in self._region_index
@@ -606,6 +610,26 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
                 )
             )
         return MarketState(nodes, tuple(bids), tuple(allocs), self.config, self._next_alloc_id)
+
+    def charge_state(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(allocation ids, price in force, charged until)`` of every charged allocation."""
+        a = self.a
+        rows = np.flatnonzero((a.status[: a.n] == RUNNING) | (a.status[: a.n] == NOTICED))
+        return a.id[rows].copy(), a.price[rows].copy(), a.charged[rows].copy()
+
+    def bid_tenant(self, bid_id: int) -> int:
+        return int(self.b.tenant[self._bid_row_of(bid_id)])
+
+    def has_bid(self, bid_id: int) -> bool:
+        row = self._bid_row.get(bid_id)
+        return row is not None and self.b.status[row] != GONE
+
+    def bid_price(self, bid_id: int) -> float:
+        return float(self.b.price[self._bid_row_of(bid_id)])
+
+    def allocation_status(self, allocation_id: int) -> AllocationStatus | None:
+        row = self._alloc_row_of(allocation_id)
+        return None if row is None else STATUSES[self.a.status[row]]
 
     @property
     def now(self) -> float:

@@ -277,6 +277,9 @@ class MarketConfig:
     """How many of a pool's weakest incumbents one challenger examines for an eviction."""
     regions: frozenset[str] | None = None
     """Regions bids may name; ``None`` accepts the regions of the registered nodes."""
+    open_regions: bool = False
+    """Accept any well-formed region, even one no node offers yet (the service: a bid may
+    arrive before the first node of its region)."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.hysteresis) and 0 <= self.hysteresis < 10):
@@ -320,7 +323,7 @@ class MarketState:
         _check_unique("bid", [b.id for b in self.bids])
         _check_unique("allocation", [a.id for a in self.allocations])
         regions = self.config.regions or frozenset(n.region for n in self.nodes)
-        for bid in self.bids:
+        for bid in () if self.config.open_regions else self.bids:
             if bid.region != ANY_REGION and bid.region not in regions:
                 raise ValueError(
                     f"region {bid.region!r} of bid {bid.id} is not a known region; "

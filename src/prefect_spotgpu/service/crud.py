@@ -1,0 +1,447 @@
+"""Data functions: keyword-only ``verb_noun(*, session, ...)``; they never commit.
+
+API writes that the tick leader must see (bids, nodes, reports, credits) also write a
+``market_changes`` row in the same transaction (an outbox), so nothing accepted is lost.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from datetime import UTC, datetime
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from prefect_spotgpu.market import AllocationStatus
+from prefect_spotgpu.service import schemas
+from prefect_spotgpu.service.errors import Conflict, Forbidden, Invalid, NotFound
+from prefect_spotgpu.service.models import (
+    AllocationRow,
+    ApiKey,
+    BidRow,
+    EventRow,
+    LedgerEntry,
+    MarketChange,
+    NodeRow,
+    PriceBar,
+    Tenant,
+    WebhookDelivery,
+)
+
+ACTIVE = tuple(s.value for s in AllocationStatus.active_statuses())
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def new_secret(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_urlsafe(24)}"
+
+
+def record_change(
+    *, session: Session, entity: str, entity_id: int, op: str, data: dict | None = None
+) -> None:
+    session.add(MarketChange(entity=entity, entity_id=entity_id, op=op, data=data))
+
+
+# ---------------------------------------------------------------- tenants and keys
+
+
+def create_tenant(
+    *, session: Session, name: str, starting_credit: float, now: datetime
+) -> tuple[Tenant, str]:
+    if session.scalar(select(Tenant.id).where(Tenant.name == name)) is not None:
+        raise Conflict(f"tenant name {name!r} is taken", field="name")
+    tenant = Tenant(name=name, credits=0.0, spent=0.0, created_at=now)
+    session.add(tenant)
+    session.flush()
+    key = new_secret("sgk")
+    session.add(
+        ApiKey(tenant_id=tenant.id, key_hash=hash_secret(key), prefix=key[:8], created_at=now)
+    )
+    if starting_credit > 0:
+        add_credit(
+            session=session,
+            tenant_id=tenant.id,
+            amount=starting_credit,
+            kind="starting_credit",
+            reason="starting credit for a new tenant",
+            now=now,
+        )
+    return tenant, key
+
+
+def tenant_for_key(*, session: Session, key: str) -> Tenant | None:
+    return session.scalar(
+        select(Tenant)
+        .join(ApiKey, ApiKey.tenant_id == Tenant.id)
+        .where(ApiKey.key_hash == hash_secret(key))
+    )
+
+
+def get_tenant(*, session: Session, tenant_id: int) -> Tenant:
+    tenant = session.get(Tenant, tenant_id)
+    if tenant is None:
+        raise NotFound(f"tenant {tenant_id} not found")
+    return tenant
+
+
+def add_credit(
+    *,
+    session: Session,
+    tenant_id: int,
+    amount: float,
+    kind: str,
+    reason: str,
+    now: datetime,
+    allocation_id: int | None = None,
+) -> LedgerEntry:
+    tenant = session.get(Tenant, tenant_id, with_for_update=True)
+    if tenant is None:
+        raise NotFound(f"tenant {tenant_id} not found")
+    tenant.credits += amount
+    entry = LedgerEntry(
+        tenant_id=tenant_id,
+        kind=kind,
+        amount=amount,
+        allocation_id=allocation_id,
+        reason=reason,
+        created_at=now,
+    )
+    session.add(entry)
+    record_change(session=session, entity="tenant", entity_id=tenant_id, op="credit")
+    return entry
+
+
+# ---------------------------------------------------------------- nodes
+
+
+def register_node(
+    *, session: Session, owner_id: int, data: schemas.NodeCreate, now: datetime
+) -> tuple[NodeRow, str]:
+    if (
+        session.scalar(
+            select(NodeRow.id).where(NodeRow.owner_id == owner_id, NodeRow.name == data.name)
+        )
+        is not None
+    ):
+        raise Conflict(f"you already have a node named {data.name!r}", field="name")
+    token = new_secret("sgn")
+    node = NodeRow(
+        owner_id=owner_id,
+        name=data.name,
+        gpu_model=data.gpu_model,
+        region=data.region,
+        gpu_count=data.gpu_count,
+        reserve_price=data.reserve_price,
+        state="live",
+        token_hash=hash_secret(token),
+        declared=data.declared,
+        inventory=data.inventory,
+        telemetry=None,
+        last_heartbeat_at=now,
+        created_at=now,
+    )
+    session.add(node)
+    session.flush()
+    record_change(session=session, entity="node", entity_id=node.id, op="upsert")
+    return node, token
+
+
+def node_for_token(*, session: Session, token: str) -> NodeRow | None:
+    return session.scalar(select(NodeRow).where(NodeRow.token_hash == hash_secret(token)))
+
+
+def get_node(*, session: Session, node_id: int, owner_id: int | None) -> NodeRow:
+    """A node; ``owner_id`` None means the admin, who sees every node."""
+    node = session.get(NodeRow, node_id)
+    if node is None or (owner_id is not None and node.owner_id != owner_id):
+        raise NotFound(f"node {node_id} not found")
+    return node
+
+
+def list_nodes(*, session: Session, owner_id: int | None) -> list[NodeRow]:
+    query = select(NodeRow).order_by(NodeRow.id)
+    if owner_id is not None:
+        query = query.where(NodeRow.owner_id == owner_id)
+    return list(session.scalars(query))
+
+
+def heartbeat_node(
+    *, session: Session, node: NodeRow, telemetry: dict | None, now: datetime
+) -> NodeRow:
+    node.last_heartbeat_at = now
+    if telemetry is not None:
+        node.telemetry = telemetry
+    if node.state == "lost":  # the agent is back: it offers its GPUs again, empty
+        node.state = "live"
+        record_change(session=session, entity="node", entity_id=node.id, op="upsert")
+    return node
+
+
+def update_node(*, session: Session, node: NodeRow, data: schemas.NodeUpdate) -> NodeRow:
+    if data.state is not None:
+        if node.state == "reclaimed" and data.state != "reclaimed":
+            pass  # the owner offers a reclaimed node again
+        node.state = data.state
+    if data.reserve_price is not None:
+        node.reserve_price = data.reserve_price
+    record_change(session=session, entity="node", entity_id=node.id, op="upsert")
+    return node
+
+
+# ---------------------------------------------------------------- bids
+
+
+def create_bid(
+    *, session: Session, tenant_id: int, data: schemas.BidCreate, now: datetime
+) -> tuple[BidRow, bool]:
+    """The bid, and whether it was created now (False: the idempotency key found it)."""
+    fields = data.model_dump(exclude={"idempotency_key"})
+    if data.idempotency_key is not None:
+        existing = session.scalar(
+            select(BidRow).where(
+                BidRow.tenant_id == tenant_id, BidRow.idempotency_key == data.idempotency_key
+            )
+        )
+        if existing is not None:
+            _same_bid_or_conflict(existing, fields)
+            return existing, False
+    bid = BidRow(
+        tenant_id=tenant_id,
+        idempotency_key=data.idempotency_key,
+        status="open",
+        hold_reason=None,
+        created_at=now,
+        updated_at=now,
+        **fields,
+    )
+    try:
+        with session.begin_nested():
+            session.add(bid)
+            session.flush()
+    except IntegrityError:
+        existing = session.scalar(
+            select(BidRow).where(
+                BidRow.tenant_id == tenant_id, BidRow.idempotency_key == data.idempotency_key
+            )
+        )
+        if existing is None:
+            raise
+        _same_bid_or_conflict(existing, fields)
+        return existing, False
+    tenant = session.get(Tenant, tenant_id)
+    if tenant is not None and tenant.credits - tenant.spent <= 0:
+        bid.status = "held"
+        bid.hold_reason = f"out of credit: balance {tenant.credits - tenant.spent:.4f}"
+    record_change(session=session, entity="bid", entity_id=bid.id, op="create")
+    return bid, True
+
+
+def _same_bid_or_conflict(existing: BidRow, fields: dict) -> None:
+    for name in ("gpu_model", "region", "gpu_count", "max_price"):
+        if getattr(existing, name) != fields[name]:
+            raise Conflict(
+                f"idempotency_key was used for bid {existing.id} with a different {name}",
+                field="idempotency_key",
+            )
+
+
+def get_bid(*, session: Session, tenant_id: int, bid_id: int) -> BidRow:
+    bid = session.get(BidRow, bid_id)
+    if bid is None or bid.tenant_id != tenant_id:
+        raise NotFound(f"bid {bid_id} not found")
+    return bid
+
+
+def list_bids(
+    *, session: Session, tenant_id: int, status: str | None, limit: int, after_id: int
+) -> list[BidRow]:
+    query = (
+        select(BidRow)
+        .where(BidRow.tenant_id == tenant_id, BidRow.id > after_id)
+        .order_by(BidRow.id)
+        .limit(limit)
+    )
+    if status is not None:
+        query = query.where(BidRow.status == status)
+    return list(session.scalars(query))
+
+
+def reprice_bid(*, session: Session, bid: BidRow, max_price: float, now: datetime) -> BidRow:
+    if bid.status not in ("open", "held"):
+        raise Conflict(f"bid {bid.id} is {bid.status}: it cannot be repriced")
+    bid.max_price = max_price
+    bid.updated_at = now
+    record_change(
+        session=session, entity="bid", entity_id=bid.id, op="reprice", data={"max_price": max_price}
+    )
+    return bid
+
+
+def cancel_bid(*, session: Session, bid: BidRow, now: datetime) -> BidRow:
+    if bid.status in ("cancelled", "finished"):
+        return bid
+    bid.status = "cancelled"
+    bid.updated_at = now
+    record_change(
+        session=session, entity="bid", entity_id=bid.id, op="cancel", data={"at": now.timestamp()}
+    )
+    return bid
+
+
+# ---------------------------------------------------------------- allocations
+
+
+def get_allocation(
+    *,
+    session: Session,
+    allocation_id: int,
+    tenant_id: int | None = None,
+    node_id: int | None = None,
+) -> AllocationRow:
+    alloc = session.get(AllocationRow, allocation_id)
+    if alloc is None or (tenant_id is not None and alloc.tenant_id != tenant_id):
+        raise NotFound(f"allocation {allocation_id} not found")
+    if node_id is not None and alloc.node_id != node_id:
+        raise Forbidden(f"allocation {allocation_id} is not on this node")
+    return alloc
+
+
+def list_allocations(
+    *,
+    session: Session,
+    tenant_id: int | None = None,
+    node_id: int | None = None,
+    bid_id: int | None = None,
+    active_only: bool = False,
+    limit: int = 500,
+) -> list[AllocationRow]:
+    query = select(AllocationRow).order_by(AllocationRow.id).limit(limit)
+    if tenant_id is not None:
+        query = query.where(AllocationRow.tenant_id == tenant_id)
+    if node_id is not None:
+        query = query.where(AllocationRow.node_id == node_id)
+    if bid_id is not None:
+        query = query.where(AllocationRow.bid_id == bid_id)
+    if active_only:
+        query = query.where(AllocationRow.status.in_(ACTIVE))
+    return list(session.scalars(query))
+
+
+def report_allocation(
+    *,
+    session: Session,
+    node_id: int,
+    allocation_id: int,
+    report: schemas.AllocationReport,
+    now: datetime,
+) -> AllocationRow:
+    """Record what the node's agent says about its allocation (fenced by the epoch)."""
+    alloc = get_allocation(session=session, allocation_id=allocation_id, node_id=node_id)
+    if report.epoch != alloc.epoch:
+        raise Conflict(
+            f"stale epoch {report.epoch}: allocation {allocation_id} is at epoch {alloc.epoch} "
+            f"({alloc.status})",
+            field="epoch",
+        )
+    if AllocationStatus(alloc.status).is_terminal():
+        raise Conflict(f"allocation {allocation_id} already ended ({alloc.status})")
+    if report.outcome in ("checkpoint", "saved") and report.checkpoint_at is None:
+        raise Invalid(f"outcome {report.outcome!r} needs checkpoint_at", field="checkpoint_at")
+    if report.checkpoint_at is not None:
+        alloc.last_checkpoint_at = max(alloc.last_checkpoint_at or 0.0, report.checkpoint_at)
+    if report.outcome == "saved":
+        alloc.final_save = "ok"
+    elif report.outcome == "save_failed":
+        alloc.final_save = "failed"
+    if report.outcome != "checkpoint":
+        record_change(
+            session=session,
+            entity="allocation",
+            entity_id=alloc.id,
+            op=report.outcome,
+            data={"at": now.timestamp(), "epoch": alloc.epoch},
+        )
+    return alloc
+
+
+# ---------------------------------------------------------------- events, prices, ledger
+
+
+def events_after(
+    *,
+    session: Session,
+    after: int,
+    tenant_id: int | None = None,
+    bid_id: int | None = None,
+    node_id: int | None = None,
+    limit: int = 200,
+) -> list[EventRow]:
+    query = select(EventRow).where(EventRow.id > after).order_by(EventRow.id).limit(limit)
+    if tenant_id is not None:
+        query = query.where(EventRow.tenant_id == tenant_id)
+    if bid_id is not None:
+        query = query.where(EventRow.bid_id == bid_id)
+    if node_id is not None:
+        query = query.where(EventRow.node_id == node_id)
+    return list(session.scalars(query))
+
+
+def last_event_id(*, session: Session) -> int:
+    return session.scalar(select(func.max(EventRow.id))) or 0
+
+
+def price_bars(
+    *, session: Session, gpu_model: str, region: str, since_minute: int, until_minute: int
+) -> list[PriceBar]:
+    return list(
+        session.scalars(
+            select(PriceBar)
+            .where(
+                PriceBar.gpu_model == gpu_model,
+                PriceBar.region == region,
+                PriceBar.minute >= since_minute,
+                PriceBar.minute <= until_minute,
+            )
+            .order_by(PriceBar.minute)
+        )
+    )
+
+
+def ledger_entries(*, session: Session, tenant_id: int, limit: int = 500) -> list[LedgerEntry]:
+    return list(
+        session.scalars(
+            select(LedgerEntry)
+            .where(LedgerEntry.tenant_id == tenant_id)
+            .order_by(LedgerEntry.id)
+            .limit(limit)
+        )
+    )
+
+
+def set_webhook(*, session: Session, tenant: Tenant, url: str | None, secret: str | None) -> Tenant:
+    if url is not None and not (secret or tenant.webhook_secret):
+        raise Invalid("a webhook needs a secret to sign its deliveries", field="secret")
+    tenant.webhook_url = url
+    if secret is not None:
+        tenant.webhook_secret = secret
+    return tenant
+
+
+def list_deliveries(*, session: Session, tenant_id: int, limit: int = 200) -> list[WebhookDelivery]:
+    return list(
+        session.scalars(
+            select(WebhookDelivery)
+            .where(WebhookDelivery.tenant_id == tenant_id)
+            .order_by(WebhookDelivery.id.desc())
+            .limit(limit)
+        )
+    )

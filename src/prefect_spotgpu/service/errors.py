@@ -1,0 +1,38 @@
+"""Domain errors the data layer raises; ``api`` maps each to one HTTP status."""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    status_code = 400
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+
+class NotFound(ServiceError):
+    status_code = 404
+
+
+class Forbidden(ServiceError):
+    status_code = 403
+
+
+class Unauthorized(ServiceError):
+    status_code = 401
+
+
+class Conflict(ServiceError):
+    """A compare-and-set write found the row changed, or an idempotency key was reused."""
+
+    status_code = 409
+
+
+class Invalid(ServiceError):
+    status_code = 422
+
+
+class TransitionRejected(Conflict):
+    """An allocation status change that the transition rules do not allow."""

@@ -1,0 +1,73 @@
+"""The one gate for allocation rows: every insert and status change goes through here.
+
+Allocation status is changed only through :func:`set_allocation_status`, by the tick leader,
+as a compare-and-set (``UPDATE ... WHERE id = :id AND status = :expected``) that also bumps the
+allocation's epoch: agents and workers send ``(allocation id, epoch)`` with every report, and a
+stale epoch is refused (the fencing token). The rules are plain data, checked before any write.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import update
+from sqlalchemy.orm import Session
+
+from prefect_spotgpu.market import AllocationStatus
+from prefect_spotgpu.service.errors import Conflict, TransitionRejected
+from prefect_spotgpu.service.models import AllocationRow
+
+S = AllocationStatus
+
+FROM_STATES: dict[AllocationStatus, frozenset[AllocationStatus]] = {
+    S.RUNNING: frozenset({S.RESERVED}),
+    S.NOTICED: frozenset({S.RUNNING}),
+    S.PREEMPTED: frozenset({S.RUNNING, S.NOTICED}),
+    S.FINISHED: frozenset({S.RUNNING, S.NOTICED}),
+    S.RELEASED: frozenset({S.RESERVED}),
+}
+"""For each target status, the statuses an allocation may come from."""
+
+NEW_STATES = frozenset({S.RUNNING, S.RESERVED})
+"""Statuses an allocation may be created in."""
+
+
+def check_transition(current: AllocationStatus, to: AllocationStatus) -> str | None:
+    """The reason a transition is refused, or None when it is allowed."""
+    if current.is_terminal():
+        return f"allocation is {current.value}, which is final"
+    allowed = FROM_STATES.get(to, frozenset())
+    if current not in allowed:
+        sources = ", ".join(sorted(s.value for s in allowed)) or "nothing"
+        return f"{current.value} -> {to.value} is not allowed ({to.value} comes from {sources})"
+    return None
+
+
+def create_allocation(*, session: Session, row: AllocationRow) -> None:
+    status = AllocationStatus(row.status)
+    if status not in NEW_STATES:
+        raise TransitionRejected(f"an allocation cannot be created {status.value}")
+    row.epoch = 1
+    session.add(row)
+
+
+def set_allocation_status(
+    *,
+    session: Session,
+    allocation_id: int,
+    expected: AllocationStatus,
+    to: AllocationStatus,
+    **fields: object,
+) -> None:
+    """Move one allocation from ``expected`` to ``to`` (and set ``fields``), or raise."""
+    reason = check_transition(expected, to)
+    if reason is not None:
+        raise TransitionRejected(f"allocation {allocation_id}: {reason}")
+    result = session.execute(
+        update(AllocationRow)
+        .where(AllocationRow.id == allocation_id, AllocationRow.status == expected.value)
+        .values(status=to.value, epoch=AllocationRow.epoch + 1, **fields)
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:
+        raise Conflict(
+            f"allocation {allocation_id} is no longer {expected.value}; its status changed"
+        )

@@ -1,0 +1,234 @@
+"""The market's tables (SQLAlchemy 2 declarative). Migrations live in ``migrations/``."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+# SQLite only auto-increments INTEGER PRIMARY KEY; PostgreSQL gets BIGINT.
+BigId = BigInteger().with_variant(Integer, "sqlite")
+
+
+class UTCDateTime(TypeDecorator):
+    """A timezone-aware UTC datetime on every backend (SQLite drops the zone on the way)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value, dialect):
+        if value is not None and value.tzinfo is None:
+            raise ValueError("datetimes stored in the market must be timezone-aware")
+        return None if value is None else value.astimezone(UTC)
+
+    def process_result_value(self, value, dialect):
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    credits: Mapped[float] = mapped_column(Float, default=0.0)  # starting credit + credits
+    spent: Mapped[float] = mapped_column(Float, default=0.0)  # charges written so far
+    webhook_url: Mapped[str | None] = mapped_column(String(2000))
+    webhook_secret: Mapped[str | None] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class NodeRow(Base):
+    __tablename__ = "nodes"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    owner_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
+    name: Mapped[str] = mapped_column(String(200))
+    gpu_model: Mapped[str] = mapped_column(String(50))
+    region: Mapped[str] = mapped_column(String(63))
+    gpu_count: Mapped[int] = mapped_column(Integer)
+    reserve_price: Mapped[float] = mapped_column(Float)
+    state: Mapped[str] = mapped_column(String(20), index=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    declared: Mapped[bool] = mapped_column(Boolean, default=False)
+    inventory: Mapped[dict | None] = mapped_column(JSON)
+    telemetry: Mapped[dict | None] = mapped_column(JSON)
+    last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+    __table_args__ = (UniqueConstraint("owner_id", "name"),)
+
+
+class BidRow(Base):
+    __tablename__ = "bids"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"))
+    idempotency_key: Mapped[str | None] = mapped_column(String(200))
+    gpu_model: Mapped[str] = mapped_column(String(50))
+    region: Mapped[str] = mapped_column(String(63))
+    gpu_count: Mapped[int] = mapped_column(Integer)
+    max_price: Mapped[float] = mapped_column(Float)
+    window_start: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    window_end: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    deadline: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    status: Mapped[str] = mapped_column(String(20), index=True)  # open, held, cancelled, finished
+    hold_reason: Mapped[str | None] = mapped_column(String(500))
+    labels: Mapped[dict | None] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "idempotency_key"),
+        Index("ix_bids_tenant_status", "tenant_id", "status"),
+    )
+
+
+class AllocationRow(Base):
+    __tablename__ = "allocations"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=False)
+    bid_id: Mapped[int] = mapped_column(ForeignKey("bids.id"), index=True)
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id"), index=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
+    gpu_count: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(20), index=True)
+    epoch: Mapped[int] = mapped_column(Integer, default=1)
+    kind: Mapped[str] = mapped_column(String(20))
+    started_at: Mapped[float] = mapped_column(Float)
+    charged_until: Mapped[float] = mapped_column(Float)
+    price: Mapped[float] = mapped_column(Float, default=0.0)
+    deadline: Mapped[float | None] = mapped_column(Float)
+    notice_reason: Mapped[str | None] = mapped_column(String(30))
+    charged_amount: Mapped[float] = mapped_column(Float, default=0.0)
+    charged_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    last_checkpoint_at: Mapped[float | None] = mapped_column(Float)
+    final_save: Mapped[str | None] = mapped_column(String(20))  # ok, failed
+    ended_at: Mapped[float | None] = mapped_column(Float)
+    end_reason: Mapped[str | None] = mapped_column(String(200))
+
+
+class LedgerEntry(Base):
+    """Credits (starting, top-ups, compensation). Charges roll up on their allocation."""
+
+    __tablename__ = "ledger_entries"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
+    kind: Mapped[str] = mapped_column(String(20))  # starting_credit, credit, compensation
+    amount: Mapped[float] = mapped_column(Float)
+    allocation_id: Mapped[int | None] = mapped_column(BigId)
+    reason: Mapped[str] = mapped_column(String(500))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class EventRow(Base):
+    """What happened to allocations, in order: long-polls and webhooks read it."""
+
+    __tablename__ = "events"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[int] = mapped_column(BigId, index=True)
+    bid_id: Mapped[int] = mapped_column(BigId, index=True)
+    node_id: Mapped[int] = mapped_column(BigId, index=True)
+    allocation_id: Mapped[int] = mapped_column(BigId)
+    kind: Mapped[str] = mapped_column(String(20))
+    payload: Mapped[dict] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class WebhookDelivery(Base):
+    __tablename__ = "webhook_deliveries"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[int] = mapped_column(BigId, index=True)
+    event_id: Mapped[int] = mapped_column(BigId)
+    url: Mapped[str] = mapped_column(String(2000))
+    status: Mapped[str] = mapped_column(String(20), index=True)  # pending, delivered, failed
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    last_status_code: Mapped[int | None] = mapped_column(Integer)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    next_attempt_at: Mapped[float] = mapped_column(Float, index=True)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class PriceBar(Base):
+    """One minute of a pool's clearing price."""
+
+    __tablename__ = "price_bars"
+
+    gpu_model: Mapped[str] = mapped_column(String(50), primary_key=True)
+    region: Mapped[str] = mapped_column(String(63), primary_key=True)
+    minute: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # UNIX seconds // 60
+    open: Mapped[float] = mapped_column(Float)
+    high: Mapped[float] = mapped_column(Float)
+    low: Mapped[float] = mapped_column(Float)
+    close: Mapped[float] = mapped_column(Float)
+
+
+class MarketChange(Base):
+    """Outbox: API writes the tick leader must apply to its in-memory market."""
+
+    __tablename__ = "market_changes"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    entity: Mapped[str] = mapped_column(String(20))  # bid, node, allocation, tenant
+    entity_id: Mapped[int] = mapped_column(BigId)
+    op: Mapped[str] = mapped_column(String(20))
+    data: Mapped[dict | None] = mapped_column(JSON)
+
+
+class PoolQuoteRow(Base):
+    """The latest quote of each pool, written by the tick leader for every replica to read."""
+
+    __tablename__ = "pool_quotes"
+
+    gpu_model: Mapped[str] = mapped_column(String(50), primary_key=True)
+    region: Mapped[str] = mapped_column(String(63), primary_key=True)
+    clearing_price: Mapped[float | None] = mapped_column(Float)
+    reserve_price: Mapped[float | None] = mapped_column(Float)
+    gpus_total: Mapped[int] = mapped_column(Integer)
+    gpus_free: Mapped[int] = mapped_column(Integer)
+    gpus_running: Mapped[int] = mapped_column(Integer)
+    waiting_bids: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class TickLeader(Base):
+    """One row: the epoch of the current tick leader. Every tick fences on it."""
+
+    __tablename__ = "tick_leader"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    holder: Mapped[str] = mapped_column(String(200))
+    heartbeat_at: Mapped[float] = mapped_column(Float)

@@ -1,0 +1,277 @@
+"""Request and response bodies. Validation here reuses the market's own checks, so a bad field
+is a 422 that names it (never a 500, never a partial write)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    HttpUrl,
+    model_validator,
+)
+
+from prefect_spotgpu.market import DEFAULT_CATALOG, MAX_GPUS_PER_NODE
+from prefect_spotgpu.market.types import check_region
+
+
+def _model(value: str) -> str:
+    return DEFAULT_CATALOG.normalize(value)
+
+
+def _region(value: str) -> str:
+    return check_region("region", value, allow_any=True)
+
+
+def _node_region(value: str) -> str:
+    return check_region("region", value, allow_any=False)
+
+
+GpuModelName = Annotated[
+    str, Field(min_length=1, max_length=100, examples=["A100-80G"]), AfterValidator(_model)
+]
+Region = Annotated[
+    str, Field(min_length=1, max_length=63, examples=["eu-west"]), AfterValidator(_region)
+]
+NodeRegion = Annotated[
+    str, Field(min_length=1, max_length=63, examples=["eu-west"]), AfterValidator(_node_region)
+]
+Price = Annotated[
+    float, Field(gt=0, le=1000, allow_inf_nan=False, description="Per GPU-hour, one currency unit.")
+]
+GpuCount = Annotated[int, Field(ge=1, le=MAX_GPUS_PER_NODE)]
+Name = Annotated[str, Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TenantCreate(Strict):
+    name: Name
+    starting_credit: float | None = Field(None, ge=0, le=1e9, allow_inf_nan=False)
+
+
+class TenantResponse(BaseModel):
+    id: int
+    name: str
+    balance: float
+    created_at: datetime
+
+
+class TenantCreated(TenantResponse):
+    api_key: str = Field(description="Shown once; store it.")
+
+
+class CreditCreate(Strict):
+    amount: float = Field(gt=0, le=1e9, allow_inf_nan=False)
+    reason: str = Field(min_length=1, max_length=500)
+
+
+class NodeCreate(Strict):
+    name: Name
+    gpu_model: GpuModelName
+    region: NodeRegion
+    gpu_count: GpuCount
+    reserve_price: Price
+    declared: bool = Field(False, description="Inventory declared by hand (no NVML).")
+    inventory: list[dict] | None = Field(None, max_length=MAX_GPUS_PER_NODE)
+
+
+class NodeUpdate(Strict):
+    reserve_price: Price | None = None
+    state: Literal["live", "draining", "reclaimed"] | None = None
+
+    @model_validator(mode="after")
+    def _something(self) -> NodeUpdate:
+        if self.reserve_price is None and self.state is None:
+            raise ValueError("give reserve_price or state")
+        return self
+
+
+class NodeResponse(BaseModel):
+    id: int
+    owner_id: int
+    name: str
+    gpu_model: str
+    region: str
+    gpu_count: int
+    reserve_price: float
+    state: str
+    declared: bool
+    inventory: list[dict] | None = None
+    telemetry: dict | None = None
+    last_heartbeat_at: datetime
+
+
+class NodeCreated(NodeResponse):
+    token: str = Field(description="The node agent's token. Shown once; store it.")
+
+
+class Heartbeat(Strict):
+    telemetry: dict | None = None
+
+
+class BidCreate(Strict):
+    gpu_model: GpuModelName
+    gpu_count: GpuCount
+    max_price: Price
+    region: Region = "any"
+    idempotency_key: str | None = Field(None, min_length=1, max_length=200)
+    window_start: datetime | None = None
+    window_end: datetime | None = None
+    deadline: datetime | None = None
+    labels: dict[str, str] | None = Field(None, max_length=32)
+
+    @model_validator(mode="after")
+    def _window_is_an_interval(self) -> BidCreate:
+        if (self.window_start is None) != (self.window_end is None):
+            raise ValueError("window_start and window_end go together")
+        if self.window_start is not None and self.window_end <= self.window_start:
+            raise ValueError("window_end must be after window_start")
+        for name in ("window_start", "window_end", "deadline"):
+            value = getattr(self, name)
+            if value is not None and value.tzinfo is None:
+                raise ValueError(f"{name} needs a timezone")
+        return self
+
+
+class BidUpdate(Strict):
+    max_price: Price
+
+
+class BidResponse(BaseModel):
+    id: int
+    tenant_id: int
+    idempotency_key: str | None
+    gpu_model: str
+    region: str
+    gpu_count: int
+    max_price: float
+    status: str
+    hold_reason: str | None
+    window_start: datetime | None
+    window_end: datetime | None
+    deadline: datetime | None
+    labels: dict | None
+    created_at: datetime
+
+
+class AllocationResponse(BaseModel):
+    id: int
+    bid_id: int
+    node_id: int
+    gpu_count: int
+    status: str
+    epoch: int
+    kind: str
+    started_at: float
+    charged_until: float
+    price: float
+    deadline: float | None
+    notice_reason: str | None
+    charged_amount: float
+    charged_seconds: float
+    last_checkpoint_at: float | None
+    final_save: str | None
+    ended_at: float | None
+    end_reason: str | None
+
+
+class AllocationReport(Strict):
+    """What a node agent (or a worker) reports about an allocation, fenced by its epoch."""
+
+    epoch: int = Field(ge=1)
+    outcome: Literal["checkpoint", "saved", "save_failed", "finished", "failed"]
+    checkpoint_at: float | None = Field(None, ge=0, allow_inf_nan=False)
+    step: int | None = Field(None, ge=0)
+
+
+class QuoteResponse(BaseModel):
+    gpu_model: str
+    region: str
+    clearing_price: float | None
+    reserve_price: float | None
+    on_demand_price: float
+    gpus_total: int
+    gpus_free: int
+    gpus_running: int
+    waiting_bids: int
+
+
+class PriceBarResponse(BaseModel):
+    minute: datetime
+    open: float
+    high: float
+    low: float
+    close: float
+
+
+class LedgerEntryResponse(BaseModel):
+    id: int
+    kind: str
+    amount: float
+    allocation_id: int | None
+    reason: str
+    created_at: datetime
+
+
+class LedgerResponse(BaseModel):
+    tenant_id: int
+    credits: float
+    spent: float
+    balance: float
+    entries: list[LedgerEntryResponse]
+    charges: list[AllocationCharge]
+
+
+class AllocationCharge(BaseModel):
+    allocation_id: int
+    bid_id: int
+    gpu_count: int
+    charged_amount: float
+    charged_seconds: float
+    status: str
+
+
+class WebhookConfig(Strict):
+    url: HttpUrl | None
+    secret: str | None = Field(None, min_length=16, max_length=200)
+
+
+class WebhookConfigResponse(BaseModel):
+    url: str | None
+    has_secret: bool
+
+
+class DeliveryResponse(BaseModel):
+    id: int
+    event_id: int
+    url: str
+    status: str
+    attempts: int
+    last_status_code: int | None
+    last_error: str | None
+    updated_at: datetime
+
+
+class EventResponse(BaseModel):
+    id: int
+    kind: str
+    bid_id: int
+    node_id: int
+    allocation_id: int
+    payload: dict
+    created_at: datetime
+
+
+class EventsPage(BaseModel):
+    events: list[EventResponse]
+    cursor: int = Field(description="Pass as `after` to wait for the next events.")
+
+
+LedgerResponse.model_rebuild()

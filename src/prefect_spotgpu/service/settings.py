@@ -1,0 +1,66 @@
+"""Service settings, from ``SPOTGPU_*`` environment variables (pydantic-settings)."""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_home() -> Path:
+    return Path.home() / ".spotgpu"
+
+
+class ServiceSettings(BaseSettings):
+    """How the market service runs. Every field can be set as ``SPOTGPU_<NAME>``."""
+
+    model_config = SettingsConfigDict(env_prefix="SPOTGPU_", extra="ignore")
+
+    home: Path = Field(default_factory=default_home, description="State directory.")
+    db_url: str | None = Field(
+        None,
+        description="SQLAlchemy URL; default: a SQLite file in the state directory. "
+        "PostgreSQL: postgresql+psycopg://user@host/db",
+    )
+    host: str = "127.0.0.1"
+    port: int = Field(4300, ge=1, le=65535)
+    admin_key: SecretStr | None = Field(
+        None, description="Admin API key; default: generated once into <home>/admin_key."
+    )
+    tick_seconds: float = Field(1.0, gt=0, le=60)
+    starting_credit: float = Field(10.0, ge=0)
+    notice_seconds: float = Field(300.0, gt=0)
+    hysteresis: float = Field(0.05, ge=0, lt=10)
+    heartbeat_timeout_seconds: float = Field(30.0, gt=0)
+    charge_flush_seconds: float = Field(
+        5.0, gt=0, description="How often running charges are written to the ledger."
+    )
+    webhook_max_attempts: int = Field(6, ge=1, le=20)
+    webhook_backoff_seconds: float = Field(1.0, gt=0)
+    run_ticker: bool = Field(True, description="Run the tick loop (one leader among replicas).")
+
+    @field_validator("db_url")
+    @classmethod
+    def _check_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("sqlite", "postgresql")):
+            raise ValueError("db_url must be a sqlite:// or postgresql+psycopg:// URL")
+        return value
+
+    def database_url(self) -> str:
+        if self.db_url:
+            return self.db_url
+        self.home.mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{self.home / 'market.db'}"
+
+    def resolved_admin_key(self) -> str:
+        """The admin key: from the environment, else the key file (created on first use)."""
+        if self.admin_key is not None:
+            return self.admin_key.get_secret_value()
+        path = self.home / "admin_key"
+        if not path.exists():
+            self.home.mkdir(parents=True, exist_ok=True)
+            path.touch(mode=0o600)
+            path.write_text("sgadm_" + secrets.token_urlsafe(24) + "\n")
+        return path.read_text().strip()

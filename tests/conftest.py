@@ -1,0 +1,179 @@
+"""Shared fixtures: real databases (SQLite file, PostgreSQL schema) and the real service under
+uvicorn on a loopback port."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from urllib.parse import quote
+
+import httpx
+import pytest
+import sqlalchemy as sa
+import uvicorn
+
+POSTGRES_URL = os.environ.get(
+    "SPOTGPU_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+ADMIN_KEY = "sgadm_test-admin-key-0123456789"
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> str:
+    """The PostgreSQL server the tests use. Unreachable is a failure, never a skip."""
+    engine = sa.create_engine(POSTGRES_URL)
+    try:
+        with engine.connect() as connection:
+            connection.execute(sa.text("SELECT 1"))
+    except Exception as exc:  # pragma: no cover - the environment is broken
+        pytest.fail(f"PostgreSQL is not reachable at {POSTGRES_URL}: {exc}", pytrace=False)
+    finally:
+        engine.dispose()
+    return POSTGRES_URL
+
+
+def fresh_postgres_schema(base_url: str) -> tuple[str, callable]:
+    """A URL whose connections use a new, empty schema, and a function that drops it."""
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(base_url)
+    with admin.begin() as connection:
+        connection.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+    joiner = "&" if "?" in base_url else "?"
+    url = f"{base_url}{joiner}options={quote(f'-csearch_path={schema}')}"
+
+    def drop() -> None:
+        with admin.begin() as connection:
+            connection.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+    return url, drop
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path) -> Iterator[str]:
+    """A new, empty database of each kind."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'market.db'}"
+        return
+    url, drop = fresh_postgres_schema(request.getfixturevalue("postgres_url"))
+    yield url
+    drop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Service:
+    """A running market service and clients for it."""
+
+    base_url: str
+    app: object
+    server: uvicorn.Server
+    thread: threading.Thread
+    clients: list[httpx.Client] = field(default_factory=list)
+
+    def client(self, key: str | None = None) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        client = httpx.Client(base_url=self.base_url + "/api/v1", headers=headers, timeout=30)
+        self.clients.append(client)
+        return client
+
+    @property
+    def admin(self) -> httpx.Client:
+        return self.client(ADMIN_KEY)
+
+    def tenant(self, name: str | None = None, credit: float | None = None) -> httpx.Client:
+        body = {"name": name or f"t{uuid.uuid4().hex[:8]}"}
+        if credit is not None:
+            body["starting_credit"] = credit
+        response = self.admin.post("/tenants", json=body)
+        assert response.status_code == 201, response.text
+        client = self.client(response.json()["api_key"])
+        client.tenant_id = response.json()["id"]
+        return client
+
+    def node(
+        self,
+        owner: httpx.Client,
+        gpu_model="A100-80G",
+        region="eu-west",
+        gpus=8,
+        reserve=0.9,
+        name=None,
+    ) -> tuple[dict, httpx.Client]:
+        response = owner.post(
+            "/nodes",
+            json={
+                "name": name or f"n{uuid.uuid4().hex[:8]}",
+                "gpu_model": gpu_model,
+                "region": region,
+                "gpu_count": gpus,
+                "reserve_price": reserve,
+            },
+        )
+        assert response.status_code == 201, response.text
+        node = response.json()
+        return node, self.client(node["token"])
+
+    def wait_for(self, predicate, timeout: float = 10.0, interval: float = 0.05):
+        deadline = time.monotonic() + timeout
+        while True:
+            value = predicate()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise AssertionError(f"condition not met within {timeout}s")
+            time.sleep(interval)
+
+    def stop(self) -> None:
+        for client in self.clients:
+            client.close()
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+def start_service(db_url: str, home, **overrides) -> Service:
+    from prefect_spotgpu.service.api import create_app
+    from prefect_spotgpu.service.settings import ServiceSettings
+
+    settings = ServiceSettings(
+        db_url=db_url,
+        home=home,
+        admin_key=ADMIN_KEY,
+        tick_seconds=0.1,
+        charge_flush_seconds=0.5,
+        webhook_backoff_seconds=0.2,
+        **overrides,
+    )
+    app = create_app(settings)
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the service did not start")
+        time.sleep(0.02)
+    service = Service(f"http://127.0.0.1:{port}", app, server, thread)
+    # wait until this replica leads the tick loop
+    service.wait_for(lambda: service.client().get("/health").json()["leader"], timeout=20)
+    return service
+
+
+@pytest.fixture
+def service(db_url, tmp_path) -> Iterator[Service]:
+    svc = start_service(db_url, tmp_path / "home")
+    yield svc
+    svc.stop()

@@ -1,0 +1,407 @@
+"""The market service end to end over HTTP, on real SQLite and real PostgreSQL."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import sqlalchemy as sa
+
+
+def events(client, path, after=0, timeout=5.0):
+    response = client.get(path, params={"after": after, "timeout": timeout})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def wait_event(client, path, kind, after=0, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        page = events(client, path, after, timeout=deadline - time.monotonic())
+        for event in page["events"]:
+            if event["kind"] == kind:
+                return event
+        after = page["cursor"]
+    raise AssertionError(f"no {kind} event on {path}")
+
+
+def bid(client, **fields):
+    body = {"gpu_model": "A100-80G", "gpu_count": 4, "max_price": 1.2, "region": "eu-west"}
+    body.update(fields)
+    response = client.post("/bids", json=body)
+    assert response.status_code in (200, 201), response.text
+    return response.json()
+
+
+# ---------------------------------------------------------------- auth and tenants
+
+
+def test_tenants_keys_and_roles(service):
+    alice = service.tenant("alice")
+    assert alice.get("/me").json()["name"] == "alice"
+    assert alice.get("/me").json()["balance"] == 10.0  # the starting credit
+    assert service.client("sgk_not-a-key").get("/me").status_code == 401
+    assert service.client().get("/me").status_code == 401
+    assert alice.post("/tenants", json={"name": "eve"}).status_code == 403
+    assert alice.get("/tenants").status_code == 403
+    assert service.admin.get("/me").status_code == 403
+    duplicate = service.admin.post("/tenants", json={"name": "alice"})
+    assert duplicate.status_code == 409 and "taken" in duplicate.json()["detail"]
+
+
+def test_a_tenant_sees_only_its_own_bids_and_nodes(service):
+    alice, bob = service.tenant(), service.tenant()
+    b = bid(alice)
+    assert bob.get(f"/bids/{b['id']}").status_code == 404
+    assert bob.post(f"/bids/{b['id']}/cancel").status_code == 404
+    assert bob.patch(f"/bids/{b['id']}", json={"max_price": 9.0}).status_code == 404
+    assert bob.get(f"/bids/{b['id']}/events").status_code == 404
+    assert [x["id"] for x in bob.get("/bids").json()] == []
+    node, _ = service.node(alice)
+    assert bob.get(f"/nodes/{node['id']}").status_code == 404
+    assert bob.patch(f"/nodes/{node['id']}", json={"state": "reclaimed"}).status_code == 404
+    assert service.admin.get(f"/nodes/{node['id']}").status_code == 200
+
+
+def test_a_node_token_acts_only_for_its_node(service):
+    owner = service.tenant()
+    x, x_agent = service.node(owner)
+    y, _ = service.node(owner)
+    assert x_agent.post(f"/nodes/{x['id']}/heartbeat", json={}).status_code == 200
+    refused = x_agent.post(f"/nodes/{y['id']}/heartbeat", json={})
+    assert refused.status_code == 403 and "not node" in refused.json()["detail"]
+    assert x_agent.get(f"/nodes/{y['id']}/events").status_code == 403
+    assert x_agent.get("/me").status_code == 403  # a node token is not a tenant key
+    assert owner.post(f"/nodes/{x['id']}/heartbeat", json={}).status_code == 403
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"gpu_model": "B200"}, "gpu_model"),
+        ({"gpu_count": 0}, "gpu_count"),
+        ({"gpu_count": 17}, "gpu_count"),
+        ({"max_price": -1}, "max_price"),
+        ({"max_price": 0}, "max_price"),
+        ({"region": "EU WEST!"}, "region"),
+        ({"surprise": 1}, "surprise"),
+        ({"window_start": "2026-01-01T00:00:00Z"}, None),
+        ({"window_start": "2026-01-02T00:00:00Z", "window_end": "2026-01-01T00:00:00Z"}, None),
+    ],
+)
+def test_bad_bids_get_422_naming_the_field_and_write_nothing(service, body, field):
+    alice = service.tenant()
+    full = {"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0, **body}
+    response = alice.post("/bids", json=full)
+    assert response.status_code == 422, response.text
+    if field is not None:
+        assert any(field in err["loc"] for err in response.json()["detail"]), response.text
+    assert alice.get("/bids").json() == []
+
+
+def test_non_finite_prices_and_huge_ids_are_422(service):
+    alice = service.tenant()
+    raw = '{"gpu_model": "A100-80G", "gpu_count": 1, "max_price": NaN}'
+    response = alice.post("/bids", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 422
+    assert alice.get(f"/bids/{2**70}").status_code == 422
+    assert alice.get("/bids/0").status_code == 422
+    assert (
+        alice.post(
+            "/bids", content=b"not json", headers={"content-type": "application/json"}
+        ).status_code
+        == 422
+    )
+    owner = service.tenant()
+    response = owner.post(
+        "/nodes",
+        json={
+            "name": "n",
+            "gpu_model": "A100-80G",
+            "region": "any",
+            "gpu_count": 8,
+            "reserve_price": 1.0,
+        },
+    )
+    assert response.status_code == 422 and "region" in response.text
+
+
+# ---------------------------------------------------------------- bids
+
+
+def test_idempotent_bids(service):
+    alice = service.tenant()
+    first = alice.post(
+        "/bids",
+        json={
+            "gpu_model": "A100-80G",
+            "gpu_count": 2,
+            "max_price": 1.0,
+            "idempotency_key": "run-1",
+        },
+    )
+    again = alice.post(
+        "/bids",
+        json={
+            "gpu_model": "a100 80g",
+            "gpu_count": 2,
+            "max_price": 1.0,
+            "idempotency_key": "run-1",
+        },
+    )
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert first.json()["id"] == again.json()["id"]
+    clash = alice.post(
+        "/bids",
+        json={
+            "gpu_model": "A100-80G",
+            "gpu_count": 2,
+            "max_price": 2.0,
+            "idempotency_key": "run-1",
+        },
+    )
+    assert clash.status_code == 409 and clash.json()["field"] == "idempotency_key"
+    assert len(alice.get("/bids").json()) == 1
+    other = service.tenant()  # keys are per tenant
+    assert (
+        other.post(
+            "/bids",
+            json={
+                "gpu_model": "A100-80G",
+                "gpu_count": 2,
+                "max_price": 2.0,
+                "idempotency_key": "run-1",
+            },
+        ).status_code
+        == 201
+    )
+
+
+def test_a_bid_is_allocated_and_the_worker_hears_within_a_second(service):
+    alice = service.tenant()
+    owner = service.tenant()
+    node, agent = service.node(owner)
+    t0 = time.monotonic()
+    b = bid(alice)
+    event = wait_event(alice, f"/bids/{b['id']}/events", "allocated", timeout=5)
+    assert time.monotonic() - t0 < 1.0
+    assert event["payload"]["node_id"] == node["id"] and event["payload"]["status"] == "running"
+    assigned = wait_event(agent, f"/nodes/{node['id']}/events", "allocated", timeout=2)
+    assert assigned["allocation_id"] == event["allocation_id"]
+    allocs = agent.get(f"/nodes/{node['id']}/allocations").json()
+    assert [a["bid_id"] for a in allocs] == [b["id"]]
+
+
+def test_a_long_poll_waits_and_returns_empty_on_timeout(service):
+    alice = service.tenant()
+    b = bid(alice)  # no node: it waits
+    t0 = time.monotonic()
+    page = events(alice, f"/bids/{b['id']}/events", timeout=0.6)
+    assert page == {"events": [], "cursor": 0}
+    assert 0.5 < time.monotonic() - t0 < 3
+
+
+def test_reclaim_notice_save_ack_and_migration(service):
+    alice, owner = service.tenant(), service.tenant()
+    n1, agent1 = service.node(owner, name="first")
+    b = bid(alice, gpu_count=8)
+    alloc = wait_event(alice, f"/bids/{b['id']}/events", "allocated")["allocation_id"]
+    n2, agent2 = service.node(owner, name="second")  # free capacity for the migration
+    assert owner.patch(f"/nodes/{n1['id']}", json={"state": "reclaimed"}).status_code == 200
+    notice = wait_event(agent1, f"/nodes/{n1['id']}/events", "noticed")
+    assert notice["allocation_id"] == alloc
+    assert notice["payload"]["reason"] == "reclaimed"
+    assert notice["payload"]["deadline"] - notice["payload"]["at"] == pytest.approx(300)
+    reserved = wait_event(alice, f"/bids/{b['id']}/events", "reserved")
+    assert reserved["node_id"] == n2["id"]
+    epoch = notice["payload"]["epoch"]
+    stale = agent1.post(
+        f"/allocations/{alloc}/report",
+        json={"epoch": epoch - 1, "outcome": "saved", "checkpoint_at": 1.0},
+    )
+    assert stale.status_code == 409 and "stale epoch" in stale.json()["detail"]
+    wrong_node = agent2.post(
+        f"/allocations/{alloc}/report",
+        json={"epoch": epoch, "outcome": "saved", "checkpoint_at": 1.0},
+    )
+    assert wrong_node.status_code == 403
+    ok = agent1.post(
+        f"/allocations/{alloc}/report",
+        json={"epoch": epoch, "outcome": "saved", "checkpoint_at": time.time()},
+    )
+    assert ok.status_code == 200, ok.text
+    wait_event(alice, f"/bids/{b['id']}/events", "preempted")
+    started = wait_event(agent2, f"/nodes/{n2['id']}/events", "allocated")
+    assert started["payload"]["placement"] == "promoted"
+    statuses = {a["id"]: a["status"] for a in alice.get(f"/bids/{b['id']}/allocations").json()}
+    assert statuses[alloc] == "preempted"
+    assert sorted(statuses.values()) == ["preempted", "running"]
+
+
+def test_outbid_incumbent_is_noticed(service):
+    alice, bob, owner = service.tenant(), service.tenant(), service.tenant()
+    _node, _agent = service.node(owner, gpus=8)
+    low = bid(alice, gpu_count=8, max_price=1.0)
+    wait_event(alice, f"/bids/{low['id']}/events", "allocated")
+    high = bid(bob, gpu_count=8, max_price=2.0)
+    notice = wait_event(alice, f"/bids/{low['id']}/events", "noticed")
+    assert notice["payload"]["reason"] == "outbid"
+    wait_event(bob, f"/bids/{high['id']}/events", "reserved")
+    quote = service.client().get("/prices").json()[0]
+    assert quote["clearing_price"] == 1.0 and quote["on_demand_price"] == 2.1
+
+
+def test_cancel_stops_the_job_and_finishes_the_allocation(service):
+    alice, owner = service.tenant(), service.tenant()
+    service.node(owner)
+    b = bid(alice)
+    alloc = wait_event(alice, f"/bids/{b['id']}/events", "allocated")["allocation_id"]
+    assert alice.post(f"/bids/{b['id']}/cancel").json()["status"] == "cancelled"
+    wait_event(alice, f"/bids/{b['id']}/events", "finished")
+    assert alice.get(f"/allocations/{alloc}").json()["status"] == "finished"
+    assert alice.patch(f"/bids/{b['id']}", json={"max_price": 3.0}).status_code == 409
+
+
+def test_reprice_moves_a_waiting_bid_into_the_money(service):
+    alice, owner = service.tenant(), service.tenant()
+    service.node(owner, reserve=1.5)
+    b = bid(alice, max_price=1.0)
+    assert events(alice, f"/bids/{b['id']}/events", timeout=0.5)["events"] == []
+    assert alice.patch(f"/bids/{b['id']}", json={"max_price": 1.6}).status_code == 200
+    wait_event(alice, f"/bids/{b['id']}/events", "allocated")
+
+
+# ---------------------------------------------------------------- ledger
+
+
+def test_charges_roll_up_and_balances_agree(service):
+    alice, owner = service.tenant(), service.tenant()
+    service.node(owner, reserve=0.9)
+    b = bid(alice, gpu_count=4, max_price=1.2)
+    wait_event(alice, f"/bids/{b['id']}/events", "allocated")
+    time.sleep(1.5)
+    ledger = alice.get("/ledger").json()
+    charge = ledger["charges"][0]
+    assert charge["charged_seconds"] > 0.5
+    assert charge["charged_amount"] == pytest.approx(0.9 * 4 * charge["charged_seconds"] / 3600)
+    assert ledger["spent"] == pytest.approx(charge["charged_amount"])
+    assert ledger["balance"] == pytest.approx(10.0 - ledger["spent"])
+    assert [e["kind"] for e in ledger["entries"]] == ["starting_credit"]
+
+
+def test_out_of_credit_holds_bids_with_a_reason_and_a_credit_releases_them(service):
+    poor = service.tenant(credit=0.0005)  # 0.0005 at 0.9 x 8 GPUs/h: gone in 0.25 s
+    owner = service.tenant()
+    service.node(owner)
+    b = bid(poor, gpu_count=8, max_price=1.0)
+    wait_event(poor, f"/bids/{b['id']}/events", "allocated")
+    held = service.wait_for(
+        lambda: (r := poor.get(f"/bids/{b['id']}").json())["status"] == "held" and r
+    )
+    assert held["hold_reason"].startswith("out of credit")
+    wait_event(poor, f"/bids/{b['id']}/events", "finished")
+    late = poor.post("/bids", json={"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0})
+    assert late.json()["status"] == "held"
+    response = service.admin.post(
+        f"/tenants/{poor.tenant_id}/credits", json={"amount": 5.0, "reason": "top-up"}
+    )
+    assert response.status_code == 201
+    service.wait_for(lambda: poor.get(f"/bids/{b['id']}").json()["status"] == "open")
+
+
+def test_a_failed_final_save_is_compensated(service):
+    alice, owner = service.tenant(), service.tenant()
+    node, agent = service.node(owner)
+    b = bid(alice, gpu_count=8, max_price=1.0)
+    alloc = wait_event(alice, f"/bids/{b['id']}/events", "allocated")["allocation_id"]
+    start = time.time()
+    agent.post(
+        f"/allocations/{alloc}/report",
+        json={"epoch": 1, "outcome": "checkpoint", "checkpoint_at": start},
+    )
+    time.sleep(1.0)
+    owner.patch(f"/nodes/{node['id']}", json={"state": "reclaimed"})
+    notice = wait_event(agent, f"/nodes/{node['id']}/events", "noticed")
+    failed = agent.post(
+        f"/allocations/{alloc}/report",
+        json={"epoch": notice["payload"]["epoch"], "outcome": "save_failed"},
+    )
+    assert failed.status_code == 200
+    entry = service.wait_for(
+        lambda: [e for e in alice.get("/ledger").json()["entries"] if e["kind"] == "compensation"]
+    )[0]
+    assert entry["allocation_id"] == alloc
+    assert "final save failed" in entry["reason"]
+    assert 0.9 * 8 * 0.8 / 3600 < entry["amount"] < 0.9 * 8 * 10 / 3600
+
+
+def test_a_lost_node_preempts_without_notice_and_compensates(db_url, tmp_path):
+    from conftest import start_service
+
+    svc = start_service(db_url, tmp_path / "home", heartbeat_timeout_seconds=1.0)
+    try:
+        alice, owner = svc.tenant(), svc.tenant()
+        node, agent = svc.node(owner)
+        b = bid(alice, gpu_count=8)
+        wait_event(alice, f"/bids/{b['id']}/events", "allocated")
+        preempted = wait_event(alice, f"/bids/{b['id']}/events", "preempted", timeout=10)
+        assert preempted["payload"]["reason"] == "node lost"
+        assert svc.admin.get(f"/nodes/{node['id']}").json()["state"] == "lost"
+        entry = svc.wait_for(
+            lambda: [
+                e for e in alice.get("/ledger").json()["entries"] if e["kind"] == "compensation"
+            ]
+        )[0]
+        assert "node lost" in entry["reason"]
+        # the agent comes back: the node is live again, empty
+        assert agent.post(f"/nodes/{node['id']}/heartbeat", json={}).json()["state"] == "live"
+    finally:
+        svc.stop()
+
+
+# ---------------------------------------------------------------- prices
+
+
+def test_prices_and_minute_history(service):
+    alice, owner = service.tenant(), service.tenant()
+    service.node(owner, reserve=0.9)
+    bid(alice, gpu_count=8, max_price=1.5)
+    bid(alice, gpu_count=8, max_price=1.1)  # loses: sets the price
+    quote = service.wait_for(
+        lambda: [q for q in service.client().get("/prices").json() if q["gpus_running"] == 8]
+    )[0]
+    assert quote["clearing_price"] == 1.1 and quote["waiting_bids"] == 1
+    bars = service.wait_for(lambda: service.client().get("/prices/a100-80g/eu-west/history").json())
+    assert bars[-1]["close"] == 1.1 and bars[-1]["low"] <= bars[-1]["high"]
+    assert service.client().get("/prices/B200/eu-west/history").status_code == 422
+
+
+# ---------------------------------------------------------------- the gate
+
+
+def test_the_gate_refuses_transitions_outside_its_rules(db_url):
+    from prefect_spotgpu.market import AllocationStatus as S
+    from prefect_spotgpu.service import gate
+    from prefect_spotgpu.service.db import make_engine, make_sessionmaker, migrate
+    from prefect_spotgpu.service.errors import Conflict, TransitionRejected
+
+    assert gate.check_transition(S.RUNNING, S.NOTICED) is None
+    assert "final" in gate.check_transition(S.PREEMPTED, S.RUNNING)
+    assert "not allowed" in gate.check_transition(S.RESERVED, S.NOTICED)
+    engine = make_engine(db_url)
+    migrate(engine)
+    with make_sessionmaker(engine).begin() as session, pytest.raises(TransitionRejected):
+        gate.set_allocation_status(
+            session=session, allocation_id=1, expected=S.FINISHED, to=S.RUNNING
+        )
+    with make_sessionmaker(engine).begin() as session, pytest.raises(Conflict):
+        gate.set_allocation_status(
+            session=session, allocation_id=999, expected=S.RUNNING, to=S.NOTICED
+        )
+    with engine.connect() as connection:
+        tables = set(sa.inspect(connection).get_table_names())
+    assert {"bids", "allocations", "ledger_entries", "events", "alembic_version"} <= tables
+    engine.dispose()
