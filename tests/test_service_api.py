@@ -102,6 +102,35 @@ def test_bad_bids_get_422_naming_the_field_and_write_nothing(service, body, fiel
     assert alice.get("/bids").json() == []
 
 
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"labels": {"a\u0000": "b"}}, "labels"),
+        ({"idempotency_key": "x\u0000y"}, "idempotency_key"),
+        ({"region": "eu\u0000"}, "region"),
+    ],
+)
+def test_nul_characters_are_422_not_500(service, body, field):
+    alice = service.tenant()
+    response = alice.post(
+        "/bids", json={"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0, **body}
+    )
+    assert response.status_code == 422, response.text
+    assert any(field in err["loc"] for err in response.json()["detail"])
+    response = alice.post(
+        "/nodes",
+        json={
+            "name": "n1",
+            "gpu_model": "A100-80G",
+            "region": "eu-west",
+            "gpu_count": 8,
+            "reserve_price": 1.0,
+            "inventory": [{"x": "\u0000"}],
+        },
+    )
+    assert response.status_code == 422
+
+
 def test_non_finite_prices_and_huge_ids_are_422(service):
     alice = service.tenant()
     raw = '{"gpu_model": "A100-80G", "gpu_count": 1, "max_price": NaN}'

@@ -659,6 +659,7 @@ def create_app(
     app.state.notifier = notifier
     app.state.ticker = None
     app.state.admin_key = settings.resolved_admin_key()
+    app.state.auth_cache = {}
     app.add_exception_handler(ServiceError, _error_response)
     app.add_exception_handler(RequestValidationError, _validation_response)
     app.include_router(router)

@@ -214,33 +214,38 @@ def create_bid(
         if existing is not None:
             _same_bid_or_conflict(existing, fields)
             return existing, False
+    tenant = session.get(Tenant, tenant_id)
+    status, reason = "open", None
+    if tenant is not None and tenant.credits - tenant.spent <= 0:
+        status = "held"
+        reason = f"out of credit: balance {tenant.credits - tenant.spent:.4f}"
     bid = BidRow(
         tenant_id=tenant_id,
         idempotency_key=data.idempotency_key,
-        status="open",
-        hold_reason=None,
+        status=status,
+        hold_reason=reason,
         created_at=now,
         updated_at=now,
         **fields,
     )
-    try:
-        with session.begin_nested():
-            session.add(bid)
-            session.flush()
-    except IntegrityError:
-        existing = session.scalar(
-            select(BidRow).where(
-                BidRow.tenant_id == tenant_id, BidRow.idempotency_key == data.idempotency_key
+    if data.idempotency_key is None:
+        session.add(bid)
+        session.flush()
+    else:  # a concurrent request with the same key may win the insert: return its bid
+        try:
+            with session.begin_nested():
+                session.add(bid)
+                session.flush()
+        except IntegrityError:
+            existing = session.scalar(
+                select(BidRow).where(
+                    BidRow.tenant_id == tenant_id, BidRow.idempotency_key == data.idempotency_key
+                )
             )
-        )
-        if existing is None:
-            raise
-        _same_bid_or_conflict(existing, fields)
-        return existing, False
-    tenant = session.get(Tenant, tenant_id)
-    if tenant is not None and tenant.credits - tenant.spent <= 0:
-        bid.status = "held"
-        bid.hold_reason = f"out of credit: balance {tenant.credits - tenant.spent:.4f}"
+            if existing is None:
+                raise
+            _same_bid_or_conflict(existing, fields)
+            return existing, False
     record_change(session=session, entity="bid", entity_id=bid.id, op="create")
     return bid, True
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import time
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -12,6 +13,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from prefect_spotgpu.service import crud
 from prefect_spotgpu.service.errors import Forbidden, Unauthorized
+
+AUTH_CACHE_SECONDS = 30.0
+"""How long a replica trusts a key it has looked up (keys are never reassigned)."""
 
 bearer = HTTPBearer(auto_error=False, description="A tenant API key, node token or admin key.")
 
@@ -41,6 +45,18 @@ def _caller(
     key = credentials.credentials
     if hmac.compare_digest(key.encode(), request.app.state.admin_key.encode()):
         return Caller(admin=True)
+    cache = request.app.state.auth_cache
+    hit = cache.get(key)
+    if hit is not None and time.monotonic() - hit[1] < AUTH_CACHE_SECONDS:
+        return hit[0]
+    caller = _lookup(key, sessions)
+    if len(cache) > 10_000:
+        cache.clear()
+    cache[key] = (caller, time.monotonic())
+    return caller
+
+
+def _lookup(key: str, sessions: sessionmaker[Session]) -> Caller:
     with sessions.begin() as session:
         if key.startswith("sgn_"):
             node = crud.node_for_token(session=session, token=key)

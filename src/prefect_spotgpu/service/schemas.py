@@ -12,6 +12,7 @@ from pydantic import (
     ConfigDict,
     Field,
     HttpUrl,
+    field_validator,
     model_validator,
 )
 
@@ -47,8 +48,28 @@ GpuCount = Annotated[int, Field(ge=1, le=MAX_GPUS_PER_NODE)]
 Name = Annotated[str, Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
 
 
+def _has_nul(value) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(_has_nul(v) for v in value)
+    return False
+
+
 class Strict(BaseModel):
+    """Request bodies: unknown fields and NUL characters (which PostgreSQL cannot store) are
+    refused with a 422 naming the field."""
+
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_nul(cls, value):
+        if _has_nul(value):
+            raise ValueError("must not contain NUL characters")
+        return value
 
 
 class TenantCreate(Strict):
