@@ -256,3 +256,31 @@ def test_sigkill_during_a_bid_burst_loses_nothing(db_url, tmp_path):
     finally:
         server.stop()
         engine.dispose()
+
+
+def test_admin_cli_against_a_running_server(tmp_path):
+    server = Server(f"sqlite:///{tmp_path / 'm.db'}", tmp_path)
+    env = {**os.environ, "SPOTGPU_ADMIN_KEY": ADMIN_KEY, "SPOTGPU_HOME": str(tmp_path),
+           "SPOTGPU_MARKET_URL": server.url, "COLUMNS": "200"}
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "prefect_spotgpu.cli", *args], env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    try:
+        out = cli("admin", "create-tenant", "alice", "--credit", "5")
+        assert out.returncode == 0, out.stderr
+        assert "tenant alice (id 1), balance 5.00" in out.stdout
+        key = out.stdout.split("API key: ")[1].split()[0]
+        with server.client(key) as client:
+            assert client.get("/me").json()["name"] == "alice"
+        again = cli("admin", "create-tenant", "alice")
+        assert again.returncode == 1 and "409" in again.stdout and "taken" in again.stdout
+        listing = cli("admin", "tenants")
+        assert listing.returncode == 0 and "alice" in listing.stdout
+        nowhere = cli("admin", "create-tenant", "bob", "--market", "http://127.0.0.1:9")
+        assert nowhere.returncode == 1 and "cannot reach the market" in nowhere.stdout
+        bad = cli("server", "start", "--db", "mysql://nope")
+        assert bad.returncode == 2 and "db_url" in bad.stdout
+    finally:
+        server.stop()
