@@ -112,11 +112,11 @@ def check_outbid_rule(state: MarketState, now: float) -> None:
 def check_free_fit_used(state: MarketState, now: float) -> None:
     """A waiting bid never waits while free GPUs it could use sit idle."""
     cfg = state.config
-    busy = defaultdict(int)
+    busy = defaultdict(int)  # running, and migration reservations (they sit on free GPUs)
     noticed = defaultdict(int)
-    reserved = defaultdict(int)
+    reserved = defaultdict(int)  # takeover reservations (on GPUs noticed allocations free)
     for a in state.allocations:
-        if a.status is RUNNING:
+        if a.status is RUNNING or (a.status is RESERVED and a.kind == "migration"):
             busy[a.node_id] += a.gpu_count
         elif a.status is NOTICED:
             noticed[a.node_id] += a.gpu_count

@@ -236,3 +236,115 @@ def test_ending_an_allocation_checks_the_status():
         m.end_allocation(alloc, "running", 1.0)
     with pytest.raises(KeyError):
         m.end_allocation(999, "finished", 1.0)
+
+
+# ---------------------------------------------------------------- regressions from review
+
+
+def test_bulk_packing_never_overcommits_nodes_whose_size_is_not_a_power_of_two():
+    m = market_with(Node(1, A100, "eu-west", 6, 1.0), Node(2, A100, "eu-west", 6, 1.0))
+    m.add_bid(bid(1, 3, 2.0))
+    for i in (2, 3, 4):
+        m.add_bid(bid(i, 2, 1.5))
+    m.tick(10.0)
+    for node_id in (1, 2):
+        cap, running, _, _ = m.node_load(node_id)
+        assert running <= cap
+
+
+def test_any_region_bids_take_the_tightest_pool_in_bulk():
+    m = market_with(
+        Node(1, A100, "eu-west", 8, 1.0),
+        Node(2, A100, "us-east", 4, 1.0),
+        Node(3, A100, "us-east", 4, 1.0),
+    )
+    m.add_bid(bid(1, 4, 3.0, region="any"))
+    m.add_bid(bid(2, 8, 2.0, region="eu-west"))
+    assert set(placed(m.tick(0.0))) == {1, 2}
+
+
+def test_a_reservation_does_not_start_outside_its_window():
+    m = market_with(Node(1, A100, "eu-west", 4, 0.5))
+    m.add_bid(bid(1, 4, 1.0))
+    m.tick(0.0)
+    m.add_bid(bid(2, 4, 2.0, window=Interval(0.0, 1000.0)))
+    m.tick(600.0)  # bid 1 outbid; bid 2 reserves, expiring at 960
+    d = m.tick(1100.0)
+    assert d.promotions == ()
+    assert [e.reason for e in d.endings if e.bid_id == 2] == ["reservation expired"]
+
+
+def test_a_migration_keeps_its_free_gpus_when_a_neighbour_is_noticed():
+    m = market_with(Node(1, A100, "eu-west", 8, 0.5), Node(2, A100, "eu-west", 4, 0.5))
+    m.add_bid(bid(1, 4, 2.0))
+    m.add_bid(bid(2, 4, 1.0))
+    m.tick(0.0)  # bid 1 -> node 2, bid 2 -> node 1
+    m.upsert_node(Node(2, A100, "eu-west", 4, 0.5, NodeState.RECLAIMED))
+    m.tick(100.0)  # bid 1 noticed; migration reserved on node 1's free GPUs
+    m.upsert_node(Node(1, A100, "eu-west", 8, 1.5))  # bid 2 now below the reserve
+    m.add_bid(bid(3, 4, 1.6, created=200.0))
+    m.tick(200.0)
+    # bid 3 claims the GPUs bid 2 will free, not those reserved for bid 1
+    assert m.node_load(1) == (8, 0, 4, 8)
+    noticed = next(
+        a
+        for a in m.snapshot().allocations
+        if a.bid_id == 1 and a.status is AllocationStatus.NOTICED
+    )
+    m.end_allocation(noticed.id, "preempted", 205.0)
+    assert len(m.tick(206.0).promotions) == 1  # bid 1 resumes at once
+
+
+def test_a_draining_node_releases_its_reservations():
+    m = market_with(Node(1, A100, "eu-west", 4, 0.5))
+    m.add_bid(bid(1, 4, 1.0))
+    m.tick(0.0)
+    m.add_bid(bid(2, 4, 2.0))
+    m.tick(1.0)  # bid 1 outbid, bid 2 reserves the node
+    m.upsert_node(Node(1, A100, "eu-west", 4, 0.5, NodeState.DRAINING))
+    d = m.tick(2.0)
+    assert [(e.bid_id, e.reason) for e in d.endings] == [(2, "node draining")]
+    assert m.tick(301.0).promotions == ()
+
+
+def test_a_late_ack_is_billed_only_to_the_notice_deadline():
+    m = market_with(Node(1, A100, "eu-west", 4, 1.0))
+    m.add_bid(bid(1, 4, 2.0))
+    m.tick(0.0)
+    m.upsert_node(Node(1, A100, "eu-west", 4, 1.0, NodeState.RECLAIMED))
+    notice = m.tick(10.0).notices[0]
+    settled = m.end_allocation(notice.allocation_id, "preempted", 400.0)
+    assert settled.charges.seconds.tolist() == [300.0]
+    assert settled.endings[0].at == 310.0
+
+
+def test_a_lowered_bid_is_never_billed_above_its_new_maximum():
+    m = market_with(Node(1, A100, "eu-west", 4, 0.5))
+    m.add_bid(bid(1, 4, 2.0))
+    m.add_bid(bid(2, 4, 1.5))  # loses: the price is 1.5
+    m.tick(0.0)
+    m.reprice_bid(1, 1.0)
+    assert m.tick(10.0).charges.price.tolist() == [1.0]
+
+
+def test_bulk_loading_rejects_fractional_and_out_of_range_values():
+    import numpy as np
+
+    m = market_with(Node(1, A100, "eu-west", 8, 0.5))
+    good = dict(
+        gpu_model=A100,
+        region="eu-west",
+        ids=np.array([1]),
+        gpu_counts=np.array([2]),
+        max_prices=np.array([1.0]),
+        created_at=np.array([0.0]),
+    )
+    with pytest.raises(ValueError, match="ids must be integers"):
+        m.add_bid_arrays(**{**good, "ids": np.array([1.9])})
+    with pytest.raises(ValueError, match="gpu_counts must be integers"):
+        m.add_bid_arrays(**{**good, "gpu_counts": np.array([2.7])})
+    with pytest.raises(ValueError, match="tenant_ids"):
+        m.add_bid_arrays(**good, tenant_ids=np.array([-1]))
+    with pytest.raises(ValueError, match="2\\*\\*62"):
+        Bid(2**63, A100, 1, 1.0)
+    assert m.snapshot().bids == ()

@@ -39,13 +39,13 @@ PRICES = (0.3, 0.5, 0.8, 1.0, 1.05, 1.1, 1.2, 1.5, 2.0, 3.0)
 node_st = st.tuples(
     st.sampled_from(MODELS),
     st.sampled_from(REGIONS),
-    st.sampled_from((1, 2, 3, 4, 8)),
+    st.sampled_from((1, 2, 3, 4, 6, 8, 12, 16)),
     st.sampled_from((0.2, 0.5, 1.0)),
 )
 bid_st = st.tuples(
     st.sampled_from(MODELS),
     st.sampled_from((*REGIONS, "any")),
-    st.sampled_from((1, 1, 2, 2, 3, 4, 8)),
+    st.sampled_from((1, 1, 2, 2, 3, 4, 6, 8)),
     st.sampled_from(PRICES),
     st.sampled_from((None, None, None, (0, 900), (200, 5000))),
 )
@@ -106,7 +106,11 @@ def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
             )
             next_bid += 1
         elif kind == "reprice" and state.bids:
-            market.reprice_bid(_pick(state.bids, step[1]).id, step[2])
+            repriced = _pick(state.bids, step[1])
+            market.reprice_bid(repriced.id, step[2])
+            for a in state.allocations:  # billed at most the new maximum from now on
+                if a.bid_id == repriced.id and a.id in expected:
+                    expected[a.id] = min(expected[a.id], step[2])
         elif kind == "cancel" and state.bids:
             settled = market.cancel_bid(_pick(state.bids, step[1]).id, now)
             total_charged += settled.charges.total()

@@ -260,12 +260,22 @@ def test_sigkill_during_a_bid_burst_loses_nothing(db_url, tmp_path):
 
 def test_admin_cli_against_a_running_server(tmp_path):
     server = Server(f"sqlite:///{tmp_path / 'm.db'}", tmp_path)
-    env = {**os.environ, "SPOTGPU_ADMIN_KEY": ADMIN_KEY, "SPOTGPU_HOME": str(tmp_path),
-           "SPOTGPU_MARKET_URL": server.url, "COLUMNS": "200"}
+    env = {
+        **os.environ,
+        "SPOTGPU_ADMIN_KEY": ADMIN_KEY,
+        "SPOTGPU_HOME": str(tmp_path),
+        "SPOTGPU_MARKET_URL": server.url,
+        "COLUMNS": "200",
+    }
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "prefect_spotgpu.cli", *args], env=env,
-                              capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [sys.executable, "-m", "prefect_spotgpu.cli", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     try:
         out = cli("admin", "create-tenant", "alice", "--credit", "5")

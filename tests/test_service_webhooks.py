@@ -62,18 +62,22 @@ def test_events_are_posted_signed_and_retried(service, receiver):
     response = alice.put("/webhook", json={"url": receiver.url, "secret": SECRET})
     assert response.json() == {"url": receiver.url, "has_secret": True}
     service.node(owner)
-    bid = alice.post("/bids", json={"gpu_model": "A100-80G", "gpu_count": 2,
-                                    "max_price": 1.0}).json()
-    delivered = service.wait_for(lambda: [d for d in alice.get("/webhook/deliveries").json()
-                                          if d["status"] == "delivered"], timeout=15)[0]
+    bid = alice.post(
+        "/bids", json={"gpu_model": "A100-80G", "gpu_count": 2, "max_price": 1.0}
+    ).json()
+    delivered = service.wait_for(
+        lambda: [d for d in alice.get("/webhook/deliveries").json() if d["status"] == "delivered"],
+        timeout=15,
+    )[0]
     assert delivered["attempts"] == 2  # the receiver failed the first one
     assert delivered["last_status_code"] == 204
     first, second = receiver.received[:2]
     assert first["body"] == second["body"]  # the same event, retried
     headers = second["headers"]
     assert headers["X-SpotGPU-Event"] == "allocated"
-    assert verify(SECRET, headers["X-SpotGPU-Timestamp"], second["body"],
-                  headers["X-SpotGPU-Signature"])
+    assert verify(
+        SECRET, headers["X-SpotGPU-Timestamp"], second["body"], headers["X-SpotGPU-Signature"]
+    )
     payload = json.loads(second["body"])
     assert payload["bid_id"] == bid["id"] and payload["event"] == "allocated"
     assert alice.get("/webhook").json()["has_secret"] is True
@@ -85,12 +89,15 @@ def test_a_dead_endpoint_is_given_up_after_the_last_attempt(db_url, tmp_path):
     svc = start_service(db_url, tmp_path / "home", webhook_max_attempts=3)
     try:
         alice, owner = svc.tenant(), svc.tenant()
-        alice.put("/webhook", json={"url": "http://127.0.0.1:9/nothing-listens-here",
-                                    "secret": SECRET})
+        alice.put(
+            "/webhook", json={"url": "http://127.0.0.1:9/nothing-listens-here", "secret": SECRET}
+        )
         svc.node(owner)
         alice.post("/bids", json={"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0})
-        failed = svc.wait_for(lambda: [d for d in alice.get("/webhook/deliveries").json()
-                                       if d["status"] == "failed"], timeout=20)[0]
+        failed = svc.wait_for(
+            lambda: [d for d in alice.get("/webhook/deliveries").json() if d["status"] == "failed"],
+            timeout=20,
+        )[0]
         assert failed["attempts"] == 3 and "ConnectError" in failed["last_error"]
     finally:
         svc.stop()

@@ -53,6 +53,7 @@ class AllocationsMixin:
             alloc.started_at,
             alloc.deadline,
             alloc.notice_reason,
+            migration=alloc.kind == "migration",
         )
         arow = self._alloc_row_of(alloc.id)
         self.a.price[arow] = alloc.price
@@ -70,6 +71,7 @@ class AllocationsMixin:
         now: float,
         deadline: float | None,
         reason: NoticeReason | None,
+        migration: bool = False,
     ) -> int:
         s = self.a.reserve(1)
         arow = s.start
@@ -80,6 +82,7 @@ class AllocationsMixin:
         a.deadline[arow] = math.nan if deadline is None else deadline
         a.reason[arow] = -1 if reason is None else REASONS.index(reason)
         a.tick[arow] = self._tick
+        a.mig[arow] = 1 if (migration and status == RESERVED) else 0
         self._alloc_row[alloc_id] = arow
         self._pools[self.n_pool[nrow]].busy += gpus
         if self._csr is not None:
@@ -104,6 +107,8 @@ class AllocationsMixin:
                 self._noticed_outbid.add(arow)
         else:
             self.n_reserved[nrow] += gpus
+            if a.mig[arow]:
+                self.n_res_mig[nrow] += gpus
             self._reserved.add(arow)
             heappush(self._deadlines, (deadline, alloc_id, arow))
         self._refresh_free(nrow)
@@ -152,7 +157,17 @@ class AllocationsMixin:
         self._next_alloc_id += 1
         gpus = int(self.b.gpus[brow])
         status = RUNNING if kind is PlacementKind.NEW else RESERVED
-        arow = self._new_alloc(alloc_id, brow, nrow, gpus, status, now, expires, None)
+        arow = self._new_alloc(
+            alloc_id,
+            brow,
+            nrow,
+            gpus,
+            status,
+            now,
+            expires,
+            None,
+            migration=kind is PlacementKind.MIGRATION,
+        )
         out = self._out
         out.p_alloc.append(alloc_id)
         out.p_bid.append(int(self.b.id[brow]))
@@ -202,6 +217,8 @@ class AllocationsMixin:
         a = self.a
         old = int(a.status[arow])
         nrow, gpus, brow = int(a.node[arow]), int(a.gpus[arow]), int(a.bid[arow])
+        if old == NOTICED:  # billed until its deadline at most, whoever ends it
+            at = min(at, float(a.deadline[arow]))
         if old in (RUNNING, NOTICED):
             self._final_charge(arow, at)
         if old == RUNNING:
@@ -214,6 +231,8 @@ class AllocationsMixin:
             self._noticed_outbid.discard(arow)
         else:
             self.n_reserved[nrow] -= gpus
+            if a.mig[arow]:
+                self.n_res_mig[nrow] -= gpus
             self._reserved.discard(arow)
         a.status[arow] = status
         self._pools[self.n_pool[nrow]].busy -= gpus
@@ -251,6 +270,8 @@ class AllocationsMixin:
                 status = a.status[arow]
                 if state is NodeState.LOST:
                     self._end(arow, RELEASED if status == RESERVED else PREEMPTED, "node lost", now)
+                elif state is NodeState.DRAINING and status == RESERVED:
+                    self._end(arow, RELEASED, "node draining", now)
                 elif state is NodeState.RECLAIMED:
                     if status == RESERVED:
                         self._end(arow, RELEASED, "node reclaimed", now)
@@ -303,13 +324,18 @@ class AllocationsMixin:
             return False
         if self.n_running[nrow] + self.n_noticed[nrow] + gpus > self.n_cap[nrow]:
             return False
-        if self.n_state[nrow] not in (NodeState.LIVE, NodeState.DRAINING):
+        if self.n_state[nrow] is not NodeState.LIVE:
             return False
         if self.b.price[brow] < self.n_reserve[nrow]:
             return False
+        if not self._window_open(int(self.b.window[brow]), now):
+            return False  # waits for its window (or expires)
         self._reserved.discard(arow)
         self.b.res[brow], self.b.run[brow] = -1, arow
         self.n_reserved[nrow] -= gpus
+        if a.mig[arow]:
+            self.n_res_mig[nrow] -= gpus
+            a.mig[arow] = 0
         self.n_running[nrow] += gpus
         a.status[arow] = RUNNING
         a.charged[arow] = a.started[arow] = now

@@ -106,12 +106,14 @@ class ClearingMixin:
         """Place the best bids of a model's empty, divisible pools at once, packed perfectly.
 
         A pool qualifies when nothing is allocated on its live nodes and they share one reserve;
-        a book qualifies when its GPU count divides every node of its pool (every pool of the
-        model, for an any-region book, and then only if all the model's pools qualify). Then
+        a book qualifies when its GPU count is a power of two that divides every node of its
+        pool (every pool of the model, for an any-region book, and then only if all the model's
+        pools qualify): sizes that divide each other pack exactly, largest first. Then
         any set of bids whose GPUs add up to at most a pool's GPUs packs exactly, largest first,
         so the greedy rule needs only each pool's remaining GPUs: a region bid is admitted when
-        they suffice, an any-region bid goes to the pool with the fewest remaining GPUs that
-        suffice (best fit between pools; ties: region name). It stops before the first bid of a
+        they suffice; an any-region bid goes to the pool whose smallest node fits it most
+        tightly, then with the fewest remaining GPUs, then by region name (the nearest the
+        one-by-one best fit gets without tracking nodes). It stops before the first bid of a
         book that does not qualify; the one-by-one loop takes it from there. Bids are packed
         largest first into the smallest nodes first, so whole large nodes stay free longest.
         """
@@ -137,13 +139,14 @@ class ClearingMixin:
         mine, stop_key = [], None
         peek_args = (b.status, b.epoch, b.price, b.created, b.id, WAITING)
         for book in open_books:
+            chain = book.size & (book.size - 1) == 0  # powers of two divide each other
             if book.region >= 0:
                 entry = fresh.get(book.region)
                 if entry is None:
                     continue  # another pool's book: it cannot take these GPUs
-                qualifies = entry[3] % book.size == 0
+                qualifies = chain and entry[3] % book.size == 0
             else:
-                qualifies = all_fresh and any_gcd % book.size == 0
+                qualifies = chain and all_fresh and any_gcd % book.size == 0
             if qualifies:
                 mine.append(book)
                 continue
@@ -168,6 +171,7 @@ class ClearingMixin:
         regions = sorted(fresh, key=self._regions.__getitem__)
         remaining = {r: sum(self.n_cap[n] for n in fresh[r][1]) for r in regions}
         reserve = {r: fresh[r][2] for r in regions}
+        smallest_node = {r: min(self.n_cap[n] for n in fresh[r][1]) for r in regions}
         left = sum(remaining.values())
         smallest = min(bk.size for bk in mine)
         won: list[int] = []
@@ -181,15 +185,13 @@ class ClearingMixin:
                 else:
                     continue
             else:
-                best = -1
+                best, best_key = -1, None
                 for r in regions:
                     room = remaining[r]
-                    if (
-                        room >= size
-                        and price >= reserve[r]
-                        and (best < 0 or room < remaining[best])
-                    ):
-                        best = r
+                    if room >= size and price >= reserve[r]:
+                        key = (smallest_node[r] if smallest_node[r] >= size else 99, room)
+                        if best_key is None or key < best_key:
+                            best, best_key = r, key
                 if best < 0:
                     continue
                 remaining[best] -= size

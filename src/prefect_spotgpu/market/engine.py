@@ -69,6 +69,7 @@ from prefect_spotgpu.market.tables import (
 from prefect_spotgpu.market.types import (
     ANY_REGION,
     MAX_GPUS_PER_NODE,
+    MAX_ID,
     Allocation,
     AllocationStatus,
     Bid,
@@ -134,6 +135,7 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
         self.n_running: list[int] = []
         self.n_noticed: list[int] = []
         self.n_reserved: list[int] = []
+        self.n_res_mig: list[int] = []  # of n_reserved: migration reservations (on free GPUs)
         self.n_free: list[int] = []
         self._csr: tuple[np.ndarray, np.ndarray] | None = None  # node -> alloc rows index
         self._node_extra: dict[int, list[int]] = {}  # alloc rows added since the index
@@ -171,6 +173,7 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
             started=np.float64,
             deadline=np.float64,
             reason=np.int8,
+            mig=np.int8,
             tick=np.int64,
         )
         self._alloc_row: dict[int, int] = {}
@@ -248,6 +251,7 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
             self.n_running.append(0)
             self.n_noticed.append(0)
             self.n_reserved.append(0)
+            self.n_res_mig.append(0)
             self.n_free.append(-1)
             self._n_reserve_np = None
             pool.nodes.append(row)
@@ -276,11 +280,19 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
         self._refresh_free(row, force=True)
 
     def _refresh_free(self, row: int, force: bool = False) -> None:
+        """Recompute a node's free GPUs: not running, not noticed, not promised.
+
+        Migration reservations sit on GPUs that were free; takeover reservations on GPUs that
+        noticed allocations will free (plus free ones when those are not enough), hence
+        ``cap - running - migrations - max(noticed, takeovers)``.
+        """
         if self.n_state[row].offers_capacity():
+            migrating = self.n_res_mig[row]
             free = (
                 self.n_cap[row]
                 - self.n_running[row]
-                - max(self.n_noticed[row], self.n_reserved[row])
+                - migrating
+                - max(self.n_noticed[row], self.n_reserved[row] - migrating)
             )
         else:
             free = -1
@@ -309,9 +321,10 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
         if bid.id in self._bid_row:
             raise ValueError(f"bid.id {bid.id} is already in the book")
         if bid.region != ANY_REGION and not self._known_region(bid.region):
+            known = self._regions if self.config.regions is None else self.config.regions
             raise ValueError(
                 f"region {bid.region!r} is not a known region; known regions: "
-                f"{', '.join(sorted(self.config.regions or self._regions)) or 'none'}"
+                f"{', '.join(sorted(known)) or 'none'}"
             )
         model = self._intern_model(bid.gpu_model)
         region = -1 if bid.region == ANY_REGION else self._intern_region(bid.region)
@@ -353,6 +366,9 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
         region = check_region("region", region, allow_any=True)
         if region != ANY_REGION and not self._known_region(region):
             raise ValueError(f"region {region!r} is not a known region")
+        for name, values in (("ids", ids), ("gpu_counts", gpu_counts), ("tenant_ids", tenant_ids)):
+            if values is not None and not np.issubdtype(np.asarray(values).dtype, np.integer):
+                raise ValueError(f"{name} must be integers, got {np.asarray(values).dtype}")
         ids = np.asarray(ids, np.int64)
         n = len(ids)
         gpus = np.asarray(gpu_counts, np.int64)
@@ -367,8 +383,10 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
         ):
             if len(arr) != n:
                 raise ValueError(f"{name} has {len(arr)} values, ids has {n}")
-        if n and (ids.min() < 0):
-            raise ValueError("bid ids must be non-negative")
+        if n and (ids.min() < 0 or ids.max() >= MAX_ID):
+            raise ValueError("bid ids must be integers in [0, 2**62)")
+        if n and (tenants.min() < 0 or tenants.max() >= MAX_ID):
+            raise ValueError("tenant_ids must be integers in [0, 2**62)")
         bad = ~(np.isfinite(prices) & (prices > 0))
         if bad.any():
             raise ValueError(f"max_price must be a positive finite price, got {prices[bad][0]!r}")
@@ -426,6 +444,9 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
             for arow in (b.run[row], b.res[row]):  # below a reserve now?
                 if arow >= 0:
                     self._suspect_nodes.add(int(self.a.node[arow]))
+            if b.run[row] >= 0:  # never billed above the new maximum, from now on
+                run = int(b.run[row])
+                self.a.price[run] = min(float(self.a.price[run]), price)
 
     def cancel_bid(self, bid_id: int, at: float) -> Settlement:
         """Close a bid: it leaves the book; its allocations end FINISHED (reservations RELEASED)."""
@@ -607,6 +628,9 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
                     price=float(a.price[arow]),
                     deadline=None if math.isnan(deadline) else deadline,
                     notice_reason=None if reason < 0 else REASONS[reason],
+                    kind=("migration" if a.mig[arow] else "takeover")
+                    if status is AllocationStatus.RESERVED
+                    else "new",
                 )
             )
         return MarketState(nodes, tuple(bids), tuple(allocs), self.config, self._next_alloc_id)

@@ -137,9 +137,13 @@ def check_region(field_name: str, value: object, *, allow_any: bool) -> str:
     return region
 
 
+MAX_ID = 2**62
+"""Ids are stored as 64-bit integers; anything from here up is refused."""
+
+
 def check_id(field_name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{field_name} must be a non-negative integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_ID:
+        raise ValueError(f"{field_name} must be an integer in [0, 2**62), got {value!r}")
     return value
 
 
@@ -242,9 +246,14 @@ class Allocation:
     price: float = 0.0
     deadline: float | None = None
     notice_reason: NoticeReason | None = None
+    kind: str = "new"
+    """How it was placed: ``new``, ``takeover`` (a reservation on GPUs that noticed
+    allocations will free) or ``migration`` (a reservation on free GPUs)."""
 
     def __post_init__(self) -> None:
         check_id("allocation.id", self.id)
+        if self.kind not in ("new", "takeover", "migration"):
+            raise ValueError(f"kind must be new, takeover or migration, got {self.kind!r}")
         check_id("bid_id", self.bid_id)
         check_id("node_id", self.node_id)
         check_gpu_count("gpu_count", self.gpu_count)
@@ -322,20 +331,47 @@ class MarketState:
         _check_unique("node", [n.id for n in self.nodes])
         _check_unique("bid", [b.id for b in self.bids])
         _check_unique("allocation", [a.id for a in self.allocations])
-        regions = self.config.regions or frozenset(n.region for n in self.nodes)
+        regions = self.config.regions
+        if regions is None:
+            regions = frozenset(n.region for n in self.nodes)
         for bid in () if self.config.open_regions else self.bids:
             if bid.region != ANY_REGION and bid.region not in regions:
                 raise ValueError(
                     f"region {bid.region!r} of bid {bid.id} is not a known region; "
                     f"known regions: {', '.join(sorted(regions)) or 'none'}"
                 )
-        node_ids = {n.id for n in self.nodes}
-        bid_ids = {b.id for b in self.bids}
+        nodes = {n.id: n for n in self.nodes}
+        bids = {b.id: b for b in self.bids}
+        in_use: dict[int, int] = {}
+        promised: dict[int, int] = {}
+        holding: dict[tuple[int, bool], int] = {}
         for alloc in self.allocations:
-            if alloc.node_id not in node_ids:
+            node, bid = nodes.get(alloc.node_id), bids.get(alloc.bid_id)
+            if node is None:
                 raise ValueError(f"allocation {alloc.id} names unknown node_id {alloc.node_id}")
-            if alloc.bid_id not in bid_ids:
+            if bid is None:
                 raise ValueError(f"allocation {alloc.id} names unknown bid_id {alloc.bid_id}")
+            if (
+                alloc.gpu_count != bid.gpu_count
+                or node.gpu_model != bid.gpu_model
+                or (bid.region != ANY_REGION and bid.region != node.region)
+            ):
+                raise ValueError(
+                    f"allocation {alloc.id} does not fit bid {bid.id} on node {node.id}"
+                )
+            reserved = alloc.status is AllocationStatus.RESERVED
+            key = (bid.id, reserved)
+            if key in holding:
+                raise ValueError(
+                    f"bid {bid.id} has two {'reserved' if reserved else 'active'} allocations"
+                )
+            holding[key] = alloc.id
+            if alloc.status.holds_gpus():
+                in_use[node.id] = in_use.get(node.id, 0) + alloc.gpu_count
+            if alloc.status in (AllocationStatus.RUNNING, AllocationStatus.RESERVED):
+                promised[node.id] = promised.get(node.id, 0) + alloc.gpu_count
+            if max(in_use.get(node.id, 0), promised.get(node.id, 0)) > node.gpu_count:
+                raise ValueError(f"node {node.id} has more GPUs allocated than it has")
         highest = max((a.id for a in self.allocations), default=0)
         if self.next_allocation_id <= highest:
             raise ValueError(

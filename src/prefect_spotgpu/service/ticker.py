@@ -287,6 +287,7 @@ class Ticker:
                 price=a.price,
                 deadline=a.deadline,
                 notice_reason=a.notice_reason,
+                kind=a.kind,
             )
             for a in allocs_rows
         ]
