@@ -194,9 +194,21 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
         for bid in sorted(state.bids, key=lambda b: b.id):
             market.add_bid(bid)
         for alloc in sorted(state.allocations, key=lambda a: a.id):
-            market._load_allocation(alloc)
-        market._compact_books(force=True)
+            market.load_allocation(alloc)
+        market.compact()
         return market
+
+    def load_allocation(self, alloc: Allocation) -> None:
+        """Restore an active allocation (rebuilding a market from storage).
+
+        Its bid and node must be loaded first. Unlike ``from_state``, this does not check the
+        whole state at once: the caller vouches that it came from a consistent store.
+        """
+        self._load_allocation(alloc)
+
+    def compact(self) -> None:
+        """Re-sort every book (after a bulk rebuild; ticks compact as they go)."""
+        self._compact_books(force=True)
 
     def _intern_model(self, name: str) -> int:
         i = self._model_index.get(name)

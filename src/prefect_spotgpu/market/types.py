@@ -283,7 +283,10 @@ class MarketConfig:
     packing: str = "best-fit"
     """Name of the packing policy (see ``prefect_spotgpu.market.policies``)."""
     eviction_scan_limit: int = 512
-    """How many of a pool's weakest incumbents one challenger examines for an eviction."""
+    """How many distinct nodes (those of the pool's weakest running incumbents, weakest first)
+    one challenger examines for an eviction. The outbid guarantee holds within this bound; a
+    pool with more nodes of weaker incumbents than this may leave a challenger waiting a tick
+    longer."""
     regions: frozenset[str] | None = None
     """Regions bids may name; ``None`` accepts the regions of the registered nodes."""
     open_regions: bool = False

@@ -8,7 +8,7 @@ stale epoch is refused (the fencing token). The rules are plain data, checked be
 
 from __future__ import annotations
 
-from sqlalchemy import update
+from sqlalchemy import Row, insert, update
 from sqlalchemy.orm import Session
 
 from prefect_spotgpu.market import AllocationStatus
@@ -41,12 +41,28 @@ def check_transition(current: AllocationStatus, to: AllocationStatus) -> str | N
     return None
 
 
-def create_allocation(*, session: Session, row: AllocationRow) -> None:
-    status = AllocationStatus(row.status)
-    if status not in NEW_STATES:
-        raise TransitionRejected(f"an allocation cannot be created {status.value}")
-    row.epoch = 1
-    session.add(row)
+def create_allocations(*, session: Session, rows: list[dict]) -> None:
+    """Insert new allocations (one statement for the lot), each RUNNING or RESERVED, epoch 1."""
+    for row in rows:
+        status = AllocationStatus(row["status"])
+        if status not in NEW_STATES:
+            raise TransitionRejected(f"an allocation cannot be created {status.value}")
+        row["epoch"] = 1
+    if rows:
+        session.execute(insert(AllocationRow), rows)
+
+
+RETURNED = (
+    AllocationRow.epoch,
+    AllocationRow.tenant_id,
+    AllocationRow.bid_id,
+    AllocationRow.node_id,
+    AllocationRow.gpu_count,
+    AllocationRow.started_at,
+    AllocationRow.last_checkpoint_at,
+    AllocationRow.price,
+)
+"""What a status change returns about the row it changed."""
 
 
 def set_allocation_status(
@@ -56,18 +72,23 @@ def set_allocation_status(
     expected: AllocationStatus,
     to: AllocationStatus,
     **fields: object,
-) -> None:
-    """Move one allocation from ``expected`` to ``to`` (and set ``fields``), or raise."""
+) -> Row:
+    """Move one allocation from ``expected`` to ``to`` (and set ``fields``), or raise.
+
+    Returns the row's new epoch and the columns in ``RETURNED``.
+    """
     reason = check_transition(expected, to)
     if reason is not None:
         raise TransitionRejected(f"allocation {allocation_id}: {reason}")
-    result = session.execute(
+    row = session.execute(
         update(AllocationRow)
         .where(AllocationRow.id == allocation_id, AllocationRow.status == expected.value)
         .values(status=to.value, epoch=AllocationRow.epoch + 1, **fields)
+        .returning(*RETURNED)
         .execution_options(synchronize_session=False)
-    )
-    if result.rowcount != 1:
+    ).first()
+    if row is None:
         raise Conflict(
             f"allocation {allocation_id} is no longer {expected.value}; its status changed"
         )
+    return row

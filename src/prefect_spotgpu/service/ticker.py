@@ -27,7 +27,15 @@ from collections import defaultdict
 from datetime import UTC, datetime
 
 import numpy as np
-from sqlalchemy import Engine, bindparam, delete, select, text, update
+from sqlalchemy import (
+    Engine,
+    bindparam,
+    delete,
+    insert,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.orm import Session, sessionmaker
 
 from prefect_spotgpu.market import Allocation as MarketAllocation
@@ -38,7 +46,6 @@ from prefect_spotgpu.market import (
     Interval,
     Market,
     MarketConfig,
-    MarketState,
     Node,
     NodeState,
     PlacementKind,
@@ -238,6 +245,7 @@ class Ticker:
             self._credit_holds(writes, now)
             decision = self.market.tick(now)
             writes.decision(decision)
+            writes.flush_events()
             if writes.ended or now - self.last_flush >= self.settings.charge_flush_seconds:
                 self._flush(session, now)
             self._write_quotes(session, decision, now)
@@ -252,56 +260,88 @@ class Ticker:
         return decision
 
     def _load(self, session: Session, now: float) -> None:
-        """Rebuild the in-memory market from the database (leader start, or after a failure)."""
+        """Rebuild the in-memory market from the database (leader start, or after a failure).
+
+        Plain bids (no window, no deadline) are read as columns and bulk-loaded per pool;
+        the rest one by one. Bids that are cancelled or held but still hold GPUs are loaded
+        too: their ``market_changes`` row (still in the outbox) ends them at this tick.
+        """
         self.pending.clear()
-        nodes = [
-            Node(n.id, n.gpu_model, n.region, n.gpu_count, n.reserve_price, NodeState(n.state))
-            for n in session.scalars(select(NodeRow).order_by(NodeRow.id))
-        ]
-        bids, bid_ids = [], set()
-        allocs_rows = list(
-            session.scalars(
-                select(AllocationRow)
-                .where(AllocationRow.status.in_(crud.ACTIVE))
-                .order_by(AllocationRow.id)
-            )
-        )
-        active_bid_ids = {a.bid_id for a in allocs_rows}
-        query = select(BidRow).where(BidRow.status == "open")
-        for row in session.scalars(query.order_by(BidRow.id)):
-            bids.append(self._bid(row))
-            bid_ids.add(row.id)
-        for bid_id in active_bid_ids - bid_ids:  # cancelled or held, still holding GPUs
-            row = session.get(BidRow, bid_id)
-            bids.append(self._bid(row))
-            bid_ids.add(bid_id)
-        allocations = [
-            MarketAllocation(
-                id=a.id,
-                bid_id=a.bid_id,
-                node_id=a.node_id,
-                gpu_count=a.gpu_count,
-                status=S(a.status),
-                started_at=a.started_at,
-                charged_until=a.charged_until,
-                price=a.price,
-                deadline=a.deadline,
-                notice_reason=a.notice_reason,
-                kind=a.kind,
-            )
-            for a in allocs_rows
-        ]
         highest = session.scalar(select(AllocationRow.id).order_by(AllocationRow.id.desc()))
         config = MarketConfig(
             hysteresis=self.settings.hysteresis,
             notice_seconds=self.settings.notice_seconds,
             open_regions=True,
         )
-        # bids that are cancelled or held but still hold GPUs are loaded too: their
-        # market_changes row (still in the outbox) ends their allocations at this tick
-        self.market = Market.from_state(
-            MarketState(tuple(nodes), tuple(bids), tuple(allocations), config, (highest or 0) + 1)
+        market = Market(config, next_allocation_id=(highest or 0) + 1)
+        for n in session.scalars(select(NodeRow).order_by(NodeRow.id)):
+            market.upsert_node(
+                Node(n.id, n.gpu_model, n.region, n.gpu_count, n.reserve_price, NodeState(n.state))
+            )
+        allocs = list(
+            session.scalars(
+                select(AllocationRow)
+                .where(AllocationRow.status.in_(crud.ACTIVE))
+                .order_by(AllocationRow.id)
+            )
         )
+        holding = {a.bid_id for a in allocs}
+        plain = BidRow.window_start.is_(None) & BidRow.deadline.is_(None)
+        columns = session.execute(
+            select(
+                BidRow.id,
+                BidRow.tenant_id,
+                BidRow.gpu_model,
+                BidRow.region,
+                BidRow.gpu_count,
+                BidRow.max_price,
+                BidRow.created_at,
+            )
+            .where(BidRow.status == "open", plain)
+            .order_by(BidRow.id)
+        ).all()
+        groups: dict[tuple[str, str], list] = defaultdict(list)
+        for row in columns:
+            groups[(row.gpu_model, row.region)].append(row)
+        loaded = set()
+        for (model, region), rows in sorted(groups.items()):
+            market.add_bid_arrays(
+                gpu_model=model,
+                region=region,
+                ids=np.array([r.id for r in rows], np.int64),
+                gpu_counts=np.array([r.gpu_count for r in rows], np.int64),
+                max_prices=np.array([r.max_price for r in rows], np.float64),
+                created_at=np.array([_aware(r.created_at).timestamp() for r in rows]),
+                tenant_ids=np.array([r.tenant_id for r in rows], np.int64),
+            )
+            loaded.update(r.id for r in rows)
+        others = list(
+            session.scalars(
+                select(BidRow).where((BidRow.status == "open") & ~plain).order_by(BidRow.id)
+            )
+        )
+        missing = holding - loaded - {b.id for b in others}  # cancelled or held, holding GPUs
+        others += [session.get(BidRow, bid_id) for bid_id in sorted(missing)]
+        for row in sorted(others, key=lambda b: b.id):
+            market.add_bid(self._bid(row))
+        for a in allocs:
+            market.load_allocation(
+                MarketAllocation(
+                    id=a.id,
+                    bid_id=a.bid_id,
+                    node_id=a.node_id,
+                    gpu_count=a.gpu_count,
+                    status=S(a.status),
+                    started_at=a.started_at,
+                    charged_until=a.charged_until,
+                    price=a.price,
+                    deadline=a.deadline,
+                    notice_reason=a.notice_reason,
+                    kind=a.kind,
+                )
+            )
+        market.compact()
+        self.market = market
         self.last_flush = now
 
     @staticmethod
@@ -378,7 +418,9 @@ class Ticker:
             )
         elif change.op == "save_failed" and status is S.NOTICED:
             if alloc.deadline is None or at <= alloc.deadline:
-                writes.compensate(alloc, at, "final save failed before the notice deadline")
+                writes.compensate(
+                    alloc.id, alloc, at, "final save failed before the notice deadline"
+                )
         elif change.op == "finished" and status in (S.RUNNING, S.NOTICED):
             writes.settlement(
                 self.market.end_allocation(alloc.id, S.FINISHED, min(at, now)),
@@ -483,31 +525,7 @@ class Ticker:
                         "b_until": until,
                     }
                 )
-        table = AllocationRow.__table__
-        running = [r for r in rows if r["b_price"] is not None]
-        ended = [r for r in rows if r["b_price"] is None]
-        if running:  # running: the amount, and the price in force with its start
-            session.execute(
-                table.update()
-                .where(table.c.id == bindparam("b_id"))
-                .values(
-                    charged_amount=table.c.charged_amount + bindparam("b_amount"),
-                    charged_seconds=table.c.charged_seconds + bindparam("b_seconds"),
-                    price=bindparam("b_price"),
-                    charged_until=bindparam("b_until"),
-                ),
-                running,
-            )
-        if ended:  # ended: charged_until was written with the ending
-            session.execute(
-                table.update()
-                .where(table.c.id == bindparam("b_id"))
-                .values(
-                    charged_amount=table.c.charged_amount + bindparam("b_amount"),
-                    charged_seconds=table.c.charged_seconds + bindparam("b_seconds"),
-                ),
-                [{k: r[k] for k in ("b_id", "b_amount", "b_seconds")} for r in ended],
-            )
+        _bulk_charge(session, rows)
         for tenant_id, amount in spent.items():
             session.execute(
                 update(Tenant)
@@ -572,6 +590,34 @@ class Ticker:
             self.last_quotes[key] = values
 
 
+def _bulk_charge(session: Session, rows: list[dict]) -> None:
+    """Add accrued charges to allocations (one executemany per kind of row).
+
+    Running allocations also get their price in force and ``charged_until``; those that ended
+    this tick (``b_price`` None) keep what their ending wrote.
+    """
+    table = AllocationRow.__table__
+    running = [r for r in rows if r["b_price"] is not None]
+    ended = [
+        {k: r[k] for k in ("b_id", "b_amount", "b_seconds")} for r in rows if r["b_price"] is None
+    ]
+    added = {
+        "charged_amount": table.c.charged_amount + bindparam("b_amount"),
+        "charged_seconds": table.c.charged_seconds + bindparam("b_seconds"),
+    }
+    if running:
+        session.execute(
+            table.update()
+            .where(table.c.id == bindparam("b_id"))
+            .values(**added, price=bindparam("b_price"), charged_until=bindparam("b_until")),
+            running,
+        )
+    if ended:
+        session.execute(
+            table.update().where(table.c.id == bindparam("b_id")).values(**added), ended
+        )
+
+
 def _aware(value: datetime | None) -> datetime | None:
     """SQLite returns naive datetimes: they were written in UTC."""
     if value is not None and value.tzinfo is None:
@@ -580,7 +626,11 @@ def _aware(value: datetime | None) -> datetime | None:
 
 
 class _Writes:
-    """The writes of one tick: allocations (through the gate), events, deliveries, credits."""
+    """The writes of one tick: allocations (through the gate), events, deliveries, credits.
+
+    Events are written in bulk at the end of the tick (``flush_events``), in order, with
+    their webhook deliveries, so a cold tick that places 100,000 bids stays a few statements.
+    """
 
     def __init__(self, session: Session, ticker: Ticker, now: float) -> None:
         self.session = session
@@ -589,6 +639,7 @@ class _Writes:
         self.now_dt = datetime.fromtimestamp(now, UTC)
         self.events = 0
         self.ended = False
+        self._pending_events: list[dict] = []
         self._webhooks: dict[int, str | None] = {}
         self._tenants: dict[int, tuple[float, float]] = {}
         self._bid_tenant: dict[int, int] = {}
@@ -602,11 +653,12 @@ class _Writes:
         return out
 
     def refresh_tenant(self, tenant_id: int) -> None:
-        tenant = self.session.get(Tenant, tenant_id)
-        if tenant is not None:
-            self.session.refresh(tenant)
-            self._tenants[tenant_id] = (tenant.credits, tenant.spent)
-            self._webhooks[tenant_id] = tenant.webhook_url
+        row = self.session.execute(
+            select(Tenant.credits, Tenant.spent, Tenant.webhook_url).where(Tenant.id == tenant_id)
+        ).first()
+        if row is not None:
+            self._tenants[tenant_id] = (row.credits, row.spent)
+            self._webhooks[tenant_id] = row.webhook_url
 
     def tenant_of(self, bid_id: int) -> int:
         tenant = self._bid_tenant.get(bid_id)
@@ -625,63 +677,82 @@ class _Writes:
             "at": self.now,
             **payload,
         }
-        row = EventRow(
-            tenant_id=tenant_id,
-            bid_id=bid_id,
-            node_id=node_id,
-            allocation_id=alloc_id,
-            kind=kind,
-            payload=body,
-            created_at=self.now_dt,
+        self._pending_events.append(
+            {
+                "tenant_id": tenant_id,
+                "bid_id": bid_id,
+                "node_id": node_id,
+                "allocation_id": alloc_id,
+                "kind": kind,
+                "payload": body,
+                "created_at": self.now_dt,
+            }
         )
-        self.session.add(row)
-        self.session.flush()
-        self.events += 1
-        if tenant_id not in self._webhooks:
-            self.refresh_tenant(tenant_id)
-        url = self._webhooks.get(tenant_id)
-        if url:
-            self.session.add(
-                WebhookDelivery(
-                    tenant_id=tenant_id,
-                    event_id=row.id,
-                    url=url,
-                    status="pending",
-                    attempts=0,
-                    next_attempt_at=self.now,
-                    updated_at=self.now_dt,
-                )
+
+    def flush_events(self) -> None:
+        rows, self._pending_events = self._pending_events, []
+        if not rows:
+            return
+        ids = (
+            self.session.execute(
+                insert(EventRow).returning(EventRow.id, sort_by_parameter_order=True), rows
             )
+            .scalars()
+            .all()
+        )
+        self.events += len(rows)
+        deliveries = []
+        for event_id, row in zip(ids, rows, strict=True):
+            tenant_id = row["tenant_id"]
+            if tenant_id not in self._webhooks:
+                self.refresh_tenant(tenant_id)
+            url = self._webhooks.get(tenant_id)
+            if url:
+                deliveries.append(
+                    {
+                        "tenant_id": tenant_id,
+                        "event_id": event_id,
+                        "url": url,
+                        "status": "pending",
+                        "attempts": 0,
+                        "next_attempt_at": self.now,
+                        "updated_at": self.now_dt,
+                    }
+                )
+        if deliveries:
+            self.session.execute(insert(WebhookDelivery), deliveries)
 
     def decision(self, decision: Decision) -> None:
-        for p in decision.placements:
-            tenant = self.tenant_of(p.bid_id)
-            gate.create_allocation(
-                session=self.session,
-                row=AllocationRow(
-                    id=p.allocation_id,
-                    bid_id=p.bid_id,
-                    node_id=p.node_id,
-                    tenant_id=tenant,
-                    gpu_count=p.gpu_count,
-                    status=p.status.value,
-                    kind=p.kind.value,
-                    started_at=self.now,
-                    charged_until=self.now,
-                    price=0.0,
-                    deadline=p.expires_at,
-                    charged_amount=0.0,
-                    charged_seconds=0.0,
-                ),
-            )
-            self.session.flush()
+        placements = list(decision.placements)
+        gate.create_allocations(
+            session=self.session,
+            rows=[
+                {
+                    "id": p.allocation_id,
+                    "bid_id": p.bid_id,
+                    "node_id": p.node_id,
+                    "tenant_id": self.tenant_of(p.bid_id),
+                    "gpu_count": p.gpu_count,
+                    "status": p.status.value,
+                    "kind": p.kind.value,
+                    "started_at": self.now,
+                    "charged_until": self.now,
+                    "price": 0.0,
+                    "deadline": p.expires_at,
+                    "charged_amount": 0.0,
+                    "charged_seconds": 0.0,
+                }
+                for p in placements
+            ],
+        )
+        for p in placements:
             kind = "allocated" if p.kind is PlacementKind.NEW else "reserved"
             self.event(
                 kind,
                 alloc_id=p.allocation_id,
                 bid_id=p.bid_id,
                 node_id=p.node_id,
-                tenant_id=tenant,
+                tenant_id=self.tenant_of(p.bid_id),
                 status=p.status.value,
                 gpu_count=p.gpu_count,
                 placement=p.kind.value,
@@ -689,7 +760,7 @@ class _Writes:
                 expires_at=p.expires_at,
             )
         for n in decision.notices:
-            gate.set_allocation_status(
+            row = gate.set_allocation_status(
                 session=self.session,
                 allocation_id=n.allocation_id,
                 expected=S.RUNNING,
@@ -697,22 +768,19 @@ class _Writes:
                 deadline=n.deadline,
                 notice_reason=n.reason.value,
             )
-            epoch = self.session.scalar(
-                select(AllocationRow.epoch).where(AllocationRow.id == n.allocation_id)
-            )
             self.event(
                 "noticed",
                 alloc_id=n.allocation_id,
                 bid_id=n.bid_id,
                 node_id=n.node_id,
-                tenant_id=self.tenant_of(n.bid_id),
+                tenant_id=row.tenant_id,
                 reason=n.reason.value,
                 deadline=n.deadline,
-                epoch=epoch,
+                epoch=row.epoch,
             )
         self.settlement_endings(decision.endings, charges=decision.charges)
         for alloc_id in decision.promotions:
-            gate.set_allocation_status(
+            row = gate.set_allocation_status(
                 session=self.session,
                 allocation_id=alloc_id,
                 expected=S.RESERVED,
@@ -721,8 +789,6 @@ class _Writes:
                 charged_until=self.now,
                 deadline=None,
             )
-            row = self.session.get(AllocationRow, alloc_id)
-            self.session.refresh(row)
             self.event(
                 "allocated",
                 alloc_id=alloc_id,
@@ -769,20 +835,15 @@ class _Writes:
             fields = {"ended_at": e.at, "end_reason": reason or e.reason}
             if e.previous.is_charged():
                 fields["charged_until"] = e.at
-            gate.set_allocation_status(
+            row = gate.set_allocation_status(
                 session=self.session,
                 allocation_id=e.allocation_id,
                 expected=e.previous,
                 to=e.status,
                 **fields,
             )
-            row = self.session.get(AllocationRow, e.allocation_id)
-            self.session.refresh(row)
-            kind = {"preempted": "preempted", "finished": "finished", "released": "released"}[
-                e.status.value
-            ]
             self.event(
-                kind,
+                e.status.value,
                 alloc_id=e.allocation_id,
                 bid_id=e.bid_id,
                 node_id=e.node_id,
@@ -792,16 +853,20 @@ class _Writes:
             )
             if e.reason == "node lost" and e.previous.is_charged():
                 self.compensate(
-                    row, e.at, "node lost without notice", price=final_price.get(e.allocation_id)
+                    e.allocation_id,
+                    row,
+                    e.at,
+                    "node lost without notice",
+                    price=final_price.get(e.allocation_id),
                 )
 
     def compensate(
-        self, alloc: AllocationRow, at: float, why: str, price: float | None = None
+        self, alloc_id: int, alloc, at: float, why: str, price: float | None = None
     ) -> None:
         """Credit the work lost since the allocation's last checkpoint (DESIGN §1)."""
         exists = self.session.scalar(
             select(crud.LedgerEntry.id).where(
-                crud.LedgerEntry.allocation_id == alloc.id, crud.LedgerEntry.kind == "compensation"
+                crud.LedgerEntry.allocation_id == alloc_id, crud.LedgerEntry.kind == "compensation"
             )
         )
         if exists is not None:
@@ -811,7 +876,7 @@ class _Writes:
         if price is None:
             price = alloc.price
             ids, prices, _ = self.ticker.market.charge_state()
-            match = np.flatnonzero(ids == alloc.id)
+            match = np.flatnonzero(ids == alloc_id)
             if len(match):
                 price = float(prices[match[0]])
         amount = price * alloc.gpu_count * seconds / 3600.0
@@ -822,7 +887,7 @@ class _Writes:
             tenant_id=alloc.tenant_id,
             amount=amount,
             kind="compensation",
-            allocation_id=alloc.id,
+            allocation_id=alloc_id,
             now=self.now_dt,
             reason=f"{why}: {seconds:.0f} s of work on {alloc.gpu_count} GPU(s) "
             f"at {price:.4f} since the last checkpoint",
