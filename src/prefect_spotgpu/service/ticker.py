@@ -173,6 +173,7 @@ class Ticker:
         self.epoch: int | None = None
         self.market: Market | None = None
         self.pending: dict[int, list[float]] = {}  # allocation id -> [amount, seconds, tenant]
+        self.owed: defaultdict[int, float] = defaultdict(float)  # tenant -> pending amount
         self.bars: dict[tuple[str, str, int], list[float]] = {}
         self.last_flush = 0.0
         self.last_quotes: dict[tuple[str, str], tuple] = {}
@@ -217,6 +218,7 @@ class Ticker:
         self.epoch = None
         self.market = None
         self.pending.clear()
+        self.owed.clear()
         self.leadership.release()
 
     def _fence(self, session: Session, now: float) -> None:
@@ -267,6 +269,7 @@ class Ticker:
         too: their ``market_changes`` row (still in the outbox) ends them at this tick.
         """
         self.pending.clear()
+        self.owed.clear()
         highest = session.scalar(select(AllocationRow.id).order_by(AllocationRow.id.desc()))
         config = MarketConfig(
             hysteresis=self.settings.hysteresis,
@@ -462,10 +465,8 @@ class Ticker:
 
     def _credit_holds(self, writes: _Writes, now: float) -> None:
         """Hold the bids of tenants whose balance (with unwritten charges) reached zero."""
-        owed = defaultdict(float)
-        for amount, _, tenant in self.pending.values():
-            owed[int(tenant)] += amount
-        for tenant_id, (credits, spent) in writes.balances(owed.keys()).items():
+        owed = self.owed
+        for tenant_id, (credits, spent) in writes.balances(list(owed)).items():
             balance = credits - spent - owed[tenant_id]
             if balance > 0:
                 continue
@@ -550,6 +551,7 @@ class Ticker:
             else:
                 bar.high, bar.low, bar.close = max(bar.high, h), min(bar.low, lo), c
         self.pending.clear()
+        self.owed.clear()
         self.bars.clear()
         self.last_flush = now
 
@@ -803,9 +805,14 @@ class _Writes:
         self.charges(decision.charges)
 
     def charges(self, charges) -> None:
-        pending = self.ticker.pending
+        pending, owed = self.ticker.pending, self.ticker.owed
         if len(charges) == 0:
             return
+        tenants, inverse = np.unique(charges.tenant_id, return_inverse=True)
+        for tenant, amount in zip(
+            tenants.tolist(), np.bincount(inverse, weights=charges.amount).tolist(), strict=True
+        ):
+            owed[tenant] += amount
         for alloc_id, amount, seconds, tenant in zip(
             charges.allocation_id.tolist(),
             charges.amount.tolist(),
