@@ -59,3 +59,9 @@ def test_market_reads_no_clock():
         text = path.read_text()
         for call in ("time.time(", "datetime.now(", "perf_counter(", "monotonic("):
             assert call not in text, f"{path.name} reads the clock: {call}"
+
+
+def test_the_checkpoint_core_does_not_import_prefect():
+    code = "import sys, prefect_spotgpu.checkpoint\nprint('prefect' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,37 @@
+"""Checkpoints for spot work: periodic and final saves near disk speed, exact resume.
+
+The core (``Checkpointer``, the format, local and S3 storage) imports nothing of Prefect;
+``prefect_spotgpu.checkpoint.flow`` gives a flow run its storage and key.
+"""
+
+from prefect_spotgpu.checkpoint.checkpointer import (
+    ACK_FILE_ENV,
+    NOTICE_FILE_ENV,
+    Checkpointer,
+    Restored,
+    SaveResult,
+    rng_state,
+    set_rng_state,
+)
+from prefect_spotgpu.checkpoint.format import CorruptCheckpoint
+from prefect_spotgpu.checkpoint.storage import (
+    CheckpointStorage,
+    LocalStorage,
+    S3Storage,
+    storage_from_url,
+)
+
+__all__ = [
+    "ACK_FILE_ENV",
+    "NOTICE_FILE_ENV",
+    "CheckpointStorage",
+    "Checkpointer",
+    "CorruptCheckpoint",
+    "LocalStorage",
+    "Restored",
+    "S3Storage",
+    "SaveResult",
+    "rng_state",
+    "set_rng_state",
+    "storage_from_url",
+]

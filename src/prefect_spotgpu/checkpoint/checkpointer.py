@@ -1,0 +1,273 @@
+"""The checkpointer a spot flow calls in its loop (DESIGN §5).
+
+Cooperative and explicit: the flow calls ``ckpt.maybe_save(state, step)`` every step. It saves
+when the interval has passed (periodic) or when a notice arrived (final). A notice is a SIGUSR1
+(whose handler only sets a flag) or the appearance of the file named by ``SPOTGPU_NOTICE_FILE``
+(checked with one ``stat`` per call, so code in any process of the job sees it). After the final
+save the checkpointer writes the acknowledgement the node agent waits for (``SPOTGPU_ACK_FILE``,
+default ``<notice file>.ack``) and sets ``notice_received``; the flow should then stop.
+
+Example::
+
+    ckpt = Checkpointer(LocalStorage("/ckpt"), key="run-42", every=timedelta(minutes=15))
+    restored = ckpt.restore()
+    start = restored.step + 1 if restored else 0
+    for step in range(start, steps):
+        train_one_step()
+        ckpt.maybe_save(lambda: {"model": model.state_dict(), "opt": opt.state_dict(),
+                                 "rng": rng_state(), "data": sampler.state()}, step)
+        if ckpt.notice_received:
+            break  # saved and acknowledged: the agent stops us
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from prefect_spotgpu.checkpoint.format import CorruptCheckpoint, decode, encode, read_manifest
+from prefect_spotgpu.checkpoint.storage import CheckpointStorage
+
+logger = logging.getLogger("prefect_spotgpu.checkpoint")
+
+NOTICE_FILE_ENV = "SPOTGPU_NOTICE_FILE"
+ACK_FILE_ENV = "SPOTGPU_ACK_FILE"
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    state: object
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    step: int
+    bytes: int
+    seconds: float
+    final: bool
+
+
+class Checkpointer:
+    """Periodic and final saves of one run's state, and its restore.
+
+    ``keep``: how many committed checkpoints to keep (older ones are deleted after a save).
+    ``clock``: a monotonic clock in seconds (a seam for tests).
+    """
+
+    def __init__(
+        self,
+        storage: CheckpointStorage,
+        key: str,
+        *,
+        every: timedelta | float = timedelta(minutes=15),
+        keep: int = 3,
+        notice_file: str | os.PathLike | None = None,
+        ack_file: str | os.PathLike | None = None,
+        handle_sigusr1: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        seconds = every.total_seconds() if isinstance(every, timedelta) else float(every)
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"every must be a positive interval, got {every!r}")
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep!r}")
+        self.storage = storage
+        self.key = key
+        self.every = seconds
+        self.keep = keep
+        self.clock = clock
+        notice = notice_file or os.environ.get(NOTICE_FILE_ENV)
+        self.notice_file = Path(notice) if notice else None
+        ack = ack_file or os.environ.get(ACK_FILE_ENV)
+        if ack is None and self.notice_file is not None:
+            ack = str(self.notice_file) + ".ack"
+        self.ack_file = Path(ack) if ack else None
+        self._signalled = threading.Event()
+        self.notice_received = False
+        self.notice_deadline: float | None = None
+        self.last_save: SaveResult | None = None
+        self._last_save_at = clock()
+        self.failures = 0
+        if handle_sigusr1 and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGUSR1, self._on_sigusr1)
+
+    def _on_sigusr1(self, signum, frame) -> None:  # only sets a flag: no I/O in handlers
+        self._signalled.set()
+
+    # ---------------------------------------------------------------- notice
+
+    def notice_pending(self) -> bool:
+        """Whether a notice arrived that the next ``maybe_save`` will answer."""
+        if self._signalled.is_set():
+            return True
+        return self.notice_file is not None and self.notice_file.exists()
+
+    def _read_deadline(self) -> None:
+        if self.notice_file is None or not self.notice_file.exists():
+            return
+        with contextlib.suppress(ValueError, KeyError, TypeError, OSError):
+            self.notice_deadline = float(json.loads(self.notice_file.read_text())["deadline"])
+
+    # ---------------------------------------------------------------- saving
+
+    def maybe_save(self, state: object | Callable[[], object], step: int) -> SaveResult | None:
+        """Save if a notice arrived (final save, then acknowledge) or the interval passed.
+
+        ``state`` may be a callable, called only when a save happens. A periodic save that
+        fails is logged and retried at the next call; training goes on. A final save that
+        fails raises: the flow should know it could not save before the deadline.
+        """
+        if self.notice_received:
+            return None
+        if self.notice_pending():
+            self._read_deadline()
+            result = self.save(
+                state() if callable(state) else state, step, final=True, retain=False
+            )
+            self._acknowledge(result)  # durable: tell the agent first, tidy up after
+            self.notice_received = True
+            self._retain()
+            return result
+        if self.clock() - self._last_save_at < self.every:
+            return None
+        try:
+            return self.save(state() if callable(state) else state, step)
+        except Exception as exc:
+            self.failures += 1
+            logger.error(
+                "periodic checkpoint of %s at step %s failed (%s: %s); training goes "
+                "on and the next call retries",
+                self.key,
+                step,
+                type(exc).__name__,
+                exc,
+            )
+            return None
+
+    def save(
+        self, state: object, step: int, *, final: bool = False, retain: bool = True
+    ) -> SaveResult:
+        """Write one checkpoint now, durably, then (with ``retain``) delete old ones."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        started = time.perf_counter()
+        encoded = encode(state, step=step, extra={"final": final, "saved_at": time.time()})
+        checksums = threading.Thread(target=encoded.fill_checksums, name="spotgpu-crc32")
+        checksums.start()
+
+        def manifest() -> bytes:
+            checksums.join()
+            return encoded.manifest_bytes()
+
+        try:
+            self.storage.write(self.key, step, encoded.buffers, encoded.size, manifest)
+        finally:
+            checksums.join()
+        result = SaveResult(step, encoded.size, time.perf_counter() - started, final)
+        self.last_save = result
+        self._last_save_at = self.clock()
+        if retain:
+            self._retain()
+        logger.info(
+            "%s checkpoint of %s at step %s: %.1f MB in %.2f s",
+            "final" if final else "periodic",
+            self.key,
+            step,
+            encoded.size / 1e6,
+            result.seconds,
+        )
+        return result
+
+    def _retain(self) -> None:
+        try:
+            for old in self.storage.steps(self.key)[self.keep :]:
+                self.storage.delete(self.key, old)
+        except Exception as exc:  # retention is housekeeping: never fail a save over it
+            logger.warning("could not delete old checkpoints of %s: %s", self.key, exc)
+
+    def _acknowledge(self, result: SaveResult) -> None:
+        if self.ack_file is None:
+            return
+        tmp = self.ack_file.with_name(self.ack_file.name + ".tmp")
+        tmp.write_text(
+            json.dumps(
+                {
+                    "step": result.step,
+                    "durable": True,
+                    "saved_at": time.time(),
+                    "seconds": result.seconds,
+                }
+            )
+        )
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.ack_file)
+
+    # ---------------------------------------------------------------- restoring
+
+    def restore(self) -> Restored | None:
+        """The newest complete, verified checkpoint, or None; corrupt ones are skipped."""
+        for step in self.storage.steps(self.key):
+            try:
+                raw, blob = self.storage.read(self.key, step)
+                manifest = read_manifest(raw)
+                state = decode(manifest, blob)
+            except (CorruptCheckpoint, OSError) as exc:
+                logger.warning(
+                    "checkpoint %s step %s is not usable (%s); trying an older one",
+                    self.key,
+                    step,
+                    exc,
+                )
+                continue
+            return Restored(state, step)
+        return None
+
+
+def rng_state() -> dict:
+    """The random generators' states: Python's, NumPy's global, torch's CPU and CUDA ones."""
+    import random
+
+    import numpy as np
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state()}
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is optional
+        return state
+    state["torch"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` captured."""
+    import random
+
+    import numpy as np
+
+    python = state["python"]
+    random.setstate((python[0], tuple(python[1]), python[2]))
+    numpy = state["numpy"]
+    np.random.set_state((numpy[0], np.asarray(numpy[1]), *numpy[2:]))
+    if "torch" in state:
+        import torch
+
+        torch.set_rng_state(state["torch"].clone())
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([s.clone() for s in state["cuda"]])

@@ -1,0 +1,47 @@
+"""The thin Prefect side: a checkpointer keyed by the current flow run.
+
+    from prefect_spotgpu.checkpoint.flow import checkpointer_for_run
+
+    @flow
+    def pretrain(...):
+        ckpt = checkpointer_for_run()   # SPOTGPU_CHECKPOINT_URL, key = flow run id
+        ...
+
+A resumed run (same flow run, run count + 1) finds the checkpoints of its earlier attempts.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+from prefect_spotgpu.checkpoint.checkpointer import Checkpointer
+from prefect_spotgpu.checkpoint.storage import CheckpointStorage, storage_from_url
+
+CHECKPOINT_URL_ENV = "SPOTGPU_CHECKPOINT_URL"
+
+
+def checkpointer_for_run(
+    storage: CheckpointStorage | str | None = None,
+    *,
+    key: str | None = None,
+    every: timedelta | float = timedelta(minutes=15),
+    keep: int = 3,
+) -> Checkpointer:
+    """A ``Checkpointer`` for the running flow: its storage from the argument or
+    ``SPOTGPU_CHECKPOINT_URL``, its key from the argument or the flow run id."""
+    if storage is None:
+        url = os.environ.get(CHECKPOINT_URL_ENV)
+        if not url:
+            raise ValueError(f"no checkpoint storage: pass one or set {CHECKPOINT_URL_ENV}")
+        storage = url
+    if isinstance(storage, str):
+        storage = storage_from_url(storage)
+    if key is None:
+        from prefect.runtime import flow_run
+
+        run_id = flow_run.get_id()
+        if not run_id:
+            raise ValueError("not inside a flow run: pass key=")
+        key = f"flow-run-{run_id}"
+    return Checkpointer(storage, key, every=every, keep=keep)
