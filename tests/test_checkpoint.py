@@ -264,3 +264,19 @@ def test_checkpoint_benchmark_reports_one_json_object():
     # gross regressions only: the target (0.9 x raw at 1 GiB) is in the benchmark itself
     assert report["ratio_to_raw"]["ours"] > 0.5
     assert report["notice_to_durable_seconds"] < 5
+
+
+def test_the_flow_helper_takes_storage_from_the_environment(tmp_path, monkeypatch):
+    from prefect_spotgpu.checkpoint.flow import CHECKPOINT_URL_ENV, checkpointer_for_run
+
+    monkeypatch.delenv(CHECKPOINT_URL_ENV, raising=False)
+    with pytest.raises(ValueError, match=CHECKPOINT_URL_ENV):
+        checkpointer_for_run(key="k")
+    monkeypatch.setenv(CHECKPOINT_URL_ENV, f"file://{tmp_path}")
+    with pytest.raises(ValueError, match="not inside a flow run"):
+        checkpointer_for_run()
+    ckpt = checkpointer_for_run(key="flow-run-abc", every=60)
+    assert isinstance(ckpt.storage, LocalStorage) and ckpt.storage.root == tmp_path
+    ckpt.save({"x": 1}, 1)
+    assert checkpointer_for_run(key="flow-run-abc").restore().state == {"x": 1}
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
