@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -17,6 +19,8 @@ app = typer.Typer(
 console = Console()
 server_app = typer.Typer(help="Run the market service.", no_args_is_help=True)
 admin_app = typer.Typer(help="Administer a running market service.", no_args_is_help=True)
+agent_app = typer.Typer(help="Run the node agent on a GPU host.", no_args_is_help=True)
+app.add_typer(agent_app, name="agent")
 app.add_typer(server_app, name="server")
 app.add_typer(admin_app, name="admin")
 
@@ -208,6 +212,87 @@ def admin_tenants(
     for t in response.json():
         table.add_row(str(t["id"]), t["name"], f"{t['balance']:.4f}")
     console.print(table)
+
+
+@agent_app.command("start")
+def agent_start(
+    market: str = typer.Option(
+        DEFAULT_MARKET, envvar="SPOTGPU_MARKET_URL", help="URL of the market service."
+    ),
+    token: str = typer.Option(
+        ...,
+        envvar="SPOTGPU_AGENT_TOKEN",
+        help="The node's agent token (sgn_...), or the owner's API key "
+        "(sgk_...) to register this host as a new node.",
+    ),
+    runner: str = typer.Option("process", help="process (default) or docker."),
+    gpus: str = typer.Option(
+        None,
+        help="Declare an inventory instead of NVML discovery, "
+        "e.g. A100-80G:2 (machines without NVIDIA GPUs).",
+    ),
+    name: str = typer.Option(None, help="Node name when registering (default: hostname)."),
+    region: str = typer.Option(None, help="Region when registering, e.g. eu-west."),
+    reserve_price: float = typer.Option(None, help="Reserve price per GPU-hour when registering."),
+    state_dir: str = typer.Option(None, help="Agent state (default ~/.spotgpu/agent-NAME)."),
+    heartbeat_seconds: float = typer.Option(5.0, min=0.1, help="Seconds between heartbeats."),
+    grace_seconds: float = typer.Option(
+        5.0, min=0.0, help="SIGTERM-to-SIGKILL grace when stopping a job."
+    ),
+    log_level: str = typer.Option("info", help="debug, info, warning or error."),
+) -> None:
+    """Run the node agent: discover GPUs, register, heartbeat, run assigned jobs.
+
+    On a notice it sends SIGUSR1 to the job's main process and writes the notice file; after
+    the job's final save (or at the deadline) it stops the job's process group.
+    """
+    import logging
+    import signal as signals
+    import socket
+    from pathlib import Path
+
+    from prefect_spotgpu.agent.agent import Agent, AgentError
+    from prefect_spotgpu.agent.discovery import (
+        DiscoveryError,
+        discover_nvml,
+        parse_declared,
+        telemetry_nvml,
+    )
+    from prefect_spotgpu.agent.runners import get_runner
+
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        inventory = parse_declared(gpus) if gpus else discover_nvml()
+        job_runner = get_runner(runner)
+    except (DiscoveryError, ValueError) as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+    name = name or socket.gethostname()
+    home = Path(os.environ.get("SPOTGPU_HOME", Path.home() / ".spotgpu"))
+    agent = Agent(
+        market=market,
+        token=token,
+        runner=job_runner,
+        gpus=inventory,
+        declared=bool(gpus),
+        state_dir=Path(state_dir or home / f"agent-{name}"),
+        name=name,
+        region=region,
+        reserve_price=reserve_price,
+        heartbeat_seconds=heartbeat_seconds,
+        grace_seconds=grace_seconds,
+        telemetry=None if gpus else telemetry_nvml,
+    )
+    signals.signal(signals.SIGTERM, lambda *_: agent.shutdown())
+    try:
+        agent.run()
+    except AgentError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        agent.shutdown()
 
 
 if __name__ == "__main__":  # pragma: no cover

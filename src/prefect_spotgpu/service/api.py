@@ -157,6 +157,17 @@ def list_nodes(caller: TenantOrAdmin, db: Db):
         return [_node_response(n) for n in crud.list_nodes(session=session, owner_id=owner)]
 
 
+@router.get(
+    "/nodes/me",
+    response_model=schemas.NodeResponse,
+    tags=["agents"],
+    summary="The node this agent token belongs to",
+)
+def my_node(caller_node: CurrentNode, db: Db):
+    with db.begin() as session:
+        return _node_response(crud.get_node(session=session, node_id=caller_node, owner_id=None))
+
+
 @router.get("/nodes/{node_id}", response_model=schemas.NodeResponse, tags=["nodes"])
 def get_node(node_id: Id, caller: TenantOrAdmin, db: Db):
     with db.begin() as session:
@@ -194,16 +205,27 @@ def heartbeat(node_id: Id, data: schemas.Heartbeat, caller_node: CurrentNode, db
 
 @router.get(
     "/nodes/{node_id}/allocations",
-    response_model=list[schemas.AllocationResponse],
+    response_model=list[schemas.Assignment],
     tags=["agents"],
     summary="The node's active allocations (for reconciliation)",
 )
 def node_allocations(node_id: Id, caller_node: CurrentNode, db: Db):
     _same_node(node_id, caller_node)
     with db.begin() as session:
+        allocations = crud.list_allocations(session=session, node_id=node_id, active_only=True)
+        jobs = {
+            b.id: b.job
+            for b in session.scalars(
+                select(BidRow).where(BidRow.id.in_({a.bid_id for a in allocations}))
+            )
+        }
         return [
-            _alloc_response(a)
-            for a in crud.list_allocations(session=session, node_id=node_id, active_only=True)
+            schemas.Assignment(
+                **_alloc_response(a).model_dump(),
+                job=jobs.get(a.bid_id),
+                checkpoint_key=f"bid-{a.bid_id}",
+            )
+            for a in allocations
         ]
 
 

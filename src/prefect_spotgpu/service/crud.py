@@ -205,6 +205,8 @@ def create_bid(
 ) -> tuple[BidRow, bool]:
     """The bid, and whether it was created now (False: the idempotency key found it)."""
     fields = data.model_dump(exclude={"idempotency_key"})
+    if fields.get("job") is None:
+        fields.pop("job", None)
     if data.idempotency_key is not None:
         existing = session.scalar(
             select(BidRow).where(

@@ -104,6 +104,7 @@ class BidRow(Base):
     status: Mapped[str] = mapped_column(String(20), index=True)  # open, held, cancelled, finished
     hold_reason: Mapped[str | None] = mapped_column(String(500))
     labels: Mapped[dict | None] = mapped_column(JSON)
+    job: Mapped[dict | None] = mapped_column(JSON)  # what the node agent runs (JobSpec)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
 

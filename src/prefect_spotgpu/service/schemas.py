@@ -137,6 +137,30 @@ class Heartbeat(Strict):
     telemetry: dict | None = None
 
 
+class JobSpec(Strict):
+    """What the node agent runs for an allocation: a command, or an image with a command."""
+
+    command: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(
+        min_length=1, max_length=256, examples=[["python", "-m", "prefect.engine"]]
+    )
+    env: dict[
+        Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=200)],
+        Annotated[str, Field(max_length=65536)],
+    ] = Field(default_factory=dict, max_length=256)
+    image: str | None = Field(
+        None,
+        min_length=1,
+        max_length=500,
+        description="Container image (Docker runner); None: a process.",
+    )
+    checkpoint_url: str | None = Field(
+        None,
+        min_length=1,
+        max_length=2000,
+        description="Where the job checkpoints (path or s3://).",
+    )
+
+
 class BidCreate(Strict):
     gpu_model: GpuModelName
     gpu_count: GpuCount
@@ -147,6 +171,7 @@ class BidCreate(Strict):
     window_end: datetime | None = None
     deadline: datetime | None = None
     labels: dict[str, str] | None = Field(None, max_length=32)
+    job: JobSpec | None = None
 
     @model_validator(mode="after")
     def _window_is_an_interval(self) -> BidCreate:
@@ -179,6 +204,7 @@ class BidResponse(BaseModel):
     window_end: datetime | None
     deadline: datetime | None
     labels: dict | None
+    job: dict | None = None
     created_at: datetime
 
 
@@ -201,6 +227,13 @@ class AllocationResponse(BaseModel):
     final_save: str | None
     ended_at: float | None
     end_reason: str | None
+
+
+class Assignment(AllocationResponse):
+    """An allocation as its node agent sees it: with the job to run."""
+
+    job: dict | None = None
+    checkpoint_key: str
 
 
 class AllocationReport(Strict):

@@ -1,0 +1,1 @@
+"""The node agent: GPU discovery, heartbeats, and running the market's work on one host."""

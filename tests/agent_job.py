@@ -1,0 +1,56 @@
+"""A job the agent tests run: counts steps, checkpoints, answers a notice with a final save.
+
+python agent_job.py STEPS      (JOB_LOG: a JSON-lines progress file shared by all runs)
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+from prefect_spotgpu.checkpoint import Checkpointer, storage_from_url
+
+steps = int(sys.argv[1])
+log_path = os.environ["JOB_LOG"]
+alloc = int(os.environ["SPOTGPU_ALLOCATION_ID"])
+ckpt = Checkpointer(
+    storage_from_url(os.environ["SPOTGPU_CHECKPOINT_URL"]),
+    os.environ["SPOTGPU_CHECKPOINT_KEY"],
+    every=0.5,
+)
+library_handler = signal.getsignal(signal.SIGUSR1)
+
+
+def on_sigusr1(signum, frame):
+    with open(log_path, "a") as log:
+        log.write(json.dumps({"alloc": alloc, "signal": time.time()}) + "\n")
+    library_handler(signum, frame)
+
+
+signal.signal(signal.SIGUSR1, on_sigusr1)
+restored = ckpt.restore()
+start, total = (restored.step + 1, restored.state["total"]) if restored else (0, 0)
+with open(log_path, "a") as log:
+    log.write(
+        json.dumps(
+            {
+                "alloc": alloc,
+                "start": start,
+                "t": time.time(),
+                "gpus": os.environ["CUDA_VISIBLE_DEVICES"],
+            }
+        )
+        + "\n"
+    )
+for step in range(start, steps):
+    time.sleep(0.05)
+    total += step
+    with open(log_path, "a") as log:
+        log.write(json.dumps({"alloc": alloc, "step": step, "t": time.time()}) + "\n")
+    ckpt.maybe_save({"total": total}, step)
+    if ckpt.notice_received:
+        while True:  # saved and acknowledged: the agent stops us
+            time.sleep(1)
+with open(log_path, "a") as log:
+    log.write(json.dumps({"alloc": alloc, "done": total, "t": time.time()}) + "\n")

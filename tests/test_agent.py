@@ -1,0 +1,372 @@
+"""The node agent: discovery and runner units, and two real agents against a real service."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import ADMIN_KEY
+from prefect_spotgpu.agent.discovery import DiscoveryError, discover_nvml, parse_declared
+from prefect_spotgpu.agent.runners import DockerRunner, JobRequest, ProcessRunner, get_runner
+
+HERE = Path(__file__).parent
+
+
+# ---------------------------------------------------------------- discovery (NVML seam)
+
+
+class FakeNvml:
+    """The narrow seam: pynvml's functions for a host without NVIDIA GPUs."""
+
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
+    NVML_VOLATILE_ECC = 0
+
+    def __init__(self, names, fail=False):
+        self.names, self.fail = names, fail
+
+    def nvmlInit(self):
+        if self.fail:
+            raise RuntimeError("NVML Shared Library Not Found")
+
+    def nvmlShutdown(self):
+        pass
+
+    def nvmlSystemGetDriverVersion(self):
+        return b"560.35.03"
+
+    def nvmlDeviceGetCount(self):
+        return len(self.names)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetName(self, h):
+        return self.names[h]
+
+    def nvmlDeviceGetUUID(self, h):
+        return f"GPU-{h:08d}"
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return SimpleNamespace(total=143771 * 1024 * 1024, used=0)
+
+    def nvmlDeviceGetMigMode(self, h):
+        return (0, 0)
+
+    def nvmlDeviceGetTotalEccErrors(self, h, kind, counter):
+        return 0
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, h):
+        return 0x4
+
+
+def test_nvml_names_are_normalised_to_market_models():
+    gpus = discover_nvml(FakeNvml(["NVIDIA H200", "NVIDIA H200"]))
+    assert [g.model for g in gpus] == ["H200", "H200"]
+    assert gpus[0].driver == "560.35.03" and gpus[0].memory_mb == 143771
+    assert gpus[1].uuid == "GPU-00000001" and gpus[0].throttle_reasons == ["sw_power_cap"]
+
+
+def test_discovery_fails_clearly():
+    with pytest.raises(DiscoveryError, match="--gpus MODEL:COUNT"):
+        discover_nvml(FakeNvml([], fail=True))
+    with pytest.raises(DiscoveryError, match="not a known GPU model"):
+        discover_nvml(FakeNvml(["NVIDIA A100-SXM4-40GB"]))
+    with pytest.raises(DiscoveryError, match="one GPU model"):
+        discover_nvml(FakeNvml(["NVIDIA H200", "NVIDIA GeForce RTX 4090"]))
+
+
+def test_declared_inventories():
+    gpus = parse_declared("a100 80g:2")
+    assert [(g.index, g.model) for g in gpus] == [(0, "A100-80G"), (1, "A100-80G")]
+    for bad in ("A100-80G", "A100-80G:x", "A100-80G:0", "B200:1", ":2"):
+        with pytest.raises(DiscoveryError):
+            parse_declared(bad)
+
+
+# ---------------------------------------------------------------- runners
+
+
+def request(tmp_path, command, **kw):
+    return JobRequest(
+        allocation_id=7,
+        epoch=2,
+        bid_id=3,
+        command=command,
+        env={"A": "1"},
+        gpu_indices=[1, 3],
+        workdir=tmp_path / "alloc-7",
+        checkpoint_url=str(tmp_path / "ckpt"),
+        checkpoint_key="bid-3",
+        **kw,
+    )
+
+
+CHILD = """
+import os, signal, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+open("child.pid", "w").write(str(child.pid))
+signal.signal(signal.SIGUSR1, lambda *a: open("got-usr1", "w").write("1"))
+print(os.environ["CUDA_VISIBLE_DEVICES"], os.environ["SPOTGPU_NOTICE_FILE"], flush=True)
+while True:
+    time.sleep(0.01)
+"""
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie may wait for a reaper here)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_process_runner_signals_the_main_process_only_and_stops_the_group(tmp_path):
+    runner = ProcessRunner()
+    req = request(tmp_path, [sys.executable, "-c", CHILD])
+    handle = runner.start(req)
+    deadline = time.monotonic() + 10
+    while not (req.workdir / "child.pid").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    child = int((req.workdir / "child.pid").read_text())
+    runner.notice(handle, deadline=time.time() + 300)
+    while not (req.workdir / "got-usr1").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert running(child)  # the child (no handler) survived: SIGUSR1 went to the main only
+    assert json.loads(req.notice_file.read_text())["allocation_id"] == 7
+    runner.stop(handle, grace=0.5)
+    assert handle.poll() is not None
+    time.sleep(0.2)
+    assert not running(child)  # the group went down with it
+    out = (req.workdir / "job.log").read_text()
+    assert out.startswith("1,3 ") and "notice.json" in out
+
+
+def test_the_docker_runner_builds_the_container_spec(tmp_path):
+    spec = DockerRunner(client=object()).container_spec(
+        request(tmp_path, ["python", "-m", "prefect.engine"], image="pytorch/pytorch:2.4")
+    )
+    assert spec["image"] == "pytorch/pytorch:2.4" and spec["init"] is False
+    assert spec["command"] == ["python", "-m", "prefect.engine"]
+    device = spec["device_requests"][0]
+    assert device["DeviceIDs"] == ["1", "3"] and device["Capabilities"] == [["gpu"]]
+    assert spec["environment"]["SPOTGPU_NOTICE_FILE"] == "/spotgpu/notice.json"
+    assert "CUDA_VISIBLE_DEVICES" not in spec["environment"]
+    assert spec["volumes"][str(tmp_path / "alloc-7")]["bind"] == "/spotgpu"
+    assert spec["labels"]["io.spotgpu.allocation-id"] == "7"
+    with pytest.raises(ValueError, match="image"):
+        DockerRunner(client=object()).container_spec(request(tmp_path, ["x"]))
+    with pytest.raises(ValueError, match="valid runners: docker, process"):
+        get_runner("k8s")
+
+
+# ---------------------------------------------------------------- two real agents
+
+
+def start_agent(server, key, name, tmp_path):
+    log = open(tmp_path / f"agent-{name}.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "prefect_spotgpu.cli",
+            "agent",
+            "start",
+            "--market",
+            server.url,
+            "--token",
+            key,
+            "--gpus",
+            "A100-80G:2",
+            "--name",
+            name,
+            "--region",
+            "eu-west",
+            "--reserve-price",
+            "0.9",
+            "--state-dir",
+            str(tmp_path / f"state-{name}"),
+            "--heartbeat-seconds",
+            "1",
+            "--grace-seconds",
+            "2",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    proc.logfile = log
+    return proc
+
+
+def read_log(path):
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_two_agents_a_reclaim_and_a_resume_from_the_checkpoint(tmp_path):
+    from test_service_processes import Server
+
+    os.environ["SPOTGPU_HEARTBEAT_TIMEOUT_SECONDS"] = "3"
+    try:
+        server = Server(f"sqlite:///{tmp_path / 'm.db'}", tmp_path)
+    finally:
+        del os.environ["SPOTGPU_HEARTBEAT_TIMEOUT_SECONDS"]
+    admin = server.client(ADMIN_KEY)
+    owner_key = admin.post("/tenants", json={"name": "owner"}).json()["api_key"]
+    buyer_key = admin.post("/tenants", json={"name": "buyer"}).json()["api_key"]
+    agents = {n: start_agent(server, owner_key, n, tmp_path) for n in ("a", "b")}
+    try:
+        nodes = wait(lambda: len(r := admin.get("/nodes").json()) == 2 and r, 30, "agents")
+        by_id = {n["id"]: n["name"] for n in nodes}
+        assert all(n["declared"] and n["state"] == "live" for n in nodes)
+        job_log = tmp_path / "job.jsonl"
+        buyer = server.client(buyer_key)
+        bid = buyer.post(
+            "/bids",
+            json={
+                "gpu_model": "A100-80G",
+                "gpu_count": 2,
+                "max_price": 1.5,
+                "region": "eu-west",
+                "job": {
+                    "command": [sys.executable, str(HERE / "agent_job.py"), "120"],
+                    "env": {"JOB_LOG": str(job_log)},
+                    "checkpoint_url": str(tmp_path / "ckpt"),
+                },
+            },
+        ).json()
+        first = wait(lambda: [e for e in read_log(job_log) if "start" in e], 30, "job start")[0]
+        assert first["start"] == 0 and first["gpus"] == "0,1"
+        wait(lambda: sum("step" in e for e in read_log(job_log)) >= 20, 30, "progress")
+        allocs = buyer.get(f"/bids/{bid['id']}/allocations").json()
+        victim_node = allocs[0]["node_id"]
+        other_node = next(i for i in by_id if i != victim_node)
+        owner = server.client(owner_key)
+        owner.patch(f"/nodes/{victim_node}", json={"state": "reclaimed"})
+        events = []
+
+        def noticed():
+            events.extend(
+                buyer.get(
+                    f"/bids/{bid['id']}/events",
+                    params={"after": max([0] + [e["id"] for e in events]), "timeout": 1},
+                ).json()["events"]
+            )
+            return [e for e in events if e["kind"] == "noticed"]
+
+        notice = wait(noticed, 15, "notice")[0]
+        signal_at = wait(
+            lambda: [e["signal"] for e in read_log(job_log) if "signal" in e],
+            10,
+            "SIGUSR1 in the job",
+        )[0]
+        preempted = wait(
+            lambda: noticed() and [e for e in events if e["kind"] == "preempted"], 30, "preempted"
+        )[0]
+        second = wait(
+            lambda: [e for e in read_log(job_log) if "start" in e and e["alloc"] != first["alloc"]],
+            30,
+            "the job on the other node",
+        )[0]
+        assert second["start"] > 20  # resumed from its checkpoint, not from 0
+        done = wait(lambda: [e for e in read_log(job_log) if "done" in e], 60, "job done")[0]
+        assert done["done"] == sum(range(120))  # the same result as an uninterrupted run
+        assert done["alloc"] == second["alloc"]
+        wait(
+            lambda: buyer.get(f"/bids/{bid['id']}").json()["status"] == "finished",
+            15,
+            "bid finished",
+        )
+        statuses = {
+            a["node_id"]: a["status"] for a in buyer.get(f"/bids/{bid['id']}/allocations").json()
+        }
+        assert statuses == {victim_node: "preempted", other_node: "finished"}
+        notice_to_signal = signal_at - notice["payload"]["at"]
+        stop_to_running = second["t"] - preempted["payload"]["at"]
+        # a lost agent: a long job runs on the surviving node; SIGKILL its agent
+        long_bid = buyer.post(
+            "/bids",
+            json={
+                "gpu_model": "A100-80G",
+                "gpu_count": 2,
+                "max_price": 1.5,
+                "region": "eu-west",
+                "job": {
+                    "command": [sys.executable, str(HERE / "agent_job.py"), "100000"],
+                    "env": {"JOB_LOG": str(tmp_path / "long.jsonl")},
+                    "checkpoint_url": str(tmp_path / "ckpt"),
+                },
+            },
+        ).json()
+        orphan_alloc = wait(
+            lambda: [e["alloc"] for e in read_log(tmp_path / "long.jsonl") if "start" in e],
+            30,
+            "the long job",
+        )[0]
+        orphan_pid = int(
+            (tmp_path / f"state-{by_id[other_node]}" / f"alloc-{orphan_alloc}" / "pid").read_text()
+        )
+        survivor = agents[by_id[other_node]]
+        killed_at = time.time()
+        survivor.send_signal(signal.SIGKILL)
+        survivor.wait(timeout=10)
+        wait(lambda: admin.get(f"/nodes/{other_node}").json()["state"] == "lost", 30, "lost node")
+        detection = time.time() - killed_at
+        assert running(orphan_pid)  # the job outlived its agent: the market ended it
+        assert buyer.get(f"/allocations/{orphan_alloc}").json()["status"] == "preempted"
+        # the agent comes back: it reconciles, killing the work it no longer owns
+        agents["again"] = start_agent(server, owner_key, by_id[other_node], tmp_path)
+        wait(lambda: not running(orphan_pid), 30, "the orphan killed by reconciliation")
+        wait(
+            lambda: admin.get(f"/nodes/{other_node}").json()["state"] == "live",
+            30,
+            "the node live again",
+        )
+        buyer.post(f"/bids/{long_bid['id']}/cancel")
+        report = {
+            "notice_to_signal_s": round(notice_to_signal, 3),
+            "stop_to_running_on_reserved_node_s": round(stop_to_running, 3),
+            "lost_agent_detection_s": round(detection, 3),
+            "heartbeat_timeout_s": 3,
+        }
+        print(json.dumps(report))
+        assert notice_to_signal <= 1.0, report
+        assert stop_to_running <= 5.0, report
+        assert detection <= 3 + 5, report
+    finally:
+        for proc in agents.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            proc.logfile.close()
+        server.stop()
+        for pid_file in tmp_path.glob("state-*/alloc-*/pid"):  # no job outlives the test
+            with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
+                os.killpg(int(pid_file.read_text()), signal.SIGKILL)
