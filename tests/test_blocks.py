@@ -1,0 +1,89 @@
+"""The Prefect blocks (standard block tests) and the spot-gpu worker's configuration models."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+from prefect.testing.standard_test_suites import BlockStandardTestSuite
+from pydantic import ValidationError
+
+from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
+from prefect_spotgpu.checkpoint import LocalStorage, S3Storage
+from prefect_spotgpu.market import DEFAULT_CATALOG
+from prefect_spotgpu.worker import SpotGPUJobConfiguration, SpotGPUVariables
+
+
+@pytest.mark.parametrize("block", [SpotMarket, CheckpointStorage])
+class TestBlockStandards(BlockStandardTestSuite):
+    @pytest.fixture
+    def block(self, block):
+        return block
+
+    def test_has_a_valid_image(self, block):
+        """The suite fetches ``_logo_url`` over the internet, which this machine cannot reach:
+        check the packaged file the URL publishes, with the suite's own criteria."""
+        from pathlib import Path
+
+        from PIL import Image
+
+        import prefect_spotgpu
+
+        assert block._logo_url.endswith("/src/prefect_spotgpu/logo.png")
+        img = Image.open(Path(prefect_spotgpu.__file__).parent / "logo.png")
+        assert img.width == img.height and 1000 > img.width > 45
+
+
+def test_the_market_block_talks_to_a_real_market(service):
+    alice = service.tenant("alice")
+    market = SpotMarket(url=service.base_url, api_key=alice.headers["Authorization"][7:])
+    with market.get_client() as client:
+        assert client.get("/me").json()["name"] == "alice"
+    assert "sgk_" not in repr(market) and "sgk_" not in str(market.model_dump())
+
+
+def test_checkpoint_storage_blocks(tmp_path):
+    local = CheckpointStorage(path=str(tmp_path))
+    assert isinstance(local.get_storage(), LocalStorage)
+    assert local.job_env() == {"SPOTGPU_CHECKPOINT_URL": str(tmp_path)}
+    s3 = CheckpointStorage(
+        bucket="ckpt",
+        prefix="runs/",
+        endpoint_url="http://127.0.0.1:9",
+        region_name="us-east-1",
+        aws_access_key_id="AKIA",
+        aws_secret_access_key="very-secret",
+    )
+    assert s3.url() == "s3://ckpt/runs" and isinstance(s3.get_storage(), S3Storage)
+    env = s3.job_env()
+    assert env["AWS_SECRET_ACCESS_KEY"] == "very-secret" and env["AWS_ENDPOINT_URL_S3"]
+    assert "very-secret" not in repr(s3)
+    with pytest.raises(ValidationError, match="either path"):
+        CheckpointStorage()
+    with pytest.raises(ValidationError, match="either path"):
+        CheckpointStorage(path="/x", bucket="y")
+
+
+def test_the_ui_form_offers_every_gpu_model_of_the_catalog():
+    choices = typing.get_args(SpotGPUVariables.model_fields["gpu_model"].annotation)
+    assert set(choices) == {m.name for m in DEFAULT_CATALOG}
+    schema = SpotGPUVariables.model_json_schema()
+    for name, field in schema["properties"].items():
+        assert field.get("title") and field.get("description"), name
+
+
+def test_job_configuration_rules():
+    config = SpotGPUJobConfiguration(gpu_model="nvidia h200", image="pytorch")
+    assert config.gpu_model == "H200"
+    assert config.image_reference().startswith("pytorch/pytorch")
+    assert SpotGPUJobConfiguration(image="process").image_reference() is None
+    assert (
+        SpotGPUJobConfiguration(image="ghcr.io/me/train:1").image_reference()
+        == "ghcr.io/me/train:1"
+    )
+    with pytest.raises(ValidationError, match="not a known GPU model"):
+        SpotGPUJobConfiguration(gpu_model="B200")
+    with pytest.raises(ValidationError, match="needs a deadline"):
+        SpotGPUJobConfiguration(on_demand_fallback=True)
+    with pytest.raises(ValidationError, match="catalog"):
+        SpotGPUJobConfiguration(image="nonsense")
