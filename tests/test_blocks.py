@@ -87,3 +87,30 @@ def test_job_configuration_rules():
         SpotGPUJobConfiguration(on_demand_fallback=True)
     with pytest.raises(ValidationError, match="catalog"):
         SpotGPUJobConfiguration(image="nonsense")
+
+
+@pytest.mark.slow
+def test_prefect_block_register_finds_both_blocks(tmp_path):
+    """``prefect block register -m prefect_spotgpu.blocks`` against a real (temporary) server."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+    }
+    env.pop("PREFECT_API_URL", None)
+    prefect = Path(sys.executable).with_name("prefect")
+    out = subprocess.run(
+        [str(prefect), "block", "register", "-m", "prefect_spotgpu.blocks"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Spot Market" in out.stdout and "Spot Checkpoint Storage" in out.stdout
