@@ -370,3 +370,74 @@ def test_two_agents_a_reclaim_and_a_resume_from_the_checkpoint(tmp_path):
         for pid_file in tmp_path.glob("state-*/alloc-*/pid"):  # no job outlives the test
             with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
                 os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def make_agent(service, owner, tmp_path, gpus=1):
+    from prefect_spotgpu.agent.agent import Agent
+
+    node, _ = service.node(owner, gpus=gpus, reserve=0.5)
+    agent = Agent(
+        market=service.base_url,
+        token=node["token"],
+        runner=ProcessRunner(),
+        gpus=parse_declared(f"A100-80G:{gpus}"),
+        declared=True,
+        state_dir=tmp_path / "agent",
+        name=node["name"],
+        heartbeat_seconds=1,
+        grace_seconds=1,
+    )
+    return node, agent
+
+
+def test_a_job_that_cannot_start_gives_its_gpus_back(service, tmp_path):
+    owner = service.tenant()
+    _, agent = make_agent(service, owner, tmp_path, gpus=2)
+    agent.register()
+    agent.start(
+        999,
+        {
+            "id": 999,
+            "status": "running",
+            "gpu_count": 2,
+            "epoch": 1,
+            "bid_id": 1,
+            "checkpoint_key": "bid-1",
+            "job": {"command": ["/nonexistent/command"]},
+        },
+    )
+    assert agent.free == {0, 1} and agent.jobs == {}
+
+
+def test_a_job_that_finishes_during_its_notice_is_reported_finished(service, tmp_path):
+    import threading
+
+    owner, buyer = service.tenant(), service.tenant()
+    node, agent = make_agent(service, owner, tmp_path)
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        b = buyer.post(
+            "/bids",
+            json={
+                "gpu_model": "A100-80G",
+                "gpu_count": 1,
+                "max_price": 1.0,
+                "job": {"command": ["sh", "-c", "trap '' USR1; sleep 1.5; exit 0"]},
+            },
+        ).json()
+        wait(lambda: agent.jobs, 10, "the job running")
+        owner.patch(f"/nodes/{node['id']}", json={"state": "reclaimed"})
+        wait(
+            lambda: buyer.get(f"/bids/{b['id']}").json()["status"] == "finished",
+            20,
+            "the bid finished",
+        )
+        allocs = buyer.get(f"/bids/{b['id']}/allocations").json()
+        assert [a["status"] for a in allocs] == ["finished"]
+        assert not [
+            e for e in buyer.get("/ledger").json()["entries"] if e["kind"] == "compensation"
+        ]
+    finally:
+        agent.shutdown()
+        thread.join(timeout=10)

@@ -89,6 +89,14 @@ def test_a_node_token_acts_only_for_its_node(service):
         ({"region": "EU WEST!"}, "region"),
         ({"surprise": 1}, "surprise"),
         ({"window_start": "2026-01-01T00:00:00Z"}, None),
+        (
+            {
+                "window_start": "9999-12-31T20:00:00-05:00",
+                "window_end": "9999-12-31T23:00:00-05:00",
+            },
+            None,
+        ),
+        ({"deadline": "0001-01-01T00:00:00+05:00"}, None),
         ({"window_start": "2026-01-02T00:00:00Z", "window_end": "2026-01-01T00:00:00Z"}, None),
     ],
 )
@@ -434,3 +442,52 @@ def test_the_gate_refuses_transitions_outside_its_rules(db_url):
         tables = set(sa.inspect(connection).get_table_names())
     assert {"bids", "allocations", "ledger_entries", "events", "alembic_version"} <= tables
     engine.dispose()
+
+
+def test_compensation_is_bounded_by_the_allocation_and_checkpoints_cannot_be_future(service):
+    alice, owner = service.tenant(), service.tenant()
+    node, agent = service.node(owner, gpus=1, reserve=0.5)
+    b = bid(alice, gpu_count=1, max_price=1.0)
+    alloc = wait_event(alice, f"/bids/{b['id']}/events", "allocated")["allocation_id"]
+    future = agent.post(
+        f"/allocations/{alloc}/report",
+        json={"epoch": 1, "outcome": "checkpoint", "checkpoint_at": time.time() + 3600},
+    )
+    assert future.status_code == 422 and future.json()["field"] == "checkpoint_at"
+    agent.post(
+        f"/allocations/{alloc}/report",
+        json={"epoch": 1, "outcome": "checkpoint", "checkpoint_at": 1.0},
+    )  # 1970
+    started = alice.get(f"/allocations/{alloc}").json()["started_at"]
+    owner.patch(f"/nodes/{node['id']}", json={"state": "reclaimed"})
+    notice = wait_event(agent, f"/nodes/{node['id']}/events", "noticed")
+    agent.post(
+        f"/allocations/{alloc}/report",
+        json={"epoch": notice["payload"]["epoch"], "outcome": "save_failed"},
+    )
+    entry = service.wait_for(
+        lambda: [e for e in alice.get("/ledger").json()["entries"] if e["kind"] == "compensation"]
+    )[0]
+    assert entry["amount"] <= 1.0 * 1 * (time.time() - started + 5) / 3600  # not since 1970
+
+
+@pytest.mark.parametrize("path", ["/tenants", "/nodes"])
+def test_concurrent_creates_with_one_name_never_500(service, path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    owner = service.tenant()
+    client = service.admin if path == "/tenants" else owner
+    body = (
+        {"name": "same"}
+        if path == "/tenants"
+        else {
+            "name": "same",
+            "gpu_model": "A100-80G",
+            "region": "eu-west",
+            "gpu_count": 8,
+            "reserve_price": 1.0,
+        }
+    )
+    with ThreadPoolExecutor(8) as pool:
+        codes = sorted(pool.map(lambda _: client.post(path, json=body).status_code, range(8)))
+    assert codes == [201] + [409] * 7, codes

@@ -168,7 +168,10 @@ class Agent:
                     continue
                 body = page.json()
                 for event in body["events"]:
-                    self.handle(event)
+                    try:
+                        self.handle(event)
+                    except Exception:  # one bad event must not stop the node
+                        logger.exception("handling event %s failed", event.get("id"))
                 if body["cursor"] != self.cursor:
                     self.cursor = body["cursor"]
                     (self.state_dir / "cursor").write_text(str(self.cursor))
@@ -248,7 +251,16 @@ class Agent:
                 checkpoint_key=assignment["checkpoint_key"],
                 image=job.get("image"),
             )
-            handle = self.runner.start(request)
+            try:
+                handle = self.runner.start(request)
+            except Exception as exc:  # e.g. the command does not exist: give the GPUs back
+                self.free |= set(indices)
+                logger.error("allocation %s: the job could not start: %s", alloc_id, exc)
+                self.client.post(
+                    f"/allocations/{alloc_id}/report",
+                    json={"epoch": assignment["epoch"], "outcome": "failed"},
+                )
+                return
             self.jobs[alloc_id] = handle
             self.epochs[alloc_id] = assignment["epoch"]
             (request.workdir / "pid").write_text(str(handle.pid))
@@ -290,6 +302,14 @@ class Agent:
                 alloc_id,
                 ack.get("step"),
                 response.status_code,
+            )
+        elif handle.poll() == 0:  # the job finished its work during the notice
+            response = self.client.post(
+                f"/allocations/{alloc_id}/report",
+                json={"epoch": self.epochs.get(alloc_id, 1), "outcome": "finished"},
+            )
+            logger.info(
+                "allocation %s: finished during its notice (%s)", alloc_id, response.status_code
             )
         else:  # not saved: the market decides whether that is compensated
             response = self.client.post(

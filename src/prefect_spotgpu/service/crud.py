@@ -60,8 +60,12 @@ def create_tenant(
     if session.scalar(select(Tenant.id).where(Tenant.name == name)) is not None:
         raise Conflict(f"tenant name {name!r} is taken", field="name")
     tenant = Tenant(name=name, credits=0.0, spent=0.0, created_at=now)
-    session.add(tenant)
-    session.flush()
+    try:
+        with session.begin_nested():
+            session.add(tenant)
+            session.flush()
+    except IntegrityError:  # a concurrent request took the name first
+        raise Conflict(f"tenant name {name!r} is taken", field="name") from None
     key = new_secret("sgk")
     session.add(
         ApiKey(tenant_id=tenant.id, key_hash=hash_secret(key), prefix=key[:8], created_at=now)
@@ -149,8 +153,12 @@ def register_node(
         last_heartbeat_at=now,
         created_at=now,
     )
-    session.add(node)
-    session.flush()
+    try:
+        with session.begin_nested():
+            session.add(node)
+            session.flush()
+    except IntegrityError:  # a concurrent request took the name first
+        raise Conflict(f"you already have a node named {data.name!r}", field="name") from None
     record_change(session=session, entity="node", entity_id=node.id, op="upsert")
     return node, token
 
@@ -363,6 +371,8 @@ def report_allocation(
         raise Conflict(f"allocation {allocation_id} already ended ({alloc.status})")
     if report.outcome in ("checkpoint", "saved") and report.checkpoint_at is None:
         raise Invalid(f"outcome {report.outcome!r} needs checkpoint_at", field="checkpoint_at")
+    if report.checkpoint_at is not None and report.checkpoint_at > now.timestamp() + 60:
+        raise Invalid("checkpoint_at is in the future", field="checkpoint_at")
     if report.checkpoint_at is not None:
         alloc.last_checkpoint_at = max(alloc.last_checkpoint_at or 0.0, report.checkpoint_at)
     if report.outcome == "saved":

@@ -3,7 +3,7 @@ is a 422 that names it (never a 500, never a partial write)."""
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -183,6 +183,11 @@ class BidCreate(Strict):
             value = getattr(self, name)
             if value is not None and value.tzinfo is None:
                 raise ValueError(f"{name} needs a timezone")
+            if value is not None:
+                try:
+                    value.astimezone(UTC).timestamp()
+                except (OverflowError, ValueError, OSError):
+                    raise ValueError(f"{name} is out of range") from None
         return self
 
 

@@ -472,26 +472,37 @@ class Ticker:
                 continue
             reason = f"out of credit: balance {balance:.4f}"
             bids = writes.session.scalars(
-                select(BidRow).where(BidRow.tenant_id == tenant_id, BidRow.status == "open")
-            )
-            for bid in bids:
-                bid.status, bid.hold_reason = "held", reason
-                if self.market.has_bid(bid.id):
-                    writes.settlement(self.market.cancel_bid(bid.id, now), reason=reason)
+                select(BidRow.id).where(BidRow.tenant_id == tenant_id, BidRow.status == "open")
+            ).all()
+            for bid_id in bids:
+                held = writes.session.execute(  # compare-and-set: a cancel may have won
+                    update(BidRow)
+                    .where(BidRow.id == bid_id, BidRow.status == "open")
+                    .values(status="held", hold_reason=reason)
+                    .execution_options(synchronize_session=False)
+                ).rowcount
+                if held and self.market.has_bid(bid_id):
+                    writes.settlement(self.market.cancel_bid(bid_id, now), reason=reason)
 
     def _release_holds(self, writes: _Writes, tenant_id: int) -> None:
         tenant = writes.session.get(Tenant, tenant_id)
         if tenant is None or tenant.credits - tenant.spent <= 0:
             return
-        for bid in writes.session.scalars(
+        held = writes.session.scalars(
             select(BidRow).where(
                 BidRow.tenant_id == tenant_id,
                 BidRow.status == "held",
                 BidRow.hold_reason.like("out of credit%"),
             )
-        ):
-            bid.status, bid.hold_reason = "open", None
-            if not self.market.has_bid(bid.id):
+        ).all()
+        for bid in held:
+            reopened = writes.session.execute(  # compare-and-set: a cancel may have won
+                update(BidRow)
+                .where(BidRow.id == bid.id, BidRow.status == "held")
+                .values(status="open", hold_reason=None)
+                .execution_options(synchronize_session=False)
+            ).rowcount
+            if reopened and not self.market.has_bid(bid.id):
                 self.market.add_bid(self._bid(bid))
 
     # ---------------------------------------------------------------- writing
@@ -878,7 +889,8 @@ class _Writes:
         )
         if exists is not None:
             return
-        since = alloc.last_checkpoint_at or alloc.started_at
+        # work lost: from the last checkpoint (never before the allocation started) to ``at``
+        since = max(alloc.started_at, min(alloc.last_checkpoint_at or 0.0, at))
         seconds = max(0.0, at - since)
         if price is None:
             price = alloc.price
