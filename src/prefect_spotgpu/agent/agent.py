@@ -368,17 +368,32 @@ class Agent:
             pid_file = workdir / "pid"
             if alloc_id in active or not pid_file.exists():
                 continue
-            pid = int(pid_file.read_text())
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
+            if _kill_job(int(pid_file.read_text()), alloc_id):
                 logger.warning(
-                    "reconcile: killed pid %s of allocation %s, no longer ours", pid, alloc_id
+                    "reconcile: killed the job of allocation %s, no longer ours", alloc_id
                 )
             pid_file.unlink(missing_ok=True)
         for alloc_id, assignment in active.items():
             if assignment["status"] == "running":
                 pid_file = self.state_dir / f"alloc-{alloc_id}" / "pid"
                 if pid_file.exists():  # our previous run's job: stop it, start it cleanly
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+                    _kill_job(int(pid_file.read_text()), alloc_id)
                 self.start(alloc_id, assignment)
+
+
+def _kill_job(pid: int, alloc_id: int) -> bool:
+    """SIGKILL the process group of ``pid`` if it still is this allocation's job.
+
+    A recorded pid may have been reused by an unrelated process after a reboot or a long
+    outage: the job's environment (``SPOTGPU_ALLOCATION_ID``) must match before we kill.
+    """
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False  # gone (or not ours to read)
+    if f"SPOTGPU_ALLOCATION_ID={alloc_id}".encode() not in environ:
+        return False
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+        return True
+    return False
