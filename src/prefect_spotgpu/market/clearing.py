@@ -35,6 +35,14 @@ class ClearingMixin:
 
     # ------------------------------------------------------------------ clearing
 
+    def _bid_terms(self, brow: int) -> tuple[int, float, list[int | None]]:
+        """A bid's GPU count, maximum price, and the pools it may use (its region's, or every
+        pool of its model for an any-region bid)."""
+        b = self.b
+        model, region = int(b.model[brow]), int(b.region[brow])
+        pools = self._model_pools[model] if region < 0 else [self._pool_index.get((model, region))]
+        return int(b.gpus[brow]), float(b.price[brow]), pools
+
     def _free_fit(self, brow: int) -> int | None:
         """The node row a bid would take among free GPUs now, or None."""
         b = self.b
@@ -282,14 +290,7 @@ class ClearingMixin:
 
     def _claim_noticed(self, brow: int, now: float) -> bool:
         """Reserve GPUs that noticed allocations will free and nobody has claimed yet."""
-        b = self.b
-        size, price, model, region = (
-            int(b.gpus[brow]),
-            float(b.price[brow]),
-            int(b.model[brow]),
-            int(b.region[brow]),
-        )
-        pools = self._model_pools[model] if region < 0 else [self._pool_index.get((model, region))]
+        size, price, pools = self._bid_terms(brow)
         best = None
         for p in pools:
             if p is None:
@@ -316,13 +317,7 @@ class ClearingMixin:
     def _evict_for(self, brow: int, now: float) -> bool:
         """Notice the weakest incumbents a challenger beats on one node, and reserve it there."""
         b, a = self.b, self.a
-        size, price, model, region = (
-            int(b.gpus[brow]),
-            float(b.price[brow]),
-            int(b.model[brow]),
-            int(b.region[brow]),
-        )
-        pools = self._model_pools[model] if region < 0 else [self._pool_index.get((model, region))]
+        size, price, pools = self._bid_terms(brow)
         h = 1.0 + self.config.hysteresis
         for p in pools:
             if p is None:
