@@ -65,6 +65,18 @@ def db_url(request, tmp_path) -> Iterator[str]:
     drop()
 
 
+def wait_for(predicate, timeout: float = 10.0, what: str = "the condition", interval: float = 0.05):
+    """Poll ``predicate`` until it returns something truthy (returned), or fail."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -124,15 +136,8 @@ class Service:
         node = response.json()
         return node, self.client(node["token"])
 
-    def wait_for(self, predicate, timeout: float = 10.0, interval: float = 0.05):
-        deadline = time.monotonic() + timeout
-        while True:
-            value = predicate()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise AssertionError(f"condition not met within {timeout}s")
-            time.sleep(interval)
+    def wait_for(self, predicate, timeout: float = 10.0):
+        return wait_for(predicate, timeout)
 
     def stop(self) -> None:
         for client in self.clients:

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import ADMIN_KEY
+from conftest import wait_for as wait
 from prefect_spotgpu.agent.discovery import DiscoveryError, discover_nvml, parse_declared
 from prefect_spotgpu.agent.runners import DockerRunner, JobRequest, ProcessRunner, get_runner
 
@@ -215,15 +216,22 @@ def read_log(path):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def wait(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+def job_bid(buyer, steps: int, log, ckpt_dir) -> dict:
+    """A bid running ``agent_job.py STEPS``, logging to ``log``, checkpoints in ``ckpt_dir``."""
+    return buyer.post(
+        "/bids",
+        json={
+            "gpu_model": "A100-80G",
+            "gpu_count": 2,
+            "max_price": 1.5,
+            "region": "eu-west",
+            "job": {
+                "command": [sys.executable, str(HERE / "agent_job.py"), str(steps)],
+                "env": {"JOB_LOG": str(log)},
+                "checkpoint_url": str(ckpt_dir),
+            },
+        },
+    ).json()
 
 
 @pytest.mark.slow
@@ -245,20 +253,7 @@ def test_two_agents_a_reclaim_and_a_resume_from_the_checkpoint(tmp_path):
         assert all(n["declared"] and n["state"] == "live" for n in nodes)
         job_log = tmp_path / "job.jsonl"
         buyer = server.client(buyer_key)
-        bid = buyer.post(
-            "/bids",
-            json={
-                "gpu_model": "A100-80G",
-                "gpu_count": 2,
-                "max_price": 1.5,
-                "region": "eu-west",
-                "job": {
-                    "command": [sys.executable, str(HERE / "agent_job.py"), "120"],
-                    "env": {"JOB_LOG": str(job_log)},
-                    "checkpoint_url": str(tmp_path / "ckpt"),
-                },
-            },
-        ).json()
+        bid = job_bid(buyer, 120, job_log, tmp_path / "ckpt")
         first = wait(lambda: [e for e in read_log(job_log) if "start" in e], 30, "job start")[0]
         assert first["start"] == 0 and first["gpus"] == "0,1"
         wait(lambda: sum("step" in e for e in read_log(job_log)) >= 20, 30, "progress")
@@ -308,20 +303,7 @@ def test_two_agents_a_reclaim_and_a_resume_from_the_checkpoint(tmp_path):
         notice_to_signal = signal_at - notice["payload"]["at"]
         stop_to_running = second["t"] - preempted["payload"]["at"]
         # a lost agent: a long job runs on the surviving node; SIGKILL its agent
-        long_bid = buyer.post(
-            "/bids",
-            json={
-                "gpu_model": "A100-80G",
-                "gpu_count": 2,
-                "max_price": 1.5,
-                "region": "eu-west",
-                "job": {
-                    "command": [sys.executable, str(HERE / "agent_job.py"), "100000"],
-                    "env": {"JOB_LOG": str(tmp_path / "long.jsonl")},
-                    "checkpoint_url": str(tmp_path / "ckpt"),
-                },
-            },
-        ).json()
+        long_bid = job_bid(buyer, 100000, tmp_path / "long.jsonl", tmp_path / "ckpt")
         orphan_alloc = wait(
             lambda: [e["alloc"] for e in read_log(tmp_path / "long.jsonl") if "start" in e],
             30,

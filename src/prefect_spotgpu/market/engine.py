@@ -282,8 +282,6 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
                 f"node {node.id}: gpu_model, region and gpu_count cannot change "
                 "(register the host as a new node)"
             )
-        if self.n_state[row] is NodeState.LOST and node.state is not NodeState.LOST:
-            pass  # a lost node that comes back starts empty: its allocations already ended
         self.n_state[row] = node.state
         self.n_reserve[row] = node.reserve_price
         self._n_reserve_np = None

@@ -196,8 +196,6 @@ def heartbeat_node(
 
 def update_node(*, session: Session, node: NodeRow, data: schemas.NodeUpdate) -> NodeRow:
     if data.state is not None:
-        if node.state == "reclaimed" and data.state != "reclaimed":
-            pass  # the owner offers a reclaimed node again
         node.state = data.state
     if data.reserve_price is not None:
         node.reserve_price = data.reserve_price

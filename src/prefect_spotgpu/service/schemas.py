@@ -108,7 +108,7 @@ class NodeUpdate(Strict):
     state: Literal["live", "draining", "reclaimed"] | None = None
 
     @model_validator(mode="after")
-    def _something(self) -> NodeUpdate:
+    def _changes_something(self) -> NodeUpdate:
         if self.reserve_price is None and self.state is None:
             raise ValueError("give reserve_price or state")
         return self
