@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import threading
 import time
 import uuid
@@ -16,6 +17,12 @@ import httpx
 import pytest
 import sqlalchemy as sa
 import uvicorn
+
+# Prefect, before anything imports it: a private home, no analytics, and time for the test
+# server to start on a 2-core machine.
+os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="spotgpu-test-prefect-"))
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 POSTGRES_URL = os.environ.get(
     "SPOTGPU_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -52,6 +59,16 @@ def fresh_postgres_schema(base_url: str) -> tuple[str, callable]:
         admin.dispose()
 
     return url, drop
+
+
+@pytest.fixture(scope="session")
+def prefect_api_url() -> Iterator[str]:
+    """A real Prefect server (``prefect_test_harness``), started once per test session."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield PREFECT_API_URL.value()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

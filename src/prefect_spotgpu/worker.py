@@ -1,144 +1,647 @@
-"""The configuration of the Prefect worker type ``spot-gpu`` (the worker itself is next).
+"""The Prefect worker type ``spot-gpu``: flow runs bid for GPUs, preemption is a resumable state.
 
-Two pydantic models (STYLE 6): ``SpotGPUVariables`` is the form the Prefect UI shows for a work
-pool or deployment (titles, descriptions and ``Literal`` choices), and
-``SpotGPUJobConfiguration`` is what a flow run gets after templating. Each cross-field rule is
-one named ``model_validator``. The ``SpotGPUWorker`` class that uses them, and registers the
-``spot-gpu`` type with Prefect, is not written yet: no worker type is offered until it runs.
+One market bid serves a flow run for its whole life, across preemptions: the market reserves
+capacity for the *bid* when it notices an allocation (a migration), so keeping the bid is what
+makes a resume fast. The bid is created once (idempotency key = flow run id + run count) and
+named on the flow run by the label ``spotgpu.bid``; a re-picked run finds it there.
+
+Every allocation of the bid runs ``python -m prefect_spotgpu.launch`` on its node, which waits
+for this worker's go before it becomes the engine (``prefect_spotgpu.launch``). Single writer:
+between attempts only this worker changes the flow run's state. One attempt (``run``)::
+
+    Pending -> Submitting             BaseWorker
+    Pending "AwaitingGPU"             bid created or found; the message shows bid and quote
+    Pending "Starting"                an allocation runs: label spotgpu.allocation = its id
+    Running                           the engine on the node (the launcher exec'd it)
+    notice                            log line + event spotgpu.bid.noticed
+    preempted                         Scheduled "Preempted" (now); run() returns 0; picked up
+                                      again within a second, and the next allocation starts
+    finished                          the engine wrote the final state; run() returns 0
+
+Beyond ``max_preemptions`` the run is Failed and the bid cancelled. Cancelling the flow run
+cancels the bid; the market stops the job. A worker that restarts adopts the runs whose bids it
+finds open and whose worker is gone (no duplicate bid, no orphaned job).
 """
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Literal
+import json
+import os
+import re
+import time
+from datetime import UTC, datetime
+from typing import Any
 
-from prefect.workers.base import BaseJobConfiguration, BaseVariables
-from pydantic import Field, model_validator
+import anyio
+import httpx
+from prefect.client.schemas.actions import ArtifactCreate
+from prefect.events import emit_event
+from prefect.exceptions import Abort, InfrastructureNotFound
+from prefect.settings import PREFECT_WORKER_QUERY_SECONDS, temporary_settings
+from prefect.states import Cancelled, Failed, Pending, Scheduled
+from prefect.utilities.engine import propose_state
+from prefect.workers.base import BaseWorker, BaseWorkerResult
 
-from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
+from prefect_spotgpu.blocks import DOCS, LOGO, SpotMarket
+from prefect_spotgpu.job import IMAGES, LAUNCH_COMMAND, SpotGPUJobConfiguration, SpotGPUVariables
+from prefect_spotgpu.launch import ALLOCATION_LABEL, BID_LABEL
 from prefect_spotgpu.market import DEFAULT_CATALOG
 
-GpuModelChoice = Literal["RTX-4090", "RTX-3090Ti", "A100-80G", "H100-80G", "H200"]
-"""The catalogue's models, as the UI's choices (``tests/test_worker.py`` keeps them in step)."""
+__all__ = [
+    "IMAGES",
+    "LAUNCH_COMMAND",
+    "SpotGPUJobConfiguration",
+    "SpotGPUVariables",
+    "SpotGPUWorker",
+    "SpotGPUWorkerResult",
+]
 
-IMAGES = {
-    "pytorch": "pytorch/pytorch:2.4.1-cuda12.1-cudnn9-runtime",
-    "stable-diffusion": "ghcr.io/spotgpu/stable-diffusion:2024.10",
-    "tensorrt": "nvcr.io/nvidia/tensorrt:24.09-py3",
-    "process": "",
-}
-"""The image catalogue: named environments; ``process`` runs on the node without a container."""
+QUERY_SECONDS = 1.0
+"""How often the worker asks for scheduled runs, unless PREFECT_WORKER_QUERY_SECONDS is set:
+Prefect's default of 10 s would make every resume wait up to 10 s."""
+POLL_SECONDS = 2.0
+"""Long-poll window on the bid's events; the flow run's state is checked between windows."""
+FLOW_RUN_LABEL = "prefect.flow-run-id"
+POOL_LABEL = "prefect.work-pool"
+PID_PREFIX = "spotgpu-bid-"
 
 
-class SpotGPUJobConfiguration(BaseJobConfiguration):
-    """What one flow run asks of the market, after templating."""
+class SpotGPUWorkerResult(BaseWorkerResult):
+    """The end of one attempt: 0 when the run completed, was rescheduled or was failed by us."""
 
-    market: SpotMarket | None = Field(default=None, description="The market to bid on.")
-    gpu_model: str = Field(default="A100-80G", description="GPU model to bid for.")
-    gpu_count: int = Field(default=1, ge=1, le=16, description="GPUs on one node.")
-    max_price: float = Field(default=1.2, gt=0, description="Maximum price per GPU-hour.")
-    region: str = Field(default="any", description="Region, or 'any'.")
-    image: str = Field(default="process", description="Named environment from the catalog.")
-    cheap_window_only: bool = Field(default=False, description="Run only in the cheap window.")
-    deadline: datetime | None = Field(default=None, description="Finish-by time, if any.")
-    on_demand_fallback: bool = Field(
-        default=False, description="Fall back to on-demand near the deadline."
+
+class MarketError(RuntimeError):
+    """The market refused a request; the message carries its reason."""
+
+
+class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGPUWorkerResult]):
+    """Runs each flow run on spot GPUs bought from a prefect-spotgpu market."""
+
+    type = "spot-gpu"
+    job_configuration = SpotGPUJobConfiguration
+    job_configuration_variables = SpotGPUVariables
+    _description = (
+        "Run flows on idle GPUs bought by the second from a prefect-spotgpu market, at a "
+        "maximum price you set; a reclaimed node gives a 5-minute notice and the run resumes "
+        "from its checkpoint on another node."
     )
-    checkpoint_storage: CheckpointStorage | None = Field(
-        default=None, description="Where the flow's checkpoints go."
-    )
-    max_preemptions: int = Field(
-        default=10, ge=0, description="Preemptions before the run is failed."
-    )
-    notice_webhook: str | None = Field(
-        default=None, description="URL that also receives the notices."
-    )
+    _display_name = "Spot GPU"
+    _documentation_url = DOCS
+    _logo_url = LOGO
 
-    @model_validator(mode="after")
-    def _model_is_sold(self) -> SpotGPUJobConfiguration:
-        self.gpu_model = DEFAULT_CATALOG.normalize(self.gpu_model)
-        return self
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._following: set[str] = set()
+        self._adopted = False
 
-    @model_validator(mode="after")
-    def _image_is_in_the_catalog(self) -> SpotGPUJobConfiguration:
-        if self.image not in IMAGES and "/" not in self.image and ":" not in self.image:
-            raise ValueError(
-                f"image {self.image!r} is neither a catalog name "
-                f"({', '.join(IMAGES)}) nor an image reference"
+    async def start(self, *args: Any, **kwargs: Any) -> None:
+        """Prefect's worker loop, asking for scheduled runs every second (see QUERY_SECONDS)."""
+        if "PREFECT_WORKER_QUERY_SECONDS" in os.environ:
+            return await super().start(*args, **kwargs)
+        with temporary_settings({PREFECT_WORKER_QUERY_SECONDS: QUERY_SECONDS}):
+            return await super().start(*args, **kwargs)
+
+    # ---------------------------------------------------------------- one attempt
+
+    async def run(
+        self,
+        flow_run,
+        configuration: SpotGPUJobConfiguration,
+        task_status: anyio.abc.TaskStatus | None = None,
+    ) -> SpotGPUWorkerResult:
+        market = _market_of(configuration)
+        async with _market_client(market) as http:
+            bid = await self._bid_for(http, flow_run, configuration)
+            if task_status is not None:
+                task_status.started(f"{PID_PREFIX}{bid['id']}")
+            return await self._follow(http, flow_run, configuration, bid)
+
+    async def _bid_for(
+        self, http: httpx.AsyncClient, flow_run, configuration: SpotGPUJobConfiguration
+    ) -> dict:
+        """The flow run's open bid (a resumed run), or a new one; then Pending "AwaitingGPU"."""
+        logger = self.get_flow_run_logger(flow_run)
+        bid = None
+        known = (flow_run.labels or {}).get(BID_LABEL)
+        if known:
+            response = await http.get(f"/bids/{known}")
+            if response.status_code == 200 and response.json()["status"] in ("open", "held"):
+                bid = response.json()
+        if bid is None:
+            if configuration.notice_webhook:
+                await _set_webhook(http, configuration.notice_webhook)
+            response = await http.post("/bids", json=self._bid_body(flow_run, configuration))
+            bid = _checked(response, "place the bid")
+            await self.client.update_flow_run_labels(flow_run.id, {BID_LABEL: str(bid["id"])})
+            logger.info(
+                "Bid %s placed: %s x %s in %s at most %.2f per GPU-hour",
+                bid["id"],
+                bid["gpu_count"],
+                bid["gpu_model"],
+                bid["region"],
+                bid["max_price"],
             )
-        return self
+            self._event("created", flow_run, bid)
+        quote = await _quote(http, bid)
+        await self._set_state(
+            flow_run,
+            Pending(name="AwaitingGPU", message=f"Bid {bid['id']}: {_describe(bid)}; {quote}"),
+        )
+        return bid
 
-    @model_validator(mode="after")
-    def _fallback_needs_a_deadline(self) -> SpotGPUJobConfiguration:
-        if self.on_demand_fallback and self.deadline is None:
-            raise ValueError("on_demand_fallback needs a deadline")
-        return self
+    def _bid_body(self, flow_run, configuration: SpotGPUJobConfiguration) -> dict:
+        body: dict[str, Any] = {
+            "gpu_model": configuration.gpu_model,
+            "gpu_count": configuration.gpu_count,
+            "max_price": configuration.max_price,
+            "region": configuration.region,
+            "idempotency_key": f"prefect-flow-run-{flow_run.id}-{flow_run.run_count}",
+            "labels": {
+                FLOW_RUN_LABEL: str(flow_run.id),
+                "prefect.flow-run-name": flow_run.name,
+                POOL_LABEL: self._work_pool_name,
+            },
+            "job": configuration.job_spec(),
+        }
+        if configuration.deadline is not None:
+            body["deadline"] = _aware(configuration.deadline).isoformat()
+        return body
 
-    def image_reference(self) -> str | None:
-        """The container image to run, or None to run as a process on the node."""
-        return IMAGES.get(self.image, self.image) or None
+    async def _follow(
+        self,
+        http: httpx.AsyncClient,
+        flow_run,
+        configuration: SpotGPUJobConfiguration,
+        bid: dict,
+    ) -> SpotGPUWorkerResult:
+        """Follow the bid's events until this attempt ends; see the module docstring."""
+        logger = self.get_flow_run_logger(flow_run)
+        bid_id = bid["id"]
+        history = _checked(
+            await http.get(f"/bids/{bid_id}/events", params={"after": 0, "timeout": 0}),
+            "read the bid's events",
+        )
+        track = _Track.from_events(history["events"])
+        cursor = history["cursor"]
+        self._following.add(str(flow_run.id))
+        try:
+            if track.live is not None:
+                await self._go(flow_run, bid, track)
+            while True:
+                outcome = await self._check_cancelled(http, flow_run, bid_id, track)
+                if outcome is not None:
+                    return outcome
+                page = _checked(
+                    await http.get(
+                        f"/bids/{bid_id}/events",
+                        params={"after": cursor, "timeout": POLL_SECONDS},
+                        timeout=POLL_SECONDS + 30,
+                    ),
+                    "follow the bid",
+                )
+                cursor = page["cursor"]
+                for event in page["events"]:
+                    outcome = await self._on_event(http, flow_run, configuration, bid, track, event)
+                    if outcome is not None:
+                        await self._publish_summary(http, flow_run, bid)
+                        logger.debug("attempt over after event %s", event["kind"])
+                        return outcome
+        finally:
+            self._following.discard(str(flow_run.id))
+
+    async def _on_event(
+        self,
+        http: httpx.AsyncClient,
+        flow_run,
+        configuration: SpotGPUJobConfiguration,
+        bid: dict,
+        track: _Track,
+        event: dict,
+    ) -> SpotGPUWorkerResult | None:
+        logger = self.get_flow_run_logger(flow_run)
+        kind, alloc, payload = event["kind"], event["allocation_id"], event["payload"]
+        ended_current = track.apply(event)
+        if kind == "allocated" and track.live == alloc:
+            await self._go(flow_run, bid, track)
+        elif kind == "reserved":
+            logger.info(
+                "GPUs reserved for this run on node %s (allocation %s)", event["node_id"], alloc
+            )
+        elif kind == "noticed" and alloc == track.live:
+            left = float(payload.get("deadline") or time.time()) - time.time()
+            logger.warning(
+                "Notice: allocation %s on node %s ends (%s); final save due within %.0f s",
+                alloc,
+                event["node_id"],
+                payload.get("reason", "reclaimed"),
+                left,
+            )
+            self._event("noticed", flow_run, bid, **_plain(payload))
+        if not ended_current:
+            return None
+        reason = str(payload.get("reason") or kind)
+        if kind == "preempted" and reason != "job failed on the node":
+            return await self._preempted(http, flow_run, configuration, bid, track, event)
+        # The job ended by itself: the engine has written the run's final state.
+        state = (await self.client.read_flow_run(flow_run.id)).state
+        if kind == "preempted":  # the process exited non-zero
+            await _cancel_bid(http, bid["id"])
+        if state is not None and state.is_final():
+            logger.info("Flow run ended %s on allocation %s", state.name, alloc)
+            return SpotGPUWorkerResult(
+                identifier=_pid(bid), status_code=0 if state.is_completed() else 1
+            )
+        await _cancel_bid(http, bid["id"])
+        logger.error(
+            "The job on allocation %s ended (%s) without a final flow run state", alloc, reason
+        )
+        return SpotGPUWorkerResult(identifier=_pid(bid), status_code=1)
+
+    async def _go(self, flow_run, bid: dict, track: _Track) -> None:
+        """Hand the flow run to the running allocation: the launcher there waits for this."""
+        alloc = track.live
+        await self.client.update_flow_run_labels(flow_run.id, {ALLOCATION_LABEL: str(alloc)})
+        node = track.nodes.get(alloc)
+        resumed = track.preemptions > 0
+        await self._set_state(
+            flow_run,
+            Pending(
+                name="Starting",
+                message=f"Allocation {alloc} on node {node}: {_describe(bid)}"
+                + (f" (resuming after {track.preemptions} preemption(s))" if resumed else ""),
+            ),
+        )
+        self.get_flow_run_logger(flow_run).info(
+            "%s on node %s (allocation %s)", "Resuming" if resumed else "Starting", node, alloc
+        )
+        self._event(
+            "resumed" if resumed else "allocated", flow_run, bid, allocation_id=alloc, node_id=node
+        )
+
+    async def _preempted(
+        self,
+        http: httpx.AsyncClient,
+        flow_run,
+        configuration: SpotGPUJobConfiguration,
+        bid: dict,
+        track: _Track,
+        event: dict,
+    ) -> SpotGPUWorkerResult:
+        logger = self.get_flow_run_logger(flow_run)
+        payload = event["payload"]
+        reason = payload.get("reason", "preempted")
+        self._event("preempted", flow_run, bid, **_plain(payload))
+        if track.preemptions > configuration.max_preemptions:
+            await _cancel_bid(http, bid["id"])
+            message = (
+                f"Preempted {track.preemptions} times, more than max_preemptions="
+                f"{configuration.max_preemptions}; bid {bid['id']} cancelled"
+            )
+            logger.error(message)
+            await self._set_state(flow_run, Failed(message=message), force=True)
+            return SpotGPUWorkerResult(identifier=_pid(bid), status_code=0)
+        message = (
+            f"Preempted on node {event['node_id']} ({reason}); resumes from its checkpoint "
+            f"on the next allocation of bid {bid['id']}"
+        )
+        logger.warning(message)
+        state = await self._set_state(
+            flow_run, Scheduled(name="Preempted", scheduled_time=datetime.now(UTC), message=message)
+        )
+        if state is not None and not state.is_scheduled():
+            logger.warning("Could not reschedule the run (it is %s)", state.name)
+        return SpotGPUWorkerResult(identifier=_pid(bid), status_code=0)
+
+    async def _check_cancelled(
+        self, http: httpx.AsyncClient, flow_run, bid_id: int, track: _Track
+    ) -> SpotGPUWorkerResult | None:
+        state = (await self.client.read_flow_run(flow_run.id)).state
+        if state is None or not (state.is_cancelling() or state.is_cancelled()):
+            return None
+        logger = self.get_flow_run_logger(flow_run)
+        await _cancel_bid(http, bid_id)
+        deadline = time.monotonic() + 30  # wait (bounded) for the market to stop the job
+        while track.live is not None and time.monotonic() < deadline:
+            allocations = _checked(await http.get(f"/bids/{bid_id}/allocations"), "list")
+            if not any(a["status"] in ("running", "noticed") for a in allocations):
+                break
+            await anyio.sleep(0.2)
+        message = f"Cancelled: bid {bid_id} cancelled and its job stopped"
+        logger.info(message)
+        await self._set_state(flow_run, Cancelled(message=message), force=True)
+        return SpotGPUWorkerResult(identifier=f"{PID_PREFIX}{bid_id}", status_code=0)
+
+    async def kill_infrastructure(
+        self,
+        infrastructure_pid: str,
+        configuration: SpotGPUJobConfiguration,
+        grace_seconds: int = 30,
+    ) -> None:
+        """Cancel the bid named by ``infrastructure_pid``; the market stops its job."""
+        match = re.fullmatch(rf"{PID_PREFIX}(\d+)", infrastructure_pid or "")
+        if match is None:
+            raise InfrastructureNotFound(f"{infrastructure_pid!r} is not a spot-gpu bid")
+        async with _market_client(_market_of(configuration)) as http:
+            response = await http.post(f"/bids/{match[1]}/cancel")
+        if response.status_code == 404:
+            raise InfrastructureNotFound(f"bid {match[1]} not found on the market")
+        _checked(response, "cancel the bid")
+
+    # ---------------------------------------------------------------- restarts
+
+    async def sync_with_backend(self) -> None:
+        await super().sync_with_backend()
+        if not self._adopted and self._work_pool is not None and self._runs_task_group:
+            self._adopted = True
+            try:
+                await self._adopt_orphans()
+            except Exception:
+                self._logger.exception("could not look for runs left by an earlier worker")
+
+    async def _adopt_orphans(self) -> None:
+        """Follow the runs of this pool that an earlier worker left Pending or Running."""
+        work_pool = self.work_pool
+        pool_config = await self.job_configuration.from_template_and_values(
+            work_pool.base_job_template, {}, client=self.client
+        )
+        if pool_config.market is None:
+            return
+        live_workers = {
+            w.name
+            for w in await self.client.read_workers_for_work_pool(work_pool.name)
+            if str(getattr(w, "status", "")).upper().endswith("ONLINE") and w.name != self.name
+        }
+        async with _market_client(pool_config.market) as http:
+            bids = []
+            for status in ("open", "held"):
+                bids += _checked(
+                    await http.get("/bids", params={"status": status, "limit": 1000}), "list bids"
+                )
+        for bid in bids:
+            labels = bid.get("labels") or {}
+            if (
+                labels.get(POOL_LABEL) != work_pool.name
+                or labels.get(FLOW_RUN_LABEL) in self._following
+            ):
+                continue
+            flow_run = await self.client.read_flow_run(labels[FLOW_RUN_LABEL])
+            state = flow_run.state
+            owner = (flow_run.labels or {}).get("prefect.worker.name")
+            if (
+                state is None
+                or not (state.is_running() or state.is_pending())
+                or owner in live_workers
+            ):
+                continue
+            self._logger.info(
+                "Adopting flow run %s (bid %s) left by worker %s", flow_run.id, bid["id"], owner
+            )
+            self._runs_task_group.start_soon(self._adopt, flow_run, bid)
+
+    async def _adopt(self, flow_run, bid: dict) -> None:
+        configuration = await self.job_configuration.resolve_for_flow_run(
+            flow_run, client=self.client, work_pool=self.work_pool, worker_name=self.name
+        )
+        async with _market_client(_market_of(configuration)) as http:
+            result = await self._follow(http, flow_run, configuration, bid)
+        if result.status_code != 0:
+            await self._propose_crashed_state(
+                flow_run, "The spot-gpu job ended without a final state"
+            )
+
+    # ---------------------------------------------------------------- UI: states, events, artifacts
+
+    async def _set_state(self, flow_run, state, force: bool = False):
+        try:
+            return await propose_state(self.client, state, flow_run_id=flow_run.id, force=force)
+        except (Abort, Exception) as exc:  # the run moved on (e.g. cancelled)
+            self.get_flow_run_logger(flow_run).debug("state %s not set: %s", state.name, exc)
+            return None
+
+    def _event(self, what: str, flow_run, bid: dict, **payload: Any) -> None:
+        emit_event(
+            event=f"spotgpu.bid.{what}",
+            resource={
+                "prefect.resource.id": f"spotgpu.bid.{bid['id']}",
+                "prefect.resource.name": f"bid {bid['id']}",
+                "spotgpu.gpu-model": str(bid["gpu_model"]),
+            },
+            related=[
+                {
+                    "prefect.resource.id": f"prefect.flow-run.{flow_run.id}",
+                    "prefect.resource.role": "flow-run",
+                    "prefect.resource.name": flow_run.name,
+                },
+                {
+                    "prefect.resource.id": f"prefect.work-pool.{self.work_pool.id}",
+                    "prefect.resource.role": "work-pool",
+                    "prefect.resource.name": self.work_pool.name,
+                },
+            ],
+            payload={"bid_id": bid["id"], **payload},
+        )
+
+    async def _publish_summary(self, http: httpx.AsyncClient, flow_run, bid: dict) -> None:
+        """The run's allocations as a keyed table, and a markdown cost summary."""
+        try:
+            allocations = _checked(await http.get(f"/bids/{bid['id']}/allocations"), "list")
+            table, summary = allocation_report(bid, allocations)
+            key = f"spotgpu-{flow_run.id}"
+            await self.client.create_artifact(
+                ArtifactCreate(
+                    key=f"{key}-allocations",
+                    type="table",
+                    data=_json(table),
+                    description=f"GPU allocations of bid {bid['id']}",
+                    flow_run_id=flow_run.id,
+                )
+            )
+            await self.client.create_artifact(
+                ArtifactCreate(
+                    key=f"{key}-cost",
+                    type="markdown",
+                    data=summary,
+                    description="Spot cost, preemptions and work lost",
+                    flow_run_id=flow_run.id,
+                )
+            )
+        except Exception:
+            self.get_flow_run_logger(flow_run).exception("could not publish the cost summary")
 
 
-class SpotGPUVariables(BaseVariables):
-    """The work pool's and deployments' form in the Prefect UI."""
+class _Track:
+    """What a bid's events say: its running allocations, the ended ones, the preemptions.
 
-    market: SpotMarket | None = Field(
-        default=None,
-        title="Market",
-        description="The Spot Market block: the service's URL and your API key.",
+    Normally one allocation runs at a time; when a node is lost the market may place the bid
+    anew in the same tick, and that placement's event comes *before* the lost allocation's
+    end. So running allocations queue in order, and the first one is the current one."""
+
+    def __init__(self) -> None:
+        self.running: list[int] = []
+        self.ended: set[int] = set()
+        self.nodes: dict[int, int] = {}
+        self.preemptions = 0
+
+    @property
+    def live(self) -> int | None:
+        return self.running[0] if self.running else None
+
+    @classmethod
+    def from_events(cls, events: list[dict]) -> _Track:
+        track = cls()
+        for event in events:
+            track.apply(event)
+        return track
+
+    def apply(self, event: dict) -> bool:
+        """Fold one event in; True when it ended the current allocation."""
+        kind, alloc = event["kind"], event["allocation_id"]
+        self.nodes[alloc] = event["node_id"]
+        if kind == "allocated" and alloc not in self.ended and alloc not in self.running:
+            self.running.append(alloc)
+        elif kind in ("preempted", "finished", "released"):
+            self.ended.add(alloc)
+            if kind == "preempted" and event["payload"].get("reason") != "job failed on the node":
+                self.preemptions += 1
+            if alloc in self.running:
+                current = alloc == self.running[0]
+                self.running.remove(alloc)
+                return current
+        return False
+
+
+def allocation_report(bid: dict, allocations: list[dict]) -> tuple[list[dict], str]:
+    """Rows for the allocations table and the markdown summary of a bid's cost."""
+    on_demand = DEFAULT_CATALOG.get(bid["gpu_model"]).on_demand_price
+    rows, spot, gpu_hours, lost, preemptions = [], 0.0, 0.0, 0.0, 0
+    for a in sorted(allocations, key=lambda a: a["id"]):
+        if a["status"] in ("reserved", "released"):
+            continue
+        hours = a["charged_seconds"] * a["gpu_count"] / 3600
+        spot += a["charged_amount"]
+        gpu_hours += hours
+        end = a["ended_at"]
+        if a["status"] == "preempted":
+            preemptions += 1
+            if a["final_save"] != "ok" and end is not None:
+                lost += end - max(a["last_checkpoint_at"] or a["started_at"], a["started_at"])
+        rows.append(
+            {
+                "allocation": a["id"],
+                "node": a["node_id"],
+                "gpu": f"{a['gpu_count']} x {bid['gpu_model']}",
+                "start": _iso(a["started_at"]),
+                "end": _iso(end) if end else "running",
+                "status": a["status"],
+                "price": round(a["price"], 4),
+                "cost": round(a["charged_amount"], 6),
+            }
+        )
+    full = gpu_hours * on_demand
+    saving = f"{1 - spot / full:.0%}" if full > 0 else "n/a"
+    summary = "\n".join(
+        [
+            f"### Spot GPU cost of bid {bid['id']}",
+            "",
+            "| | |",
+            "|---|---|",
+            f"| GPUs | {_describe(bid)} |",
+            f"| GPU-hours | {gpu_hours:.4f} |",
+            f"| Spot cost | {spot:.6f} |",
+            f"| On-demand cost | {full:.6f} (at {on_demand:.2f}/GPU-h) |",
+            f"| Saving | {saving} |",
+            f"| Preemptions | {preemptions} |",
+            f"| Work lost | {lost:.1f} s (preemptions without a final save) |",
+        ]
     )
-    gpu_model: GpuModelChoice = Field(
-        default="A100-80G",
-        title="GPU model",
-        description="The GPU model to bid for; on-demand prices: RTX-4090 0.68, RTX-3090Ti "
-        "0.52, A100-80G 2.10, H100-80G 3.80, H200 4.50 per GPU-hour.",
+    return rows, summary
+
+
+# ---------------------------------------------------------------- market helpers
+
+
+def _market_of(configuration: SpotGPUJobConfiguration) -> SpotMarket:
+    if configuration.market is None:
+        raise ValueError(
+            "no market: set the work pool's or deployment's 'market' variable to a Spot Market "
+            "block (prefect block register -m prefect_spotgpu.blocks, then save one)"
+        )
+    return configuration.market
+
+
+def _market_client(market: SpotMarket) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        base_url=market.url.rstrip("/") + "/api/v1",
+        timeout=30,
+        headers={"Authorization": f"Bearer {market.api_key.get_secret_value()}"},
     )
-    gpu_count: int = Field(
-        default=1, ge=1, le=16, title="GPUs", description="GPUs on one node (1-16)."
+
+
+def _checked(response: httpx.Response, doing: str) -> Any:
+    if response.status_code >= 400:
+        try:
+            detail = response.json().get("detail", response.text)
+        except ValueError:
+            detail = response.text
+        raise MarketError(f"the market refused to {doing} (HTTP {response.status_code}): {detail}")
+    return response.json()
+
+
+async def _cancel_bid(http: httpx.AsyncClient, bid_id: int) -> None:
+    response = await http.post(f"/bids/{bid_id}/cancel")
+    if response.status_code not in (200, 409):
+        _checked(response, "cancel the bid")
+
+
+async def _set_webhook(http: httpx.AsyncClient, url: str) -> None:
+    current = await http.get("/webhook")
+    if current.status_code == 200 and current.json().get("url") == url:
+        return
+    _checked(await http.put("/webhook", json={"url": url}), "set the notice webhook")
+
+
+async def _quote(http: httpx.AsyncClient, bid: dict) -> str:
+    response = await http.get("/prices")
+    if response.status_code != 200:
+        return "no quote"
+    pools = [
+        q
+        for q in response.json()
+        if q["gpu_model"] == bid["gpu_model"] and bid["region"] in ("any", q["region"])
+    ]
+    if not pools:
+        return f"no {bid['gpu_model']} nodes in {bid['region']} yet"
+    free = sum(q["gpus_free"] for q in pools)
+    prices = [q["clearing_price"] or q["reserve_price"] for q in pools]
+    prices = [p for p in prices if p is not None]
+    price = f"from {min(prices):.2f}" if prices else "no price yet"
+    return f"market {price} per GPU-hour, {free} GPUs free"
+
+
+def _describe(bid: dict) -> str:
+    return (
+        f"{bid['gpu_count']} x {bid['gpu_model']} in {bid['region']}, "
+        f"at most {bid['max_price']:.2f} per GPU-hour"
     )
-    max_price: float = Field(
-        default=1.2,
-        gt=0,
-        title="Maximum price",
-        description="The most you pay per GPU-hour; you pay the market's "
-        "clearing price, never more than this.",
-    )
-    region: str = Field(
-        default="any", title="Region", description="A region such as eu-west, or 'any'."
-    )
-    image: Literal["process", "pytorch", "stable-diffusion", "tensorrt"] = Field(
-        default="process",
-        title="Image",
-        description="Named environment: a container image from the catalog, or 'process' "
-        "to run on the node without a container.",
-    )
-    cheap_window_only: bool = Field(
-        default=False,
-        title="Cheap window only",
-        description="Run only 18:00-09:00 on weekdays and at weekends; the run pauses "
-        "(checkpoint, stop) when the window closes.",
-    )
-    deadline: datetime | None = Field(
-        default=None, title="Deadline", description="When the work must be finished."
-    )
-    on_demand_fallback: bool = Field(
-        default=False,
-        title="On-demand fallback",
-        description="Fall back to on-demand capacity when spot can no longer meet the deadline.",
-    )
-    checkpoint_storage: CheckpointStorage | None = Field(
-        default=None,
-        title="Checkpoint storage",
-        description="Where the flow's checkpoints go (a directory every node reaches, or S3).",
-    )
-    max_preemptions: int = Field(
-        default=10,
-        ge=0,
-        title="Maximum preemptions",
-        description="After this many preemptions the run fails.",
-    )
-    notice_webhook: str | None = Field(
-        default=None,
-        title="Notice webhook",
-        description="A URL that also receives the market's signed notices.",
-    )
+
+
+def _pid(bid: dict) -> str:
+    return f"{PID_PREFIX}{bid['id']}"
+
+
+def _aware(value: datetime) -> datetime:
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds")
+
+
+def _plain(payload: dict) -> dict:
+    return {
+        k: v for k, v in payload.items() if isinstance(v, str | int | float | bool) or v is None
+    }
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value)

@@ -283,46 +283,49 @@ class Agent:
         ).start()
 
     def _await_final_save(self, alloc_id: int, handle: JobHandle, deadline: float) -> None:
+        """Wait for the acknowledgement (or the deadline), stop the job, then report.
+
+        The job is stopped *before* the report: the report ends the allocation, and the market
+        may start the bid's next allocation at once; the old process must be gone by then (its
+        engine writes its own Crashed state on SIGTERM, which must not land after the worker
+        has rescheduled the run)."""
         ack_file = handle.request.ack_file
         while time.time() < deadline and not ack_file.exists() and handle.poll() is None:
             time.sleep(0.02)
-        if ack_file.exists():
-            ack = json.loads(ack_file.read_text())
-            response = self.client.post(
-                f"/allocations/{alloc_id}/report",
-                json={
-                    "epoch": self.epochs.get(alloc_id, 1),
-                    "outcome": "saved",
-                    "checkpoint_at": ack.get("saved_at", time.time()),
-                    "step": ack.get("step"),
-                },
-            )
+        saved = ack_file.exists()
+        finished = not saved and handle.poll() == 0  # it finished its work during the notice
+        ack = json.loads(ack_file.read_text()) if saved else {}
+        exited = handle.poll() is not None
+        self.stop(alloc_id, reason="notice")
+        epoch = self.epochs.get(alloc_id, 1)
+        if saved:
+            body = {
+                "epoch": epoch,
+                "outcome": "saved",
+                "checkpoint_at": ack.get("saved_at") or time.time(),
+                "step": ack.get("step"),
+            }
+        else:
+            body = {"epoch": epoch, "outcome": "finished" if finished else "save_failed"}
+        response = self.client.post(f"/allocations/{alloc_id}/report", json=body)
+        if saved:
             logger.info(
                 "allocation %s: final save at step %s acknowledged (%s)",
                 alloc_id,
                 ack.get("step"),
                 response.status_code,
             )
-        elif handle.poll() == 0:  # the job finished its work during the notice
-            response = self.client.post(
-                f"/allocations/{alloc_id}/report",
-                json={"epoch": self.epochs.get(alloc_id, 1), "outcome": "finished"},
-            )
+        elif finished:
             logger.info(
                 "allocation %s: finished during its notice (%s)", alloc_id, response.status_code
             )
         else:  # not saved: the market decides whether that is compensated
-            response = self.client.post(
-                f"/allocations/{alloc_id}/report",
-                json={"epoch": self.epochs.get(alloc_id, 1), "outcome": "save_failed"},
-            )
             logger.warning(
                 "allocation %s: no final save (job %s) before the deadline; reported (%s)",
                 alloc_id,
-                "exited" if handle.poll() is not None else "still running",
+                "exited" if exited else "still running",
                 response.status_code,
             )
-        self.stop(alloc_id, reason="notice")
 
     def stop(self, alloc_id: int, reason: str) -> None:
         with self.lock:

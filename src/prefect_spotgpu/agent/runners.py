@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +81,14 @@ def write_notice(request: JobRequest, deadline: float) -> None:
     os.replace(tmp, request.notice_file)
 
 
+def _resolve_python(command: list[str]) -> list[str]:
+    """A process job's ``python`` is the agent's own interpreter (its environment has the
+    packages the agent was installed with); any other program is taken as given."""
+    if command and command[0] in ("python", "python3"):
+        return [sys.executable, *command[1:]]
+    return command
+
+
 class ProcessRunner:
     """Jobs as local processes, each the leader of its own process group (the default)."""
 
@@ -92,7 +101,7 @@ class ProcessRunner:
         log = open(request.workdir / "job.log", "ab")  # noqa: SIM115 - owned by the child
         try:
             process = subprocess.Popen(
-                request.command,
+                _resolve_python(request.command),
                 env={**os.environ, **request.environment()},
                 cwd=request.workdir,
                 stdout=log,

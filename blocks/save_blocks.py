@@ -1,0 +1,66 @@
+"""Save the block documents the example deployments use (deployments/prefect.yaml).
+
+    python blocks/save_blocks.py --market-url http://127.0.0.1:4300 --api-key sgk_... \
+        --checkpoints /mnt/shared/checkpoints
+    python blocks/save_blocks.py --api-key sgk_... --bucket my-ckpts --prefix runs \
+        --endpoint-url http://minio:9000          # S3 credentials from AWS_* variables
+
+Saves two documents, overwriting earlier ones of the same names:
+  Spot Market "spot-market"               the market's URL and your tenant API key
+  Spot Checkpoint Storage "spot-checkpoints"   a shared directory, or an S3 bucket/prefix
+Run it against the Prefect API the worker uses (PREFECT_API_URL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from pydantic import SecretStr
+
+from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--market-url", default=os.environ.get("SPOTGPU_MARKET_URL", "http://127.0.0.1:4300")
+    )
+    parser.add_argument(
+        "--api-key", default=os.environ.get("SPOTGPU_API_KEY"), help="tenant key (sgk_...)"
+    )
+    parser.add_argument("--checkpoints", help="a directory every node reaches")
+    parser.add_argument("--bucket", help="an S3 bucket instead of a directory")
+    parser.add_argument("--prefix", default="", help="key prefix in the bucket")
+    parser.add_argument("--endpoint-url", default=os.environ.get("AWS_ENDPOINT_URL_S3"))
+    parser.add_argument("--market-name", default="spot-market")
+    parser.add_argument("--storage-name", default="spot-checkpoints")
+    args = parser.parse_args(argv)
+    if not args.api_key:
+        parser.error("--api-key (or SPOTGPU_API_KEY) is required")
+    if (args.checkpoints is None) == (args.bucket is None):
+        parser.error("give --checkpoints DIR or --bucket NAME")
+
+    SpotMarket(url=args.market_url, api_key=SecretStr(args.api_key)).save(
+        args.market_name, overwrite=True
+    )
+    if args.bucket:
+        secret = os.environ.get("AWS_SECRET_ACCESS_KEY")
+        storage = CheckpointStorage(
+            bucket=args.bucket,
+            prefix=args.prefix,
+            endpoint_url=args.endpoint_url,
+            region_name=os.environ.get("AWS_DEFAULT_REGION"),
+            aws_access_key_id=os.environ.get("AWS_ACCESS_KEY_ID"),
+            aws_secret_access_key=SecretStr(secret) if secret else None,
+        )
+    else:
+        storage = CheckpointStorage(path=os.path.abspath(args.checkpoints))
+    storage.save(args.storage_name, overwrite=True)
+    print(
+        f"saved Spot Market {args.market_name!r} and Spot Checkpoint Storage {args.storage_name!r}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""The configuration of the Prefect worker type ``spot-gpu``.
+
+Two pydantic models (STYLE 6): ``SpotGPUVariables`` is the form the Prefect UI shows for a work
+pool or deployment (titles, descriptions and ``Literal`` choices), and
+``SpotGPUJobConfiguration`` is what a flow run gets after templating. Each cross-field rule is
+one named ``model_validator``. The worker that uses them is
+``prefect_spotgpu.worker.SpotGPUWorker``.
+"""
+
+from __future__ import annotations
+
+import shlex
+from datetime import datetime
+from typing import Literal
+
+from prefect.settings import PREFECT_API_URL
+from prefect.workers.base import BaseJobConfiguration, BaseVariables
+from pydantic import Field, model_validator
+
+from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
+from prefect_spotgpu.market import DEFAULT_CATALOG
+
+GpuModelChoice = Literal["RTX-4090", "RTX-3090Ti", "A100-80G", "H100-80G", "H200"]
+"""The catalogue's models, as the UI's choices (``tests/test_worker.py`` keeps them in step)."""
+
+IMAGES = {
+    "pytorch": "pytorch/pytorch:2.4.1-cuda12.1-cudnn9-runtime",
+    "stable-diffusion": "ghcr.io/spotgpu/stable-diffusion:2024.10",
+    "tensorrt": "nvcr.io/nvidia/tensorrt:24.09-py3",
+    "process": "",
+}
+"""The image catalogue: named environments; ``process`` runs on the node without a container."""
+
+LAUNCH_COMMAND = "python -m prefect_spotgpu.launch"
+"""The job every allocation starts: waits for the worker's go, then execs the Prefect engine
+(``python`` is the agent's own interpreter for the process runner, the image's in a container)."""
+
+
+class SpotGPUJobConfiguration(BaseJobConfiguration):
+    """What one flow run asks of the market, after templating."""
+
+    market: SpotMarket | None = Field(default=None, description="The market to bid on.")
+    gpu_model: str = Field(default="A100-80G", description="GPU model to bid for.")
+    gpu_count: int = Field(default=1, ge=1, le=16, description="GPUs on one node.")
+    max_price: float = Field(default=1.2, gt=0, description="Maximum price per GPU-hour.")
+    region: str = Field(default="any", description="Region, or 'any'.")
+    image: str = Field(default="process", description="Named environment from the catalog.")
+    cheap_window_only: bool = Field(default=False, description="Run only in the cheap window.")
+    deadline: datetime | None = Field(default=None, description="Finish-by time, if any.")
+    on_demand_fallback: bool = Field(
+        default=False, description="Fall back to on-demand near the deadline."
+    )
+    checkpoint_storage: CheckpointStorage | None = Field(
+        default=None, description="Where the flow's checkpoints go."
+    )
+    max_preemptions: int = Field(
+        default=10, ge=0, description="Preemptions before the run is failed."
+    )
+    notice_webhook: str | None = Field(
+        default=None, description="URL that also receives the notices."
+    )
+
+    @model_validator(mode="after")
+    def _model_is_sold(self) -> SpotGPUJobConfiguration:
+        self.gpu_model = DEFAULT_CATALOG.normalize(self.gpu_model)
+        return self
+
+    @model_validator(mode="after")
+    def _image_is_in_the_catalog(self) -> SpotGPUJobConfiguration:
+        if self.image not in IMAGES and "/" not in self.image and ":" not in self.image:
+            raise ValueError(
+                f"image {self.image!r} is neither a catalog name "
+                f"({', '.join(IMAGES)}) nor an image reference"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _fallback_needs_a_deadline(self) -> SpotGPUJobConfiguration:
+        if self.on_demand_fallback and self.deadline is None:
+            raise ValueError("on_demand_fallback needs a deadline")
+        return self
+
+    def image_reference(self) -> str | None:
+        """The container image to run, or None to run as a process on the node."""
+        return IMAGES.get(self.image, self.image) or None
+
+    def prepare_for_flow_run(self, flow_run, deployment=None, flow=None, **kwargs) -> None:
+        """Prefect's environment for the run, plus the API URL and the checkpoint settings;
+        the command is the launcher, which becomes ``python -m prefect.engine`` on the node."""
+        super().prepare_for_flow_run(flow_run, deployment, flow, **kwargs)
+        if self.command in (None, "", self._base_flow_run_command()):
+            self.command = LAUNCH_COMMAND
+        extra = {}
+        api_url = PREFECT_API_URL.value()
+        if api_url:
+            extra["PREFECT_API_URL"] = api_url
+        if self.checkpoint_storage is not None:
+            extra.update(self.checkpoint_storage.job_env())
+        self.env = {**extra, **self.env}
+
+    def job_spec(self) -> dict:
+        """The bid's job, as the market's ``JobSpec``: what the node's agent runs."""
+        spec: dict = {
+            "command": shlex.split(self.command or LAUNCH_COMMAND),
+            "env": {k: str(v) for k, v in self.env.items() if v is not None},
+        }
+        if self.image_reference():
+            spec["image"] = self.image_reference()
+        if self.checkpoint_storage is not None:
+            spec["checkpoint_url"] = self.checkpoint_storage.url()
+        return spec
+
+
+class SpotGPUVariables(BaseVariables):
+    """The work pool's and deployments' form in the Prefect UI."""
+
+    market: SpotMarket | None = Field(
+        default=None,
+        title="Market",
+        description="The Spot Market block: the service's URL and your API key.",
+    )
+    gpu_model: GpuModelChoice = Field(
+        default="A100-80G",
+        title="GPU model",
+        description="The GPU model to bid for; on-demand prices: RTX-4090 0.68, RTX-3090Ti "
+        "0.52, A100-80G 2.10, H100-80G 3.80, H200 4.50 per GPU-hour.",
+    )
+    gpu_count: int = Field(
+        default=1, ge=1, le=16, title="GPUs", description="GPUs on one node (1-16)."
+    )
+    max_price: float = Field(
+        default=1.2,
+        gt=0,
+        title="Maximum price",
+        description="The most you pay per GPU-hour; you pay the market's "
+        "clearing price, never more than this.",
+    )
+    region: str = Field(
+        default="any", title="Region", description="A region such as eu-west, or 'any'."
+    )
+    image: Literal["process", "pytorch", "stable-diffusion", "tensorrt"] = Field(
+        default="process",
+        title="Image",
+        description="Named environment: a container image from the catalog, or 'process' "
+        "to run on the node without a container.",
+    )
+    cheap_window_only: bool = Field(
+        default=False,
+        title="Cheap window only",
+        description="Run only 18:00-09:00 on weekdays and at weekends; the run pauses "
+        "(checkpoint, stop) when the window closes.",
+    )
+    deadline: datetime | None = Field(
+        default=None, title="Deadline", description="When the work must be finished."
+    )
+    on_demand_fallback: bool = Field(
+        default=False,
+        title="On-demand fallback",
+        description="Fall back to on-demand capacity when spot can no longer meet the deadline.",
+    )
+    checkpoint_storage: CheckpointStorage | None = Field(
+        default=None,
+        title="Checkpoint storage",
+        description="Where the flow's checkpoints go (a directory every node reaches, or S3).",
+    )
+    max_preemptions: int = Field(
+        default=10,
+        ge=0,
+        title="Maximum preemptions",
+        description="After this many preemptions the run fails.",
+    )
+    notice_webhook: str | None = Field(
+        default=None,
+        title="Notice webhook",
+        description="A URL that also receives the market's signed notices.",
+    )

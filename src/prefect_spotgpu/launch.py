@@ -1,0 +1,83 @@
+"""The job a spot-gpu flow run's bid carries: wait for the worker's go, then become the engine.
+
+The node's agent starts ``python -m prefect_spotgpu.launch`` for every allocation of the bid.
+This process waits until the Prefect worker has handed this allocation the flow run (the flow
+run is Pending and its ``spotgpu.allocation`` label names this allocation), then *replaces
+itself* with ``python -m prefect.engine`` through ``exec``: same process id, so the agent's
+SIGUSR1 reaches the flow's own process (DESIGN §4), and no wrapper sits in between.
+
+Why wait: one bid serves a flow run across preemptions, and the market starts the next
+allocation (a migration) as soon as the previous job stopped, often before the worker has moved
+the flow run to ``Scheduled("Preempted")`` and picked it up again. Starting the engine then
+would race the worker's state changes; waiting for the worker's label makes the worker the one
+writer of the run's state between attempts.
+
+SIGUSR1 is ignored from here until the flow's checkpointer installs its handler (an ignored
+disposition survives ``exec``), so an early notice cannot kill the engine; the notice file
+still tells the checkpointer. A notice that arrives while waiting ends this attempt at once:
+nothing has run, so it acknowledges at once and exits.
+
+Exit codes: 0 the run is already over (or noticed before it started), 3 no go within
+``SPOTGPU_LAUNCH_TIMEOUT`` seconds (default 600).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+ALLOCATION_LABEL = "spotgpu.allocation"
+"""The flow-run label the worker sets to the allocation that may start the engine."""
+BID_LABEL = "spotgpu.bid"
+"""The flow-run label that names the market bid serving the run."""
+
+
+def main() -> int:
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    flow_run_id = os.environ["PREFECT__FLOW_RUN_ID"]
+    allocation = os.environ.get("SPOTGPU_ALLOCATION_ID", "")
+    notice_file = Path(os.environ.get("SPOTGPU_NOTICE_FILE", "/nonexistent/notice"))
+    timeout = float(os.environ.get("SPOTGPU_LAUNCH_TIMEOUT", "600"))
+
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            if notice_file.exists():
+                _acknowledge(notice_file)
+                print(f"spotgpu: notice before the flow run started (allocation {allocation})")
+                return 0
+            flow_run = client.read_flow_run(flow_run_id)
+            state = flow_run.state
+            if state is not None and state.is_final():
+                print(f"spotgpu: flow run {flow_run_id} is already {state.name}; nothing to do")
+                return 0
+            if (
+                state is not None
+                and state.is_pending()
+                and (flow_run.labels or {}).get(ALLOCATION_LABEL) == allocation
+            ):
+                break
+            time.sleep(0.1)
+        else:
+            print(f"spotgpu: no go from the worker within {timeout:.0f} s", file=sys.stderr)
+            return 3
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "prefect.engine"])
+    return 0  # pragma: no cover - exec does not return
+
+
+def _acknowledge(notice_file: Path) -> None:
+    ack = Path(os.environ.get("SPOTGPU_ACK_FILE") or f"{notice_file}.ack")
+    tmp = ack.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"step": None, "saved_at": time.time(), "started": False}))
+    os.replace(tmp, ack)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

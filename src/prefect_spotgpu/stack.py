@@ -1,0 +1,287 @@
+"""A whole spot-GPU stack on one machine: the market service, node agents with declared GPUs and
+a ``spot-gpu`` worker, as real processes, against a Prefect API.
+
+The end-to-end tests, ``benchmarks/recovery.py`` and the demo use it. Each process runs in its
+own session and logs to ``<home>/logs/<name>.log``; :meth:`LocalStack.stop` (or leaving the
+``with`` block) stops every process it started, and the jobs those started.
+
+    with LocalStack(home, prefect_api_url) as stack:
+        stack.start_market(); stack.start_agent("node-a"); stack.start_agent("node-b")
+        pool = stack.create_pool("spot")            # blocks + a spot-gpu work pool
+        stack.start_worker(pool)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+class StackError(RuntimeError):
+    """A part of the stack did not come up; the message names it and its log."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalStack:
+    """Processes of a local stack; see the module docstring."""
+
+    def __init__(
+        self,
+        home: Path,
+        prefect_api_url: str,
+        *,
+        gpu_model: str = "A100-80G",
+        region: str = "local",
+        tick_seconds: float = 0.2,
+        heartbeat_timeout_seconds: float = 30.0,
+        admin_key: str | None = None,
+    ) -> None:
+        self.home = Path(home)
+        self.logs = self.home / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.prefect_api_url = prefect_api_url.rstrip("/")
+        self.gpu_model, self.region = gpu_model, region
+        self.tick_seconds = tick_seconds
+        self.heartbeat_timeout_seconds = heartbeat_timeout_seconds
+        self.admin_key = admin_key or f"sgadm_{secrets.token_urlsafe(24)}"
+        self.market_url = ""
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.owner_key = self.buyer_key = ""
+
+    def __enter__(self) -> LocalStack:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    # ---------------------------------------------------------------- processes
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None):
+        log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it
+        try:
+            process = subprocess.Popen(
+                args,
+                env={**os.environ, **(env or {})},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        finally:
+            log.close()
+        self.processes[name] = process
+        return process
+
+    def log(self, name: str, tail: int = 3000) -> str:
+        path = self.logs / f"{name}.log"
+        return path.read_text(errors="replace")[-tail:] if path.exists() else ""
+
+    def _wait(self, name: str, ready, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            process = self.processes[name]
+            if process.poll() is not None:
+                raise StackError(f"{name} exited ({process.returncode}):\n{self.log(name)}")
+            if time.monotonic() > deadline:
+                raise StackError(f"{name} not ready after {timeout:.0f} s:\n{self.log(name)}")
+            time.sleep(0.1)
+
+    def start_market(self, db_url: str | None = None) -> str:
+        """The market service on a free loopback port (SQLite under ``home`` by default)."""
+        port = free_port()
+        self.market_url = f"http://127.0.0.1:{port}"
+        db = db_url or f"sqlite:///{self.home / 'market.db'}"
+        self._spawn(
+            "market",
+            [
+                *(sys.executable, "-m", "prefect_spotgpu.cli", "server", "start"),
+                *("--db", db, "--port", str(port), "--tick-seconds", str(self.tick_seconds)),
+                *("--log-level", "warning"),
+            ],
+            env={
+                "SPOTGPU_ADMIN_KEY": self.admin_key,
+                "SPOTGPU_HOME": str(self.home / "market"),
+                "SPOTGPU_CHARGE_FLUSH_SECONDS": "0.5",
+                "SPOTGPU_HEARTBEAT_TIMEOUT_SECONDS": str(self.heartbeat_timeout_seconds),
+            },
+        )
+        self._wait("market", lambda: _healthy(self.market_url + "/api/v1/health"), 60)
+        admin = self.market(self.admin_key)
+        self.owner_key = _created(admin.post("/tenants", json={"name": "fleet-owner"}))["api_key"]
+        self.buyer_key = _created(
+            admin.post("/tenants", json={"name": "prefect", "starting_credit": 1000})
+        )["api_key"]
+        return self.market_url
+
+    def market(self, key: str | None = None) -> httpx.Client:
+        """A client for the market's API as ``key`` (default: the buyer)."""
+        return httpx.Client(
+            base_url=self.market_url + "/api/v1",
+            headers={"Authorization": f"Bearer {key or self.buyer_key}"},
+            timeout=30,
+        )
+
+    def start_agent(self, name: str, gpus: int = 2, reserve_price: float = 0.9) -> int:
+        """A node agent with ``gpus`` declared GPUs; returns its node id once registered."""
+        self._spawn(
+            f"agent-{name}",
+            [
+                *(sys.executable, "-m", "prefect_spotgpu.cli", "agent", "start"),
+                *("--market", self.market_url, "--token", self.owner_key),
+                *("--gpus", f"{self.gpu_model}:{gpus}", "--name", name, "--region", self.region),
+                *("--reserve-price", str(reserve_price), "--heartbeat-seconds", "1"),
+                *("--state-dir", str(self.home / f"agent-{name}"), "--grace-seconds", "3"),
+            ],
+            env={"PREFECT_API_URL": self.prefect_api_url},
+        )
+        owner = self.market(self.owner_key)
+
+        def registered():
+            nodes = owner.get("/nodes").json()
+            return [n["id"] for n in nodes if n["name"] == name and n["state"] == "live"]
+
+        self._wait(f"agent-{name}", registered, 60)
+        return registered()[0]
+
+    def start_worker(self, pool: str, name: str = "worker") -> subprocess.Popen:
+        """``prefect worker start --pool POOL --type spot-gpu`` as a process."""
+        process = self._spawn(
+            name,
+            [
+                *(sys.executable, "-m", "prefect", "worker", "start"),
+                *("--pool", pool, "--type", "spot-gpu", "--name", f"{name}-{os.getpid()}"),
+            ],
+            env={"PREFECT_API_URL": self.prefect_api_url},
+        )
+        self._wait(name, lambda: "started!" in self.log(name, 100_000), 120)
+        return process
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Signal a process's whole session (a lost node: the agent *and* its jobs)."""
+        process = self.processes[name]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+        process.wait(timeout=30)
+
+    def job_pids(self, agent: str) -> list[int]:
+        """Process ids of the jobs an agent started (each leads its own session)."""
+        pids = []
+        for pid_file in (self.home / f"agent-{agent}").glob("alloc-*/pid"):
+            with contextlib.suppress(ValueError):
+                pids.append(int(pid_file.read_text()))
+        return pids
+
+    def stop(self) -> None:
+        """Stop every process, agents' jobs included: SIGTERM, then SIGKILL."""
+        agents = [n.removeprefix("agent-") for n in self.processes if n.startswith("agent-")]
+        jobs = [pid for agent in agents for pid in self.job_pids(agent)]
+        for process in self.processes.values():
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for process in self.processes.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for pid in [p.pid for p in self.processes.values()] + jobs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        for process in self.processes.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=5)
+
+    # ---------------------------------------------------------------- Prefect side
+
+    def create_pool(
+        self,
+        pool: str,
+        *,
+        checkpoint_dir: Path | None = None,
+        defaults: dict[str, Any] | None = None,
+    ) -> str:
+        """Save the market and checkpoint blocks and create a spot-gpu work pool using them."""
+        return asyncio.run(self._create_pool(pool, checkpoint_dir, defaults or {}))
+
+    async def _create_pool(self, pool: str, checkpoint_dir, defaults: dict) -> str:
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.actions import WorkPoolCreate
+        from pydantic import SecretStr
+
+        from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
+        from prefect_spotgpu.worker import SpotGPUWorker
+
+        market = SpotMarket(url=self.market_url, api_key=SecretStr(self.buyer_key))
+        market_id = await market.save(f"{pool}-market", overwrite=True)
+        storage = CheckpointStorage(path=str(checkpoint_dir or self.home / "checkpoints"))
+        storage_id = await storage.save(f"{pool}-checkpoints", overwrite=True)
+        template = SpotGPUWorker.get_default_base_job_template()
+        values = {
+            "market": {"$ref": {"block_document_id": str(market_id)}},
+            "checkpoint_storage": {"$ref": {"block_document_id": str(storage_id)}},
+            "gpu_model": self.gpu_model,
+            "region": self.region,
+            **defaults,
+        }
+        for key, value in values.items():
+            template["variables"]["properties"][key]["default"] = value
+        async with get_client() as client:
+            with contextlib.suppress(Exception):
+                await client.delete_work_pool(pool)
+            await client.create_work_pool(
+                WorkPoolCreate(name=pool, type="spot-gpu", base_job_template=template)
+            )
+        return pool
+
+    def deploy(self, entrypoint: str, directory: Path, name: str, pool: str) -> str:
+        """A deployment of ``file.py:flow`` in ``directory`` on ``pool``; its id."""
+        return asyncio.run(self._deploy(entrypoint, Path(directory), name, pool))
+
+    async def _deploy(self, entrypoint: str, directory: Path, name: str, pool: str) -> str:
+        from prefect.client.orchestration import get_client
+
+        flow_name = entrypoint.rsplit(":", 1)[1].replace("_", "-")
+        async with get_client() as client:
+            flow_id = await client.create_flow_from_name(flow_name)
+            deployment_id = await client.create_deployment(
+                flow_id=flow_id,
+                name=name,
+                work_pool_name=pool,
+                entrypoint=entrypoint,
+                path=str(directory),
+                pull_steps=[
+                    {
+                        "prefect.deployments.steps.set_working_directory": {
+                            "directory": str(directory)
+                        }
+                    }
+                ],
+            )
+        return str(deployment_id)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _created(response: httpx.Response) -> dict:
+    if response.status_code >= 400:
+        raise StackError(f"the market refused: {response.status_code} {response.text}")
+    return response.json()

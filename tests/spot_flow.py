@@ -1,0 +1,63 @@
+"""The flow the end-to-end tests deploy on a spot-gpu pool: counts with a seeded random walk,
+checkpoints, and answers a notice with a final save. Its result is a pure function of ``steps``.
+
+Progress goes to ``progress`` (JSON lines, one file shared by every attempt) so a test can see
+where each attempt started and on which allocation it ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+from prefect import flow
+
+from prefect_spotgpu.checkpoint import Checkpointer
+
+
+def count(ckpt: Checkpointer, steps: int, step_seconds: float, progress: Path | None) -> dict:
+    """The work: resumes from ``ckpt``, returns the result. Deterministic given ``steps``."""
+    restored = ckpt.restore()
+    if restored is None:
+        start, state = 0, {"total": 0, "walk": 0, "rng": random.Random(7).getstate()}
+    else:
+        start, state = restored.step + 1, restored.state
+    rng = random.Random()
+    rng.setstate(_as_rng_state(state["rng"]))
+    _log(progress, {"start": start, "alloc": os.environ.get("SPOTGPU_ALLOCATION_ID")})
+    for step in range(start, steps):
+        state["walk"] += rng.choice((-1, 1))
+        state["total"] += step * state["walk"]
+        state["rng"] = rng.getstate()
+        _log(progress, {"step": step})
+        ckpt.maybe_save(state, step)
+        if ckpt.notice_received:  # saved and acknowledged: the agent stops this process
+            _log(progress, {"saved": step})
+            time.sleep(max(0.0, (ckpt.notice_deadline or time.time() + 60) - time.time()))
+        time.sleep(step_seconds)
+    result = {"total": state["total"], "walk": state["walk"]}
+    _log(progress, {"done": result})
+    return result
+
+
+@flow(name="spot-count")
+def spot_count(steps: int = 60, step_seconds: float = 0.1, progress: str = "") -> dict:
+    from prefect_spotgpu.checkpoint.flow import checkpointer_for_run
+
+    return count(checkpointer_for_run(every=0.3), steps, step_seconds, Path(progress) or None)
+
+
+def _as_rng_state(value):
+    """A ``random.Random`` state after a JSON-ish round trip (lists back to tuples)."""
+    version, internal, gauss = value
+    return (version, tuple(internal), gauss)
+
+
+def _log(path: Path | None, entry: dict) -> None:
+    if path is None or str(path) in ("", "."):
+        return
+    with open(path, "a") as f:
+        f.write(json.dumps({**entry, "t": time.time()}) + "\n")

@@ -1,0 +1,147 @@
+"""The spot-gpu worker's parts: the event fold, the cost report, the job it bids with, and the
+work pool Prefect creates for it (``prefect work-pool create --type spot-gpu``, real server)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+from prefect.exceptions import InfrastructureNotFound
+
+from prefect_spotgpu.blocks import CheckpointStorage
+from prefect_spotgpu.job import LAUNCH_COMMAND, SpotGPUJobConfiguration
+from prefect_spotgpu.worker import SpotGPUWorker, _Track, allocation_report
+
+
+def ev(kind, alloc, node=1, **payload):
+    return {"kind": kind, "allocation_id": alloc, "node_id": node, "payload": payload}
+
+
+def test_the_track_follows_a_reclaim_and_a_migration():
+    track = _Track()
+    assert not track.apply(ev("allocated", 1))
+    assert track.live == 1
+    assert not track.apply(ev("reserved", 2, node=2))
+    assert not track.apply(ev("noticed", 1, reason="reclaimed"))
+    assert track.apply(ev("preempted", 1, reason="final save acknowledged"))
+    assert track.live is None and track.preemptions == 1
+    assert not track.apply(ev("allocated", 2, node=2, placement="promoted"))
+    assert track.live == 2 and track.nodes == {1: 1, 2: 2}
+
+
+def test_a_placement_reported_before_the_lost_allocations_end_waits_its_turn():
+    # node lost: the same tick places the bid anew (event first) and ends the old allocation
+    track = _Track.from_events([ev("allocated", 1)])
+    assert not track.apply(ev("allocated", 2, node=2))
+    assert track.live == 1  # still the current one
+    assert track.apply(ev("preempted", 1, reason="node lost"))
+    assert track.live == 2
+
+
+def test_a_failed_job_is_not_counted_as_a_preemption():
+    track = _Track.from_events(
+        [ev("allocated", 1), ev("preempted", 1, reason="job failed on the node")]
+    )
+    assert track.preemptions == 0 and track.live is None
+
+
+def test_the_cost_report_compares_spot_with_on_demand():
+    bid = {"id": 5, "gpu_model": "A100-80G", "gpu_count": 2, "max_price": 1.5, "region": "x"}
+    base = {"gpu_count": 2, "price": 1.0, "node_id": 1, "last_checkpoint_at": None}
+    allocations = [
+        # one hour on 2 GPUs at 1.0, preempted without a final save 600 s after its start
+        {**base, "id": 1, "status": "preempted", "started_at": 0.0, "ended_at": 3600.0,
+         "charged_seconds": 3600.0, "charged_amount": 2.0, "final_save": None,
+         "last_checkpoint_at": 3000.0},
+        {**base, "id": 2, "status": "finished", "started_at": 3700.0, "ended_at": 5500.0,
+         "charged_seconds": 1800.0, "charged_amount": 1.0, "final_save": None},
+        {**base, "id": 3, "status": "released", "started_at": 0.0, "ended_at": 1.0,
+         "charged_seconds": 0.0, "charged_amount": 0.0, "final_save": None},
+    ]  # fmt: skip
+    rows, summary = allocation_report(bid, allocations)
+    assert [r["allocation"] for r in rows] == [1, 2]
+    assert rows[0]["cost"] == 2.0 and rows[0]["end"] == "1970-01-01T01:00:00+00:00"
+    assert "| GPU-hours | 3.0000 |" in summary
+    assert "| Spot cost | 3.000000 |" in summary
+    assert "| On-demand cost | 6.300000 (at 2.10/GPU-h) |" in summary
+    assert "| Saving | 52% |" in summary
+    assert "| Preemptions | 1 |" in summary
+    assert "| Work lost | 600.0 s" in summary
+
+
+def test_the_job_the_worker_bids_with(tmp_path):
+    from prefect.client.schemas.objects import FlowRun
+
+    flow_run = FlowRun(id=uuid.uuid4(), name="quiet-otter", flow_id=uuid.uuid4())
+    config = SpotGPUJobConfiguration(
+        checkpoint_storage=CheckpointStorage(path=str(tmp_path)), env={"EXTRA": "1"}
+    )
+    config.prepare_for_flow_run(flow_run)
+    assert config.command == LAUNCH_COMMAND
+    spec = config.job_spec()
+    assert spec["command"] == ["python", "-m", "prefect_spotgpu.launch"]
+    assert spec["env"]["PREFECT__FLOW_RUN_ID"] == str(flow_run.id)
+    assert spec["env"]["SPOTGPU_CHECKPOINT_URL"] == str(tmp_path)
+    assert spec["env"]["EXTRA"] == "1"
+    assert spec["checkpoint_url"] == str(tmp_path) and "image" not in spec
+    # an explicit command and a catalog image are kept
+    config = SpotGPUJobConfiguration(command="python train.py", image="pytorch")
+    config.prepare_for_flow_run(flow_run)
+    assert config.job_spec()["command"] == ["python", "train.py"]
+    assert config.job_spec()["image"].startswith("pytorch/pytorch:")
+
+
+def test_kill_infrastructure_needs_a_bid_id():
+    worker = SpotGPUWorker(work_pool_name="p")
+    with pytest.raises(InfrastructureNotFound, match="not a spot-gpu bid"):
+        asyncio.run(worker.kill_infrastructure("1234", SpotGPUJobConfiguration(), grace_seconds=1))
+
+
+def test_the_run_needs_a_market_block():
+    worker = SpotGPUWorker(work_pool_name="p")
+    with pytest.raises(ValueError, match="no market: set the work pool's or deployment's"):
+        asyncio.run(worker.run(None, SpotGPUJobConfiguration()))
+
+
+def test_prefect_creates_a_complete_spot_gpu_pool(prefect_api_url):
+    """``prefect work-pool create --type spot-gpu`` after ``pip install``: the entry point is
+    found and the pool gets our base job template, every variable of the UI form included."""
+    env = {**os.environ, "PREFECT_API_URL": prefect_api_url}
+    name = f"cli-{uuid.uuid4().hex[:6]}"
+    result = subprocess.run(
+        [sys.executable, "-m", "prefect", "work-pool", "create", name, "--type", "spot-gpu"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        pool = client.read_work_pool(name)
+    assert pool.type == "spot-gpu"
+    expected = SpotGPUWorker.get_default_base_job_template()
+    assert pool.base_job_template == expected
+    form = pool.base_job_template["variables"]["properties"]
+    for variable in (
+        "gpu_model",
+        "gpu_count",
+        "max_price",
+        "region",
+        "image",
+        "command",
+        "env",
+        "cheap_window_only",
+        "deadline",
+        "on_demand_fallback",
+        "checkpoint_storage",
+        "max_preemptions",
+        "notice_webhook",
+        "market",
+    ):
+        assert variable in form, variable
