@@ -12,9 +12,10 @@ import uuid
 import pytest
 from prefect.exceptions import InfrastructureNotFound
 
+from prefect_spotgpu.bidding import Track, allocation_report
 from prefect_spotgpu.blocks import CheckpointStorage
 from prefect_spotgpu.job import LAUNCH_COMMAND, SpotGPUJobConfiguration
-from prefect_spotgpu.worker import SpotGPUWorker, _Track, allocation_report
+from prefect_spotgpu.worker import SpotGPUWorker
 
 
 def ev(kind, alloc, node=1, **payload):
@@ -22,7 +23,7 @@ def ev(kind, alloc, node=1, **payload):
 
 
 def test_the_track_follows_a_reclaim_and_a_migration():
-    track = _Track()
+    track = Track()
     assert not track.apply(ev("allocated", 1))
     assert track.live == 1
     assert not track.apply(ev("reserved", 2, node=2))
@@ -35,7 +36,7 @@ def test_the_track_follows_a_reclaim_and_a_migration():
 
 def test_a_placement_reported_before_the_lost_allocations_end_waits_its_turn():
     # node lost: the same tick places the bid anew (event first) and ends the old allocation
-    track = _Track.from_events([ev("allocated", 1)])
+    track = Track.from_events([ev("allocated", 1)])
     assert not track.apply(ev("allocated", 2, node=2))
     assert track.live == 1  # still the current one
     assert track.apply(ev("preempted", 1, reason="node lost"))
@@ -43,7 +44,7 @@ def test_a_placement_reported_before_the_lost_allocations_end_waits_its_turn():
 
 
 def test_a_failed_job_is_not_counted_as_a_preemption():
-    track = _Track.from_events(
+    track = Track.from_events(
         [ev("allocated", 1), ev("preempted", 1, reason="job failed on the node")]
     )
     assert track.preemptions == 0 and track.live is None
@@ -145,3 +146,19 @@ def test_prefect_creates_a_complete_spot_gpu_pool(prefect_api_url):
         "market",
     ):
         assert variable in form, variable
+
+
+def test_a_cheap_window_run_resumes_when_the_next_window_opens():
+    from datetime import UTC, datetime
+
+    from prefect_spotgpu.bidding import resume_time
+
+    config = SpotGPUJobConfiguration(cheap_window_only=True, timezone="Europe/Berlin")
+    closing = datetime(2026, 12, 3, 7, 58, tzinfo=UTC)  # Thursday 08:58 in Berlin
+    assert resume_time(closing, config) == datetime(2026, 12, 3, 17, 0, tzinfo=UTC)
+    reclaimed_at_night = datetime(2026, 12, 2, 22, 0, tzinfo=UTC)  # the window stays open
+    assert resume_time(reclaimed_at_night, config) == reclaimed_at_night
+    anytime = SpotGPUJobConfiguration()
+    assert resume_time(closing, anytime) == closing
+    with pytest.raises(ValueError, match="unknown timezone"):
+        SpotGPUJobConfiguration(timezone="Berlin")

@@ -289,3 +289,35 @@ def test_a_scheduled_run_is_bid_for_within_two_seconds(stack, prefect, tmp_path)
     pickup = datetime.fromisoformat(placed) - created
     wait_state(prefect, run_id, lambda s: s.is_completed(), 90, "Completed")
     assert pickup.total_seconds() < 5.0, pickup  # target 2 s; benchmarks/recovery.py measures
+
+
+def test_a_cheap_window_only_run_bids_for_its_window(stack, prefect, tmp_path):
+    """Somewhere on Earth it is a weekday afternoon (except at weekends): there the run waits,
+    Pending, for tonight's window; where the window is open it runs at once."""
+    from datetime import UTC, datetime, timedelta
+
+    from prefect_spotgpu.schedules import cheap_window
+
+    now = datetime.now(UTC)
+    zones = [f"Etc/GMT{offset:+d}" if offset else "UTC" for offset in range(-14, 13)]
+    # closed for at least the next minute, so the run cannot start while the test watches
+    closed = [z for z in zones if cheap_window(now, z)[0] > now + timedelta(minutes=1)]
+    zone = closed[0] if closed else zones[0]
+    run_id, _ = start_run(prefect, stack, tmp_path, cheap_window_only=True, timezone=zone)
+    bid = wait_for(
+        lambda: (b := prefect.read_flow_run(run_id).labels.get("spotgpu.bid")) and b, 30, "bid"
+    )
+    bid = stack.market().get(f"/bids/{bid}").json()
+    start, end = cheap_window(datetime.fromisoformat(bid["created_at"]), zone)
+    assert datetime.fromisoformat(bid["window_start"]) == start
+    assert datetime.fromisoformat(bid["window_end"]) == end
+    if closed:
+        state = wait_state(prefect, run_id, lambda s: s.name == "AwaitingGPU", 30, "AwaitingGPU")
+        assert "cheap window" in state.message
+        time.sleep(2)
+        assert stack.market().get(f"/bids/{bid['id']}/allocations").json() == []
+        prefect.set_flow_run_state(run_id, Cancelling(), force=True)
+        wait_state(prefect, run_id, lambda s: s.is_cancelled(), 60, "Cancelled")
+        assert bid_of(stack, prefect, run_id)["status"] == "cancelled"
+    else:  # a weekend: the window is open everywhere
+        wait_state(prefect, run_id, lambda s: s.is_completed(), 120, "Completed")

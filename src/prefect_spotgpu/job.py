@@ -19,6 +19,7 @@ from pydantic import Field, model_validator
 
 from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
 from prefect_spotgpu.market import DEFAULT_CATALOG
+from prefect_spotgpu.schedules import zone
 
 GpuModelChoice = Literal["RTX-4090", "RTX-3090Ti", "A100-80G", "H100-80G", "H200"]
 """The catalogue's models, as the UI's choices (``tests/test_worker.py`` keeps them in step)."""
@@ -46,6 +47,7 @@ class SpotGPUJobConfiguration(BaseJobConfiguration):
     region: str = Field(default="any", description="Region, or 'any'.")
     image: str = Field(default="process", description="Named environment from the catalog.")
     cheap_window_only: bool = Field(default=False, description="Run only in the cheap window.")
+    timezone: str = Field(default="UTC", description="Timezone of the cheap window.")
     deadline: datetime | None = Field(default=None, description="Finish-by time, if any.")
     on_demand_fallback: bool = Field(
         default=False, description="Fall back to on-demand near the deadline."
@@ -72,6 +74,11 @@ class SpotGPUJobConfiguration(BaseJobConfiguration):
                 f"image {self.image!r} is neither a catalog name "
                 f"({', '.join(IMAGES)}) nor an image reference"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _timezone_is_known(self) -> SpotGPUJobConfiguration:
+        zone(self.timezone)
         return self
 
     @model_validator(mode="after")
@@ -149,6 +156,11 @@ class SpotGPUVariables(BaseVariables):
         title="Cheap window only",
         description="Run only 18:00-09:00 on weekdays and at weekends; the run pauses "
         "(checkpoint, stop) when the window closes.",
+    )
+    timezone: str = Field(
+        default="UTC",
+        title="Timezone",
+        description="IANA timezone of the cheap window's hours, e.g. Europe/Berlin.",
     )
     deadline: datetime | None = Field(
         default=None, title="Deadline", description="When the work must be finished."

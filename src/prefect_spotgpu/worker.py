@@ -25,7 +25,6 @@ finds open and whose worker is gone (no duplicate bid, no orphaned job).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -42,14 +41,34 @@ from prefect.states import Cancelled, Failed, Pending, Scheduled
 from prefect.utilities.engine import propose_state
 from prefect.workers.base import BaseWorker, BaseWorkerResult
 
-from prefect_spotgpu.blocks import DOCS, LOGO, SpotMarket
+from prefect_spotgpu.bidding import (
+    PID_PREFIX,
+    MarketError,
+    Track,
+    allocation_report,
+    as_json,
+    aware,
+    cancel_bid,
+    checked,
+    describe,
+    infrastructure_id,
+    market_client,
+    market_of,
+    plain,
+    quote_text,
+    resume_time,
+    set_webhook,
+    window_over,
+)
+from prefect_spotgpu.blocks import DOCS, LOGO
 from prefect_spotgpu.job import IMAGES, LAUNCH_COMMAND, SpotGPUJobConfiguration, SpotGPUVariables
 from prefect_spotgpu.launch import ALLOCATION_LABEL, BID_LABEL
-from prefect_spotgpu.market import DEFAULT_CATALOG
+from prefect_spotgpu.schedules import cheap_window
 
 __all__ = [
     "IMAGES",
     "LAUNCH_COMMAND",
+    "MarketError",
     "SpotGPUJobConfiguration",
     "SpotGPUVariables",
     "SpotGPUWorker",
@@ -63,15 +82,10 @@ POLL_SECONDS = 2.0
 """Long-poll window on the bid's events; the flow run's state is checked between windows."""
 FLOW_RUN_LABEL = "prefect.flow-run-id"
 POOL_LABEL = "prefect.work-pool"
-PID_PREFIX = "spotgpu-bid-"
 
 
 class SpotGPUWorkerResult(BaseWorkerResult):
     """The end of one attempt: 0 when the run completed, was rescheduled or was failed by us."""
-
-
-class MarketError(RuntimeError):
-    """The market refused a request; the message carries its reason."""
 
 
 class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGPUWorkerResult]):
@@ -109,8 +123,8 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
         configuration: SpotGPUJobConfiguration,
         task_status: anyio.abc.TaskStatus | None = None,
     ) -> SpotGPUWorkerResult:
-        market = _market_of(configuration)
-        async with _market_client(market) as http:
+        market = market_of(configuration)
+        async with market_client(market) as http:
             bid = await self._bid_for(http, flow_run, configuration)
             if task_status is not None:
                 task_status.started(f"{PID_PREFIX}{bid['id']}")
@@ -127,11 +141,14 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
             response = await http.get(f"/bids/{known}")
             if response.status_code == 200 and response.json()["status"] in ("open", "held"):
                 bid = response.json()
+                if window_over(bid):  # a cheap-window run paused: bid for the next window
+                    await cancel_bid(http, bid["id"])
+                    bid = None
         if bid is None:
             if configuration.notice_webhook:
-                await _set_webhook(http, configuration.notice_webhook)
+                await set_webhook(http, configuration.notice_webhook)
             response = await http.post("/bids", json=self._bid_body(flow_run, configuration))
-            bid = _checked(response, "place the bid")
+            bid = checked(response, "place the bid")
             await self.client.update_flow_run_labels(flow_run.id, {BID_LABEL: str(bid["id"])})
             logger.info(
                 "Bid %s placed: %s x %s in %s at most %.2f per GPU-hour",
@@ -142,10 +159,12 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
                 bid["max_price"],
             )
             self._event("created", flow_run, bid)
-        quote = await _quote(http, bid)
+        quote = await quote_text(http, bid)
+        if bid.get("window_start"):
+            quote += f"; runs in the cheap window {bid['window_start']} to {bid['window_end']}"
         await self._set_state(
             flow_run,
-            Pending(name="AwaitingGPU", message=f"Bid {bid['id']}: {_describe(bid)}; {quote}"),
+            Pending(name="AwaitingGPU", message=f"Bid {bid['id']}: {describe(bid)}; {quote}"),
         )
         return bid
 
@@ -164,7 +183,11 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
             "job": configuration.job_spec(),
         }
         if configuration.deadline is not None:
-            body["deadline"] = _aware(configuration.deadline).isoformat()
+            body["deadline"] = aware(configuration.deadline).isoformat()
+        if configuration.cheap_window_only:
+            start, end = cheap_window(datetime.now(UTC), configuration.timezone)
+            body["window_start"], body["window_end"] = start.isoformat(), end.isoformat()
+            body["idempotency_key"] += f"-window-{int(start.timestamp())}"
         return body
 
     async def _follow(
@@ -177,11 +200,11 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
         """Follow the bid's events until this attempt ends; see the module docstring."""
         logger = self.get_flow_run_logger(flow_run)
         bid_id = bid["id"]
-        history = _checked(
+        history = checked(
             await http.get(f"/bids/{bid_id}/events", params={"after": 0, "timeout": 0}),
             "read the bid's events",
         )
-        track = _Track.from_events(history["events"])
+        track = Track.from_events(history["events"])
         cursor = history["cursor"]
         self._following.add(str(flow_run.id))
         try:
@@ -191,7 +214,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
                 outcome = await self._check_cancelled(http, flow_run, bid_id, track)
                 if outcome is not None:
                     return outcome
-                page = _checked(
+                page = checked(
                     await http.get(
                         f"/bids/{bid_id}/events",
                         params={"after": cursor, "timeout": POLL_SECONDS},
@@ -215,7 +238,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
         flow_run,
         configuration: SpotGPUJobConfiguration,
         bid: dict,
-        track: _Track,
+        track: Track,
         event: dict,
     ) -> SpotGPUWorkerResult | None:
         logger = self.get_flow_run_logger(flow_run)
@@ -236,7 +259,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
                 payload.get("reason", "reclaimed"),
                 left,
             )
-            self._event("noticed", flow_run, bid, **_plain(payload))
+            self._event("noticed", flow_run, bid, **plain(payload))
         if not ended_current:
             return None
         reason = str(payload.get("reason") or kind)
@@ -245,19 +268,19 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
         # The job ended by itself: the engine has written the run's final state.
         state = (await self.client.read_flow_run(flow_run.id)).state
         if kind == "preempted":  # the process exited non-zero
-            await _cancel_bid(http, bid["id"])
+            await cancel_bid(http, bid["id"])
         if state is not None and state.is_final():
             logger.info("Flow run ended %s on allocation %s", state.name, alloc)
             return SpotGPUWorkerResult(
-                identifier=_pid(bid), status_code=0 if state.is_completed() else 1
+                identifier=infrastructure_id(bid), status_code=0 if state.is_completed() else 1
             )
-        await _cancel_bid(http, bid["id"])
+        await cancel_bid(http, bid["id"])
         logger.error(
             "The job on allocation %s ended (%s) without a final flow run state", alloc, reason
         )
-        return SpotGPUWorkerResult(identifier=_pid(bid), status_code=1)
+        return SpotGPUWorkerResult(identifier=infrastructure_id(bid), status_code=1)
 
-    async def _go(self, flow_run, bid: dict, track: _Track) -> None:
+    async def _go(self, flow_run, bid: dict, track: Track) -> None:
         """Hand the flow run to the running allocation: the launcher there waits for this."""
         alloc = track.live
         await self.client.update_flow_run_labels(flow_run.id, {ALLOCATION_LABEL: str(alloc)})
@@ -267,7 +290,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
             flow_run,
             Pending(
                 name="Starting",
-                message=f"Allocation {alloc} on node {node}: {_describe(bid)}"
+                message=f"Allocation {alloc} on node {node}: {describe(bid)}"
                 + (f" (resuming after {track.preemptions} preemption(s))" if resumed else ""),
             ),
         )
@@ -284,45 +307,48 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
         flow_run,
         configuration: SpotGPUJobConfiguration,
         bid: dict,
-        track: _Track,
+        track: Track,
         event: dict,
     ) -> SpotGPUWorkerResult:
         logger = self.get_flow_run_logger(flow_run)
         payload = event["payload"]
         reason = payload.get("reason", "preempted")
-        self._event("preempted", flow_run, bid, **_plain(payload))
+        self._event("preempted", flow_run, bid, **plain(payload))
         if track.preemptions > configuration.max_preemptions:
-            await _cancel_bid(http, bid["id"])
+            await cancel_bid(http, bid["id"])
             message = (
                 f"Preempted {track.preemptions} times, more than max_preemptions="
                 f"{configuration.max_preemptions}; bid {bid['id']} cancelled"
             )
             logger.error(message)
             await self._set_state(flow_run, Failed(message=message), force=True)
-            return SpotGPUWorkerResult(identifier=_pid(bid), status_code=0)
+            return SpotGPUWorkerResult(identifier=infrastructure_id(bid), status_code=0)
         message = (
             f"Preempted on node {event['node_id']} ({reason}); resumes from its checkpoint "
             f"on the next allocation of bid {bid['id']}"
         )
         logger.warning(message)
+        when = resume_time(datetime.now(UTC), configuration)
+        if when > datetime.now(UTC):
+            message += f"; the cheap window reopens at {when.isoformat(timespec='minutes')}"
         state = await self._set_state(
-            flow_run, Scheduled(name="Preempted", scheduled_time=datetime.now(UTC), message=message)
+            flow_run, Scheduled(name="Preempted", scheduled_time=when, message=message)
         )
         if state is not None and not state.is_scheduled():
             logger.warning("Could not reschedule the run (it is %s)", state.name)
-        return SpotGPUWorkerResult(identifier=_pid(bid), status_code=0)
+        return SpotGPUWorkerResult(identifier=infrastructure_id(bid), status_code=0)
 
     async def _check_cancelled(
-        self, http: httpx.AsyncClient, flow_run, bid_id: int, track: _Track
+        self, http: httpx.AsyncClient, flow_run, bid_id: int, track: Track
     ) -> SpotGPUWorkerResult | None:
         state = (await self.client.read_flow_run(flow_run.id)).state
         if state is None or not (state.is_cancelling() or state.is_cancelled()):
             return None
         logger = self.get_flow_run_logger(flow_run)
-        await _cancel_bid(http, bid_id)
+        await cancel_bid(http, bid_id)
         deadline = time.monotonic() + 30  # wait (bounded) for the market to stop the job
         while track.live is not None and time.monotonic() < deadline:
-            allocations = _checked(await http.get(f"/bids/{bid_id}/allocations"), "list")
+            allocations = checked(await http.get(f"/bids/{bid_id}/allocations"), "list")
             if not any(a["status"] in ("running", "noticed") for a in allocations):
                 break
             await anyio.sleep(0.2)
@@ -341,11 +367,11 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
         match = re.fullmatch(rf"{PID_PREFIX}(\d+)", infrastructure_pid or "")
         if match is None:
             raise InfrastructureNotFound(f"{infrastructure_pid!r} is not a spot-gpu bid")
-        async with _market_client(_market_of(configuration)) as http:
+        async with market_client(market_of(configuration)) as http:
             response = await http.post(f"/bids/{match[1]}/cancel")
         if response.status_code == 404:
             raise InfrastructureNotFound(f"bid {match[1]} not found on the market")
-        _checked(response, "cancel the bid")
+        checked(response, "cancel the bid")
 
     # ---------------------------------------------------------------- restarts
 
@@ -371,10 +397,10 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
             for w in await self.client.read_workers_for_work_pool(work_pool.name)
             if str(getattr(w, "status", "")).upper().endswith("ONLINE") and w.name != self.name
         }
-        async with _market_client(pool_config.market) as http:
+        async with market_client(pool_config.market) as http:
             bids = []
             for status in ("open", "held"):
-                bids += _checked(
+                bids += checked(
                     await http.get("/bids", params={"status": status, "limit": 1000}), "list bids"
                 )
         for bid in bids:
@@ -402,7 +428,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
         configuration = await self.job_configuration.resolve_for_flow_run(
             flow_run, client=self.client, work_pool=self.work_pool, worker_name=self.name
         )
-        async with _market_client(_market_of(configuration)) as http:
+        async with market_client(market_of(configuration)) as http:
             result = await self._follow(http, flow_run, configuration, bid)
         if result.status_code != 0:
             await self._propose_crashed_state(
@@ -444,14 +470,14 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
     async def _publish_summary(self, http: httpx.AsyncClient, flow_run, bid: dict) -> None:
         """The run's allocations as a keyed table, and a markdown cost summary."""
         try:
-            allocations = _checked(await http.get(f"/bids/{bid['id']}/allocations"), "list")
+            allocations = checked(await http.get(f"/bids/{bid['id']}/allocations"), "list")
             table, summary = allocation_report(bid, allocations)
             key = f"spotgpu-{flow_run.id}"
             await self.client.create_artifact(
                 ArtifactCreate(
                     key=f"{key}-allocations",
                     type="table",
-                    data=_json(table),
+                    data=as_json(table),
                     description=f"GPU allocations of bid {bid['id']}",
                     flow_run_id=flow_run.id,
                 )
@@ -467,181 +493,3 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
             )
         except Exception:
             self.get_flow_run_logger(flow_run).exception("could not publish the cost summary")
-
-
-class _Track:
-    """What a bid's events say: its running allocations, the ended ones, the preemptions.
-
-    Normally one allocation runs at a time; when a node is lost the market may place the bid
-    anew in the same tick, and that placement's event comes *before* the lost allocation's
-    end. So running allocations queue in order, and the first one is the current one."""
-
-    def __init__(self) -> None:
-        self.running: list[int] = []
-        self.ended: set[int] = set()
-        self.nodes: dict[int, int] = {}
-        self.preemptions = 0
-
-    @property
-    def live(self) -> int | None:
-        return self.running[0] if self.running else None
-
-    @classmethod
-    def from_events(cls, events: list[dict]) -> _Track:
-        track = cls()
-        for event in events:
-            track.apply(event)
-        return track
-
-    def apply(self, event: dict) -> bool:
-        """Fold one event in; True when it ended the current allocation."""
-        kind, alloc = event["kind"], event["allocation_id"]
-        self.nodes[alloc] = event["node_id"]
-        if kind == "allocated" and alloc not in self.ended and alloc not in self.running:
-            self.running.append(alloc)
-        elif kind in ("preempted", "finished", "released"):
-            self.ended.add(alloc)
-            if kind == "preempted" and event["payload"].get("reason") != "job failed on the node":
-                self.preemptions += 1
-            if alloc in self.running:
-                current = alloc == self.running[0]
-                self.running.remove(alloc)
-                return current
-        return False
-
-
-def allocation_report(bid: dict, allocations: list[dict]) -> tuple[list[dict], str]:
-    """Rows for the allocations table and the markdown summary of a bid's cost."""
-    on_demand = DEFAULT_CATALOG.get(bid["gpu_model"]).on_demand_price
-    rows, spot, gpu_hours, lost, preemptions = [], 0.0, 0.0, 0.0, 0
-    for a in sorted(allocations, key=lambda a: a["id"]):
-        if a["status"] in ("reserved", "released"):
-            continue
-        hours = a["charged_seconds"] * a["gpu_count"] / 3600
-        spot += a["charged_amount"]
-        gpu_hours += hours
-        end = a["ended_at"]
-        if a["status"] == "preempted":
-            preemptions += 1
-            if a["final_save"] != "ok" and end is not None:
-                lost += end - max(a["last_checkpoint_at"] or a["started_at"], a["started_at"])
-        rows.append(
-            {
-                "allocation": a["id"],
-                "node": a["node_id"],
-                "gpu": f"{a['gpu_count']} x {bid['gpu_model']}",
-                "start": _iso(a["started_at"]),
-                "end": _iso(end) if end else "running",
-                "status": a["status"],
-                "price": round(a["price"], 4),
-                "cost": round(a["charged_amount"], 6),
-            }
-        )
-    full = gpu_hours * on_demand
-    saving = f"{1 - spot / full:.0%}" if full > 0 else "n/a"
-    summary = "\n".join(
-        [
-            f"### Spot GPU cost of bid {bid['id']}",
-            "",
-            "| | |",
-            "|---|---|",
-            f"| GPUs | {_describe(bid)} |",
-            f"| GPU-hours | {gpu_hours:.4f} |",
-            f"| Spot cost | {spot:.6f} |",
-            f"| On-demand cost | {full:.6f} (at {on_demand:.2f}/GPU-h) |",
-            f"| Saving | {saving} |",
-            f"| Preemptions | {preemptions} |",
-            f"| Work lost | {lost:.1f} s (preemptions without a final save) |",
-        ]
-    )
-    return rows, summary
-
-
-# ---------------------------------------------------------------- market helpers
-
-
-def _market_of(configuration: SpotGPUJobConfiguration) -> SpotMarket:
-    if configuration.market is None:
-        raise ValueError(
-            "no market: set the work pool's or deployment's 'market' variable to a Spot Market "
-            "block (prefect block register -m prefect_spotgpu.blocks, then save one)"
-        )
-    return configuration.market
-
-
-def _market_client(market: SpotMarket) -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        base_url=market.url.rstrip("/") + "/api/v1",
-        timeout=30,
-        headers={"Authorization": f"Bearer {market.api_key.get_secret_value()}"},
-    )
-
-
-def _checked(response: httpx.Response, doing: str) -> Any:
-    if response.status_code >= 400:
-        try:
-            detail = response.json().get("detail", response.text)
-        except ValueError:
-            detail = response.text
-        raise MarketError(f"the market refused to {doing} (HTTP {response.status_code}): {detail}")
-    return response.json()
-
-
-async def _cancel_bid(http: httpx.AsyncClient, bid_id: int) -> None:
-    response = await http.post(f"/bids/{bid_id}/cancel")
-    if response.status_code not in (200, 409):
-        _checked(response, "cancel the bid")
-
-
-async def _set_webhook(http: httpx.AsyncClient, url: str) -> None:
-    current = await http.get("/webhook")
-    if current.status_code == 200 and current.json().get("url") == url:
-        return
-    _checked(await http.put("/webhook", json={"url": url}), "set the notice webhook")
-
-
-async def _quote(http: httpx.AsyncClient, bid: dict) -> str:
-    response = await http.get("/prices")
-    if response.status_code != 200:
-        return "no quote"
-    pools = [
-        q
-        for q in response.json()
-        if q["gpu_model"] == bid["gpu_model"] and bid["region"] in ("any", q["region"])
-    ]
-    if not pools:
-        return f"no {bid['gpu_model']} nodes in {bid['region']} yet"
-    free = sum(q["gpus_free"] for q in pools)
-    prices = [q["clearing_price"] or q["reserve_price"] for q in pools]
-    prices = [p for p in prices if p is not None]
-    price = f"from {min(prices):.2f}" if prices else "no price yet"
-    return f"market {price} per GPU-hour, {free} GPUs free"
-
-
-def _describe(bid: dict) -> str:
-    return (
-        f"{bid['gpu_count']} x {bid['gpu_model']} in {bid['region']}, "
-        f"at most {bid['max_price']:.2f} per GPU-hour"
-    )
-
-
-def _pid(bid: dict) -> str:
-    return f"{PID_PREFIX}{bid['id']}"
-
-
-def _aware(value: datetime) -> datetime:
-    return value if value.tzinfo else value.replace(tzinfo=UTC)
-
-
-def _iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds")
-
-
-def _plain(payload: dict) -> dict:
-    return {
-        k: v for k, v in payload.items() if isinstance(v, str | int | float | bool) or v is None
-    }
-
-
-def _json(value: Any) -> str:
-    return json.dumps(value)

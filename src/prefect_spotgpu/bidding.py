@@ -1,0 +1,220 @@
+"""The spot-gpu worker's view of a market bid: its events folded into a track, its cost
+report, and the HTTP calls to the market (one place for the market's error messages)."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import httpx
+
+from prefect_spotgpu.blocks import SpotMarket
+from prefect_spotgpu.job import SpotGPUJobConfiguration
+from prefect_spotgpu.market import DEFAULT_CATALOG
+from prefect_spotgpu.schedules import cheap_window
+
+NOTICE_SECONDS = 300
+"""The market's notice: a window closing sooner than this cannot start a run."""
+PID_PREFIX = "spotgpu-bid-"
+"""A flow run's infrastructure id: the bid serving it."""
+
+
+class MarketError(RuntimeError):
+    """The market refused a request; the message carries its reason."""
+
+
+class Track:
+    """What a bid's events say: its running allocations, the ended ones, the preemptions.
+
+    Normally one allocation runs at a time; when a node is lost the market may place the bid
+    anew in the same tick, and that placement's event comes *before* the lost allocation's
+    end. So running allocations queue in order, and the first one is the current one."""
+
+    def __init__(self) -> None:
+        self.running: list[int] = []
+        self.ended: set[int] = set()
+        self.nodes: dict[int, int] = {}
+        self.preemptions = 0
+
+    @property
+    def live(self) -> int | None:
+        return self.running[0] if self.running else None
+
+    @classmethod
+    def from_events(cls, events: list[dict]) -> Track:
+        track = cls()
+        for event in events:
+            track.apply(event)
+        return track
+
+    def apply(self, event: dict) -> bool:
+        """Fold one event in; True when it ended the current allocation."""
+        kind, alloc = event["kind"], event["allocation_id"]
+        self.nodes[alloc] = event["node_id"]
+        if kind == "allocated" and alloc not in self.ended and alloc not in self.running:
+            self.running.append(alloc)
+        elif kind in ("preempted", "finished", "released"):
+            self.ended.add(alloc)
+            if kind == "preempted" and event["payload"].get("reason") != "job failed on the node":
+                self.preemptions += 1
+            if alloc in self.running:
+                current = alloc == self.running[0]
+                self.running.remove(alloc)
+                return current
+        return False
+
+
+def allocation_report(bid: dict, allocations: list[dict]) -> tuple[list[dict], str]:
+    """Rows for the allocations table and the markdown summary of a bid's cost."""
+    on_demand = DEFAULT_CATALOG.get(bid["gpu_model"]).on_demand_price
+    rows, spot, gpu_hours, lost, preemptions = [], 0.0, 0.0, 0.0, 0
+    for a in sorted(allocations, key=lambda a: a["id"]):
+        if a["status"] in ("reserved", "released"):
+            continue
+        hours = a["charged_seconds"] * a["gpu_count"] / 3600
+        spot += a["charged_amount"]
+        gpu_hours += hours
+        end = a["ended_at"]
+        if a["status"] == "preempted":
+            preemptions += 1
+            if a["final_save"] != "ok" and end is not None:
+                lost += end - max(a["last_checkpoint_at"] or a["started_at"], a["started_at"])
+        rows.append(
+            {
+                "allocation": a["id"],
+                "node": a["node_id"],
+                "gpu": f"{a['gpu_count']} x {bid['gpu_model']}",
+                "start": iso(a["started_at"]),
+                "end": iso(end) if end else "running",
+                "status": a["status"],
+                "price": round(a["price"], 4),
+                "cost": round(a["charged_amount"], 6),
+            }
+        )
+    full = gpu_hours * on_demand
+    saving = f"{1 - spot / full:.0%}" if full > 0 else "n/a"
+    summary = "\n".join(
+        [
+            f"### Spot GPU cost of bid {bid['id']}",
+            "",
+            "| | |",
+            "|---|---|",
+            f"| GPUs | {describe(bid)} |",
+            f"| GPU-hours | {gpu_hours:.4f} |",
+            f"| Spot cost | {spot:.6f} |",
+            f"| On-demand cost | {full:.6f} (at {on_demand:.2f}/GPU-h) |",
+            f"| Saving | {saving} |",
+            f"| Preemptions | {preemptions} |",
+            f"| Work lost | {lost:.1f} s (preemptions without a final save) |",
+        ]
+    )
+    return rows, summary
+
+
+# ---------------------------------------------------------------- market helpers
+
+
+def market_of(configuration: SpotGPUJobConfiguration) -> SpotMarket:
+    if configuration.market is None:
+        raise ValueError(
+            "no market: set the work pool's or deployment's 'market' variable to a Spot Market "
+            "block (prefect block register -m prefect_spotgpu.blocks, then save one)"
+        )
+    return configuration.market
+
+
+def market_client(market: SpotMarket) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        base_url=market.url.rstrip("/") + "/api/v1",
+        timeout=30,
+        headers={"Authorization": f"Bearer {market.api_key.get_secret_value()}"},
+    )
+
+
+def checked(response: httpx.Response, doing: str) -> Any:
+    if response.status_code >= 400:
+        try:
+            detail = response.json().get("detail", response.text)
+        except ValueError:
+            detail = response.text
+        raise MarketError(f"the market refused to {doing} (HTTP {response.status_code}): {detail}")
+    return response.json()
+
+
+async def cancel_bid(http: httpx.AsyncClient, bid_id: int) -> None:
+    response = await http.post(f"/bids/{bid_id}/cancel")
+    if response.status_code not in (200, 409):
+        checked(response, "cancel the bid")
+
+
+async def set_webhook(http: httpx.AsyncClient, url: str) -> None:
+    current = await http.get("/webhook")
+    if current.status_code == 200 and current.json().get("url") == url:
+        return
+    checked(await http.put("/webhook", json={"url": url}), "set the notice webhook")
+
+
+async def quote_text(http: httpx.AsyncClient, bid: dict) -> str:
+    response = await http.get("/prices")
+    if response.status_code != 200:
+        return "no quote"
+    pools = [
+        q
+        for q in response.json()
+        if q["gpu_model"] == bid["gpu_model"] and bid["region"] in ("any", q["region"])
+    ]
+    if not pools:
+        return f"no {bid['gpu_model']} nodes in {bid['region']} yet"
+    free = sum(q["gpus_free"] for q in pools)
+    prices = [q["clearing_price"] or q["reserve_price"] for q in pools]
+    prices = [p for p in prices if p is not None]
+    price = f"from {min(prices):.2f}" if prices else "no price yet"
+    return f"market {price} per GPU-hour, {free} GPUs free"
+
+
+def describe(bid: dict) -> str:
+    return (
+        f"{bid['gpu_count']} x {bid['gpu_model']} in {bid['region']}, "
+        f"at most {bid['max_price']:.2f} per GPU-hour"
+    )
+
+
+def infrastructure_id(bid: dict) -> str:
+    return f"{PID_PREFIX}{bid['id']}"
+
+
+def resume_time(now: datetime, configuration: SpotGPUJobConfiguration) -> datetime:
+    """When a preempted run should be picked up again: now, or for a cheap-window run whose
+    window closed, when the next window opens."""
+    if not configuration.cheap_window_only:
+        return now
+    start, _ = cheap_window(now + timedelta(seconds=NOTICE_SECONDS), configuration.timezone)
+    return max(now, start)
+
+
+def window_over(bid: dict) -> bool:
+    """Whether a bid's cheap window has closed (or closes within a notice's length)."""
+    end = bid.get("window_end")
+    if not end:
+        return False
+    return aware(datetime.fromisoformat(end)).timestamp() <= time.time() + NOTICE_SECONDS
+
+
+def aware(value: datetime) -> datetime:
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds")
+
+
+def plain(payload: dict) -> dict:
+    return {
+        k: v for k, v in payload.items() if isinstance(v, str | int | float | bool) or v is None
+    }
+
+
+def as_json(value: Any) -> str:
+    return json.dumps(value)
