@@ -45,3 +45,20 @@ def checkpointer_for_run(
             raise ValueError("not inside a flow run: pass key=")
         key = f"flow-run-{run_id}"
     return Checkpointer(storage, key, every=every, keep=keep)
+
+
+def wait_to_be_stopped(ckpt: Checkpointer, grace: float = 30.0) -> None:
+    """After a notice's final save: wait for the node's agent to stop this process.
+
+    The agent stops the job within a second of the acknowledgement. Returning instead would
+    let the flow carry on (or complete with partial work); if no one stops the process by the
+    notice deadline plus ``grace`` (no agent: a notice file outside the market), this raises.
+    """
+    import time
+
+    deadline = (ckpt.notice_deadline or time.time()) + grace
+    while time.time() < deadline:
+        time.sleep(0.1)
+    raise RuntimeError(
+        f"checkpoint {ckpt.key} saved its final state but nothing stopped the process"
+    )
