@@ -175,7 +175,7 @@ def make_dataset(directory: Path, pairs: int = 2000, shards: int = 20, seed: int
             if kind == "good":
                 originals.append(raw)
         if kind == "caption":
-            caption = rng.choice(["", "   ", "a cat", "x" * 400])
+            caption = rng.choice(["", "   ", "a cat", "a very long and rambling caption " * 12])
         planted[kind] += 1
         image = base64.b64encode(raw).decode()
         lines.append(json.dumps({"id": i, "caption": caption, "image": image}))
