@@ -21,18 +21,18 @@ def spotgpu(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_demo_clears_rounds_and_prints_every_pool():
-    out = spotgpu("demo", "--rounds", "4")
+def test_simulate_clears_rounds_and_prints_every_pool():
+    out = spotgpu("simulate", "--rounds", "4")
     assert out.returncode == 0, out.stderr
     for pool in ("RTX-4090 eu-west", "RTX-4090 us-east", "A100-80G eu-west", "H100-80G us-east"):
         assert pool in out.stdout
     assert "round 4" in out.stdout and "owner reclaims node 1" in out.stdout
     assert "reclaimed, save by +300 s" in out.stdout
-    assert "demo complete" in out.stdout
+    assert "simulation complete" in out.stdout
 
 
-def test_demo_rejects_bad_options_with_a_clear_message():
-    out = spotgpu("demo", "--rounds", "0")
+def test_simulate_rejects_bad_options_with_a_clear_message():
+    out = spotgpu("simulate", "--rounds", "0")
     assert out.returncode != 0
     assert "--rounds" in out.stderr
 
@@ -49,7 +49,7 @@ def test_console_script_and_prefect_collection_are_registered():
     collections = {
         e.name: e.value for e in importlib.metadata.entry_points(group="prefect.collections")
     }
-    assert collections.get("prefect_spotgpu") == "prefect_spotgpu"
+    assert collections.get("prefect_spotgpu") == "prefect_spotgpu.worker"
 
 
 @pytest.mark.slow

@@ -78,7 +78,7 @@ def test_prefect_deploy_all_creates_them(prefect_api_url):
                     base_job_template=SpotGPUWorker.get_default_base_job_template(),
                 )
             )
-    env = {**os.environ, "PREFECT_API_URL": prefect_api_url}
+    env = {**os.environ, "PREFECT_API_URL": prefect_api_url, "PWD": str(ROOT)}
     result = subprocess.run(
         [
             *(sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all"),

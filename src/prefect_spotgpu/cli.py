@@ -55,10 +55,40 @@ def models() -> None:
 
 @app.command()
 def demo(
+    steps: int = typer.Option(300, min=20, max=100_000, help="Training steps of the run."),
+    home: str = typer.Option(
+        None, help="Directory for the stack's databases, logs and checkpoints (default: new)."
+    ),
+    keep_running: bool = typer.Option(
+        True, help="Keep the stack up after the timeline, until Ctrl-C (to explore the UI)."
+    ),
+) -> None:
+    """Run the whole stack locally and a pretraining flow through a reclaim.
+
+    Starts a Prefect server with its UI, the market service (SQLite), two node agents with
+    declared GPUs and a spot-gpu worker; deploys the example flows; runs the pretraining flow;
+    reclaims its node mid-run; prints the timeline and the cost against on-demand. Ctrl-C
+    stops every process it started.
+    """
+    import tempfile
+    from pathlib import Path
+
+    from prefect_spotgpu.quickstart import DemoError, run_demo
+
+    directory = Path(home) if home else Path(tempfile.mkdtemp(prefix="spotgpu-demo-"))
+    try:
+        run_demo(console, directory, steps=steps, keep_running=keep_running)
+    except DemoError as exc:
+        console.print(f"[red]demo failed:[/red] {exc}")
+        raise typer.Exit(1) from None
+
+
+@app.command()
+def simulate(
     rounds: int = typer.Option(6, min=1, max=100, help="Clearing rounds to simulate."),
     seed: int = typer.Option(2026, help="Random seed for the simulated bids."),
 ) -> None:
-    """Simulate a small market for a few rounds and print each pool's price.
+    """Simulate a small market for a few rounds and print each pool's price (no processes).
 
     Bids arrive every round, the market clears, and in round 3 an owner reclaims a node:
     its jobs get a 5-minute notice and, where a free node exists, a migration reservation.
@@ -98,7 +128,7 @@ def demo(
             console.print(f"  [yellow]{event}[/yellow]")
         if len(rnd.events) > 6:
             console.print(f"  [yellow]... and {len(rnd.events) - 6} more[/yellow]")
-    console.print("[green]demo complete[/green]: the market cleared every round.")
+    console.print("[green]simulation complete[/green]: the market cleared every round.")
 
 
 @server_app.command("start")

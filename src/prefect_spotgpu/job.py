@@ -97,7 +97,7 @@ class SpotGPUJobConfiguration(BaseJobConfiguration):
         super().prepare_for_flow_run(flow_run, deployment, flow, **kwargs)
         if self.command in (None, "", self._base_flow_run_command()):
             self.command = LAUNCH_COMMAND
-        extra = {}
+        extra = {"PREFECT_LOGGING_EXTRA_LOGGERS": "prefect_spotgpu"}  # checkpoint saves in the UI
         api_url = PREFECT_API_URL.value()
         if api_url:
             extra["PREFECT_API_URL"] = api_url

@@ -44,7 +44,7 @@ class LocalStack:
     def __init__(
         self,
         home: Path,
-        prefect_api_url: str,
+        prefect_api_url: str = "",
         *,
         gpu_model: str = "A100-80G",
         region: str = "local",
@@ -100,6 +100,28 @@ class LocalStack:
             if time.monotonic() > deadline:
                 raise StackError(f"{name} not ready after {timeout:.0f} s:\n{self.log(name)}")
             time.sleep(0.1)
+
+    def start_prefect_server(self) -> str:
+        """``prefect server start`` with its own SQLite database under ``home``, for a stack
+        made without a ``prefect_api_url``; returns (and uses from now on) its API URL."""
+        port = free_port()
+        self._spawn(
+            "prefect-server",
+            [
+                *(sys.executable, "-m", "prefect", "server", "start"),
+                *("--host", "127.0.0.1", "--port", str(port)),
+            ],
+            env={
+                "PREFECT_HOME": str(self.home / "prefect"),
+                "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                "PREFECT_API_DATABASE_CONNECTION_URL": (
+                    f"sqlite+aiosqlite:///{self.home / 'prefect' / 'prefect.db'}"
+                ),
+            },
+        )
+        self.prefect_api_url = f"http://127.0.0.1:{port}/api"
+        self._wait("prefect-server", lambda: _healthy(self.prefect_api_url + "/health"), 180)
+        return self.prefect_api_url
 
     def start_market(self, db_url: str | None = None) -> str:
         """The market service on a free loopback port (SQLite under ``home`` by default)."""
@@ -215,7 +237,13 @@ class LocalStack:
         defaults: dict[str, Any] | None = None,
     ) -> str:
         """Save the market and checkpoint blocks and create a spot-gpu work pool using them."""
-        return asyncio.run(self._create_pool(pool, checkpoint_dir, defaults or {}))
+        with self._prefect_settings():
+            return asyncio.run(self._create_pool(pool, checkpoint_dir, defaults or {}))
+
+    def _prefect_settings(self):
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        return temporary_settings(updates={PREFECT_API_URL: self.prefect_api_url})
 
     async def _create_pool(self, pool: str, checkpoint_dir, defaults: dict) -> str:
         from prefect.client.orchestration import get_client
@@ -249,7 +277,8 @@ class LocalStack:
 
     def deploy(self, entrypoint: str, directory: Path, name: str, pool: str) -> str:
         """A deployment of ``file.py:flow`` in ``directory`` on ``pool``; its id."""
-        return asyncio.run(self._deploy(entrypoint, Path(directory), name, pool))
+        with self._prefect_settings():
+            return asyncio.run(self._deploy(entrypoint, Path(directory), name, pool))
 
     async def _deploy(self, entrypoint: str, directory: Path, name: str, pool: str) -> str:
         from prefect.client.orchestration import get_client

@@ -12,6 +12,7 @@ A resumed run (same flow run, run count + 1) finds the checkpoints of its earlie
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
 
@@ -44,6 +45,9 @@ def checkpointer_for_run(
         if not run_id:
             raise ValueError("not inside a flow run: pass key=")
         key = f"flow-run-{run_id}"
+    library_logger = logging.getLogger("prefect_spotgpu.checkpoint")
+    if library_logger.level == logging.NOTSET:  # saves show in the run's logs (the worker
+        library_logger.setLevel(logging.INFO)  # sets PREFECT_LOGGING_EXTRA_LOGGERS for that)
     return Checkpointer(storage, key, every=every, keep=keep)
 
 
