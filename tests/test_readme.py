@@ -21,7 +21,8 @@ def test_readme_opens_with_the_two_setup_commands():
     text = README.read_text()
     first_block = re.search(r"```bash\n(.*?)```", text, flags=re.S).group(1).strip().splitlines()
     assert first_block == [
-        "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/spotgpu demo",
+        "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e '.[examples]' "
+        "&& .venv/bin/spotgpu demo",
         "python3 -m venv .venv && .venv/bin/pip install -e '.[dev]' && .venv/bin/pytest",
     ]
     ci = (README.parent / ".ci" / "run").read_text()

@@ -180,7 +180,7 @@ def _pretrain_with_a_reclaim(console: Console, stack: LocalStack, ui: str, steps
     bid = market.get(f"/bids/{bid_id}").json()
     events = market.get(f"/bids/{bid_id}/events", params={"after": 0, "timeout": 0}).json()
     allocations = market.get(f"/bids/{bid_id}/allocations").json()
-    moments += _timeline(bid, events["events"], states, logs, nodes)
+    moments += _timeline(bid, events["events"], states, logs, nodes, allocations)
     summary = _cost(allocations, bid)
     _print(console, sorted(moments, key=lambda m: m.at), summary, url, run.created.timestamp())
     return {"flow_run": str(run.id), "state": state.name, **summary}
@@ -205,7 +205,7 @@ def _last_step(logs) -> tuple[int, float | None]:
     return 0, None
 
 
-def _timeline(bid, events, states, logs, nodes) -> list[Moment]:
+def _timeline(bid, events, states, logs, nodes, allocations) -> list[Moment]:
     moments = [Moment(_ts(bid["created_at"]), "bid placed", _bid_text(bid))]
     for e in events:
         node = nodes.get(e["node_id"], e["node_id"])
@@ -234,16 +234,17 @@ def _timeline(bid, events, states, logs, nodes) -> list[Moment]:
             if len(message) > 80:
                 message = message[:80].rsplit(" ", 1)[0] + " ..."
             moments.append(Moment(s.timestamp.timestamp(), s.name, message))
-    for log in logs:
-        match = FINAL_SAVE_LOG.search(log.message)
-        if match:
-            moments.append(
-                Moment(
-                    log.timestamp.timestamp(),
-                    "final save durable",
-                    f"step {match[1]}: {float(match[2]):.1f} MB in {float(match[3]):.2f} s",
-                )
-            )
+    saves = [FINAL_SAVE_LOG.search(log.message) for log in logs]
+    saves = [m for m in saves if m]  # the checkpoint library's own log lines, when they arrived
+    notices = {e["allocation_id"]: e["payload"]["at"] for e in events if e["kind"] == "noticed"}
+    for a in allocations:  # the market's record of each acknowledged final save
+        if a["final_save"] == "ok" and a["last_checkpoint_at"]:
+            detail = f"{a['last_checkpoint_at'] - notices.get(a['id'], a['started_at']):.2f} s "
+            detail += "after the notice"
+            if saves:
+                match = saves.pop(0)
+                detail += f": step {match[1]}, {float(match[2]):.1f} MB in {float(match[3]):.2f} s"
+            moments.append(Moment(a["last_checkpoint_at"], "final save durable", detail))
     return moments
 
 

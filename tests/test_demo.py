@@ -1,0 +1,80 @@
+"""The README's first command's main job, ``spotgpu demo``, run as a user would: the whole
+stack, a pretraining run through a reclaim, the timeline; then Ctrl-C stops every process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def processes_mentioning(text: str) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            environ = (proc / "environ").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline or text in environ:
+            found.append(int(proc.name))
+    return found
+
+
+def test_demo_runs_the_stack_through_a_reclaim_and_ctrl_c_stops_everything(tmp_path):
+    home = tmp_path / "demo"
+    env = {**os.environ, "COLUMNS": "160"}
+    env.pop("PREFECT_API_URL", None)
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "prefect_spotgpu.cli", "demo", "--steps", "150", "--home", home],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=tmp_path,  # the clone is found from the installed package
+    )
+    lines = []
+    deadline = time.monotonic() + 400
+    try:
+        for line in demo.stdout:
+            lines.append(line)
+            if "Ctrl-C" in line and "stops everything" in line:
+                break
+            assert time.monotonic() < deadline, "".join(lines)
+        out = "".join(lines)
+        assert demo.poll() is None, out
+        for moment in (
+            "bid placed",
+            "GPUs allocated",
+            "owner reclaims the node",
+            "migration target reserved",
+            "notice (SIGUSR1",
+            "final save durable",
+            "Preempted",
+            "resumes on the reserved node",
+            "Completed",
+        ):
+            assert moment in out, moment + "\n" + out
+        assert out.count("Running") >= 2
+        assert "saved); 1 preemption(s), 1 with a final save" in out
+        assert "/runs/flow-run/" in out
+        assert processes_mentioning(str(home))  # the stack is up
+        demo.send_signal(signal.SIGINT)
+        rest = demo.communicate(timeout=60)[0]
+        assert "stopping every process" in rest
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    deadline = time.monotonic() + 20
+    while processes_mentioning(str(home)):
+        assert time.monotonic() < deadline, processes_mentioning(str(home))
+        time.sleep(0.2)
