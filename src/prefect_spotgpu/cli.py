@@ -55,7 +55,7 @@ def models() -> None:
 
 @app.command()
 def demo(
-    steps: int = typer.Option(300, min=20, max=100_000, help="Training steps of the run."),
+    steps: int = typer.Option(500, min=20, max=100_000, help="Training steps of the run."),
     home: str = typer.Option(
         None, help="Directory for the stack's databases, logs and checkpoints (default: new)."
     ),

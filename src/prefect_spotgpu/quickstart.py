@@ -126,7 +126,10 @@ def _pretrain_with_a_reclaim(console: Console, stack: LocalStack, ui: str, steps
         run = prefect.create_flow_run_from_deployment(
             deployment.id,
             parameters={"steps": steps, "checkpoint_minutes": 0.05},
-            job_variables={"cheap_window_only": False},  # now, not tonight: it is a demo
+            job_variables={  # now, not tonight: it is a demo; logs reach the UI quickly
+                "cheap_window_only": False,
+                "env": {"PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.3"},
+            },
         )
         url = f"{ui}/runs/flow-run/{run.id}"
         console.print(
@@ -229,7 +232,7 @@ def _timeline(bid, events, states, logs, nodes, allocations) -> list[Moment]:
         if s.is_running():
             running += 1
             moments.append(Moment(s.timestamp.timestamp(), "Running", f"attempt {running}"))
-        elif s.name in ("Preempted", "Completed", "Crashed", "AwaitingGPU"):
+        elif s.name in ("Preempted", "Completed", "Crashed", "AwaitingGPU", "Starting"):
             message = s.message or ""
             if len(message) > 80:
                 message = message[:80].rsplit(" ", 1)[0] + " ..."
