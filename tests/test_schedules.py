@@ -73,3 +73,27 @@ def test_every_instant_is_in_its_window_or_before_the_next(naive):
     hour = at.astimezone(ZoneInfo("America/New_York"))
     expected = hour.weekday() >= 5 or hour.hour >= 18 or hour.hour < 9
     assert is_cheap(at, "America/New_York") == expected
+
+
+@pytest.mark.parametrize("make", ["cron", "rrule"])
+def test_prefect_schedules_start_runs_as_each_window_opens(make):
+    import asyncio
+
+    from prefect.server.schemas.schedules import CronSchedule, RRuleSchedule
+
+    from prefect_spotgpu.schedules import night_rrule, night_schedule
+
+    client_side = (
+        night_schedule("Europe/Berlin") if make == "cron" else night_rrule("Europe/Berlin")
+    )
+    server_type = CronSchedule if make == "cron" else RRuleSchedule
+    schedule = server_type(**client_side.model_dump(exclude_none=True))
+    start = local(2027, 3, 24, 12)  # a Wednesday; the DST change is on Sunday the 28th
+    dates = asyncio.run(schedule.get_dates(n=5, start=start))
+    assert [d.astimezone(BERLIN).strftime("%a %d %H:%M") for d in dates] == [
+        "Wed 24 18:00", "Thu 25 18:00", "Fri 26 18:00", "Mon 29 18:00", "Tue 30 18:00",
+    ]  # fmt: skip
+    for d in dates:
+        assert cheap_window(d, "Europe/Berlin")[0] == d
+    with pytest.raises(ValueError, match="unknown timezone"):
+        night_schedule("Mars/Olympus")
