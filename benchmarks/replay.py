@@ -25,7 +25,7 @@ from prefect_spotgpu.market import DEFAULT_CATALOG
 from prefect_spotgpu.replay import MODEL, RESERVE, Job, load_traces, optimum, replay
 
 POLICIES = ("always-on-demand", "greedy-spot", "uniform-progress")
-DEFAULT_TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
+DEFAULT_TRACES = Path(__file__).resolve().parent / "traces"  # a copy of ../shared/traces
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ import pytest
 from prefect_spotgpu.deadline import Action, JobView, get_policy
 from prefect_spotgpu.replay import Job, Trace, load_traces, optimum, replay
 
-TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
+TRACES = Path(__file__).resolve().parent.parent / "benchmarks" / "traces"
 
 
 def view(**changes) -> JobView:
