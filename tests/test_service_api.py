@@ -502,3 +502,29 @@ def test_concurrent_creates_with_one_name_never_500(service, path):
     with ThreadPoolExecutor(8) as pool:
         codes = sorted(pool.map(lambda _: client.post(path, json=body).status_code, range(8)))
     assert codes == [201] + [409] * 7, codes
+
+
+def test_validation_errors_never_echo_a_jobs_environment(service):
+    buyer = service.tenant()
+    response = buyer.post(
+        "/bids",
+        json={
+            "gpu_model": "A100-80G",
+            "gpu_count": 1,
+            "max_price": 1.0,
+            "window_start": "2026-01-01T00:00:00Z",  # no window_end: a body-level error
+            "job": {"command": ["x"], "env": {"AWS_SECRET_ACCESS_KEY": "s3cr3t-value"}},
+        },
+    )
+    assert response.status_code == 422
+    assert "s3cr3t-value" not in response.text
+    response = buyer.post(
+        "/bids",
+        json={
+            "gpu_model": "A100-80G",
+            "gpu_count": 1,
+            "max_price": 1.0,
+            "job": {"command": ["x"], "env": {"BAD NAME": "s3cr3t-value"}},
+        },
+    )
+    assert response.status_code == 422 and "s3cr3t-value" not in response.text

@@ -22,7 +22,15 @@ PID_PREFIX = "spotgpu-bid-"
 
 
 class MarketError(RuntimeError):
-    """The market refused a request; the message carries its reason."""
+    """The market refused a request; the message carries its reason, ``status`` the HTTP code."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def transient(self) -> bool:
+        return self.status >= 500 or self.status in (408, 429)
 
 
 class Track:
@@ -139,7 +147,10 @@ def checked(response: httpx.Response, doing: str) -> Any:
             detail = response.json().get("detail", response.text)
         except ValueError:
             detail = response.text
-        raise MarketError(f"the market refused to {doing} (HTTP {response.status_code}): {detail}")
+        raise MarketError(
+            f"the market refused to {doing} (HTTP {response.status_code}): {detail}",
+            response.status_code,
+        )
     return response.json()
 
 

@@ -17,7 +17,8 @@ disposition survives ``exec``), so an early notice cannot kill the engine; the n
 still tells the checkpointer. A notice that arrives while waiting ends this attempt at once:
 nothing has run, so it acknowledges at once and exits.
 
-Exit codes: 0 the run is already over (or noticed before it started), 3 no go within
+Exit codes: 0 the run is already over (Completed, Failed or Cancelled; Crashed is not over, the
+worker reschedules a preempted run) or noticed before it started; 3 no go within
 ``SPOTGPU_LAUNCH_TIMEOUT`` seconds (default 600).
 """
 
@@ -54,9 +55,9 @@ def main() -> int:
                 return 0
             flow_run = client.read_flow_run(flow_run_id)
             state = flow_run.state
-            if state is not None and state.is_final():
+            if state is not None and state.is_final() and not state.is_crashed():
                 print(f"spotgpu: flow run {flow_run_id} is already {state.name}; nothing to do")
-                return 0
+                return 0  # (Crashed is not the end: the worker reschedules a preempted run)
             if (
                 state is not None
                 and state.is_pending()

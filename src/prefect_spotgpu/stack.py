@@ -164,13 +164,13 @@ class LocalStack:
             f"agent-{name}",
             [
                 *(sys.executable, "-m", "prefect_spotgpu.cli", "agent", "start"),
-                *("--market", self.market_url, "--token", self.owner_key),
+                *("--market", self.market_url),
                 *("--gpus", f"{self.gpu_model}:{gpus}", "--name", name, "--region", self.region),
                 *("--reserve-price", str(reserve_price), "--heartbeat-seconds", "1"),
                 *("--state-dir", str(self.home / f"agent-{name}"), "--grace-seconds", "3"),
             ],
-            env={"PREFECT_API_URL": self.prefect_api_url},
-        )
+            env={"PREFECT_API_URL": self.prefect_api_url, "SPOTGPU_AGENT_TOKEN": self.owner_key},
+        )  # the key in the environment, not on the command line (ps shows that)
         owner = self.market(self.owner_key)
 
         def registered():
@@ -201,11 +201,16 @@ class LocalStack:
         process.wait(timeout=30)
 
     def job_pids(self, agent: str) -> list[int]:
-        """Process ids of the jobs an agent started (each leads its own session)."""
+        """Process ids of the jobs an agent started (each leads its own session), only those
+        still running as that allocation's job (a recorded pid may have been reused)."""
         pids = []
         for pid_file in (self.home / f"agent-{agent}").glob("alloc-*/pid"):
-            with contextlib.suppress(ValueError):
-                pids.append(int(pid_file.read_text()))
+            alloc = pid_file.parent.name.removeprefix("alloc-")
+            with contextlib.suppress(ValueError, OSError):
+                pid = int(pid_file.read_text())
+                environ = Path(f"/proc/{pid}/environ").read_bytes()
+                if f"SPOTGPU_ALLOCATION_ID={alloc}".encode() in environ.split(b"\0"):
+                    pids.append(pid)
         return pids
 
     def stop(self) -> None:
@@ -220,7 +225,7 @@ class LocalStack:
         for process in self.processes.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        for pid in [p.pid for p in self.processes.values()] + jobs:
+        for pid in [p.pid for p in self.processes.values() if p.poll() is None] + jobs:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
         for process in self.processes.values():

@@ -79,6 +79,8 @@ QUERY_SECONDS = 1.0
 """How often the worker asks for scheduled runs, unless PREFECT_WORKER_QUERY_SECONDS is set:
 Prefect's default of 10 s would make every resume wait up to 10 s."""
 POLL_SECONDS = 2.0
+ENGINE_EXIT_SECONDS = 10.0
+"""How long a preempted run's engine may take to report its own end before we reschedule."""
 """Long-poll window on the bid's events; the flow run's state is checked between windows."""
 FLOW_RUN_LABEL = "prefect.flow-run-id"
 POOL_LABEL = "prefect.work-pool"
@@ -106,7 +108,6 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._following: set[str] = set()
-        self._adopted = False
 
     async def start(self, *args: Any, **kwargs: Any) -> None:
         """Prefect's worker loop, asking for scheduled runs every second (see QUERY_SECONDS)."""
@@ -138,16 +139,22 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
         bid = None
         known = (flow_run.labels or {}).get(BID_LABEL)
         if known:
-            response = await http.get(f"/bids/{known}")
-            if response.status_code == 200 and response.json()["status"] in ("open", "held"):
-                bid = response.json()
+            response = await self._retry(
+                flow_run, "read the bid", lambda: http.get(f"/bids/{known}")
+            )
+            found = None if response.status_code == 404 else checked(response, "read the bid")
+            if found is not None and found["status"] in ("open", "held"):
+                bid = found
                 if window_over(bid):  # a cheap-window run paused: bid for the next window
                     await cancel_bid(http, bid["id"])
                     bid = None
         if bid is None:
             if configuration.notice_webhook:
                 await set_webhook(http, configuration.notice_webhook)
-            response = await http.post("/bids", json=self._bid_body(flow_run, configuration))
+            body = self._bid_body(flow_run, configuration)  # idempotent: retries are safe
+            response = await self._retry(
+                flow_run, "place the bid", lambda: http.post("/bids", json=body)
+            )
             bid = checked(response, "place the bid")
             await self.client.update_flow_run_labels(flow_run.id, {BID_LABEL: str(bid["id"])})
             logger.info(
@@ -197,40 +204,83 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
         configuration: SpotGPUJobConfiguration,
         bid: dict,
     ) -> SpotGPUWorkerResult:
-        """Follow the bid's events until this attempt ends; see the module docstring."""
+        """Follow the bid's events until this attempt ends; see the module docstring.
+
+        The market or Prefect being briefly unreachable does not end the attempt: every call
+        is retried with backoff (``_retry``); each event is folded into the track once and its
+        effects (idempotent: labels, state proposals, cancels) are retried until they land."""
         logger = self.get_flow_run_logger(flow_run)
         bid_id = bid["id"]
-        history = checked(
-            await http.get(f"/bids/{bid_id}/events", params={"after": 0, "timeout": 0}),
+        history = await self._retry_checked(
+            flow_run,
             "read the bid's events",
+            lambda: http.get(f"/bids/{bid_id}/events", params={"after": 0, "timeout": 0}),
         )
         track = Track.from_events(history["events"])
         cursor = history["cursor"]
         self._following.add(str(flow_run.id))
         try:
             if track.live is not None:
-                await self._go(flow_run, bid, track)
+                await self._retry(flow_run, "start the job", lambda: self._go(flow_run, bid, track))
             while True:
-                outcome = await self._check_cancelled(http, flow_run, bid_id, track)
+                outcome = await self._retry(
+                    flow_run,
+                    "check for a cancellation",
+                    lambda: self._check_cancelled(http, flow_run, bid_id, track),
+                )
                 if outcome is not None:
                     return outcome
-                page = checked(
-                    await http.get(
+                page = await self._retry_checked(
+                    flow_run,
+                    "follow the bid",
+                    lambda after=cursor: http.get(
                         f"/bids/{bid_id}/events",
-                        params={"after": cursor, "timeout": POLL_SECONDS},
+                        params={"after": after, "timeout": POLL_SECONDS},
                         timeout=POLL_SECONDS + 30,
                     ),
-                    "follow the bid",
                 )
-                cursor = page["cursor"]
                 for event in page["events"]:
-                    outcome = await self._on_event(http, flow_run, configuration, bid, track, event)
+                    cursor = event["id"]
+                    ended = track.apply(event)
+                    outcome = await self._retry(
+                        flow_run,
+                        f"handle the {event['kind']} event",
+                        lambda e=event, ended=ended: self._on_event(
+                            http, flow_run, configuration, bid, track, e, ended
+                        ),
+                    )
                     if outcome is not None:
                         await self._publish_summary(http, flow_run, bid)
                         logger.debug("attempt over after event %s", event["kind"])
                         return outcome
+                cursor = max(cursor, page["cursor"])
         finally:
             self._following.discard(str(flow_run.id))
+
+    async def _retry(self, flow_run, doing: str, call):
+        """``await call()``, retried with backoff (1 s doubling to 30 s) while the failure is
+        transient: a network error, a 5xx from the market or Prefect. Others are raised."""
+        delay = 1.0
+        while True:
+            try:
+                return await call()
+            except (httpx.HTTPError, MarketError) as exc:
+                status = getattr(getattr(exc, "response", None), "status_code", 0)
+                if isinstance(exc, MarketError):
+                    status = exc.status
+                if 0 < status < 500 and status not in (408, 429):
+                    raise
+                self.get_flow_run_logger(flow_run).warning(
+                    "Could not %s (%s); retrying in %.0f s", doing, exc, delay
+                )
+                await anyio.sleep(delay)
+                delay = min(30.0, delay * 2)
+
+    async def _retry_checked(self, flow_run, doing: str, request) -> Any:
+        async def call():
+            return checked(await request(), doing)
+
+        return await self._retry(flow_run, doing, call)
 
     async def _on_event(
         self,
@@ -240,10 +290,11 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
         bid: dict,
         track: Track,
         event: dict,
+        ended_current: bool,
     ) -> SpotGPUWorkerResult | None:
+        """The effects of one event already folded into ``track`` (safe to run again)."""
         logger = self.get_flow_run_logger(flow_run)
         kind, alloc, payload = event["kind"], event["allocation_id"], event["payload"]
-        ended_current = track.apply(event)
         if kind == "allocated" and track.live == alloc:
             await self._go(flow_run, bid, track)
         elif kind == "reserved":
@@ -267,6 +318,14 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
             return await self._preempted(http, flow_run, configuration, bid, track, event)
         # The job ended by itself: the engine has written the run's final state.
         state = (await self.client.read_flow_run(flow_run.id)).state
+        if kind == "finished" and not (state and state.is_final()):
+            current = checked(await http.get(f"/bids/{bid['id']}"), "read the bid")
+            if current["status"] == "held":  # e.g. out of credit: wait for it, keep the bid
+                message = f"Bid {bid['id']} is held ({current['hold_reason']}); the run resumes"
+                message += " when the market releases it"
+                logger.warning(message)
+                await self._reschedule(flow_run, message, datetime.now(UTC))
+                return SpotGPUWorkerResult(identifier=infrastructure_id(bid), status_code=0)
         if kind == "preempted":  # the process exited non-zero
             await cancel_bid(http, bid["id"])
         if state is not None and state.is_final():
@@ -331,12 +390,41 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
         when = resume_time(datetime.now(UTC), configuration)
         if when > datetime.now(UTC):
             message += f"; the cheap window reopens at {when.isoformat(timespec='minutes')}"
-        state = await self._set_state(
-            flow_run, Scheduled(name="Preempted", scheduled_time=when, message=message)
-        )
-        if state is not None and not state.is_scheduled():
-            logger.warning("Could not reschedule the run (it is %s)", state.name)
+        stopped = reason == "final save acknowledged"  # the agent stopped it before reporting
+        await self._reschedule(flow_run, message, when, job_stopped=stopped)
         return SpotGPUWorkerResult(identifier=infrastructure_id(bid), status_code=0)
+
+    async def _reschedule(
+        self, flow_run, message: str, when: datetime, job_stopped: bool = False
+    ) -> None:
+        """``Scheduled("Preempted")``, after the engine's own last word.
+
+        A stopped engine reports Crashed itself, forcibly; that must not land after our
+        Scheduled, or the run would never be picked up again. After an acknowledged final
+        save the agent stops the job before the market ends the allocation, so Crashed is
+        usually there already; otherwise (a notice deadline, a lost node) wait a little for it.
+        """
+        deadline = time.monotonic() + (0 if job_stopped else ENGINE_EXIT_SECONDS)
+        while True:
+            state = (await self.client.read_flow_run(flow_run.id)).state
+            if state is None or not state.is_running() or time.monotonic() > deadline:
+                break
+            await anyio.sleep(0.5)
+        if state is not None and state.is_final() and not state.is_crashed():
+            self.get_flow_run_logger(flow_run).info("Not rescheduled: the run is %s", state.name)
+            return
+        engine_may_still_report = not job_stopped and state is not None and state.is_running()
+        for _ in range(3):  # a Crashed that still lands after ours is overwritten again
+            await self._set_state(
+                flow_run, Scheduled(name="Preempted", scheduled_time=when, message=message)
+            )
+            if not engine_may_still_report:
+                return
+            await anyio.sleep(1.0)
+            now = (await self.client.read_flow_run(flow_run.id)).state
+            if now is None or not now.is_crashed():
+                return
+        self.get_flow_run_logger(flow_run).error("Could not reschedule the run: it stays Crashed")
 
     async def _check_cancelled(
         self, http: httpx.AsyncClient, flow_run, bid_id: int, track: Track
@@ -352,9 +440,19 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
             if not any(a["status"] in ("running", "noticed") for a in allocations):
                 break
             await anyio.sleep(0.2)
+        while time.monotonic() < deadline:  # and for its engine to have its last word
+            now = (await self.client.read_flow_run(flow_run.id)).state
+            if now is None or not now.is_running():
+                break
+            await anyio.sleep(0.2)
         message = f"Cancelled: bid {bid_id} cancelled and its job stopped"
         logger.info(message)
-        await self._set_state(flow_run, Cancelled(message=message), force=True)
+        for _ in range(3):  # the stopped engine may still force Crashed over it
+            await self._set_state(flow_run, Cancelled(message=message), force=True)
+            await anyio.sleep(1.0)
+            now = (await self.client.read_flow_run(flow_run.id)).state
+            if now is None or now.is_cancelled():
+                break
         return SpotGPUWorkerResult(identifier=f"{PID_PREFIX}{bid_id}", status_code=0)
 
     async def kill_infrastructure(
@@ -376,9 +474,9 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
     # ---------------------------------------------------------------- restarts
 
     async def sync_with_backend(self) -> None:
+        """Prefect's heartbeat, and then a look for runs an earlier worker left behind."""
         await super().sync_with_backend()
-        if not self._adopted and self._work_pool is not None and self._runs_task_group:
-            self._adopted = True
+        if self._work_pool is not None and self._runs_task_group:
             try:
                 await self._adopt_orphans()
             except Exception:
@@ -392,10 +490,13 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
         )
         if pool_config.market is None:
             return
+        recent = datetime.now(UTC).timestamp() - 3 * self.heartbeat_interval_seconds
         live_workers = {
             w.name
             for w in await self.client.read_workers_for_work_pool(work_pool.name)
-            if str(getattr(w, "status", "")).upper().endswith("ONLINE") and w.name != self.name
+            if w.name != self.name
+            and w.last_heartbeat_time is not None
+            and w.last_heartbeat_time.timestamp() > recent
         }
         async with market_client(pool_config.market) as http:
             bids = []
@@ -410,7 +511,11 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
                 or labels.get(FLOW_RUN_LABEL) in self._following
             ):
                 continue
-            flow_run = await self.client.read_flow_run(labels[FLOW_RUN_LABEL])
+            try:
+                flow_run = await self.client.read_flow_run(labels[FLOW_RUN_LABEL])
+            except Exception as exc:  # deleted, or Prefect unreachable: the next pass retries
+                self._logger.debug("cannot read flow run of bid %s: %s", bid["id"], exc)
+                continue
             state = flow_run.state
             owner = (flow_run.labels or {}).get("prefect.worker.name")
             if (
@@ -422,25 +527,33 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
             self._logger.info(
                 "Adopting flow run %s (bid %s) left by worker %s", flow_run.id, bid["id"], owner
             )
+            await self.client.update_flow_run_labels(  # claim it: others see a live owner
+                flow_run.id, {"prefect.worker.name": self.name}
+            )
+            self._following.add(str(flow_run.id))
             self._runs_task_group.start_soon(self._adopt, flow_run, bid)
 
     async def _adopt(self, flow_run, bid: dict) -> None:
-        configuration = await self.job_configuration.resolve_for_flow_run(
-            flow_run, client=self.client, work_pool=self.work_pool, worker_name=self.name
-        )
-        async with market_client(market_of(configuration)) as http:
-            result = await self._follow(http, flow_run, configuration, bid)
-        if result.status_code != 0:
-            await self._propose_crashed_state(
-                flow_run, "The spot-gpu job ended without a final state"
+        try:
+            configuration = await self.job_configuration.resolve_for_flow_run(
+                flow_run, client=self.client, work_pool=self.work_pool, worker_name=self.name
             )
+            async with market_client(market_of(configuration)) as http:
+                result = await self._follow(http, flow_run, configuration, bid)
+            if result.status_code != 0:
+                await self._propose_crashed_state(
+                    flow_run, "The spot-gpu job ended without a final state"
+                )
+        except Exception:  # never take the worker down; a later pass adopts it again
+            self._following.discard(str(flow_run.id))
+            self._logger.exception("following adopted flow run %s failed", flow_run.id)
 
     # ---------------------------------------------------------------- UI: states, events, artifacts
 
     async def _set_state(self, flow_run, state, force: bool = False):
         try:
             return await propose_state(self.client, state, flow_run_id=flow_run.id, force=force)
-        except (Abort, Exception) as exc:  # the run moved on (e.g. cancelled)
+        except Abort as exc:  # the run moved on (e.g. cancelled); network errors propagate
             self.get_flow_run_logger(flow_run).debug("state %s not set: %s", state.name, exc)
             return None
 

@@ -64,6 +64,7 @@ class Agent:
         self.telemetry = telemetry
         self.node_id: int | None = None
         self.jobs: dict[int, JobHandle] = {}
+        self.waiting_for_gpus: dict[int, float] = {}  # allocation -> since (monotonic)
         self.epochs: dict[int, int] = {}
         self.free = set(range(len(gpus)))
         self.lock = threading.RLock()
@@ -153,6 +154,11 @@ class Agent:
         try:
             while not self.stop_event.is_set():
                 self._check_exits()
+                for alloc_id in sorted(self.waiting_for_gpus):  # GPUs being freed by a stop
+                    try:
+                        self.start(alloc_id)
+                    except Exception:
+                        logger.exception("starting allocation %s failed", alloc_id)
                 try:
                     page = self.client.get(
                         f"/nodes/{self.node_id}/events",
@@ -226,17 +232,28 @@ class Agent:
             if assignment is None:
                 assignment = self.assignments().get(alloc_id)
             if assignment is None or assignment["status"] != "running":
+                self.waiting_for_gpus.pop(alloc_id, None)
                 return  # ended meanwhile
             job = assignment.get("job")
             if not job:
                 logger.warning("allocation %s has no job to run", alloc_id)
                 return
             count = assignment["gpu_count"]
-            if len(self.free) < count:
+            if len(self.free) < count:  # a stopping job still holds them: retry each loop
+                first = self.waiting_for_gpus.setdefault(alloc_id, time.monotonic())
+                if time.monotonic() - first < self.grace_seconds + 30:
+                    logger.info("allocation %s waits for %s GPUs to be freed", alloc_id, count)
+                    return
+                del self.waiting_for_gpus[alloc_id]
                 logger.error(
                     "allocation %s needs %s GPUs, %s free", alloc_id, count, len(self.free)
                 )
+                self.client.post(
+                    f"/allocations/{alloc_id}/report",
+                    json={"epoch": assignment["epoch"], "outcome": "failed"},
+                )
                 return
+            self.waiting_for_gpus.pop(alloc_id, None)
             indices = sorted(self.free)[:count]
             self.free -= set(indices)
             request = JobRequest(

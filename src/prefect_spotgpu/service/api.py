@@ -622,13 +622,24 @@ def _safe(value):
     return str(value)
 
 
+def _echo(loc: tuple, value):
+    """What of a bad input goes back in an error: scalars (truncated), never a whole object
+    (a bid's body holds its job's environment, secrets included) nor anything under ``env``."""
+    if "env" in loc:
+        return "<redacted>"
+    if isinstance(value, dict | list | tuple):
+        return f"<{type(value).__name__}>"
+    value = _safe(value)
+    return value[:200] if isinstance(value, str) else value
+
+
 def _validation_response(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = [
         {
             "loc": list(e.get("loc", ())),
             "msg": e.get("msg", ""),
             "type": e.get("type", ""),
-            "input": _safe(e.get("input")),
+            "input": _echo(tuple(e.get("loc", ())), e.get("input")),
         }
         for e in exc.errors()
     ]
