@@ -325,5 +325,101 @@ def agent_start(
         agent.shutdown()
 
 
+# ---------------------------------------------------------------- prices and estimates
+
+
+@app.command()
+def prices(
+    market: str = typer.Option(
+        DEFAULT_MARKET, envvar="SPOTGPU_MARKET_URL", help="URL of the market service."
+    ),
+    forecast: bool = typer.Option(False, help="Add each pool's forecast for the next hours."),
+    hours: int = typer.Option(24, min=1, max=336, help="Hours ahead to forecast."),
+) -> None:
+    """Every pool's current quote; with --forecast, its expected price ahead and the
+    forecast's error measured on held-back history."""
+    import httpx
+
+    with httpx.Client(base_url=market.rstrip("/") + "/api/v1", timeout=30) as client:
+        response = client.get("/prices")
+        if response.status_code != 200:
+            _fail(response)
+        table = Table(title="Spot prices per GPU-hour", title_justify="left")
+        columns = ["pool", "free/total", "clearing", "on-demand", "discount", "waiting bids"]
+        if forecast:
+            columns += [f"next {hours} h: low / mean / high", "cheapest hour", "error (MAE)"]
+        for name in columns:
+            table.add_column(name, justify="left" if name == "pool" else "right")
+        for q in response.json():
+            price = q["clearing_price"] or q["reserve_price"]
+            row = [
+                f"{q['gpu_model']} {q['region']}",
+                f"{q['gpus_free']}/{q['gpus_total']}",
+                "-" if price is None else f"{price:.2f}",
+                f"{q['on_demand_price']:.2f}",
+                "-" if price is None else f"{1 - price / q['on_demand_price']:.0%}",
+                str(q["waiting_bids"]),
+            ]
+            if forecast:
+                row += _forecast_cells(client, q["gpu_model"], q["region"], hours)
+            table.add_row(*row)
+        console.print(table)
+
+
+def _forecast_cells(client, gpu_model: str, region: str, hours: int) -> list[str]:
+    response = client.get(f"/prices/{gpu_model}/{region}/forecast", params={"hours": hours})
+    if response.status_code == 409:
+        return ["no history yet", "-", "-"]
+    if response.status_code != 200:
+        _fail(response)
+    body = response.json()
+    expected = [p["expected"] for p in body["points"]]
+    cheapest = min(body["points"], key=lambda p: p["expected"])
+    error = body["error"]
+    return [
+        f"{min(p['low'] for p in body['points']):.2f} / {sum(expected) / len(expected):.2f} / "
+        f"{max(p['high'] for p in body['points']):.2f}",
+        f"{cheapest['at'][5:16].replace('T', ' ')} UTC ({cheapest['expected']:.2f})",
+        "-" if error is None else f"{error['mae']:.3f} (naive {error['naive_mae']:.3f})",
+    ]
+
+
+@app.command()
+def estimate(
+    gpu_model: str = typer.Option(..., "--model", help="GPU model, e.g. A100-80G."),
+    gpu_hours: float = typer.Option(..., min=0.001, help="GPU-hours of work."),
+    max_price: float = typer.Option(..., "--cap", min=0.001, help="Spot cap per GPU-hour."),
+    deadline: str = typer.Option(..., help="Finish by, ISO 8601 with a timezone."),
+    gpus: int = typer.Option(1, min=1, max=16, help="GPUs on one node."),
+    region: str = typer.Option("any", help="Region, or any."),
+    start: str = typer.Option(None, help="Not before (ISO 8601; default now)."),
+    market: str = typer.Option(
+        DEFAULT_MARKET, envvar="SPOTGPU_MARKET_URL", help="URL of the market service."
+    ),
+) -> None:
+    """Expected cost and finish of some GPU-hours by a deadline, against on-demand."""
+    import httpx
+
+    body = {"gpu_model": gpu_model, "gpu_hours": gpu_hours, "max_price": max_price,
+            "deadline": deadline, "gpus": gpus, "region": region}  # fmt: skip
+    if start:
+        body["start"] = start
+    with httpx.Client(base_url=market.rstrip("/") + "/api/v1", timeout=30) as client:
+        response = client.post("/estimate", json=body)
+    if response.status_code != 200:
+        _fail(response)
+    e = response.json()
+    finish = e["expected_finish"] or "not on spot alone before the deadline"
+    console.print(
+        f"{gpu_hours:g} GPU-hours of {e['gpu_model']} at most {max_price:.2f}/GPU-h "
+        f"by {deadline}:\n"
+        f"  expected cost   {e['expected_cost']:.2f} (on-demand {e['on_demand_cost']:.2f}, "
+        f"saving {e['saving']:.0%})\n"
+        f"  expected finish {finish}\n"
+        f"  P(deadline met on spot alone) {e['p_meet_deadline_on_spot']:.0%}; expected "
+        f"on-demand fallback {e['expected_on_demand_gpu_hours']:g} GPU-hours"
+    )
+
+
 if __name__ == "__main__":  # pragma: no cover
     app()

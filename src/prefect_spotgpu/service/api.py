@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 import prefect_spotgpu
 from prefect_spotgpu.market import DEFAULT_CATALOG
-from prefect_spotgpu.service import crud, schemas
+from prefect_spotgpu.service import crud, forecast_api, schemas
 from prefect_spotgpu.service.db import make_sessionmaker
 from prefect_spotgpu.service.deps import (
     AdminOnly,
@@ -696,4 +696,5 @@ def create_app(
     app.add_exception_handler(ServiceError, _error_response)
     app.add_exception_handler(RequestValidationError, _validation_response)
     app.include_router(router)
+    app.include_router(forecast_api.router)
     return app

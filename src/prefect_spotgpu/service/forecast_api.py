@@ -1,0 +1,167 @@
+"""Routes for price history at an hour's resolution, the price forecast and the cost estimator.
+
+Public, like the quotes: no tenant data is involved. The forecast is learnt from the pool's
+stored minute bars (``price_bars``) at each request (``market.forecast``, pure).
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import Annotated
+
+import numpy as np
+from fastapi import APIRouter, Path, Query
+from pydantic import Field, model_validator
+from sqlalchemy import select
+
+from prefect_spotgpu.market import DEFAULT_CATALOG
+from prefect_spotgpu.market.forecast import (
+    HourOfWeekForecast,
+    estimate,
+    holdout_error,
+    hourly_bars,
+)
+from prefect_spotgpu.service.deps import Db
+from prefect_spotgpu.service.errors import Conflict, Invalid
+from prefect_spotgpu.service.models import PriceBar
+from prefect_spotgpu.service.schemas import GpuCount, GpuModelName, Price, Region, Strict
+
+router = APIRouter(prefix="/api/v1", tags=["prices"])
+
+Days = Annotated[float, Query(gt=0, le=365, description="Days of history to learn from.")]
+
+
+class EstimateRequest(Strict):
+    gpu_model: GpuModelName
+    region: Region = "any"
+    gpu_hours: float = Field(gt=0, le=1e6, allow_inf_nan=False)
+    gpus: GpuCount = 1
+    max_price: Price
+    start: datetime | None = Field(None, description="Not before (default: now).")
+    deadline: datetime
+
+    @model_validator(mode="after")
+    def _deadline_after_start(self) -> EstimateRequest:
+        for name in ("start", "deadline"):
+            value = getattr(self, name)
+            if value is not None and value.tzinfo is None:
+                raise ValueError(f"{name} needs a timezone")
+        start = self.start or datetime.now(UTC)
+        if self.deadline <= start:
+            raise ValueError("deadline must be after the start")
+        if (self.deadline - start).total_seconds() > 90 * 86400:
+            raise ValueError("deadline must be within 90 days of the start")
+        return self
+
+
+def _history(db, gpu_model: str, region: str, days: float):
+    """Hourly closes of a pool (or of every pool of the model, for region "any")."""
+    try:
+        model = DEFAULT_CATALOG.normalize(gpu_model)
+    except ValueError as exc:
+        raise Invalid(str(exc), field="gpu_model") from None
+    since = int((time.time() - days * 86400) // 60)
+    query = select(PriceBar.minute, PriceBar.open, PriceBar.high, PriceBar.low, PriceBar.close)
+    query = query.where(PriceBar.gpu_model == model, PriceBar.minute >= since)
+    if region != "any":
+        query = query.where(PriceBar.region == region)
+    with db.begin() as session:
+        rows = session.execute(query.order_by(PriceBar.minute)).all()
+    if not rows:
+        raise Conflict(f"no price history for {model} in {region} yet")
+    cols = np.array(rows, dtype=np.float64).T
+    return model, hourly_bars(cols[0].astype(np.int64), *cols[1:])
+
+
+@router.get(
+    "/prices/{gpu_model}/{region}/hourly",
+    summary="A pool's clearing price per hour (OHLC)",
+)
+def hourly_history(
+    gpu_model: Annotated[str, Path(max_length=100)],
+    region: Annotated[str, Path(max_length=63)],
+    db: Db,
+    days: Days = 7.0,
+):
+    _, bars = _history(db, gpu_model, region, days)
+    return [
+        {
+            "hour": datetime.fromtimestamp(int(h) * 3600, UTC),
+            "open": float(o),
+            "high": float(hi),
+            "low": float(lo),
+            "close": float(c),
+        }
+        for h, o, hi, lo, c in zip(
+            bars["hour"], bars["open"], bars["high"], bars["low"], bars["close"], strict=True
+        )
+    ]
+
+
+@router.get(
+    "/prices/{gpu_model}/{region}/forecast",
+    summary="The expected clearing price by hour, with an 80 % band and its measured error",
+)
+def forecast(
+    gpu_model: Annotated[str, Path(max_length=100)],
+    region: Annotated[str, Path(max_length=63)],
+    db: Db,
+    days: Days = 28.0,
+    hours: Annotated[int, Query(ge=1, le=24 * 14)] = 48,
+):
+    model, bars = _history(db, gpu_model, region, days)
+    times = bars["hour"] * 3600.0
+    fitted = HourOfWeekForecast.fit(times, bars["close"])
+    ahead = (np.floor(time.time() / 3600) + np.arange(1, hours + 1)) * 3600.0
+    expected, low, high = fitted.predict(ahead)
+    span_days = (times.max() - times.min()) / 86400
+    error = None  # measured on the last quarter of the history (at most a week), if 2 days+
+    if span_days >= 2:
+        error = holdout_error(times, bars["close"], holdout_days=min(7.0, span_days / 4))
+    return {
+        "gpu_model": model,
+        "region": region,
+        "history_hours": len(times),
+        "error": error,
+        "points": [
+            {
+                "at": datetime.fromtimestamp(t, UTC),
+                "expected": round(float(e), 4),
+                "low": round(float(lo), 4),
+                "high": round(float(hi), 4),
+            }
+            for t, e, lo, hi in zip(ahead, expected, low, high, strict=True)
+        ],
+    }
+
+
+@router.post("/estimate", summary="Expected cost and finish of some GPU-hours by a deadline")
+def estimate_cost(data: EstimateRequest, db: Db, days: Days = 28.0):
+    model, bars = _history(db, data.gpu_model, data.region, days)
+    fitted = HourOfWeekForecast.fit(bars["hour"] * 3600.0, bars["close"])
+    start = (data.start or datetime.now(UTC)).timestamp()
+    on_demand = DEFAULT_CATALOG.get(model).on_demand_price
+    result = estimate(
+        fitted,
+        data.gpu_hours,
+        data.max_price,
+        start,
+        data.deadline.timestamp(),
+        on_demand,
+        data.gpus,
+    )
+    finish = result.expected_finish
+    return {
+        "gpu_model": model,
+        "region": data.region,
+        "expected_cost": result.expected_cost,
+        "expected_finish": None if finish is None else datetime.fromtimestamp(finish, UTC),
+        "p_meet_deadline_on_spot": result.p_meet_deadline,
+        "on_demand_cost": result.on_demand_cost,
+        "saving": result.saving,
+        "expected_spot_gpu_hours": result.spot_gpu_hours,
+        "expected_on_demand_gpu_hours": result.fallback_gpu_hours,
+        "assumptions": "hours independent; spot usable when the forecast price is at or below "
+        "max_price; what spot cannot cover by the deadline is bought on-demand",
+    }

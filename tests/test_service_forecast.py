@@ -1,0 +1,116 @@
+"""The forecast routes on the real service, with stored price history (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import sqlalchemy as sa
+
+from conftest import start_service
+from prefect_spotgpu.service.models import PriceBar
+
+
+def store_history(db_url: str, days: int = 21) -> None:
+    """A minute bar per hour for ``days``: 0.9 at night, 1.5 by day (UTC)."""
+    now_hour = int(time.time() // 3600)
+    hours = np.arange(now_hour - days * 24, now_hour)
+    engine = sa.create_engine(db_url)
+    with engine.begin() as connection:
+        rows = []
+        for h in hours:
+            price = 0.9 if (h % 24) < 9 or (h % 24) >= 18 else 1.5
+            rows.append({"gpu_model": "A100-80G", "region": "eu-west", "minute": int(h) * 60,
+                         "open": price, "high": price, "low": price, "close": price})  # fmt: skip
+        connection.execute(sa.insert(PriceBar), rows)
+    engine.dispose()
+
+
+def test_hourly_history_forecast_and_estimate(db_url, tmp_path):
+    service = start_service(db_url, tmp_path / "home")
+    try:
+        store_history(db_url)
+        api = service.client()
+        bars = api.get("/prices/A100-80G/eu-west/hourly", params={"days": 2}).json()
+        assert 47 <= len(bars) <= 49 and {b["close"] for b in bars} == {0.9, 1.5}
+        forecast = api.get("/prices/a100 80g/eu-west/forecast", params={"hours": 24}).json()
+        assert forecast["gpu_model"] == "A100-80G" and len(forecast["points"]) == 24
+        by_hour = {p["at"][11:13]: p["expected"] for p in forecast["points"]}
+        assert by_hour["03"] == 0.9 and by_hour["12"] == 1.5
+        assert forecast["error"]["mae"] < 0.01 and forecast["error"]["holdout_hours"] > 100
+        estimate = api.post(
+            "/estimate",
+            json={
+                "gpu_model": "A100-80G",
+                "region": "eu-west",
+                "gpu_hours": 6,
+                "max_price": 1.2,
+                "deadline": _iso(time.time() + 2 * 86400),
+            },
+        ).json()
+        assert estimate["p_meet_deadline_on_spot"] > 0.99
+        assert abs(estimate["expected_cost"] - 6 * 0.9) < 1e-6
+        assert abs(estimate["saving"] - (1 - 0.9 / 2.1)) < 1e-3
+    finally:
+        service.stop()
+
+
+def test_bad_input_is_named(service):
+    api = service.client()
+    response = api.post(
+        "/estimate",
+        json={"gpu_model": "A100-80G", "gpu_hours": 6, "max_price": 1.2,
+              "start": "2026-12-02T00:00:00Z", "deadline": "2026-12-01T00:00:00Z"},
+    )  # fmt: skip
+    assert response.status_code == 422 and "deadline must be after the start" in response.text
+    body = {"gpu_model": "A100-80G", "gpu_hours": -1, "max_price": 1.2,
+            "deadline": "2026-12-01T00:00:00Z"}  # fmt: skip
+    response = api.post("/estimate", json=body)
+    assert response.status_code == 422 and "gpu_hours" in response.text
+    response = api.get("/prices/Voodoo-5/eu-west/forecast")
+    assert response.status_code == 422 and "gpu_model" in response.text
+    response = api.get("/prices/H200/eu-west/forecast")  # no history yet: a clear 409
+    assert response.status_code == 409 and "no price history for H200 in eu-west" in response.text
+
+
+def _iso(ts: float) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(ts, UTC).isoformat()
+
+
+def test_the_prices_and_estimate_commands(tmp_path):
+    import subprocess
+    import sys
+
+    db_url = f"sqlite:///{tmp_path / 'm.db'}"
+    service = start_service(db_url, tmp_path / "home")
+    try:
+        owner = service.tenant()
+        service.node(owner, region="eu-west", gpus=8, reserve=0.9)
+        store_history(db_url)
+
+        def spotgpu(*args):
+            out = subprocess.run(
+                [sys.executable, "-m", "prefect_spotgpu.cli", *args, "--market", service.base_url],
+                capture_output=True, text=True, timeout=120, env={"COLUMNS": "200", **_env()},
+            )  # fmt: skip
+            assert out.returncode == 0, out.stdout + out.stderr
+            return out.stdout
+
+        table = service.wait_for(lambda: "A100-80G eu-west" in (t := spotgpu("prices")) and t)
+        assert "2.10" in table and "8/8" in table
+        ahead = spotgpu("prices", "--forecast", "--hours", "24")
+        assert "0.90 / " in ahead and "(0.90)" in ahead and "naive" in ahead
+        deadline = _iso(time.time() + 2 * 86400)
+        text = spotgpu("estimate", "--model", "A100-80G", "--gpu-hours", "6", "--cap", "1.2",
+                       "--deadline", deadline)  # fmt: skip
+        assert "expected cost   5.40 (on-demand 12.60, saving 57%)" in text
+    finally:
+        service.stop()
+
+
+def _env():
+    import os
+
+    return dict(os.environ)
