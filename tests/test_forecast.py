@@ -87,3 +87,24 @@ def test_the_estimator_on_a_known_history():
     assert e.expected_finish == start + 5 * 3600 and e.expected_cost == pytest.approx(9.0)
     with pytest.raises(ValueError, match="deadline after the start"):
         estimate(forecast, 10, 1.2, start, start, 2.1)
+
+
+@pytest.mark.slow
+def test_the_forecast_benchmark_scores_against_the_naive_forecast():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "forecast.py")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads(out.stdout)["summary"]
+    assert summary["traces"] >= 10
+    assert summary["mae"] < summary["naive_mae"]  # better than "the price stays the same"
+    assert 0.6 <= summary["band_80_coverage"] <= 0.95

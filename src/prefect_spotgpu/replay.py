@@ -111,7 +111,7 @@ class Outcome:
         }
 
 
-class _Demand:
+class Demand:
     """Competing bids: a daily cycle of how many whole nodes others want, and at what price."""
 
     def __init__(self, trace: Trace, seed: int) -> None:
@@ -137,14 +137,14 @@ class _Demand:
             self.next_id += 1
 
 
-def _market(trace: Trace) -> Market:
+def pool_market(trace: Trace) -> Market:
     market = Market(MarketConfig(notice_seconds=300))
     for node in range(max(1, int(trace.available.max()))):
         market.upsert_node(Node(node + 1, MODEL, REGION, trace.gpus_per_node, RESERVE))
     return market
 
 
-def _set_supply(market: Market, trace: Trace, count: int) -> None:
+def set_supply(market: Market, trace: Trace, count: int) -> None:
     for node in range(max(1, int(trace.available.max()))):
         state = NodeState.LIVE if node < count else NodeState.RECLAIMED
         market.upsert_node(Node(node + 1, MODEL, REGION, trace.gpus_per_node, RESERVE, state))
@@ -157,7 +157,7 @@ def replay(trace: Trace, policy_name: str, job: Job, start: int = 0, seed: int =
     g = trace.gap_seconds / 3600
     baseline = (job.work_h + job.restart_h) * od * trace.gpus_per_node  # one start, no stops
     out = Outcome(policy_name, on_demand_cost=baseline)
-    market, demand = _market(trace), _Demand(trace, seed)
+    market, demand = pool_market(trace), Demand(trace, seed)
     t0 = 1_800_000_000.0 + start * trace.gap_seconds
     done, warmup, mode, ran, alloc = 0.0, 0.0, "wait", False, None
     ours: set[int] = set()  # the job's allocations not yet ended
@@ -168,7 +168,7 @@ def replay(trace: Trace, policy_name: str, job: Job, start: int = 0, seed: int =
         if index >= len(trace.available) or done >= job.work_h:
             break
         now, now_h = t0 + step * trace.gap_seconds, step * g
-        _set_supply(market, trace, int(trace.available[index]))
+        set_supply(market, trace, int(trace.available[index]))
         demand.refresh(market, now, ((now / 3600) + 0) % 24)
         view = JobView(now_h, job.deadline_h, job.work_h, done, job.restart_h, g, mode, ran,
                        job.cap, od, *quote)  # fmt: skip
@@ -248,7 +248,7 @@ def spot_prospects(trace: Trace, job: Job, start: int, seed: int) -> tuple[np.nd
     the same market and demand replayed without the job (what the optimum knows ahead)."""
     g = trace.gap_seconds / 3600
     steps = math.ceil(job.deadline_h / g) + 1
-    market, demand = _market(trace), _Demand(trace, seed)
+    market, demand = pool_market(trace), Demand(trace, seed)
     t0 = 1_800_000_000.0 + start * trace.gap_seconds
     available, price = np.zeros(steps, bool), np.zeros(steps)
     for step in range(steps):
@@ -256,7 +256,7 @@ def spot_prospects(trace: Trace, job: Job, start: int, seed: int) -> tuple[np.nd
         if index >= len(trace.available):
             break
         now = t0 + step * trace.gap_seconds
-        _set_supply(market, trace, int(trace.available[index]))
+        set_supply(market, trace, int(trace.available[index]))
         demand.refresh(market, now, (now / 3600) % 24)
         decision = market.tick(now)
         (quote,) = decision.quotes
