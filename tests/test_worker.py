@@ -162,3 +162,23 @@ def test_a_cheap_window_run_resumes_when_the_next_window_opens():
     assert resume_time(closing, anytime) == closing
     with pytest.raises(ValueError, match="unknown timezone"):
         SpotGPUJobConfiguration(timezone="Berlin")
+
+
+def test_the_block_script_saves_what_the_deployments_use(prefect_api_url, tmp_path):
+    root = __import__("pathlib").Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PREFECT_API_URL": prefect_api_url}
+    script = [sys.executable, str(root / "blocks" / "save_blocks.py")]
+    missing = subprocess.run(script, env=env, capture_output=True, text=True, timeout=120)
+    assert missing.returncode != 0 and "--api-key" in missing.stderr
+    saved = subprocess.run(
+        [*script, "--api-key", "sgk_test", "--checkpoints", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert saved.returncode == 0, saved.stderr
+    from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
+
+    assert SpotMarket.load("spot-market").api_key.get_secret_value() == "sgk_test"
+    assert CheckpointStorage.load("spot-checkpoints").url() == str(tmp_path)

@@ -28,12 +28,14 @@ from __future__ import annotations
 import os
 import re
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import anyio
 import httpx
 from prefect.client.schemas.actions import ArtifactCreate
+from prefect.client.schemas.objects import FlowRun
 from prefect.events import emit_event
 from prefect.exceptions import Abort, InfrastructureNotFound
 from prefect.settings import PREFECT_WORKER_QUERY_SECONDS, temporary_settings
@@ -84,6 +86,17 @@ ENGINE_EXIT_SECONDS = 10.0
 """Long-poll window on the bid's events; the flow run's state is checked between windows."""
 FLOW_RUN_LABEL = "prefect.flow-run-id"
 POOL_LABEL = "prefect.work-pool"
+
+
+@dataclass
+class Attempt:
+    """One attempt of a flow run: what every step of following its bid needs."""
+
+    http: httpx.AsyncClient
+    flow_run: FlowRun
+    configuration: SpotGPUJobConfiguration
+    bid: dict
+    track: Track
 
 
 class SpotGPUWorkerResult(BaseWorkerResult):
@@ -217,16 +230,15 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
             lambda: http.get(f"/bids/{bid_id}/events", params={"after": 0, "timeout": 0}),
         )
         track = Track.from_events(history["events"])
+        attempt = Attempt(http, flow_run, configuration, bid, track)
         cursor = history["cursor"]
         self._following.add(str(flow_run.id))
         try:
             if track.live is not None:
-                await self._retry(flow_run, "start the job", lambda: self._go(flow_run, bid, track))
+                await self._retry(flow_run, "start the job", lambda: self._go(attempt))
             while True:
                 outcome = await self._retry(
-                    flow_run,
-                    "check for a cancellation",
-                    lambda: self._check_cancelled(http, flow_run, bid_id, track),
+                    flow_run, "check for a cancellation", lambda: self._check_cancelled(attempt)
                 )
                 if outcome is not None:
                     return outcome
@@ -245,9 +257,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
                     outcome = await self._retry(
                         flow_run,
                         f"handle the {event['kind']} event",
-                        lambda e=event, ended=ended: self._on_event(
-                            http, flow_run, configuration, bid, track, e, ended
-                        ),
+                        lambda e=event, ended=ended: self._on_event(attempt, e, ended),
                     )
                     if outcome is not None:
                         await self._publish_summary(http, flow_run, bid)
@@ -283,20 +293,14 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
         return await self._retry(flow_run, doing, call)
 
     async def _on_event(
-        self,
-        http: httpx.AsyncClient,
-        flow_run,
-        configuration: SpotGPUJobConfiguration,
-        bid: dict,
-        track: Track,
-        event: dict,
-        ended_current: bool,
+        self, attempt: Attempt, event: dict, ended_current: bool
     ) -> SpotGPUWorkerResult | None:
-        """The effects of one event already folded into ``track`` (safe to run again)."""
+        """The effects of one event already folded into the attempt's track (safe to repeat)."""
+        http, flow_run, bid, track = attempt.http, attempt.flow_run, attempt.bid, attempt.track
         logger = self.get_flow_run_logger(flow_run)
         kind, alloc, payload = event["kind"], event["allocation_id"], event["payload"]
         if kind == "allocated" and track.live == alloc:
-            await self._go(flow_run, bid, track)
+            await self._go(attempt)
         elif kind == "reserved":
             logger.info(
                 "GPUs reserved for this run on node %s (allocation %s)", event["node_id"], alloc
@@ -315,7 +319,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
             return None
         reason = str(payload.get("reason") or kind)
         if kind == "preempted" and reason != "job failed on the node":
-            return await self._preempted(http, flow_run, configuration, bid, track, event)
+            return await self._preempted(attempt, event)
         # The job ended by itself: the engine has written the run's final state.
         state = (await self.client.read_flow_run(flow_run.id)).state
         if kind == "finished" and not (state and state.is_final()):
@@ -339,8 +343,9 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
         )
         return SpotGPUWorkerResult(identifier=infrastructure_id(bid), status_code=1)
 
-    async def _go(self, flow_run, bid: dict, track: Track) -> None:
+    async def _go(self, attempt: Attempt) -> None:
         """Hand the flow run to the running allocation: the launcher there waits for this."""
+        flow_run, bid, track = attempt.flow_run, attempt.bid, attempt.track
         alloc = track.live
         await self.client.update_flow_run_labels(flow_run.id, {ALLOCATION_LABEL: str(alloc)})
         node = track.nodes.get(alloc)
@@ -360,15 +365,9 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
             "resumed" if resumed else "allocated", flow_run, bid, allocation_id=alloc, node_id=node
         )
 
-    async def _preempted(
-        self,
-        http: httpx.AsyncClient,
-        flow_run,
-        configuration: SpotGPUJobConfiguration,
-        bid: dict,
-        track: Track,
-        event: dict,
-    ) -> SpotGPUWorkerResult:
+    async def _preempted(self, attempt: Attempt, event: dict) -> SpotGPUWorkerResult:
+        http, flow_run, bid, track = attempt.http, attempt.flow_run, attempt.bid, attempt.track
+        configuration = attempt.configuration
         logger = self.get_flow_run_logger(flow_run)
         payload = event["payload"]
         reason = payload.get("reason", "preempted")
@@ -426,9 +425,9 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
                 return
         self.get_flow_run_logger(flow_run).error("Could not reschedule the run: it stays Crashed")
 
-    async def _check_cancelled(
-        self, http: httpx.AsyncClient, flow_run, bid_id: int, track: Track
-    ) -> SpotGPUWorkerResult | None:
+    async def _check_cancelled(self, attempt: Attempt) -> SpotGPUWorkerResult | None:
+        http, flow_run, track = attempt.http, attempt.flow_run, attempt.track
+        bid_id = attempt.bid["id"]
         state = (await self.client.read_flow_run(flow_run.id)).state
         if state is None or not (state.is_cancelling() or state.is_cancelled()):
             return None

@@ -30,6 +30,8 @@ from prefect_spotgpu.service.schemas import GpuCount, GpuModelName, Price, Regio
 router = APIRouter(prefix="/api/v1", tags=["prices"])
 
 Days = Annotated[float, Query(gt=0, le=365, description="Days of history to learn from.")]
+ModelPath = Annotated[str, Path(max_length=100, description="GPU model, e.g. A100-80G.")]
+RegionPath = Annotated[str, Path(max_length=63, description="Region, or any.")]
 
 
 class EstimateRequest(Strict):
@@ -78,12 +80,7 @@ def _history(db, gpu_model: str, region: str, days: float):
     "/prices/{gpu_model}/{region}/hourly",
     summary="A pool's clearing price per hour (OHLC)",
 )
-def hourly_history(
-    gpu_model: Annotated[str, Path(max_length=100)],
-    region: Annotated[str, Path(max_length=63)],
-    db: Db,
-    days: Days = 7.0,
-):
+def hourly_history(gpu_model: ModelPath, region: RegionPath, db: Db, days: Days = 7.0):
     _, bars = _history(db, gpu_model, region, days)
     return [
         {
@@ -104,8 +101,8 @@ def hourly_history(
     summary="The expected clearing price by hour, with an 80 % band and its measured error",
 )
 def forecast(
-    gpu_model: Annotated[str, Path(max_length=100)],
-    region: Annotated[str, Path(max_length=63)],
+    gpu_model: ModelPath,
+    region: RegionPath,
     db: Db,
     days: Days = 28.0,
     hours: Annotated[int, Query(ge=1, le=24 * 14)] = 48,
