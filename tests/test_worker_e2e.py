@@ -321,3 +321,29 @@ def test_a_cheap_window_only_run_bids_for_its_window(stack, prefect, tmp_path):
         assert bid_of(stack, prefect, run_id)["status"] == "cancelled"
     else:  # a weekend: the window is open everywhere
         wait_state(prefect, run_id, lambda s: s.is_completed(), 120, "Completed")
+
+
+def test_a_market_crash_mid_run_loses_nothing(stack, prefect, tmp_path):
+    """The market is SIGKILLed while a run is Running and comes back 3 s later: the worker
+    and the agents ride it out (retries), no node is declared lost on the restart, and a
+    reclaim afterwards still resumes the run on the other node."""
+    run_id, progress = start_run(prefect, stack, tmp_path, steps=120)
+    first = running_allocation(prefect, run_id)
+    wait_for(lambda: steps_done(progress) >= 5, 60, "progress")
+    node = node_of(stack, first)
+    stack.restart_market(down_seconds=3)
+    owner = stack.market(stack.owner_key)
+    assert all(n["state"] == "live" for n in owner.get("/nodes").json())
+    assert stack.market().get(f"/allocations/{first}").json()["status"] == "running"
+    reclaim(stack, node)
+    final = wait_state(prefect, run_id, lambda s: s.is_completed(), 120, "Completed")
+    assert final.is_completed() and "Preempted" in state_names(prefect, run_id)
+    assert all(n["state"] == "live" for n in owner.get("/nodes").json() if n["id"] != node)
+    done = [e["done"] for e in progress_of(progress) if "done" in e]
+    assert len(done) == 1
+    bids = [
+        b
+        for b in stack.market().get("/bids", params={"limit": 1000}).json()
+        if (b["labels"] or {}).get("prefect.flow-run-id") == str(run_id)
+    ]
+    assert len(bids) == 1

@@ -124,10 +124,28 @@ class LocalStack:
         return self.prefect_api_url
 
     def start_market(self, db_url: str | None = None) -> str:
-        """The market service on a free loopback port (SQLite under ``home`` by default)."""
+        """The market service on a free loopback port (SQLite under ``home`` by default),
+        with two tenants: the fleet owner and the Prefect buyer."""
         port = free_port()
         self.market_url = f"http://127.0.0.1:{port}"
-        db = db_url or f"sqlite:///{self.home / 'market.db'}"
+        self._market_db = db_url or f"sqlite:///{self.home / 'market.db'}"
+        self._serve_market(port)
+        admin = self.market(self.admin_key)
+        self.owner_key = _created(admin.post("/tenants", json={"name": "fleet-owner"}))["api_key"]
+        self.buyer_key = _created(
+            admin.post("/tenants", json={"name": "prefect", "starting_credit": 1000})
+        )["api_key"]
+        return self.market_url
+
+    def restart_market(self, down_seconds: float = 0.0) -> None:
+        """Kill the market service (SIGKILL: a crash) and start it again on its port and
+        database after ``down_seconds``."""
+        self.kill("market")
+        time.sleep(down_seconds)
+        self._serve_market(int(self.market_url.rsplit(":", 1)[1]))
+
+    def _serve_market(self, port: int) -> None:
+        db = self._market_db
         self._spawn(
             "market",
             [
@@ -143,12 +161,6 @@ class LocalStack:
             },
         )
         self._wait("market", lambda: _healthy(self.market_url + "/api/v1/health"), 60)
-        admin = self.market(self.admin_key)
-        self.owner_key = _created(admin.post("/tenants", json={"name": "fleet-owner"}))["api_key"]
-        self.buyer_key = _created(
-            admin.post("/tenants", json={"name": "prefect", "starting_credit": 1000})
-        )["api_key"]
-        return self.market_url
 
     def market(self, key: str | None = None) -> httpx.Client:
         """A client for the market's API as ``key`` (default: the buyer)."""

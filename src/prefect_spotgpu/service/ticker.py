@@ -171,6 +171,7 @@ class Ticker:
         self.leadership = Leadership(engine, settings)
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
         self.epoch: int | None = None
+        self.leading_since = 0.0  # when this replica last became the tick leader
         self.market: Market | None = None
         self.pending: dict[int, list[float]] = {}  # allocation id -> [amount, seconds, tenant]
         self.owed: defaultdict[int, float] = defaultdict(float)  # tenant -> pending amount
@@ -212,6 +213,7 @@ class Ticker:
             session.flush()
             self.epoch = row.epoch
         self.market = None
+        self.leading_since = time.time()
         logger.info("%s leads the tick loop (epoch %s)", self.holder, self.epoch)
 
     def step_down(self) -> None:
@@ -439,6 +441,8 @@ class Ticker:
             )
 
     def _lost_nodes(self, writes: _Writes, now: float) -> None:
+        if now - self.leading_since < self.settings.heartbeat_timeout_seconds:
+            return  # a new leader (a restart, a failover) gives every agent a timeout to check in
         cutoff = datetime.fromtimestamp(now - self.settings.heartbeat_timeout_seconds, UTC)
         lost = writes.session.scalars(
             select(NodeRow)
