@@ -18,23 +18,19 @@ from pathlib import Path
 import numpy as np
 
 from prefect_spotgpu.market.forecast import holdout_error
-from prefect_spotgpu.replay import RESERVE, Demand, load_traces, pool_market, set_supply
+from prefect_spotgpu.replay import MarketReplay, load_traces, prospect
 
 TRACES = Path(__file__).resolve().parent / "traces"
 
 
 def clearing_history(trace, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Hourly mean clearing price of the trace's pool under the replay's competing demand."""
-    market, demand = pool_market(trace), Demand(trace, seed)
-    t0 = 1_800_000_000.0
+    pool = MarketReplay(trace, seed=seed)
     times, prices = [], []
-    for step, available in enumerate(trace.available):
-        now = t0 + step * trace.gap_seconds
-        set_supply(market, trace, int(available))
-        demand.refresh(market, now, (now / 3600) % 24)
-        (quote,) = market.tick(now).quotes
+    for step in range(len(trace.available)):
+        now = pool.advance(step)
         times.append(now)
-        prices.append(quote.clearing_price or RESERVE)
+        prices.append(prospect(pool.market.tick(now), cap=0.0)[1])  # the clearing price
     hours = (np.asarray(times) // 3600).astype(np.int64)
     order = np.unique(hours, return_inverse=True)
     means = np.bincount(order[1], weights=np.asarray(prices)) / np.bincount(order[1])

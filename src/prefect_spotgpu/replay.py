@@ -42,6 +42,7 @@ from prefect_spotgpu.market import (
 MODEL, REGION = "A100-80G", "trace"
 RESERVE = 0.90  # the lowest A100-80G spot price of the product brief: the owners' floor
 JOB_BID = 10**9  # the job's bid id; competing bids count up from 1
+HYSTERESIS = MarketConfig().hysteresis
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,8 @@ class Demand:
         self.next_id = 1
         self.live: list[int] = []
 
-    def refresh(self, market: Market, now: float, hour_of_day: float) -> None:
+    def refresh(self, market: Market, now: float) -> None:
+        hour_of_day = (now / 3600) % 24
         busy = 0.5 + 1.0 * max(0.0, math.sin(math.pi * (hour_of_day - 9) / 12))
         wanted = sum(self.rng.random() < busy / 2 for _ in range(2 * self.nodes))
         keep = [b for b in self.live if self.rng.random() < 0.7]  # 30 % leave each tick
@@ -137,17 +139,35 @@ class Demand:
             self.next_id += 1
 
 
-def pool_market(trace: Trace) -> Market:
-    market = Market(MarketConfig(notice_seconds=300))
-    for node in range(max(1, int(trace.available.max()))):
-        market.upsert_node(Node(node + 1, MODEL, REGION, trace.gpus_per_node, RESERVE))
-    return market
+class MarketReplay:
+    """A trace's pool in the real market, with competing demand, stepped by the trace's ticks.
 
+    ``advance(step)`` makes the market's supply and demand those of tick ``start + step`` and
+    returns its time (None past the trace's end); the caller adds its own bids and ticks."""
 
-def set_supply(market: Market, trace: Trace, count: int) -> None:
-    for node in range(max(1, int(trace.available.max()))):
-        state = NodeState.LIVE if node < count else NodeState.RECLAIMED
-        market.upsert_node(Node(node + 1, MODEL, REGION, trace.gpus_per_node, RESERVE, state))
+    def __init__(self, trace: Trace, start: int = 0, seed: int = 0) -> None:
+        self.trace, self.start = trace, start
+        self.nodes = max(1, int(trace.available.max()))
+        self.market = Market(MarketConfig(notice_seconds=300))
+        self.demand = Demand(trace, seed)
+        self.t0 = 1_800_000_000.0 + start * trace.gap_seconds
+        self._set_supply(self.nodes)
+
+    def advance(self, step: int) -> float | None:
+        index = self.start + step
+        if index >= len(self.trace.available):
+            return None
+        now = self.t0 + step * self.trace.gap_seconds
+        self._set_supply(int(self.trace.available[index]))
+        self.demand.refresh(self.market, now)
+        return now
+
+    def _set_supply(self, count: int) -> None:
+        for node in range(self.nodes):
+            state = NodeState.LIVE if node < count else NodeState.RECLAIMED
+            self.market.upsert_node(
+                Node(node + 1, MODEL, REGION, self.trace.gpus_per_node, RESERVE, state)
+            )
 
 
 def replay(trace: Trace, policy_name: str, job: Job, start: int = 0, seed: int = 0) -> Outcome:
@@ -157,19 +177,17 @@ def replay(trace: Trace, policy_name: str, job: Job, start: int = 0, seed: int =
     g = trace.gap_seconds / 3600
     baseline = (job.work_h + job.restart_h) * od * trace.gpus_per_node  # one start, no stops
     out = Outcome(policy_name, on_demand_cost=baseline)
-    market, demand = pool_market(trace), Demand(trace, seed)
-    t0 = 1_800_000_000.0 + start * trace.gap_seconds
+    pool = MarketReplay(trace, start, seed)
+    market = pool.market
     done, warmup, mode, ran, alloc = 0.0, 0.0, "wait", False, None
     ours: set[int] = set()  # the job's allocations not yet ended
     quote = (True, RESERVE)  # what the pool's quote says before the first tick
     finish_at = None
     for step in range(math.ceil(job.deadline_h / g) + 1):
-        index = start + step
-        if index >= len(trace.available) or done >= job.work_h:
+        now = pool.advance(step)
+        if now is None or done >= job.work_h:
             break
-        now, now_h = t0 + step * trace.gap_seconds, step * g
-        set_supply(market, trace, int(trace.available[index]))
-        demand.refresh(market, now, ((now / 3600) + 0) % 24)
+        now_h = step * g
         view = JobView(now_h, job.deadline_h, job.work_h, done, job.restart_h, g, mode, ran,
                        job.cap, od, *quote)  # fmt: skip
         action = policy(view)
@@ -182,7 +200,7 @@ def replay(trace: Trace, policy_name: str, job: Job, start: int = 0, seed: int =
             out.cost += market.cancel_bid(JOB_BID, now).charges.total()
             alloc = None
         decision = market.tick(now)
-        quote = _prospect(decision, job, mine=alloc is not None)
+        quote = prospect(decision, job.cap, mine=alloc is not None)
         out.cost += float(decision.charges.amount[decision.charges.bid_id == JOB_BID].sum())
         for notice in decision.notices:
             if notice.bid_id == JOB_BID:  # the final save is done within the notice
@@ -223,19 +241,20 @@ def replay(trace: Trace, policy_name: str, job: Job, start: int = 0, seed: int =
         mode = new_mode
         out.steps.append(mode[0])
     if market.has_bid(JOB_BID):  # settle the last charges
-        end = finish_at or t0 + len(out.steps) * trace.gap_seconds
+        end = finish_at or pool.t0 + len(out.steps) * trace.gap_seconds
         out.cost += market.cancel_bid(JOB_BID, end).charges.total()
     if out.finished_h is not None and out.finished_h > job.deadline_h + 1e-9:
         out.finished_h = None
     return out
 
 
-def _prospect(decision, job: Job, mine: bool) -> tuple[bool, float]:
-    """From the pool's quote: would a bid at the cap hold GPUs now, and from what price."""
+def prospect(decision, cap: float, mine: bool = False) -> tuple[bool, float]:
+    """From the pool's quote: would a bid at ``cap`` hold GPUs now (it holds some already,
+    GPUs are free, or it outbids the clearing price beyond the hysteresis), and the price."""
     (quote,) = decision.quotes
     floor = max(RESERVE, quote.clearing_price or RESERVE)
-    live = quote.gpus_total > 0
-    return live and (mine or quote.gpus_free > 0 or floor * 1.05 < job.cap), floor
+    outbids = floor * (1 + HYSTERESIS) < cap
+    return quote.gpus_total > 0 and (mine or quote.gpus_free > 0 or outbids), floor
 
 
 def _ended(market: Market, allocation_id: int) -> bool:
@@ -248,23 +267,13 @@ def spot_prospects(trace: Trace, job: Job, start: int, seed: int) -> tuple[np.nd
     the same market and demand replayed without the job (what the optimum knows ahead)."""
     g = trace.gap_seconds / 3600
     steps = math.ceil(job.deadline_h / g) + 1
-    market, demand = pool_market(trace), Demand(trace, seed)
-    t0 = 1_800_000_000.0 + start * trace.gap_seconds
+    pool = MarketReplay(trace, start, seed)
     available, price = np.zeros(steps, bool), np.zeros(steps)
     for step in range(steps):
-        index = start + step
-        if index >= len(trace.available):
+        now = pool.advance(step)
+        if now is None:
             break
-        now = t0 + step * trace.gap_seconds
-        set_supply(market, trace, int(trace.available[index]))
-        demand.refresh(market, now, (now / 3600) % 24)
-        decision = market.tick(now)
-        (quote,) = decision.quotes
-        clearing = quote.clearing_price or RESERVE
-        nodes = int(trace.available[index])
-        # a bid at the cap wins a node if one is free, or outbids the lowest incumbent
-        available[step] = nodes > 0 and (quote.gpus_free > 0 or clearing * 1.05 < job.cap)
-        price[step] = clearing if quote.gpus_free == 0 else max(RESERVE, clearing)
+        available[step], price[step] = prospect(pool.market.tick(now), job.cap)
     return available, price
 
 
