@@ -182,3 +182,17 @@ def test_the_block_script_saves_what_the_deployments_use(prefect_api_url, tmp_pa
 
     assert SpotMarket.load("spot-market").api_key.get_secret_value() == "sgk_test"
     assert CheckpointStorage.load("spot-checkpoints").url() == str(tmp_path)
+
+
+def test_which_failures_the_worker_retries():
+    import httpx
+
+    from prefect_spotgpu.bidding import MarketError, is_transient
+
+    assert is_transient(httpx.ConnectError("refused"))
+    assert is_transient(MarketError("busy", 503)) and is_transient(MarketError("slow", 429))
+    assert not is_transient(MarketError("no such bid", 404))
+    assert not is_transient(MarketError("bad input", 422))
+    response = httpx.Response(500, request=httpx.Request("GET", "http://prefect/api"))
+    assert is_transient(httpx.HTTPStatusError("boom", request=response.request, response=response))
+    assert not is_transient(ValueError("a bug, not an outage"))

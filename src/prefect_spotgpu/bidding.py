@@ -3,7 +3,6 @@ report, and the HTTP calls to the market (one place for the market's error messa
 
 from __future__ import annotations
 
-import json
 import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -19,6 +18,10 @@ NOTICE_SECONDS = 300
 """The market's notice: a window closing sooner than this cannot start a run."""
 PID_PREFIX = "spotgpu-bid-"
 """A flow run's infrastructure id: the bid serving it."""
+JOB_FAILED = "job failed on the node"
+"""The market's reason when a job exited non-zero: the run's own end, not a preemption."""
+SAVED_AND_STOPPED = "final save acknowledged"
+"""The market's reason after a final save: the agent stopped the job before reporting it."""
 
 
 class MarketError(RuntimeError):
@@ -28,9 +31,17 @@ class MarketError(RuntimeError):
         super().__init__(message)
         self.status = status
 
-    @property
-    def transient(self) -> bool:
-        return self.status >= 500 or self.status in (408, 429)
+
+def is_transient(exc: Exception) -> bool:
+    """A failure worth retrying: no answer at all, or a 5xx, 408 or 429 from the market or
+    Prefect (``MarketError`` or ``httpx.HTTPStatusError``)."""
+    if isinstance(exc, MarketError):
+        status = exc.status
+    elif isinstance(exc, httpx.HTTPStatusError):
+        status = exc.response.status_code
+    else:
+        return isinstance(exc, httpx.HTTPError)  # connection refused, timeout, ...
+    return status >= 500 or status in (408, 429)
 
 
 class Track:
@@ -65,7 +76,7 @@ class Track:
             self.running.append(alloc)
         elif kind in ("preempted", "finished", "released"):
             self.ended.add(alloc)
-            if kind == "preempted" and event["payload"].get("reason") != "job failed on the node":
+            if kind == "preempted" and event["payload"].get("reason") != JOB_FAILED:
                 self.preemptions += 1
             if alloc in self.running:
                 current = alloc == self.running[0]
@@ -225,7 +236,3 @@ def plain(payload: dict) -> dict:
     return {
         k: v for k, v in payload.items() if isinstance(v, str | int | float | bool) or v is None
     }
-
-
-def as_json(value: Any) -> str:
-    return json.dumps(value)

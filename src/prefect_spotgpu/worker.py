@@ -25,6 +25,7 @@ finds open and whose worker is gone (no duplicate bid, no orphaned job).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -44,16 +45,18 @@ from prefect.utilities.engine import propose_state
 from prefect.workers.base import BaseWorker, BaseWorkerResult
 
 from prefect_spotgpu.bidding import (
+    JOB_FAILED,
     PID_PREFIX,
+    SAVED_AND_STOPPED,
     MarketError,
     Track,
     allocation_report,
-    as_json,
     aware,
     cancel_bid,
     checked,
     describe,
     infrastructure_id,
+    is_transient,
     market_client,
     market_of,
     plain,
@@ -141,7 +144,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
         async with market_client(market) as http:
             bid = await self._bid_for(http, flow_run, configuration)
             if task_status is not None:
-                task_status.started(f"{PID_PREFIX}{bid['id']}")
+                task_status.started(infrastructure_id(bid))
             return await self._follow(http, flow_run, configuration, bid)
 
     async def _bid_for(
@@ -152,10 +155,14 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
         bid = None
         known = (flow_run.labels or {}).get(BID_LABEL)
         if known:
-            response = await self._retry(
-                flow_run, "read the bid", lambda: http.get(f"/bids/{known}")
-            )
-            found = None if response.status_code == 404 else checked(response, "read the bid")
+            try:
+                found = await self._retry_checked(
+                    flow_run, "read the bid", lambda: http.get(f"/bids/{known}")
+                )
+            except MarketError as exc:
+                if exc.status != 404:
+                    raise
+                found = None
             if found is not None and found["status"] in ("open", "held"):
                 bid = found
                 if window_over(bid):  # a cheap-window run paused: bid for the next window
@@ -165,10 +172,9 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
             if configuration.notice_webhook:
                 await set_webhook(http, configuration.notice_webhook)
             body = self._bid_body(flow_run, configuration)  # idempotent: retries are safe
-            response = await self._retry(
+            bid = await self._retry_checked(
                 flow_run, "place the bid", lambda: http.post("/bids", json=body)
             )
-            bid = checked(response, "place the bid")
             await self.client.update_flow_run_labels(flow_run.id, {BID_LABEL: str(bid["id"])})
             logger.info(
                 "Bid %s placed: %s x %s in %s at most %.2f per GPU-hour",
@@ -275,10 +281,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
             try:
                 return await call()
             except (httpx.HTTPError, MarketError) as exc:
-                status = getattr(getattr(exc, "response", None), "status_code", 0)
-                if isinstance(exc, MarketError):
-                    status = exc.status
-                if 0 < status < 500 and status not in (408, 429):
+                if not is_transient(exc):
                     raise
                 self.get_flow_run_logger(flow_run).warning(
                     "Could not %s (%s); retrying in %.0f s", doing, exc, delay
@@ -318,7 +321,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
         if not ended_current:
             return None
         reason = str(payload.get("reason") or kind)
-        if kind == "preempted" and reason != "job failed on the node":
+        if kind == "preempted" and reason != JOB_FAILED:
             return await self._preempted(attempt, event)
         # The job ended by itself: the engine has written the run's final state.
         state = (await self.client.read_flow_run(flow_run.id)).state
@@ -389,8 +392,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
         when = resume_time(datetime.now(UTC), configuration)
         if when > datetime.now(UTC):
             message += f"; the cheap window reopens at {when.isoformat(timespec='minutes')}"
-        stopped = reason == "final save acknowledged"  # the agent stopped it before reporting
-        await self._reschedule(flow_run, message, when, job_stopped=stopped)
+        await self._reschedule(flow_run, message, when, job_stopped=reason == SAVED_AND_STOPPED)
         return SpotGPUWorkerResult(identifier=infrastructure_id(bid), status_code=0)
 
     async def _reschedule(
@@ -403,27 +405,42 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
         save the agent stops the job before the market ends the allocation, so Crashed is
         usually there already; otherwise (a notice deadline, a lost node) wait a little for it.
         """
-        deadline = time.monotonic() + (0 if job_stopped else ENGINE_EXIT_SECONDS)
-        while True:
-            state = (await self.client.read_flow_run(flow_run.id)).state
-            if state is None or not state.is_running() or time.monotonic() > deadline:
-                break
-            await anyio.sleep(0.5)
+        state = await self._engine_done(flow_run, 0 if job_stopped else ENGINE_EXIT_SECONDS)
         if state is not None and state.is_final() and not state.is_crashed():
             self.get_flow_run_logger(flow_run).info("Not rescheduled: the run is %s", state.name)
             return
         engine_may_still_report = not job_stopped and state is not None and state.is_running()
-        for _ in range(3):  # a Crashed that still lands after ours is overwritten again
-            await self._set_state(
-                flow_run, Scheduled(name="Preempted", scheduled_time=when, message=message)
-            )
-            if not engine_may_still_report:
+        await self._insist(
+            flow_run,
+            lambda: Scheduled(name="Preempted", scheduled_time=when, message=message),
+            force=False,
+            check=engine_may_still_report,
+        )
+
+    async def _engine_done(self, flow_run, seconds: float):
+        """The run's state once it has left Running (its engine's last word), or after
+        ``seconds`` (an engine that was killed outright never reports)."""
+        deadline = time.monotonic() + seconds
+        while True:
+            state = (await self.client.read_flow_run(flow_run.id)).state
+            if state is None or not state.is_running() or time.monotonic() > deadline:
+                return state
+            await anyio.sleep(0.5)
+
+    async def _insist(self, flow_run, new_state, force: bool, check: bool = True) -> None:
+        """Set ``new_state()``; with ``check``, set it again (up to three times) while a
+        stopped engine's forced Crashed lands on top of it."""
+        for _ in range(3):
+            await self._set_state(flow_run, new_state(), force=force)
+            if not check:
                 return
             await anyio.sleep(1.0)
             now = (await self.client.read_flow_run(flow_run.id)).state
             if now is None or not now.is_crashed():
                 return
-        self.get_flow_run_logger(flow_run).error("Could not reschedule the run: it stays Crashed")
+        self.get_flow_run_logger(flow_run).error(
+            "The run stays Crashed: its engine had the last word"
+        )
 
     async def _check_cancelled(self, attempt: Attempt) -> SpotGPUWorkerResult | None:
         http, flow_run, track = attempt.http, attempt.flow_run, attempt.track
@@ -439,20 +456,11 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
             if not any(a["status"] in ("running", "noticed") for a in allocations):
                 break
             await anyio.sleep(0.2)
-        while time.monotonic() < deadline:  # and for its engine to have its last word
-            now = (await self.client.read_flow_run(flow_run.id)).state
-            if now is None or not now.is_running():
-                break
-            await anyio.sleep(0.2)
+        await self._engine_done(flow_run, max(0.0, deadline - time.monotonic()))
         message = f"Cancelled: bid {bid_id} cancelled and its job stopped"
         logger.info(message)
-        for _ in range(3):  # the stopped engine may still force Crashed over it
-            await self._set_state(flow_run, Cancelled(message=message), force=True)
-            await anyio.sleep(1.0)
-            now = (await self.client.read_flow_run(flow_run.id)).state
-            if now is None or now.is_cancelled():
-                break
-        return SpotGPUWorkerResult(identifier=f"{PID_PREFIX}{bid_id}", status_code=0)
+        await self._insist(flow_run, lambda: Cancelled(message=message), force=True)
+        return SpotGPUWorkerResult(identifier=infrastructure_id(attempt.bid), status_code=0)
 
     async def kill_infrastructure(
         self,
@@ -589,7 +597,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
                 ArtifactCreate(
                     key=f"{key}-allocations",
                     type="table",
-                    data=as_json(table),
+                    data=json.dumps(table),
                     description=f"GPU allocations of bid {bid['id']}",
                     flow_run_id=flow_run.id,
                 )
