@@ -85,29 +85,34 @@ def trial(stack, deployment: str, progress: Path, label: str, i: int) -> dict:
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
 
+    from prefect_spotgpu.stack import wait_for as wait_for_every_50ms
+
+    def wait_for(predicate, timeout):  # polls as the earlier runs did: 10 times a second
+        return wait_for_every_50ms(predicate, timeout, interval=0.1)
+
     market, owner = stack.market(), stack.market(stack.owner_key)
     with get_client(sync_client=True) as prefect:
         run = prefect.create_flow_run_from_deployment(
             UUID(deployment),
             parameters={"steps": 100000, "step_seconds": 0.05, "progress": str(progress)},
         )
-        bid_id = wait(lambda: prefect.read_flow_run(run.id).labels.get("spotgpu.bid"), 60)
+        bid_id = wait_for(lambda: prefect.read_flow_run(run.id).labels.get("spotgpu.bid"), 60)
         placed = datetime.fromisoformat(market.get(f"/bids/{bid_id}").json()["created_at"])
-        first = int(wait(lambda: _running_on(prefect, run.id), 120))
-        wait(lambda: progress.exists() and progress.read_text().count('"step"') >= 20, 60)
+        first = int(wait_for(lambda: _running_on(prefect, run.id), 120))
+        wait_for(lambda: progress.exists() and progress.read_text().count('"step"') >= 20, 60)
         node = market.get(f"/allocations/{first}").json()["node_id"]
         reclaimed_at = time.time()
         owner.patch(f"/nodes/{node}", json={"state": "reclaimed"})
         second = int(
-            wait(lambda: (a := _running_on(prefect, run.id)) and a != str(first) and a, 120)
+            wait_for(lambda: (a := _running_on(prefect, run.id)) and a != str(first) and a, 120)
         )
         states = prefect.read_flow_run_states(run.id)
         running_again = [s for s in states if s.is_running()][-1].timestamp.timestamp()
         stopped = market.get(f"/allocations/{first}").json()["ended_at"]
         prefect.set_flow_run_state(run.id, Cancelling(), force=True)
-        wait(lambda: prefect.read_flow_run(run.id).state.is_cancelled(), 60)
+        wait_for(lambda: prefect.read_flow_run(run.id).state.is_cancelled(), 60)
         owner.patch(f"/nodes/{node}", json={"state": "live"})
-        wait(lambda: market.get(f"/allocations/{second}").json()["status"] != "running", 60)
+        wait_for(lambda: market.get(f"/allocations/{second}").json()["status"] != "running", 60)
     sample = {
         "pickup_s": round((placed - run.created).total_seconds(), 3),
         "resume_after_stop_s": round(running_again - stopped, 3),
@@ -132,17 +137,6 @@ def summarise(samples: list[dict]) -> dict:
         }
         for key in samples[0]
     }
-
-
-def wait(predicate, timeout: float):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout} s")
-        time.sleep(0.1)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ uvicorn on a loopback port."""
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import threading
 import time
@@ -17,6 +16,8 @@ import httpx
 import pytest
 import sqlalchemy as sa
 import uvicorn
+
+from prefect_spotgpu.stack import free_port, wait_for
 
 # Prefect, before anything imports it: a private home, no analytics, and time for the test
 # server to start on a 2-core machine.
@@ -80,24 +81,6 @@ def db_url(request, tmp_path) -> Iterator[str]:
     url, drop = fresh_postgres_schema(request.getfixturevalue("postgres_url"))
     yield url
     drop()
-
-
-def wait_for(predicate, timeout: float = 10.0, what: str = "the condition", interval: float = 0.05):
-    """Poll ``predicate`` until it returns something truthy (returned), or fail."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

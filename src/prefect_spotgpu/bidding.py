@@ -85,21 +85,39 @@ class Track:
         return False
 
 
+def bid_costs(bid: dict, allocations: list[dict]) -> dict:
+    """A bid's spot cost against the same GPU-hours on-demand, its preemptions, final saves
+    and the work lost (seconds since the last checkpoint of preemptions without a final save).
+    """
+    on_demand_price = DEFAULT_CATALOG.get(bid["gpu_model"]).on_demand_price
+    spot = sum(a["charged_amount"] for a in allocations)
+    gpu_hours = sum(a["charged_seconds"] * a["gpu_count"] for a in allocations) / 3600
+    preempted = [a for a in allocations if a["status"] == "preempted"]
+    lost = sum(
+        a["ended_at"] - max(a["last_checkpoint_at"] or a["started_at"], a["started_at"])
+        for a in preempted
+        if a["final_save"] != "ok" and a["ended_at"] is not None
+    )
+    on_demand = gpu_hours * on_demand_price
+    return {
+        "gpu_hours": gpu_hours,
+        "spot_cost": spot,
+        "on_demand_cost": on_demand,
+        "on_demand_price": on_demand_price,
+        "saving": 1 - spot / on_demand if on_demand > 0 else None,
+        "preemptions": len(preempted),
+        "final_saves_ok": sum(a["final_save"] == "ok" for a in allocations),
+        "work_lost_seconds": lost,
+    }
+
+
 def allocation_report(bid: dict, allocations: list[dict]) -> tuple[list[dict], str]:
     """Rows for the allocations table and the markdown summary of a bid's cost."""
-    on_demand = DEFAULT_CATALOG.get(bid["gpu_model"]).on_demand_price
-    rows, spot, gpu_hours, lost, preemptions = [], 0.0, 0.0, 0.0, 0
+    rows = []
     for a in sorted(allocations, key=lambda a: a["id"]):
         if a["status"] in ("reserved", "released"):
             continue
-        hours = a["charged_seconds"] * a["gpu_count"] / 3600
-        spot += a["charged_amount"]
-        gpu_hours += hours
         end = a["ended_at"]
-        if a["status"] == "preempted":
-            preemptions += 1
-            if a["final_save"] != "ok" and end is not None:
-                lost += end - max(a["last_checkpoint_at"] or a["started_at"], a["started_at"])
         rows.append(
             {
                 "allocation": a["id"],
@@ -112,8 +130,8 @@ def allocation_report(bid: dict, allocations: list[dict]) -> tuple[list[dict], s
                 "cost": round(a["charged_amount"], 6),
             }
         )
-    full = gpu_hours * on_demand
-    saving = f"{1 - spot / full:.0%}" if full > 0 else "n/a"
+    c = bid_costs(bid, allocations)
+    saving = "n/a" if c["saving"] is None else f"{c['saving']:.0%}"
     summary = "\n".join(
         [
             f"### Spot GPU cost of bid {bid['id']}",
@@ -121,12 +139,12 @@ def allocation_report(bid: dict, allocations: list[dict]) -> tuple[list[dict], s
             "| | |",
             "|---|---|",
             f"| GPUs | {describe(bid)} |",
-            f"| GPU-hours | {gpu_hours:.4f} |",
-            f"| Spot cost | {spot:.6f} |",
-            f"| On-demand cost | {full:.6f} (at {on_demand:.2f}/GPU-h) |",
+            f"| GPU-hours | {c['gpu_hours']:.4f} |",
+            f"| Spot cost | {c['spot_cost']:.6f} |",
+            f"| On-demand cost | {c['on_demand_cost']:.6f} (at {c['on_demand_price']:.2f}/GPU-h) |",
             f"| Saving | {saving} |",
-            f"| Preemptions | {preemptions} |",
-            f"| Work lost | {lost:.1f} s (preemptions without a final save) |",
+            f"| Preemptions | {c['preemptions']} |",
+            f"| Work lost | {c['work_lost_seconds']:.1f} s (preemptions without a final save) |",
         ]
     )
     return rows, summary

@@ -57,7 +57,7 @@ def find_project(start: Path | None = None) -> Path:
     )
 
 
-def run_demo(console: Console, home: Path, steps: int = 300, keep_running: bool = True) -> dict:
+def run_demo(console: Console, home: Path, steps: int = 500, keep_running: bool = True) -> dict:
     """Bring the stack up, run the pretraining flow through a reclaim, print the timeline."""
     project = find_project()
     home.mkdir(parents=True, exist_ok=True)
@@ -252,18 +252,16 @@ def _timeline(bid, events, states, logs, nodes, allocations) -> list[Moment]:
 
 
 def _cost(allocations: list[dict], bid: dict) -> dict:
-    from prefect_spotgpu.market import DEFAULT_CATALOG
+    from prefect_spotgpu.bidding import bid_costs
 
-    spot = sum(a["charged_amount"] for a in allocations)
-    gpu_hours = sum(a["charged_seconds"] * a["gpu_count"] for a in allocations) / 3600
-    on_demand = gpu_hours * DEFAULT_CATALOG.get(bid["gpu_model"]).on_demand_price
+    c = bid_costs(bid, allocations)
     return {
-        "gpu_seconds": round(gpu_hours * 3600, 1),
-        "spot_cost": round(spot, 6),
-        "on_demand_cost": round(on_demand, 6),
-        "saving": round(1 - spot / on_demand, 3) if on_demand else None,
-        "preemptions": sum(a["status"] == "preempted" for a in allocations),
-        "final_saves_ok": sum(a["final_save"] == "ok" for a in allocations),
+        "gpu_seconds": round(c["gpu_hours"] * 3600, 1),
+        "spot_cost": round(c["spot_cost"], 6),
+        "on_demand_cost": round(c["on_demand_cost"], 6),
+        "saving": None if c["saving"] is None else round(c["saving"], 3),
+        "preemptions": c["preemptions"],
+        "final_saves_ok": c["final_saves_ok"],
     }
 
 

@@ -38,6 +38,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for(predicate, timeout: float = 10.0, what: str = "the condition", interval: float = 0.05):
+    """Poll ``predicate`` until it returns something truthy (returned), or raise TimeoutError."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
 class LocalStack:
     """Processes of a local stack; see the module docstring."""
 
