@@ -423,3 +423,28 @@ def test_a_job_that_finishes_during_its_notice_is_reported_finished(service, tmp
     finally:
         agent.shutdown()
         thread.join(timeout=10)
+
+
+def test_an_allocation_waits_for_gpus_a_stopping_job_still_holds(service, tmp_path):
+    owner = service.tenant()
+    node, agent = make_agent(service, owner, tmp_path, gpus=1)
+    agent.register()
+    buyer = service.tenant()
+    bid = buyer.post(
+        "/bids",
+        json={"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0, "region": "eu-west",
+              "job": {"command": [sys.executable, "-c", "import time; time.sleep(60)"]}},
+    ).json()  # fmt: skip
+    (alloc,) = wait(lambda: [a for a in agent.assignments().values()], 20, "the allocation")
+    agent.free = set()  # the GPU is still held by a job being stopped
+    agent.start(alloc["id"])
+    assert agent.jobs == {} and alloc["id"] in agent.waiting_for_gpus
+    assert buyer.get(f"/allocations/{alloc['id']}").json()["status"] == "running"  # not failed
+    agent.free = {0}  # the stop is done: the loop's next retry starts the job
+    agent.start(alloc["id"])
+    try:
+        assert alloc["id"] in agent.jobs and alloc["id"] not in agent.waiting_for_gpus
+    finally:
+        buyer.post(f"/bids/{bid['id']}/cancel")
+        agent.stop(alloc["id"], reason="test over")
+    assert node["id"] == alloc["node_id"]
