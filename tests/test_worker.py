@@ -196,3 +196,42 @@ def test_which_failures_the_worker_retries():
     response = httpx.Response(500, request=httpx.Request("GET", "http://prefect/api"))
     assert is_transient(httpx.HTTPStatusError("boom", request=response.request, response=response))
     assert not is_transient(ValueError("a bug, not an outage"))
+
+
+def test_the_launcher_waits_through_crashed_and_acknowledges_an_early_notice(
+    prefect_api_url, tmp_path
+):
+    import json
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.states import Completed, Crashed
+
+    @flow(name="launcher-probe")
+    def probe():
+        return 1
+
+    with get_client(sync_client=True) as client:
+        run = client.create_flow_run(probe)
+
+        def launch(**env):
+            return subprocess.run(
+                [sys.executable, "-m", "prefect_spotgpu.launch"],
+                env={**os.environ, "PREFECT_API_URL": prefect_api_url,
+                     "PREFECT__FLOW_RUN_ID": str(run.id), "SPOTGPU_ALLOCATION_ID": "7",
+                     "SPOTGPU_NOTICE_FILE": str(tmp_path / "notice.json"), **env},
+                capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+
+        client.set_flow_run_state(run.id, Crashed(), force=True)
+        waited = launch(SPOTGPU_LAUNCH_TIMEOUT="2")  # a preempted run: wait for the worker
+        assert waited.returncode == 3 and "no go from the worker" in waited.stderr
+        (tmp_path / "notice.json").write_text("{}")
+        noticed = launch()
+        assert noticed.returncode == 0 and "notice before the flow run started" in noticed.stdout
+        ack = json.loads((tmp_path / "notice.json.ack").read_text())
+        assert ack["started"] is False and ack["step"] is None and ack["saved_at"] > 0
+        (tmp_path / "notice.json").unlink()
+        client.set_flow_run_state(run.id, Completed(), force=True)
+        over = launch()
+        assert over.returncode == 0 and "already Completed" in over.stdout

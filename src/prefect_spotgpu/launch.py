@@ -24,12 +24,13 @@ worker reschedules a preempted run) or noticed before it started; 3 no go within
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 import time
 from pathlib import Path
+
+from prefect_spotgpu.checkpoint.checkpointer import NOTICE_FILE_ENV
 
 ALLOCATION_LABEL = "spotgpu.allocation"
 """The flow-run label the worker sets to the allocation that may start the engine."""
@@ -41,12 +42,13 @@ def main() -> int:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     flow_run_id = os.environ["PREFECT__FLOW_RUN_ID"]
     allocation = os.environ.get("SPOTGPU_ALLOCATION_ID", "")
-    notice_file = Path(os.environ.get("SPOTGPU_NOTICE_FILE", "/nonexistent/notice"))
+    notice_file = Path(os.environ.get(NOTICE_FILE_ENV, "/nonexistent/notice"))
     timeout = float(os.environ.get("SPOTGPU_LAUNCH_TIMEOUT", "600"))
 
     from prefect.client.orchestration import get_client
 
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
     with get_client(sync_client=True) as client:
         while time.monotonic() < deadline:
             if notice_file.exists():
@@ -64,7 +66,7 @@ def main() -> int:
                 and (flow_run.labels or {}).get(ALLOCATION_LABEL) == allocation
             ):
                 break
-            time.sleep(0.1)
+            time.sleep(0.1 if time.monotonic() - started < 10 else 1.0)  # then ease off
         else:
             print(f"spotgpu: no go from the worker within {timeout:.0f} s", file=sys.stderr)
             return 3
@@ -74,10 +76,10 @@ def main() -> int:
 
 
 def _acknowledge(notice_file: Path) -> None:
-    ack = Path(os.environ.get("SPOTGPU_ACK_FILE") or f"{notice_file}.ack")
-    tmp = ack.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"step": None, "saved_at": time.time(), "started": False}))
-    os.replace(tmp, ack)
+    """Nothing ran, so nothing to save: acknowledge at once (as the checkpointer would)."""
+    from prefect_spotgpu.checkpoint import ACK_FILE_ENV, write_ack
+
+    write_ack(os.environ.get(ACK_FILE_ENV) or f"{notice_file}.ack", step=None, started=False)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from prefect_spotgpu.checkpoint.checkpointer import (
     SaveResult,
     rng_state,
     set_rng_state,
+    write_ack,
 )
 from prefect_spotgpu.checkpoint.format import CorruptCheckpoint
 from prefect_spotgpu.checkpoint.storage import (
@@ -34,4 +35,5 @@ __all__ = [
     "rng_state",
     "set_rng_state",
     "storage_from_url",
+    "write_ack",
 ]

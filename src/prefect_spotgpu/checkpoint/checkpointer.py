@@ -197,25 +197,8 @@ class Checkpointer:
             logger.warning("could not delete old checkpoints of %s: %s", self.key, exc)
 
     def _acknowledge(self, result: SaveResult) -> None:
-        if self.ack_file is None:
-            return
-        tmp = self.ack_file.with_name(self.ack_file.name + ".tmp")
-        tmp.write_text(
-            json.dumps(
-                {
-                    "step": result.step,
-                    "durable": True,
-                    "saved_at": time.time(),
-                    "seconds": result.seconds,
-                }
-            )
-        )
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.ack_file)
+        if self.ack_file is not None:
+            write_ack(self.ack_file, step=result.step, durable=True, seconds=result.seconds)
 
     # ---------------------------------------------------------------- restoring
 
@@ -271,3 +254,17 @@ def set_rng_state(state: dict) -> None:
         torch.set_rng_state(state["torch"].clone())
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([s.clone() for s in state["cuda"]])
+
+
+def write_ack(path: os.PathLike | str, **fields) -> None:
+    """The acknowledgement the node's agent waits for (``saved_at`` added), written
+    atomically and durably: temporary file, fsync, rename."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({**fields, "saved_at": time.time()}))
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
