@@ -121,17 +121,18 @@ class Service:
         gpus=8,
         reserve=0.9,
         name=None,
+        capacity="spot",
     ) -> tuple[dict, httpx.Client]:
-        response = owner.post(
-            "/nodes",
-            json={
-                "name": name or f"n{uuid.uuid4().hex[:8]}",
-                "gpu_model": gpu_model,
-                "region": region,
-                "gpu_count": gpus,
-                "reserve_price": reserve,
-            },
-        )
+        body = {
+            "name": name or f"n{uuid.uuid4().hex[:8]}",
+            "gpu_model": gpu_model,
+            "region": region,
+            "gpu_count": gpus,
+            "capacity": capacity,
+        }
+        if capacity == "spot":
+            body["reserve_price"] = reserve
+        response = owner.post("/nodes", json=body)
         assert response.status_code == 201, response.text
         node = response.json()
         return node, self.client(node["token"])

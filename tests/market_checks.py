@@ -24,7 +24,11 @@ RUNNING, NOTICED, RESERVED = (
 
 
 def bid_fits_pool(bid, node) -> bool:
-    return bid.gpu_model == node.gpu_model and bid.region in (ANY_REGION, node.region)
+    return (
+        bid.gpu_model == node.gpu_model
+        and bid.capacity == node.capacity
+        and bid.region in (ANY_REGION, node.region)
+    )
 
 
 def window_allows_start(bid, now: float, notice_seconds: float) -> bool:
@@ -137,13 +141,13 @@ def expected_prices(state: MarketState, decision: Decision) -> dict[int, float]:
     """The price each charged allocation should be paying from now on (per GPU-hour)."""
     nodes = {n.id: n for n in state.nodes}
     bids = {b.id: b for b in state.bids}
-    quotes = {(q.gpu_model, q.region): q for q in decision.quotes}
+    quotes = {(q.gpu_model, q.region, q.capacity): q for q in decision.quotes}
     prices = {}
     for a in state.allocations:
         if not a.status.is_charged():
             continue
         node = nodes[a.node_id]
-        quote = quotes[(node.gpu_model, node.region)]
+        quote = quotes[(node.gpu_model, node.region, node.capacity)]
         pool_price = quote.clearing_price if quote.clearing_price is not None else 0.0
         prices[a.id] = min(max(pool_price, node.reserve_price), bids[a.bid_id].max_price)
     return prices

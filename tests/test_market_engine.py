@@ -348,3 +348,44 @@ def test_bulk_loading_rejects_fractional_and_out_of_range_values():
     with pytest.raises(ValueError, match="2\\*\\*62"):
         Bid(2**63, A100, 1, 1.0)
     assert m.snapshot().bids == ()
+
+
+def test_spot_and_on_demand_capacity_never_mix():
+    """An any-region spot bid never lands on an on-demand node, however high it bids, and an
+    on-demand bid never on a spot node; each kind has its own quote."""
+    m = market_with(
+        Node(1, A100, "eu-west", 4, 0.9),
+        Node(2, A100, "us-east", 4, 2.10, capacity="on_demand"),
+    )
+    m.add_bid(bid(1, 4, 1.2, region="any"))
+    m.add_bid(bid(2, 4, 5.0, region="any"))  # would outbid anything, still only spot nodes
+    m.add_bid(bid(3, 4, 2.10, region="any", capacity="on_demand"))
+    d = m.tick(1.0)
+    assert placed(d) == {2: (1, PlacementKind.NEW), 3: (2, PlacementKind.NEW)}
+    assert d.quote(A100, "eu-west").clearing_price == 1.2
+    on_demand = d.quote(A100, "us-east", "on_demand")
+    assert on_demand.clearing_price == 2.10 and on_demand.gpus_free == 0
+    with pytest.raises(KeyError):
+        d.quote(A100, "us-east")
+
+
+def test_an_on_demand_allocation_is_never_outbid():
+    """On-demand bids all carry the on-demand price, so a later one waits instead of evicting:
+    only the owner's reclaim notices an on-demand job."""
+    m = market_with(Node(1, A100, "eu-west", 4, 2.10, capacity="on_demand"))
+    m.add_bid(bid(1, 4, 2.10, capacity="on_demand"))
+    m.tick(1.0)
+    m.add_bid(bid(2, 4, 2.10, capacity="on_demand"))
+    d = m.tick(2.0)
+    assert not d.notices and not d.placements
+    m.upsert_node(Node(1, A100, "eu-west", 4, 2.10, NodeState.RECLAIMED, capacity="on_demand"))
+    d = m.tick(3.0)
+    assert [(n.bid_id, n.reason) for n in d.notices] == [(1, NoticeReason.RECLAIMED)]
+
+
+def test_a_node_cannot_change_its_capacity():
+    m = market_with(Node(1, A100, "eu-west", 4, 0.9))
+    with pytest.raises(ValueError, match="capacity cannot change"):
+        m.upsert_node(Node(1, A100, "eu-west", 4, 0.9, capacity="on_demand"))
+    with pytest.raises(ValueError, match="capacity must be one of spot, on_demand"):
+        Bid(1, A100, 1, 1.0, capacity="reserved")

@@ -32,7 +32,7 @@ from prefect_spotgpu.market import (
     clear,
 )
 
-MODELS = ("A100-80G", "RTX-4090")
+MODELS = ("A100-80G", "RTX-4090", "A100-80G/on_demand")  # model[/capacity]
 REGIONS = ("eu-west", "us-east")
 PRICES = (0.3, 0.5, 0.8, 1.0, 1.05, 1.1, 1.2, 1.5, 2.0, 3.0)
 
@@ -83,7 +83,8 @@ def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
     config = MarketConfig(hysteresis=hysteresis, notice_seconds=300, regions=frozenset(REGIONS))
     market = Market(config)
     for i, (model, region, count, reserve) in enumerate(nodes, start=1):
-        market.upsert_node(Node(i, model, region, count, reserve))
+        model, _, capacity = model.partition("/")
+        market.upsert_node(Node(i, model, region, count, reserve, capacity=capacity or "spot"))
     now, next_bid = 0.0, 1
     total_charged = 0.0
     expected: dict[int, float] = {}  # allocation id -> price in force (checker's view)
@@ -93,6 +94,7 @@ def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
         state = market.snapshot()
         if kind == "bid":
             model, region, count, price, window = step[1]
+            model, _, capacity = model.partition("/")
             market.add_bid(
                 Bid(
                     next_bid,
@@ -102,6 +104,7 @@ def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
                     region=region,
                     created_at=now,
                     window=None if window is None else Interval(*window),
+                    capacity=capacity or "spot",
                 )
             )
             next_bid += 1
@@ -127,7 +130,15 @@ def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
             }.get(change, node.state)
             reserve = node.reserve_price * 3 if change == "reserve" else node.reserve_price
             market.upsert_node(
-                Node(node.id, node.gpu_model, node.region, node.gpu_count, reserve, new_state)
+                Node(
+                    node.id,
+                    node.gpu_model,
+                    node.region,
+                    node.gpu_count,
+                    reserve,
+                    new_state,
+                    node.capacity,
+                )
             )
         elif kind in ("ack", "finish"):
             want = AllocationStatus.NOTICED if kind == "ack" else AllocationStatus.RUNNING
@@ -208,6 +219,7 @@ def test_a_losing_bid_raised_above_everyone_wins_next_tick(nodes, steps, data):
     fits = any(
         n.state is NodeState.LIVE
         and n.gpu_model == bid.gpu_model
+        and n.capacity == bid.capacity
         and bid.region in ("any", n.region)
         and n.reserve_price <= top
         and n.gpu_count - reserved.get(n.id, 0) >= bid.gpu_count
@@ -226,9 +238,11 @@ def test_a_losing_bid_raised_above_everyone_wins_next_tick(nodes, steps, data):
 def test_a_bid_below_every_reserve_never_runs(nodes, bids):
     market = Market(MarketConfig(regions=frozenset(REGIONS)))
     for i, (model, region, count, reserve) in enumerate(nodes, start=1):
-        market.upsert_node(Node(i, model, region, count, reserve))
+        model, _, capacity = model.partition("/")
+        market.upsert_node(Node(i, model, region, count, reserve, capacity=capacity or "spot"))
     for i, (model, region, count, _, _) in enumerate(bids, start=1):
-        market.add_bid(Bid(i, model, count, 0.1, region=region))
+        model, _, capacity = model.partition("/")
+        market.add_bid(Bid(i, model, count, 0.1, region=region, capacity=capacity or "spot"))
     decision = market.tick(10.0)
     assert len(decision.placements) == 0
     for q in decision.quotes:

@@ -528,3 +528,60 @@ def test_validation_errors_never_echo_a_jobs_environment(service):
         },
     )
     assert response.status_code == 422 and "s3cr3t-value" not in response.text
+
+
+# ---------------------------------------------------------------- on-demand capacity
+
+
+def test_on_demand_capacity_is_sold_at_the_on_demand_price_and_never_to_spot_bids(service):
+    alice, bob, owner = service.tenant(), service.tenant(), service.tenant()
+    od_node, _ = service.node(owner, region="us-east", gpus=4, capacity="on_demand")
+    assert od_node["capacity"] == "on_demand" and od_node["reserve_price"] == 2.1
+    spot = bid(alice, gpu_count=4, max_price=5.0, region="any")  # outbids nothing: no spot node
+    od = bid(bob, gpu_count=4, capacity="on_demand", max_price=None, region="any")
+    assert od["capacity"] == "on_demand" and od["max_price"] == 2.1
+    placed = wait_event(bob, f"/bids/{od['id']}/events", "allocated")
+    assert placed["node_id"] == od_node["id"]
+    assert events(alice, f"/bids/{spot['id']}/events", timeout=0.5)["events"] == []
+    # a second on-demand buyer waits; it never evicts the first
+    late = bid(alice, gpu_count=4, capacity="on_demand", max_price=3.0, region="any")
+    assert late["max_price"] == 2.1  # pays the on-demand price, not its cap
+    time.sleep(1.5)
+    later = events(bob, f"/bids/{od['id']}/events", after=placed["id"], timeout=0.2)
+    assert later["events"] == []  # no notice
+    quotes = {(q["region"], q["capacity"]): q for q in service.client().get("/prices").json()}
+    assert quotes[("us-east", "on_demand")]["clearing_price"] == 2.1
+    assert quotes[("us-east", "on_demand")]["waiting_bids"] == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "words"),
+    [
+        ({"capacity": "reserved"}, "capacity", "spot"),
+        ({"max_price": None}, None, "max_price is required for spot capacity"),
+        ({"capacity": "on_demand", "max_price": 1.0}, None, "on-demand price 2.1"),
+    ],
+)
+def test_bad_capacity_bids_get_422(service, body, field, words):
+    alice = service.tenant()
+    full = {"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0, **body}
+    response = alice.post("/bids", json=full)
+    assert response.status_code == 422 and words in response.text, response.text
+    if field is not None:
+        assert any(field in err["loc"] for err in response.json()["detail"]), response.text
+    assert alice.get("/bids").json() == []
+
+
+def test_on_demand_prices_cannot_be_changed(service):
+    alice, owner = service.tenant(), service.tenant()
+    node, _ = service.node(owner, capacity="on_demand")
+    refused = owner.patch(f"/nodes/{node['id']}", json={"reserve_price": 1.0})
+    assert refused.status_code == 409 and "on-demand" in refused.json()["detail"]
+    b = bid(alice, capacity="on_demand", max_price=None)
+    refused = alice.patch(f"/bids/{b['id']}", json={"max_price": 5.0})
+    assert refused.status_code == 409 and "on-demand" in refused.json()["detail"]
+    spot_node = owner.post(
+        "/nodes",
+        json={"name": "nores", "gpu_model": "A100-80G", "region": "eu-west", "gpu_count": 1},
+    )
+    assert spot_node.status_code == 422 and "reserve_price is required" in spot_node.text

@@ -37,6 +37,7 @@ def stack(prefect_api_url, tmp_path_factory):
     with LocalStack(home, prefect_api_url, heartbeat_timeout_seconds=3) as stack:
         stack.start_market()
         stack.nodes = {stack.start_agent(name): name for name in ("node-a", "node-b")}
+        stack.on_demand_node = stack.start_agent("node-od", capacity="on_demand")
         pool = stack.create_pool("spot-e2e", defaults={"gpu_count": 2, "max_price": 1.5})
         stack.deployment = stack.deploy("spot_flow.py:spot_count", HERE, "e2e", pool)
         stack.worker = stack.start_worker(pool)
@@ -347,3 +348,37 @@ def test_a_market_crash_mid_run_loses_nothing(stack, prefect, tmp_path):
         if (b["labels"] or {}).get("prefect.flow-run-id") == str(run_id)
     ]
     assert len(bids) == 1
+
+
+# ---------------------------------------------------------------- deadlines
+
+
+def test_a_run_that_spot_can_no_longer_finish_in_time_runs_on_demand(stack, prefect, tmp_path):
+    """1 GPU-hour due in 1.05 h with 6 minutes lost per start: the slack cannot absorb a
+    restart, so the policy sends the run to on-demand capacity at once, at the on-demand
+    price, and it completes there (never on the spot nodes)."""
+    run_id, _ = start_run(
+        prefect, stack, tmp_path, steps=5, gpu_hours=1.0, deadline_hours=1.05, restart_minutes=6
+    )
+    wait_state(prefect, run_id, lambda s: s.is_completed(), 120, "Completed")
+    bid = bid_of(stack, prefect, run_id)
+    assert bid["capacity"] == "on_demand" and bid["max_price"] == 2.1
+    assert bid["deadline"] is not None
+    allocations = stack.market().get(f"/bids/{bid['id']}/allocations").json()
+    assert {a["node_id"] for a in allocations} == {stack.on_demand_node}
+    assert {a["price"] for a in allocations} == {2.1}
+    spot_bids = [
+        b
+        for b in stack.market().get("/bids").json()
+        if b["labels"].get("prefect.flow-run-id") == str(run_id) and b["id"] != bid["id"]
+    ]
+    assert spot_bids == []  # the plan came before the first bid: no spot bid was placed
+
+
+def test_a_paced_run_with_slack_stays_on_spot(stack, prefect, tmp_path):
+    run_id, _ = start_run(prefect, stack, tmp_path, steps=5, gpu_hours=1.0, deadline_hours=10)
+    wait_state(prefect, run_id, lambda s: s.is_completed(), 120, "Completed")
+    bid = bid_of(stack, prefect, run_id)
+    assert bid["capacity"] == "spot" and bid["max_price"] == 1.5  # on pace: the cap
+    allocations = stack.market().get(f"/bids/{bid['id']}/allocations").json()
+    assert {a["node_id"] for a in allocations} <= set(stack.nodes)

@@ -12,7 +12,7 @@ import httpx
 from prefect_spotgpu.blocks import SpotMarket
 from prefect_spotgpu.job import SpotGPUJobConfiguration
 from prefect_spotgpu.market import DEFAULT_CATALOG
-from prefect_spotgpu.schedules import cheap_window
+from prefect_spotgpu.schedules import aware, cheap_window
 
 NOTICE_SECONDS = 300
 """The market's notice: a window closing sooner than this cannot start a run."""
@@ -203,10 +203,13 @@ async def quote_text(http: httpx.AsyncClient, bid: dict) -> str:
     pools = [
         q
         for q in response.json()
-        if q["gpu_model"] == bid["gpu_model"] and bid["region"] in ("any", q["region"])
+        if q["gpu_model"] == bid["gpu_model"]
+        and bid["region"] in ("any", q["region"])
+        and q.get("capacity", "spot") == bid.get("capacity", "spot")
     ]
     if not pools:
-        return f"no {bid['gpu_model']} nodes in {bid['region']} yet"
+        kind = "on-demand " if bid.get("capacity") == "on_demand" else ""
+        return f"no {kind}{bid['gpu_model']} nodes in {bid['region']} yet"
     free = sum(q["gpus_free"] for q in pools)
     prices = [q["clearing_price"] or q["reserve_price"] for q in pools]
     prices = [p for p in prices if p is not None]
@@ -215,6 +218,11 @@ async def quote_text(http: httpx.AsyncClient, bid: dict) -> str:
 
 
 def describe(bid: dict) -> str:
+    if bid.get("capacity") == "on_demand":
+        return (
+            f"{bid['gpu_count']} x {bid['gpu_model']} in {bid['region']}, on-demand at "
+            f"{bid['max_price']:.2f} per GPU-hour"
+        )
     return (
         f"{bid['gpu_count']} x {bid['gpu_model']} in {bid['region']}, "
         f"at most {bid['max_price']:.2f} per GPU-hour"
@@ -240,10 +248,6 @@ def window_over(bid: dict) -> bool:
     if not end:
         return False
     return aware(datetime.fromisoformat(end)).timestamp() <= time.time() + NOTICE_SECONDS
-
-
-def aware(value: datetime) -> datetime:
-    return value if value.tzinfo else value.replace(tzinfo=UTC)
 
 
 def iso(ts: float) -> str:

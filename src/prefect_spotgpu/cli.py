@@ -264,6 +264,11 @@ def agent_start(
     name: str = typer.Option(None, help="Node name when registering (default: hostname)."),
     region: str = typer.Option(None, help="Region when registering, e.g. eu-west."),
     reserve_price: float = typer.Option(None, help="Reserve price per GPU-hour when registering."),
+    capacity: str = typer.Option(
+        "spot",
+        help="spot (default: idle GPUs, auctioned, preemptible) or on_demand (sold at the "
+        "model's on-demand price, never outbid) when registering.",
+    ),
     state_dir: str = typer.Option(None, help="Agent state (default ~/.spotgpu/agent-NAME)."),
     heartbeat_seconds: float = typer.Option(5.0, min=0.1, help="Seconds between heartbeats."),
     grace_seconds: float = typer.Option(
@@ -311,6 +316,7 @@ def agent_start(
         name=name,
         region=region,
         reserve_price=reserve_price,
+        capacity=capacity.replace("-", "_"),
         heartbeat_seconds=heartbeat_seconds,
         grace_seconds=grace_seconds,
         telemetry=None if gpus else telemetry_nvml,
@@ -352,8 +358,9 @@ def prices(
             table.add_column(name, justify="left" if name == "pool" else "right")
         for q in response.json():
             price = q["clearing_price"] or q["reserve_price"]
+            spot = q.get("capacity", "spot") == "spot"
             row = [
-                f"{q['gpu_model']} {q['region']}",
+                f"{q['gpu_model']} {q['region']}" + ("" if spot else " (on-demand)"),
                 f"{q['gpus_free']}/{q['gpus_total']}",
                 "-" if price is None else f"{price:.2f}",
                 f"{q['on_demand_price']:.2f}",
@@ -361,7 +368,9 @@ def prices(
                 str(q["waiting_bids"]),
             ]
             if forecast:
-                row += _forecast_cells(client, q["gpu_model"], q["region"], hours)
+                fixed = ["fixed price", "-", "-"]
+                cells = _forecast_cells(client, q["gpu_model"], q["region"], hours)
+                row += cells if spot else fixed
             table.add_row(*row)
         console.print(table)
 

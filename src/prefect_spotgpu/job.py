@@ -10,7 +10,7 @@ one named ``model_validator``. The worker that uses them is
 from __future__ import annotations
 
 import shlex
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Literal
 
 from prefect.settings import PREFECT_API_URL
@@ -18,8 +18,13 @@ from prefect.workers.base import BaseJobConfiguration, BaseVariables
 from pydantic import Field, model_validator
 
 from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
+from prefect_spotgpu.deadline import get_policy
 from prefect_spotgpu.market import DEFAULT_CATALOG
-from prefect_spotgpu.schedules import zone
+from prefect_spotgpu.pacing import Pace
+from prefect_spotgpu.schedules import aware, zone
+
+PolicyChoice = Literal["uniform-progress", "greedy-spot", "always-on-demand"]
+"""The bidding policies of ``prefect_spotgpu.deadline`` (``tests/test_worker.py`` checks)."""
 
 GpuModelChoice = Literal["RTX-4090", "RTX-3090Ti", "A100-80G", "H100-80G", "H200"]
 """The catalogue's models, as the UI's choices (``tests/test_worker.py`` keeps them in step)."""
@@ -49,8 +54,18 @@ class SpotGPUJobConfiguration(BaseJobConfiguration):
     cheap_window_only: bool = Field(default=False, description="Run only in the cheap window.")
     timezone: str = Field(default="UTC", description="Timezone of the cheap window.")
     deadline: datetime | None = Field(default=None, description="Finish-by time, if any.")
+    deadline_hours: float | None = Field(
+        default=None, gt=0, description="Finish within this many hours of the scheduled start."
+    )
+    gpu_hours: float | None = Field(
+        default=None, gt=0, description="Hours of GPU work the run needs (paces it)."
+    )
+    bidding_policy: str = Field(default="uniform-progress", description="Deadline policy.")
+    restart_minutes: float = Field(
+        default=5.0, ge=0, description="Time each (re)start loses, for the policy."
+    )
     on_demand_fallback: bool = Field(
-        default=False, description="Fall back to on-demand near the deadline."
+        default=True, description="Fall back to on-demand near the deadline."
     )
     checkpoint_storage: CheckpointStorage | None = Field(
         default=None, description="Where the flow's checkpoints go."
@@ -82,10 +97,49 @@ class SpotGPUJobConfiguration(BaseJobConfiguration):
         return self
 
     @model_validator(mode="after")
-    def _fallback_needs_a_deadline(self) -> SpotGPUJobConfiguration:
-        if self.on_demand_fallback and self.deadline is None:
-            raise ValueError("on_demand_fallback needs a deadline")
+    def _one_deadline(self) -> SpotGPUJobConfiguration:
+        if self.deadline is not None and self.deadline_hours is not None:
+            raise ValueError("give deadline or deadline_hours, not both")
         return self
+
+    @model_validator(mode="after")
+    def _pacing_needs_work_and_a_deadline(self) -> SpotGPUJobConfiguration:
+        has_deadline = self.deadline is not None or self.deadline_hours is not None
+        if self.gpu_hours is not None and not has_deadline:
+            raise ValueError(
+                "gpu_hours needs a deadline (deadline or deadline_hours): the bidding policy "
+                "paces the work to it"
+            )
+        if self.gpu_hours and self.deadline_hours and self.gpu_hours > self.deadline_hours:
+            raise ValueError(
+                f"gpu_hours ({self.gpu_hours}) cannot fit in deadline_hours ({self.deadline_hours})"
+            )
+        get_policy(self.bidding_policy)
+        return self
+
+    def finish_by(self, flow_run) -> datetime | None:
+        """The run's deadline, absolute (``deadline``) or from its scheduled start."""
+        if self.deadline is not None:
+            return aware(self.deadline)
+        if self.deadline_hours is not None:
+            return _origin(flow_run) + timedelta(hours=self.deadline_hours)
+        return None
+
+    def pace(self, flow_run) -> Pace | None:
+        """The run's deadline terms, or None for a run without ``gpu_hours``."""
+        if self.gpu_hours is None:
+            return None
+        origin, deadline = _origin(flow_run), self.finish_by(flow_run)
+        return Pace(
+            gpu_hours=self.gpu_hours,
+            deadline=deadline,
+            origin=origin,
+            policy=self.bidding_policy,
+            restart_minutes=self.restart_minutes,
+            cap=self.max_price,
+            gpu_model=self.gpu_model,
+            on_demand_fallback=self.on_demand_fallback,
+        )
 
     def image_reference(self) -> str | None:
         """The container image to run, or None to run as a process on the node."""
@@ -116,6 +170,10 @@ class SpotGPUJobConfiguration(BaseJobConfiguration):
         if self.checkpoint_storage is not None:
             spec["checkpoint_url"] = self.checkpoint_storage.url()
         return spec
+
+
+def _origin(flow_run) -> datetime:
+    return aware(flow_run.expected_start_time or flow_run.created or datetime.now(UTC))
 
 
 class SpotGPUVariables(BaseVariables):
@@ -162,13 +220,42 @@ class SpotGPUVariables(BaseVariables):
         title="Timezone",
         description="IANA timezone of the cheap window's hours, e.g. Europe/Berlin.",
     )
+    gpu_hours: float | None = Field(
+        default=None,
+        gt=0,
+        title="GPU-hours of work",
+        description="How long the work runs on its GPUs. With a deadline, a bidding policy "
+        "paces it: spot while on schedule, a higher bid when behind, on-demand when the "
+        "slack can no longer absorb a restart.",
+    )
     deadline: datetime | None = Field(
         default=None, title="Deadline", description="When the work must be finished."
     )
+    deadline_hours: float | None = Field(
+        default=None,
+        gt=0,
+        title="Deadline (hours)",
+        description="Or: hours after the run's scheduled start by which it must finish "
+        "(for scheduled deployments).",
+    )
+    bidding_policy: PolicyChoice = Field(
+        default="uniform-progress",
+        title="Bidding policy",
+        description="uniform-progress: spot while on pace, bid up when behind, on-demand at "
+        "the end; greedy-spot: spot at the maximum price until the deadline forces on-demand; "
+        "always-on-demand: the baseline.",
+    )
+    restart_minutes: float = Field(
+        default=5.0,
+        ge=0,
+        title="Restart overhead (minutes)",
+        description="Time each (re)start loses: node start, image, checkpoint restore.",
+    )
     on_demand_fallback: bool = Field(
-        default=False,
+        default=True,
         title="On-demand fallback",
-        description="Fall back to on-demand capacity when spot can no longer meet the deadline.",
+        description="With a deadline: move to on-demand capacity (never preempted, at the "
+        "on-demand price) when spot can no longer meet it.",
     )
     checkpoint_storage: CheckpointStorage | None = Field(
         default=None,

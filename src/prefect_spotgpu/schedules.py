@@ -72,6 +72,11 @@ def _utc(value: datetime) -> datetime:
     return value.astimezone(UTC)
 
 
+def aware(value: datetime) -> datetime:
+    """``value`` with a timezone: a naive time is taken as UTC (as Prefect stores them)."""
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
 NIGHT_CRON = "0 18 * * 1-5"
 """A run at each opening of the cheap window: 18:00 on weekdays (Friday's spans the weekend)."""
 NIGHT_RRULE = "FREQ=WEEKLY;BYDAY=MO,TU,WE,TH,FR;BYHOUR=18;BYMINUTE=0;BYSECOND=0"

@@ -182,15 +182,21 @@ class LocalStack:
             timeout=30,
         )
 
-    def start_agent(self, name: str, gpus: int = 2, reserve_price: float = 0.9) -> int:
-        """A node agent with ``gpus`` declared GPUs; returns its node id once registered."""
+    def start_agent(
+        self, name: str, gpus: int = 2, reserve_price: float = 0.9, capacity: str = "spot"
+    ) -> int:
+        """A node agent with ``gpus`` declared GPUs; returns its node id once registered.
+
+        ``capacity="on_demand"`` registers non-preemptible capacity at the on-demand price."""
+        price = ("--reserve-price", str(reserve_price)) if capacity == "spot" else ()
         self._spawn(
             f"agent-{name}",
             [
                 *(sys.executable, "-m", "prefect_spotgpu.cli", "agent", "start"),
                 *("--market", self.market_url),
                 *("--gpus", f"{self.gpu_model}:{gpus}", "--name", name, "--region", self.region),
-                *("--reserve-price", str(reserve_price), "--heartbeat-seconds", "1"),
+                *price,
+                *("--capacity", capacity, "--heartbeat-seconds", "1"),
                 *("--state-dir", str(self.home / f"agent-{name}"), "--grace-seconds", "3"),
             ],
             env={"PREFECT_API_URL": self.prefect_api_url, "SPOTGPU_AGENT_TOKEN": self.owner_key},

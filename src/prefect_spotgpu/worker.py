@@ -18,7 +18,9 @@ between attempts only this worker changes the flow run's state. One attempt (``r
                                       again within a second, and the next allocation starts
     finished                          the engine wrote the final state; run() returns 0
 
-Beyond ``max_preemptions`` the run is Failed and the bid cancelled. Cancelling the flow run
+A run with ``gpu_hours`` and a deadline is paced by a bidding policy (``placement``,
+``pacing``): its spot bid is repriced, or replaced by an on-demand bid when spot can no longer
+meet the deadline. Beyond ``max_preemptions`` the run is Failed and the bid cancelled. Cancelling the flow run
 cancels the bid; the market stops the job. A worker that restarts adopts the runs whose bids it
 finds open and whose worker is gone (no duplicate bid, no orphaned job).
 """
@@ -29,14 +31,12 @@ import json
 import os
 import re
 import time
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import anyio
 import httpx
 from prefect.client.schemas.actions import ArtifactCreate
-from prefect.client.schemas.objects import FlowRun
 from prefect.events import emit_event
 from prefect.exceptions import Abort, InfrastructureNotFound
 from prefect.settings import PREFECT_WORKER_QUERY_SECONDS, temporary_settings
@@ -51,7 +51,6 @@ from prefect_spotgpu.bidding import (
     MarketError,
     Track,
     allocation_report,
-    aware,
     cancel_bid,
     checked,
     describe,
@@ -62,13 +61,19 @@ from prefect_spotgpu.bidding import (
     plain,
     quote_text,
     resume_time,
-    set_webhook,
     window_over,
 )
 from prefect_spotgpu.blocks import DOCS, LOGO
 from prefect_spotgpu.job import IMAGES, LAUNCH_COMMAND, SpotGPUJobConfiguration, SpotGPUVariables
 from prefect_spotgpu.launch import ALLOCATION_LABEL, BID_LABEL
-from prefect_spotgpu.schedules import cheap_window
+from prefect_spotgpu.pacing import PACE_SECONDS
+from prefect_spotgpu.placement import (
+    FLOW_RUN_LABEL,
+    POOL_LABEL,
+    Attempt,
+    BidPlacement,
+    SwitchBid,
+)
 
 __all__ = [
     "IMAGES",
@@ -87,26 +92,15 @@ POLL_SECONDS = 2.0
 ENGINE_EXIT_SECONDS = 10.0
 """How long a preempted run's engine may take to report its own end before we reschedule."""
 """Long-poll window on the bid's events; the flow run's state is checked between windows."""
-FLOW_RUN_LABEL = "prefect.flow-run-id"
-POOL_LABEL = "prefect.work-pool"
-
-
-@dataclass
-class Attempt:
-    """One attempt of a flow run: what every step of following its bid needs."""
-
-    http: httpx.AsyncClient
-    flow_run: FlowRun
-    configuration: SpotGPUJobConfiguration
-    bid: dict
-    track: Track
 
 
 class SpotGPUWorkerResult(BaseWorkerResult):
     """The end of one attempt: 0 when the run completed, was rescheduled or was failed by us."""
 
 
-class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGPUWorkerResult]):
+class SpotGPUWorker(
+    BidPlacement, BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGPUWorkerResult]
+):
     """Runs each flow run on spot GPUs bought from a prefect-spotgpu market."""
 
     type = "spot-gpu"
@@ -145,13 +139,21 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
             bid = await self._bid_for(http, flow_run, configuration)
             if task_status is not None:
                 task_status.started(infrastructure_id(bid))
-            return await self._follow(http, flow_run, configuration, bid)
+            return await self._follow_bids(http, flow_run, configuration, bid)
+
+    async def _follow_bids(self, http, flow_run, configuration, bid: dict) -> SpotGPUWorkerResult:
+        """Follow the run's bid; when pacing moves a waiting run to on-demand capacity,
+        follow the new bid instead (once: on-demand is never left)."""
+        while True:
+            result = await self._follow(http, flow_run, configuration, bid)
+            if not isinstance(result, SwitchBid):
+                return result
+            bid = result.bid
 
     async def _bid_for(
         self, http: httpx.AsyncClient, flow_run, configuration: SpotGPUJobConfiguration
     ) -> dict:
         """The flow run's open bid (a resumed run), or a new one; then Pending "AwaitingGPU"."""
-        logger = self.get_flow_run_logger(flow_run)
         bid = None
         known = (flow_run.labels or {}).get(BID_LABEL)
         if known:
@@ -168,23 +170,13 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
                 if window_over(bid):  # a cheap-window run paused: bid for the next window
                     await cancel_bid(http, bid["id"])
                     bid = None
+        pace, course = configuration.pace(flow_run), None
+        if pace is not None:
+            bid, course = await self._retry(
+                flow_run, "pace the run", lambda: self._steer(http, flow_run, pace, bid)
+            )
         if bid is None:
-            if configuration.notice_webhook:
-                await set_webhook(http, configuration.notice_webhook)
-            body = self._bid_body(flow_run, configuration)  # idempotent: retries are safe
-            bid = await self._retry_checked(
-                flow_run, "place the bid", lambda: http.post("/bids", json=body)
-            )
-            await self.client.update_flow_run_labels(flow_run.id, {BID_LABEL: str(bid["id"])})
-            logger.info(
-                "Bid %s placed: %s x %s in %s at most %.2f per GPU-hour",
-                bid["id"],
-                bid["gpu_count"],
-                bid["gpu_model"],
-                bid["region"],
-                bid["max_price"],
-            )
-            self._event("created", flow_run, bid)
+            bid = await self._place_bid(http, flow_run, configuration, course)
         quote = await quote_text(http, bid)
         if bid.get("window_start"):
             quote += f"; runs in the cheap window {bid['window_start']} to {bid['window_end']}"
@@ -194,35 +186,13 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
         )
         return bid
 
-    def _bid_body(self, flow_run, configuration: SpotGPUJobConfiguration) -> dict:
-        body: dict[str, Any] = {
-            "gpu_model": configuration.gpu_model,
-            "gpu_count": configuration.gpu_count,
-            "max_price": configuration.max_price,
-            "region": configuration.region,
-            "idempotency_key": f"prefect-flow-run-{flow_run.id}-{flow_run.run_count}",
-            "labels": {
-                FLOW_RUN_LABEL: str(flow_run.id),
-                "prefect.flow-run-name": flow_run.name,
-                POOL_LABEL: self._work_pool_name,
-            },
-            "job": configuration.job_spec(),
-        }
-        if configuration.deadline is not None:
-            body["deadline"] = aware(configuration.deadline).isoformat()
-        if configuration.cheap_window_only:
-            start, end = cheap_window(datetime.now(UTC), configuration.timezone)
-            body["window_start"], body["window_end"] = start.isoformat(), end.isoformat()
-            body["idempotency_key"] += f"-window-{int(start.timestamp())}"
-        return body
-
     async def _follow(
         self,
         http: httpx.AsyncClient,
         flow_run,
         configuration: SpotGPUJobConfiguration,
         bid: dict,
-    ) -> SpotGPUWorkerResult:
+    ) -> SpotGPUWorkerResult | SwitchBid:
         """Follow the bid's events until this attempt ends; see the module docstring.
 
         The market or Prefect being briefly unreachable does not end the attempt: every call
@@ -239,6 +209,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
         attempt = Attempt(http, flow_run, configuration, bid, track)
         cursor = history["cursor"]
         self._following.add(str(flow_run.id))
+        pace, paced_at = configuration.pace(flow_run), time.monotonic()
         try:
             if track.live is not None:
                 await self._retry(flow_run, "start the job", lambda: self._go(attempt))
@@ -248,6 +219,13 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
                 )
                 if outcome is not None:
                     return outcome
+                if pace is not None and time.monotonic() - paced_at >= PACE_SECONDS:
+                    paced_at = time.monotonic()
+                    switch = await self._retry(
+                        flow_run, "pace the run", lambda: self._pace_running(attempt, pace)
+                    )
+                    if switch is not None:
+                        return switch
                 page = await self._retry_checked(
                     flow_run,
                     "follow the bid",
@@ -546,7 +524,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
                 flow_run, client=self.client, work_pool=self.work_pool, worker_name=self.name
             )
             async with market_client(market_of(configuration)) as http:
-                result = await self._follow(http, flow_run, configuration, bid)
+                result = await self._follow_bids(http, flow_run, configuration, bid)
             if result.status_code != 0:
                 await self._propose_crashed_state(
                     flow_run, "The spot-gpu job ended without a final state"

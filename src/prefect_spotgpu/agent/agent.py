@@ -46,6 +46,7 @@ class Agent:
         name: str,
         region: str | None = None,
         reserve_price: float | None = None,
+        capacity: str = "spot",
         heartbeat_seconds: float = 5.0,
         grace_seconds: float = 5.0,
         telemetry=None,
@@ -59,6 +60,7 @@ class Agent:
         self.name = name
         self.region = region
         self.reserve_price = reserve_price
+        self.capacity = capacity
         self.heartbeat_seconds = heartbeat_seconds
         self.grace_seconds = grace_seconds
         self.telemetry = telemetry
@@ -92,8 +94,11 @@ class Agent:
             if record.get("market") == self.market:
                 node_token = record["token"]
         if node_token is None:
-            if not (self.region and self.reserve_price):
-                raise AgentError("registering a node needs --region and --reserve-price")
+            if not self.region or (self.capacity == "spot" and not self.reserve_price):
+                raise AgentError(
+                    "registering a spot node needs --region and --reserve-price "
+                    "(an on-demand node needs --region)"
+                )
             with self._http(self.token) as owner:
                 response = owner.post(
                     "/nodes",
@@ -103,6 +108,7 @@ class Agent:
                         "region": self.region,
                         "gpu_count": len(self.gpus),
                         "reserve_price": self.reserve_price,
+                        "capacity": self.capacity,
                         "declared": self.declared,
                         "inventory": [g.to_json() for g in self.gpus],
                     },

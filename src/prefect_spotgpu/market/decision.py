@@ -12,7 +12,7 @@ from enum import StrEnum
 
 import numpy as np
 
-from prefect_spotgpu.market.types import AllocationStatus, NoticeReason
+from prefect_spotgpu.market.types import AllocationStatus, Capacity, NoticeReason
 
 
 class PlacementKind(StrEnum):
@@ -169,6 +169,7 @@ class PoolQuote:
 
     gpu_model: str
     region: str
+    capacity: Capacity
     clearing_price: float | None
     reserve_price: float | None
     highest_losing_bid: float | None
@@ -189,11 +190,11 @@ class Decision:
     charges: Charges = field(default_factory=Charges.empty)
     quotes: tuple[PoolQuote, ...] = ()
 
-    def quote(self, gpu_model: str, region: str) -> PoolQuote:
+    def quote(self, gpu_model: str, region: str, capacity: Capacity = Capacity.SPOT) -> PoolQuote:
         for q in self.quotes:
-            if q.gpu_model == gpu_model and q.region == region:
+            if q.gpu_model == gpu_model and q.region == region and q.capacity == capacity:
                 return q
-        raise KeyError(f"no pool {gpu_model}/{region}")
+        raise KeyError(f"no {capacity.value} pool {gpu_model}/{region}")
 
     def equals(self, other: Decision) -> bool:
         """Field-by-field equality (numpy tables compared element-wise)."""

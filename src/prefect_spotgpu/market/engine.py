@@ -73,6 +73,7 @@ from prefect_spotgpu.market.types import (
     Allocation,
     AllocationStatus,
     Bid,
+    Capacity,
     Interval,
     MarketConfig,
     MarketState,
@@ -113,8 +114,9 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
         self._tick = 0
         self._out = TickOut()
         # interning
-        self._models: list[str] = []
-        self._model_index: dict[str, int] = {}
+        self._models: list[str] = []  # a model id is one (gpu model, capacity) pair
+        self._model_capacity: list[Capacity] = []
+        self._model_index: dict[tuple[str, Capacity], int] = {}
         self._regions: list[str] = []
         self._region_index: dict[str, int] = {}
         self._windows: list[Interval] = []
@@ -210,11 +212,14 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
         """Re-sort every book (after a bulk rebuild; ticks compact as they go)."""
         self._compact_books(force=True)
 
-    def _intern_model(self, name: str) -> int:
-        i = self._model_index.get(name)
+    def _intern_model(self, name: str, capacity: Capacity = Capacity.SPOT) -> int:
+        """The model id of ``name`` sold as ``capacity``: spot and on-demand GPUs of one model
+        are different models to the clearing, so neither kind is ever placed on the other."""
+        i = self._model_index.get((name, capacity))
         if i is None:
-            i = self._model_index[name] = len(self._models)
+            i = self._model_index[(name, capacity)] = len(self._models)
             self._models.append(name)
+            self._model_capacity.append(capacity)
             self._model_pools[i] = []
             self._model_books[i] = []
         return i
@@ -251,7 +256,7 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
         if row is None:
             if len(self.n_id) >= MAX_NODES:
                 raise ValueError(f"a market holds at most {MAX_NODES} nodes")
-            model = self._intern_model(node.gpu_model)
+            model = self._intern_model(node.gpu_model, node.capacity)
             region = self._intern_region(node.region)
             pool = self._pool_for(model, region)
             row = self._node_row[node.id] = len(self.n_id)
@@ -275,11 +280,12 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
         pool = self._pools[self.n_pool[row]]
         if (
             self._models[pool.model] != node.gpu_model
+            or self._model_capacity[pool.model] != node.capacity
             or self._regions[pool.region] != node.region
             or self.n_cap[row] != node.gpu_count
         ):
             raise ValueError(
-                f"node {node.id}: gpu_model, region and gpu_count cannot change "
+                f"node {node.id}: gpu_model, region, gpu_count and capacity cannot change "
                 "(register the host as a new node)"
             )
         self.n_state[row] = node.state
@@ -336,7 +342,7 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
                 f"region {bid.region!r} is not a known region; known regions: "
                 f"{', '.join(sorted(known)) or 'none'}"
             )
-        model = self._intern_model(bid.gpu_model)
+        model = self._intern_model(bid.gpu_model, bid.capacity)
         region = -1 if bid.region == ANY_REGION else self._intern_region(bid.region)
         window = -1
         if bid.window is not None:
@@ -597,6 +603,7 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
                 self.n_cap[r],
                 self.n_reserve[r],
                 self.n_state[r],
+                self._model_capacity[self._pools[self.n_pool[r]].model],
             )
             for r in range(len(self.n_id))
         )
@@ -617,6 +624,7 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
                     window=None if window < 0 else self._windows[window],
                     deadline=None if math.isnan(deadline) else deadline,
                     tenant_id=int(b.tenant[row]),
+                    capacity=self._model_capacity[b.model[row]],
                 )
             )
         allocs = []

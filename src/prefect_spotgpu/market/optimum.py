@@ -18,8 +18,8 @@ from prefect_spotgpu.market.types import ANY_REGION, Bid, Node
 def optimal_welfare(nodes: Sequence[Node], bids: Sequence[Bid]) -> float:
     """The largest welfare any feasible placement of ``bids`` on ``nodes`` reaches.
 
-    A bid may go to a live node of its model, in its region (or any, for ``"any"``), whose
-    reserve it meets and that has room for all its GPUs.
+    A bid may go to a live node of its model and capacity, in its region (or any, for
+    ``"any"``), whose reserve it meets and that has room for all its GPUs.
     """
     live = [n for n in nodes if n.state.offers_capacity()]
     if len(bids) > 16 or len(live) > 6:
@@ -29,6 +29,7 @@ def optimal_welfare(nodes: Sequence[Node], bids: Sequence[Bid]) -> float:
             j
             for j, n in enumerate(live)
             if n.gpu_model == b.gpu_model
+            and n.capacity == b.capacity
             and b.region in (ANY_REGION, n.region)
             and n.reserve_price <= b.max_price
             and n.gpu_count >= b.gpu_count

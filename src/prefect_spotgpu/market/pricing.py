@@ -71,7 +71,12 @@ class PricingMixin:
         clearing = np.full(n_pools, np.nan)
         quotes = []
         for pool in sorted(
-            self._pools, key=lambda q: (self._models[q.model], self._regions[q.region])
+            self._pools,
+            key=lambda q: (
+                self._models[q.model],
+                self._regions[q.region],
+                self._model_capacity[q.model],
+            ),
         ):
             reserve = pool.min_reserve
             lose = float(losing[pool.index]) if losing[pool.index] > -math.inf else None
@@ -83,6 +88,7 @@ class PricingMixin:
                 PoolQuote(
                     gpu_model=self._models[pool.model],
                     region=self._regions[pool.region],
+                    capacity=self._model_capacity[pool.model],
                     clearing_price=price,
                     reserve_price=reserve,
                     highest_losing_bid=lose,

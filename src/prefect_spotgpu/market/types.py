@@ -21,6 +21,22 @@ _REGION = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
 ANY_REGION = "any"
 
 
+class Capacity(StrEnum):
+    """Which market a node sells into and a bid buys from.
+
+    The two never mix: a spot bid is never placed on an on-demand node, nor an on-demand bid
+    on a spot node, and an ``"any"``-region bid stays within its own kind.
+    """
+
+    SPOT = "spot"
+    """Idle GPUs, auctioned every tick; a holder can be outbid or reclaimed with a notice."""
+    ON_DEMAND = "on_demand"
+    """Non-preemptible GPUs at the model's on-demand price: the service sets every such bid's
+    maximum and every such node's reserve to that price, so the clearing price is that price
+    and no bid can outbid another (the hysteresis margin is never exceeded). A node can still
+    be reclaimed by its owner, with a notice."""
+
+
 class NodeState(StrEnum):
     """Where a node stands as a seller of GPUs."""
 
@@ -105,6 +121,15 @@ def check_price(field_name: str, value: object) -> float:
     return price
 
 
+def check_capacity(value: object) -> Capacity:
+    try:
+        return Capacity(value)
+    except ValueError:
+        raise ValueError(
+            f"capacity must be one of {', '.join(c.value for c in Capacity)}, got {value!r}"
+        ) from None
+
+
 def check_gpu_count(field_name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{field_name} must be an integer, got {value!r}")
@@ -180,9 +205,11 @@ class Node:
     gpu_count: int
     reserve_price: float
     state: NodeState = NodeState.LIVE
+    capacity: Capacity = Capacity.SPOT
 
     def __post_init__(self) -> None:
         check_id("node.id", self.id)
+        object.__setattr__(self, "capacity", check_capacity(self.capacity))
         object.__setattr__(self, "gpu_model", DEFAULT_CATALOG.normalize(self.gpu_model))
         object.__setattr__(self, "region", check_region("region", self.region, allow_any=False))
         check_gpu_count("gpu_count", self.gpu_count)
@@ -190,8 +217,8 @@ class Node:
         object.__setattr__(self, "state", NodeState(self.state))
 
     @property
-    def pool(self) -> tuple[str, str]:
-        return (self.gpu_model, self.region)
+    def pool(self) -> tuple[str, str, Capacity]:
+        return (self.gpu_model, self.region, self.capacity)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,9 +239,11 @@ class Bid:
     window: Interval | None = None
     deadline: float | None = None
     tenant_id: int = 0
+    capacity: Capacity = Capacity.SPOT
 
     def __post_init__(self) -> None:
         check_id("bid.id", self.id)
+        object.__setattr__(self, "capacity", check_capacity(self.capacity))
         object.__setattr__(self, "gpu_model", DEFAULT_CATALOG.normalize(self.gpu_model))
         check_gpu_count("gpu_count", self.gpu_count)
         object.__setattr__(self, "max_price", check_price("max_price", self.max_price))
@@ -357,6 +386,7 @@ class MarketState:
             if (
                 alloc.gpu_count != bid.gpu_count
                 or node.gpu_model != bid.gpu_model
+                or node.capacity != bid.capacity
                 or (bid.region != ANY_REGION and bid.region != node.region)
             ):
                 raise ValueError(

@@ -416,7 +416,9 @@ def get_allocation(allocation_id: Id, tenant_id: CurrentTenant, db: Db):
 def prices(db: Db):
     with db.begin() as session:
         rows = session.scalars(
-            select(PoolQuoteRow).order_by(PoolQuoteRow.gpu_model, PoolQuoteRow.region)
+            select(PoolQuoteRow).order_by(
+                PoolQuoteRow.gpu_model, PoolQuoteRow.region, PoolQuoteRow.capacity.desc()
+            )
         )
         return [
             {
@@ -425,6 +427,7 @@ def prices(db: Db):
                     for c in (
                         "gpu_model",
                         "region",
+                        "capacity",
                         "clearing_price",
                         "reserve_price",
                         "gpus_total",

@@ -145,6 +145,7 @@ def register_node(
         region=data.region,
         gpu_count=data.gpu_count,
         reserve_price=data.reserve_price,
+        capacity=data.capacity,
         state="live",
         token_hash=hash_secret(token),
         declared=data.declared,
@@ -195,6 +196,12 @@ def heartbeat_node(
 
 
 def update_node(*, session: Session, node: NodeRow, data: schemas.NodeUpdate) -> NodeRow:
+    if data.reserve_price is not None and node.capacity == "on_demand":
+        raise Conflict(
+            f"node {node.id} sells on-demand capacity at the on-demand price: "
+            "its reserve_price cannot change",
+            field="reserve_price",
+        )
     if data.state is not None:
         node.state = data.state
     if data.reserve_price is not None:
@@ -259,7 +266,7 @@ def create_bid(
 
 
 def _same_bid_or_conflict(existing: BidRow, fields: dict) -> None:
-    for name in ("gpu_model", "region", "gpu_count", "max_price"):
+    for name in ("gpu_model", "region", "gpu_count", "max_price", "capacity"):
         if getattr(existing, name) != fields[name]:
             raise Conflict(
                 f"idempotency_key was used for bid {existing.id} with a different {name}",
@@ -291,6 +298,11 @@ def list_bids(
 def reprice_bid(*, session: Session, bid: BidRow, max_price: float, now: datetime) -> BidRow:
     if bid.status not in ("open", "held"):
         raise Conflict(f"bid {bid.id} is {bid.status}: it cannot be repriced")
+    if bid.capacity == "on_demand":
+        raise Conflict(
+            f"bid {bid.id} buys on-demand capacity at the on-demand price: it cannot be repriced",
+            field="max_price",
+        )
     bid.max_price = max_price
     bid.updated_at = now
     record_change(

@@ -77,6 +77,7 @@ class NodeRow(Base):
     region: Mapped[str] = mapped_column(String(63))
     gpu_count: Mapped[int] = mapped_column(Integer)
     reserve_price: Mapped[float] = mapped_column(Float)
+    capacity: Mapped[str] = mapped_column(String(20), default="spot", server_default="spot")
     state: Mapped[str] = mapped_column(String(20), index=True)
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     declared: Mapped[bool] = mapped_column(Boolean, default=False)
@@ -98,6 +99,7 @@ class BidRow(Base):
     region: Mapped[str] = mapped_column(String(63))
     gpu_count: Mapped[int] = mapped_column(Integer)
     max_price: Mapped[float] = mapped_column(Float)
+    capacity: Mapped[str] = mapped_column(String(20), default="spot", server_default="spot")
     window_start: Mapped[datetime | None] = mapped_column(UTCDateTime)
     window_end: Mapped[datetime | None] = mapped_column(UTCDateTime)
     deadline: Mapped[datetime | None] = mapped_column(UTCDateTime)
@@ -215,6 +217,7 @@ class PoolQuoteRow(Base):
 
     gpu_model: Mapped[str] = mapped_column(String(50), primary_key=True)
     region: Mapped[str] = mapped_column(String(63), primary_key=True)
+    capacity: Mapped[str] = mapped_column(String(20), primary_key=True)
     clearing_price: Mapped[float | None] = mapped_column(Float)
     reserve_price: Mapped[float | None] = mapped_column(Float)
     gpus_total: Mapped[int] = mapped_column(Integer)

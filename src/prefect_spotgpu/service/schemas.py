@@ -45,6 +45,13 @@ Price = Annotated[
     float, Field(gt=0, le=1000, allow_inf_nan=False, description="Per GPU-hour, one currency unit.")
 ]
 GpuCount = Annotated[int, Field(ge=1, le=MAX_GPUS_PER_NODE)]
+CapacityKind = Annotated[
+    Literal["spot", "on_demand"],
+    Field(
+        description="spot: idle GPUs, auctioned every second, preemptible with a notice; "
+        "on_demand: non-preemptible GPUs at the model's on-demand price."
+    ),
+]
 Name = Annotated[str, Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
 
 
@@ -98,9 +105,39 @@ class NodeCreate(Strict):
     gpu_model: GpuModelName
     region: NodeRegion
     gpu_count: GpuCount
-    reserve_price: Price
+    reserve_price: Price | None = Field(
+        None,
+        description="The owner's floor per GPU-hour; an on-demand node's is its "
+        "model's on-demand price.",
+    )
+    capacity: CapacityKind = "spot"
     declared: bool = Field(False, description="Inventory declared by hand (no NVML).")
     inventory: list[dict] | None = Field(None, max_length=MAX_GPUS_PER_NODE)
+
+    @model_validator(mode="after")
+    def _on_demand_sells_at_the_on_demand_price(self) -> NodeCreate:
+        self.reserve_price = _fixed_price(
+            self.capacity, self.reserve_price, self.gpu_model, "reserve_price", exact=True
+        )
+        return self
+
+
+def _fixed_price(
+    capacity: str, price: float | None, gpu_model: str, name: str, *, exact: bool = False
+) -> float:
+    """A spot price as given (required); on-demand capacity trades at the catalog's on-demand
+    price, so ``price`` may be left out, and a given one must not disagree with it."""
+    if capacity == "spot":
+        if price is None:
+            raise ValueError(f"{name} is required for spot capacity")
+        return price
+    on_demand = DEFAULT_CATALOG.get(gpu_model).on_demand_price
+    if price is not None and (price != on_demand if exact else price < on_demand):
+        raise ValueError(
+            f"{name} of on-demand {gpu_model} capacity is its on-demand price {on_demand}, "
+            f"got {price}"
+        )
+    return on_demand
 
 
 class NodeUpdate(Strict):
@@ -122,6 +159,7 @@ class NodeResponse(BaseModel):
     region: str
     gpu_count: int
     reserve_price: float
+    capacity: str = "spot"
     state: str
     declared: bool
     inventory: list[dict] | None = None
@@ -164,7 +202,12 @@ class JobSpec(Strict):
 class BidCreate(Strict):
     gpu_model: GpuModelName
     gpu_count: GpuCount
-    max_price: Price
+    max_price: Price | None = Field(
+        None,
+        description="The most this bid pays per GPU-hour. Required for spot; an "
+        "on-demand bid pays its model's on-demand price (give at least that, or nothing).",
+    )
+    capacity: CapacityKind = "spot"
     region: Region = "any"
     idempotency_key: str | None = Field(None, min_length=1, max_length=200)
     window_start: datetime | None = None
@@ -172,6 +215,11 @@ class BidCreate(Strict):
     deadline: datetime | None = None
     labels: dict[str, str] | None = Field(None, max_length=32)
     job: JobSpec | None = None
+
+    @model_validator(mode="after")
+    def _on_demand_pays_the_on_demand_price(self) -> BidCreate:
+        self.max_price = _fixed_price(self.capacity, self.max_price, self.gpu_model, "max_price")
+        return self
 
     @model_validator(mode="after")
     def _window_is_an_interval(self) -> BidCreate:
@@ -203,6 +251,7 @@ class BidResponse(BaseModel):
     region: str
     gpu_count: int
     max_price: float
+    capacity: str = "spot"
     status: str
     hold_reason: str | None
     window_start: datetime | None
@@ -253,6 +302,7 @@ class AllocationReport(Strict):
 class QuoteResponse(BaseModel):
     gpu_model: str
     region: str
+    capacity: str = "spot"
     clearing_price: float | None
     reserve_price: float | None
     on_demand_price: float

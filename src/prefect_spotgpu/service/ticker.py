@@ -42,6 +42,7 @@ from prefect_spotgpu.market import Allocation as MarketAllocation
 from prefect_spotgpu.market import (
     AllocationStatus,
     Bid,
+    Capacity,
     Decision,
     Interval,
     Market,
@@ -177,7 +178,7 @@ class Ticker:
         self.owed: defaultdict[int, float] = defaultdict(float)  # tenant -> pending amount
         self.bars: dict[tuple[str, str, int], list[float]] = {}
         self.last_flush = 0.0
-        self.last_quotes: dict[tuple[str, str], tuple] = {}
+        self.last_quotes: dict[tuple[str, str, str], tuple] = {}
         self.tick_seconds_last = 0.0
         self.ticks = 0
 
@@ -281,7 +282,15 @@ class Ticker:
         market = Market(config, next_allocation_id=(highest or 0) + 1)
         for n in session.scalars(select(NodeRow).order_by(NodeRow.id)):
             market.upsert_node(
-                Node(n.id, n.gpu_model, n.region, n.gpu_count, n.reserve_price, NodeState(n.state))
+                Node(
+                    n.id,
+                    n.gpu_model,
+                    n.region,
+                    n.gpu_count,
+                    n.reserve_price,
+                    NodeState(n.state),
+                    n.capacity,
+                )
             )
         allocs = list(
             session.scalars(
@@ -291,7 +300,9 @@ class Ticker:
             )
         )
         holding = {a.bid_id for a in allocs}
-        plain = BidRow.window_start.is_(None) & BidRow.deadline.is_(None)
+        plain = (
+            BidRow.window_start.is_(None) & BidRow.deadline.is_(None) & (BidRow.capacity == "spot")
+        )
         columns = session.execute(
             select(
                 BidRow.id,
@@ -364,6 +375,7 @@ class Ticker:
             window=window,
             deadline=ts(_aware(row.deadline)) if row.deadline else None,
             tenant_id=row.tenant_id,
+            capacity=row.capacity,
         )
 
     # ---------------------------------------------------------------- changes from the API
@@ -382,6 +394,7 @@ class Ticker:
                             row.gpu_count,
                             row.reserve_price,
                             NodeState(row.state),
+                            row.capacity,
                         )
                     )
                 except ValueError:
@@ -459,6 +472,7 @@ class Ticker:
                     node.gpu_count,
                     node.reserve_price,
                     NodeState.LOST,
+                    node.capacity,
                 )
             )
             logger.warning(
@@ -573,12 +587,12 @@ class Ticker:
     def _write_quotes(self, session: Session, decision: Decision, now: float) -> None:
         minute = int(now // 60)
         for q in decision.quotes:
-            key = (q.gpu_model, q.region)
-            if q.clearing_price is not None:
-                bar = self.bars.get((*key, minute))
+            key = (q.gpu_model, q.region, q.capacity.value)
+            if q.clearing_price is not None and q.capacity is Capacity.SPOT:
+                bar = self.bars.get((q.gpu_model, q.region, minute))
                 p = q.clearing_price
                 if bar is None:
-                    self.bars[(*key, minute)] = [p, p, p, p]
+                    self.bars[(q.gpu_model, q.region, minute)] = [p, p, p, p]
                 else:
                     bar[1], bar[2], bar[3] = max(bar[1], p), min(bar[2], p), p
             values = (
@@ -593,7 +607,7 @@ class Ticker:
                 continue
             row = session.get(PoolQuoteRow, key)
             if row is None:
-                row = PoolQuoteRow(gpu_model=q.gpu_model, region=q.region)
+                row = PoolQuoteRow(gpu_model=q.gpu_model, region=q.region, capacity=key[2])
                 session.add(row)
             (
                 row.clearing_price,

@@ -1,0 +1,118 @@
+"""Deadline pacing for the worker: what a flow run with a deadline should bid for, now.
+
+A run that states its work (``gpu_hours``) and a deadline is steered by a named bidding policy
+of ``prefect_spotgpu.deadline``. The worker asks :func:`plan` when it places the run's bid and
+every ``PACE_SECONDS`` while it follows it; the answer is one :class:`Plan`:
+
+- ``spot`` at a price: keep (or reprice) the spot bid to that maximum;
+- ``on_demand``: the slack can no longer absorb a restart, so the run moves to on-demand
+  capacity (never back). A waiting spot bid is cancelled and an on-demand bid placed; a
+  *running* spot job is first given the usual notice (the worker lowers its bid below every
+  reserve: ``RELEASE_PRICE``), saves its checkpoint, and resumes on-demand.
+
+Progress is read from the bid's allocations: the seconds each ran, less ``restart_minutes``
+per start (provisioning and restore). It is an estimate: the flow's own step counter is not
+visible to the worker. Nothing here does I/O; the worker supplies the bid, its allocations
+and the clock. Example (4 h of work, deadline 6 h after the scheduled start, restart 5 min)::
+
+    t=0 h    nothing ran                  slack 2.0 h  -> spot at the cap (on pace)
+    t=1 h    ran 0.9 h (one start)        1.08 h ahead -> spot at the cap (it holds GPUs)
+    t=3 h    preempted at 1.5 h, waiting  slack 0.58 h -> spot at the cap
+    t=4.45 h still waiting                slack 0.03 h -> on-demand to the end
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Literal
+
+from prefect_spotgpu.deadline import JobView, get_policy
+from prefect_spotgpu.market import DEFAULT_CATALOG
+
+PACE_SECONDS = 60.0
+"""How often the worker asks the policy again while it follows a paced run."""
+RELEASE_PRICE = 0.0001
+"""A spot bid repriced to this is below every reserve: its running job gets a notice."""
+HOLDING = ("running", "noticed")
+
+
+@dataclass(frozen=True, slots=True)
+class Pace:
+    """A run's deadline terms, from its job configuration."""
+
+    gpu_hours: float
+    deadline: datetime
+    origin: datetime  # the run's scheduled start: hours are counted from here
+    policy: str
+    restart_minutes: float
+    cap: float  # the run's maximum spot price per GPU-hour
+    gpu_model: str
+    on_demand_fallback: bool = True
+
+    def __post_init__(self) -> None:
+        get_policy(self.policy)  # an unknown name fails listing the valid ones
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    mode: Literal["spot", "on_demand"]
+    price: float  # the spot bid's maximum, or the on-demand price
+    view: JobView
+
+    def describe(self) -> str:
+        v = self.view
+        where = "on-demand" if self.mode == "on_demand" else f"spot at most {self.price:.2f}"
+        return (
+            f"{where}: {v.done_h:.2f} of {v.work_h:.2f} GPU-hours done, "
+            f"{v.deadline_h - v.now_h:.2f} h to the deadline, slack {v.slack_h:.2f} h"
+        )
+
+
+def done_hours(allocations: list[dict], now: float, restart_h: float) -> tuple[float, bool]:
+    """Hours of work the allocations did (each start costs ``restart_h``), and whether one
+    holds GPUs now."""
+    done, holding = 0.0, False
+    for a in allocations:
+        if a["status"] in HOLDING:
+            holding = True
+            end = now
+        elif a["status"] in ("preempted", "finished") and a.get("ended_at") is not None:
+            end = float(a["ended_at"])
+        else:
+            continue  # reserved, released: never ran
+        done += max(0.0, (end - float(a["started_at"])) / 3600 - restart_h)
+    return done, holding
+
+
+def plan(pace: Pace, now: datetime, bid: dict | None, allocations: list[dict]) -> Plan:
+    """What the run should bid for now (see the module docstring)."""
+    restart_h = pace.restart_minutes / 60
+    done, holding = done_hours(allocations, now.timestamp(), restart_h)
+    on_demand_price = DEFAULT_CATALOG.get(pace.gpu_model).on_demand_price
+    mode = "wait"
+    if holding and bid is not None:
+        mode = "on_demand" if bid.get("capacity") == "on_demand" else "spot"
+    view = JobView(
+        now_h=_hours(now - pace.origin),
+        deadline_h=_hours(pace.deadline - pace.origin),
+        work_h=pace.gpu_hours,
+        done_h=done,
+        restart_h=restart_h,
+        step_h=PACE_SECONDS / 3600,
+        mode=mode,
+        ran=holding,
+        cap=pace.cap,
+        on_demand_price=on_demand_price,
+    )
+    if bid is not None and bid.get("capacity") == "on_demand":
+        return Plan("on_demand", on_demand_price, view)  # never back: a switch costs a restart
+    action = get_policy(pace.policy)(view)
+    if action.mode == "on_demand" and pace.on_demand_fallback:
+        return Plan("on_demand", on_demand_price, view)
+    price = pace.cap if action.mode != "spot" else min(pace.cap, action.bid)
+    return Plan("spot", round(price, 4), view)
+
+
+def _hours(delta: timedelta) -> float:
+    return delta.total_seconds() / 3600

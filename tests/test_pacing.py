@@ -1,0 +1,143 @@
+"""Deadline pacing: what the worker bids for a run with ``gpu_hours`` and a deadline, on
+tabled cases (``prefect_spotgpu.pacing``, over the policies of ``prefect_spotgpu.deadline``)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
+
+import pytest
+from pydantic import ValidationError
+
+from prefect_spotgpu.deadline import POLICIES
+from prefect_spotgpu.job import PolicyChoice, SpotGPUJobConfiguration
+from prefect_spotgpu.pacing import Pace, done_hours, plan
+
+T0 = datetime(2026, 12, 1, 18, 0, tzinfo=UTC)
+H = 3600.0
+
+
+def pace(work=4.0, deadline_h=6.0, policy="uniform-progress", fallback=True, restart=5.0):
+    return Pace(
+        gpu_hours=work,
+        deadline=T0 + timedelta(hours=deadline_h),
+        origin=T0,
+        policy=policy,
+        restart_minutes=restart,
+        cap=1.2,
+        gpu_model="A100-80G",
+        on_demand_fallback=fallback,
+    )
+
+
+def alloc(start_h, end_h=None, status=None):
+    """An allocation that started ``start_h`` after T0 (and ended at ``end_h``)."""
+    if status is None:
+        status = "running" if end_h is None else "preempted"
+    ended = None if end_h is None else T0.timestamp() + end_h * H
+    return {"status": status, "started_at": T0.timestamp() + start_h * H, "ended_at": ended}
+
+
+SPOT = {"id": 1, "capacity": "spot", "max_price": 1.2}
+ON_DEMAND = {"id": 2, "capacity": "on_demand", "max_price": 2.1}
+
+
+@pytest.mark.parametrize(
+    ("case", "p", "at_h", "bid", "allocations", "mode", "price"),
+    [
+        ("nothing ran yet: on pace, the cap", pace(), 0.0, None, [], "spot", 1.2),
+        ("holding spot GPUs: keep them", pace(), 1.0, SPOT, [alloc(0.1)], "spot", 1.2),
+        (
+            "far ahead and waiting: the base bid",
+            pace(work=4, deadline_h=16),
+            4.0,
+            SPOT,
+            [alloc(0.0, 3.2)],
+            "spot",
+            0.9,
+        ),
+        (
+            "a little ahead: between base and cap",
+            pace(work=4, deadline_h=16, restart=0),
+            4.0,
+            SPOT,
+            [alloc(0.0, 1.5)],
+            "spot",
+            1.05,
+        ),
+        (
+            "waiting with no slack left: on-demand",
+            pace(),
+            4.45,
+            SPOT,
+            [alloc(0, 1.5)],
+            "on_demand",
+            2.1,
+        ),
+        (
+            "running late on spot: on-demand",
+            pace(work=4, deadline_h=4.1),
+            1.0,
+            SPOT,
+            [alloc(0.1)],
+            "on_demand",
+            2.1,
+        ),
+        ("no fallback: spot at the cap", pace(fallback=False), 4.45, SPOT, [], "spot", 1.2),
+        ("once on-demand, never back", pace(), 0.5, ON_DEMAND, [alloc(0.1)], "on_demand", 2.1),
+        ("the baseline policy", pace(policy="always-on-demand"), 0.0, None, [], "on_demand", 2.1),
+        (
+            "greedy spot bids the cap",
+            pace(policy="greedy-spot", deadline_h=20),
+            1,
+            SPOT,
+            [],
+            "spot",
+            1.2,
+        ),
+    ],
+)
+def test_the_plan(case, p, at_h, bid, allocations, mode, price):
+    course = plan(p, T0 + timedelta(hours=at_h), bid, allocations)
+    assert (course.mode, course.price) == (mode, price), (case, course.describe())
+
+
+def test_progress_is_the_time_run_less_a_restart_per_start():
+    now = T0.timestamp() + 5 * H
+    done, holding = done_hours(
+        [alloc(0, 2), alloc(2.5, 3, "finished"), alloc(4), alloc(4.5, status="reserved")],
+        now,
+        restart_h=0.1,
+    )
+    assert done == pytest.approx(1.9 + 0.4 + 0.9) and holding
+
+
+def test_an_unknown_policy_is_refused_naming_the_valid_ones():
+    with pytest.raises(ValueError, match="always-on-demand, greedy-spot, uniform-progress"):
+        pace(policy="yolo")
+
+
+def test_the_ui_offers_every_policy():
+    assert set(PolicyChoice.__args__) == set(POLICIES)
+
+
+def test_a_deadline_in_hours_counts_from_the_scheduled_start():
+    config = SpotGPUJobConfiguration(gpu_hours=2, deadline_hours=8, max_price=1.1)
+    run = SimpleNamespace(expected_start_time=T0, created=T0 - timedelta(days=1))
+    p = config.pace(run)
+    assert p.deadline == T0 + timedelta(hours=8) and p.cap == 1.1 and p.origin == T0
+    assert SpotGPUJobConfiguration().pace(run) is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"gpu_hours": 2}, "gpu_hours needs a deadline"),
+        ({"gpu_hours": 2, "deadline_hours": 1}, "cannot fit in deadline_hours"),
+        ({"deadline_hours": 3, "deadline": T0}, "deadline or deadline_hours, not both"),
+        ({"gpu_hours": 2, "deadline_hours": 3, "bidding_policy": "yolo"}, "unknown bidding"),
+    ],
+)
+def test_bad_pacing_terms_are_refused(fields, words):
+    with pytest.raises(ValidationError, match=words):
+        SpotGPUJobConfiguration(**fields)
