@@ -20,9 +20,10 @@ between attempts only this worker changes the flow run's state. One attempt (``r
 
 A run with ``gpu_hours`` and a deadline is paced by a bidding policy (``placement``,
 ``pacing``): its spot bid is repriced, or replaced by an on-demand bid when spot can no longer
-meet the deadline. Beyond ``max_preemptions`` the run is Failed and the bid cancelled. Cancelling the flow run
-cancels the bid; the market stops the job. A worker that restarts adopts the runs whose bids it
-finds open and whose worker is gone (no duplicate bid, no orphaned job).
+meet the deadline. Beyond ``max_preemptions`` the run is Failed and the bid cancelled.
+Cancelling the flow run cancels the bid; the market stops the job. A worker that restarts
+adopts the runs whose bids it finds open and whose worker is gone (no duplicate bid, no
+orphaned job).
 """
 
 from __future__ import annotations
