@@ -2,11 +2,14 @@
 
 import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from prefect_spotgpu.stack import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,3 +80,191 @@ def test_clearing_benchmark_runs_and_reports_one_json_object():
     assert big["cold_seconds_per_tick"] < 2.0
     assert big["steady_seconds_per_tick"] < 0.5
     assert report["welfare_vs_optimum"]["best-fit"]["mean"] > 0.9
+
+
+# ---------------------------------------------------------------- prices, bids and nodes views
+
+
+def spotgpu_at(service, *args: str, key: str | None = None) -> subprocess.CompletedProcess:
+    """``spotgpu`` against the test's market, on a terminal wide enough for whole rows."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGPU_")}
+    env.update(COLUMNS="200", SPOTGPU_MARKET_URL=service.base_url)
+    if key is not None:
+        env["SPOTGPU_API_KEY"] = key
+    return subprocess.run(
+        [sys.executable, "-m", "prefect_spotgpu.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
+    )
+
+
+def key_of(client) -> str:
+    return client.headers["Authorization"].removeprefix("Bearer ")
+
+
+def row(out: str, *cells: str) -> str:
+    """The one table line holding every cell."""
+    lines = [line for line in out.splitlines() if all(c in line for c in cells)]
+    assert len(lines) == 1, (cells, out)
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("values", "line"),
+    [
+        ([1, 2, 3, 4, 5, 6, 7, 8], "▁▂▃▄▅▆▇█"),
+        ([8, 1], "█▁"),
+        ([0.9, 0.9, 0.9], "▄▄▄"),
+        ([1.5], "▄"),
+        ([], ""),
+        ([None, None], "  "),
+        ([0, None, 7, float("nan"), 5], "▁ █ ▆"),
+    ],
+)
+def test_sparkline_scales_between_the_series_min_and_max(values, line):
+    from prefect_spotgpu.views import sparkline
+
+    assert sparkline(values) == line
+
+
+def test_views_docstring_examples_and_hourly_slots():
+    import doctest
+
+    from prefect_spotgpu import views
+
+    assert doctest.testmod(views).failed == 0
+    now = 1_800_000_000.0  # 2027-01-15 08:00 UTC
+    bars = [
+        {"hour": "2027-01-15T08:00:00Z", "close": 1.1},
+        {"hour": "2027-01-15T06:00:00+00:00", "close": 0.9},
+        {"hour": "2027-01-14T07:00:00", "close": 2.0},  # 25 hours ago: out of the window
+    ]
+    assert views.hourly_closes(bars, now=now, hours=4) == [None, 0.9, None, 1.1]
+    assert views.hourly_closes(bars, now=now)[-1] == 1.1
+    assert views.hourly_closes([], now=now, hours=3) == [None, None, None]
+    assert views.squeeze(list(range(24)), 12) == list(range(1, 24, 2))  # an 80-column terminal
+    assert views.squeeze([None, 1.0], 24) == [None, 1.0]
+    assert [views.age(s) for s in (0, 59, 61, 7200, 200_000)] == ["0s", "59s", "1m", "2h", "2d"]
+
+
+def test_telemetry_cells_show_what_the_agent_reported_and_dashes_otherwise():
+    from prefect_spotgpu.views import telemetry_cells
+
+    gpus = [
+        {"index": 0, "utilization": 80, "memory_used_mb": 2048, "temperature": 71},
+        {"index": 1, "utilization": 40, "memory_used_mb": 1024, "power_w": None},
+    ]
+    assert telemetry_cells({"jobs": 1, "gpus": gpus}) == ("60%", "71°C", "3.0 GB")
+    nvml = [{"index": 0, "utilization": None, "memory_used_mb": None, "power_w": 90.0}]
+    assert telemetry_cells({"jobs": 0, "gpus": nvml}) == ("-", "-", "-")
+    assert telemetry_cells({"jobs": 0, "declared": True}) == ("-", "-", "-")
+    assert telemetry_cells(None) == ("-", "-", "-")
+
+
+def test_prices_shows_a_sparkline_for_spot_pools_and_fixed_for_on_demand(service):
+    alice, owner = service.tenant(), service.tenant()
+    service.node(owner, reserve=0.9)
+    service.node(owner, gpu_model="H100-80G", region="us-east", capacity="on_demand")
+    alice.post("/bids", json={"gpu_model": "A100-80G", "gpu_count": 2, "max_price": 1.5})
+    service.wait_for(
+        lambda: service.client().get("/prices/A100-80G/eu-west/hourly").status_code == 200
+    )
+    out = spotgpu_at(service, "prices")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "last 24 h" in out.stdout
+    assert row(out.stdout, "A100-80G eu-west", "0.90").rstrip().split("│")[4].strip() == "▄"
+    assert "fixed" in row(out.stdout, "H100-80G us-east (on-demand)")
+    forecast = spotgpu_at(service, "prices", "--forecast", "--hours", "6")
+    assert forecast.returncode == 0, forecast.stdout + forecast.stderr
+    assert "fixed price" in row(forecast.stdout, "H100-80G us-east (on-demand)")
+    assert "▄" in row(forecast.stdout, "A100-80G eu-west")
+
+
+def test_bids_lists_allocations_costs_and_the_balance(service):
+    alice, owner = service.tenant(), service.tenant()
+    node, _ = service.node(owner, reserve=0.9)
+    running = alice.post(
+        "/bids",
+        json={"gpu_model": "A100-80G", "gpu_count": 4, "max_price": 1.2, "region": "eu-west"},
+    ).json()
+    waiting = alice.post(
+        "/bids", json={"gpu_model": "H100-80G", "gpu_count": 2, "max_price": 3.0}
+    ).json()
+    cancelled = alice.post(
+        "/bids", json={"gpu_model": "RTX-4090", "gpu_count": 1, "max_price": 0.5}
+    ).json()
+    assert alice.post(f"/bids/{cancelled['id']}/cancel").status_code == 200
+    service.wait_for(
+        lambda: [
+            a
+            for a in alice.get(f"/bids/{running['id']}/allocations").json()
+            if a["charged_amount"] > 0
+        ],
+        timeout=15,
+    )
+    out = spotgpu_at(service, "bids", key=key_of(alice))
+    assert out.returncode == 0, out.stdout + out.stderr
+    line = row(out.stdout, "A100-80G x4")
+    cells = [c.strip() for c in line.split("│")[1:-1]]
+    assert cells[:6] == [str(running["id"]), "A100-80G x4", "eu-west", "spot", "1.20", "open"]
+    assert cells[7] == f"node {node['id']} running" and cells[8] == "0.90"
+    assert float(cells[9]) > 0
+    assert row(out.stdout, "H100-80G x2").split("│")[8].strip() == "-"
+    assert "cancelled" in row(out.stdout, "RTX-4090 x1")
+    balance = alice.get("/me").json()["balance"]
+    shown = float(out.stdout.split("balance ")[1].split()[0])
+    assert shown == pytest.approx(balance, abs=0.01)
+
+    only = spotgpu_at(service, "bids", "--status", "cancelled", key=key_of(alice))
+    assert only.returncode == 0, only.stdout + only.stderr
+    assert "RTX-4090 x1" in only.stdout and "A100-80G x4" not in only.stdout
+    latest = spotgpu_at(service, "bids", "--limit", "1", key=key_of(alice))
+    assert "RTX-4090 x1" in latest.stdout and "H100-80G x2" not in latest.stdout
+    assert str(waiting["id"]) not in [c.strip() for c in latest.stdout.split("│")]
+
+
+def test_nodes_shows_state_gpus_in_use_telemetry_and_heartbeat(service):
+    owner, alice = service.tenant(), service.tenant()
+    node, agent = service.node(owner, reserve=0.9, name="rack-7")
+    other, _ = service.node(owner, gpu_model="H100-80G", region="us-east", gpus=2, reserve=2.5)
+    telemetry = {
+        "jobs": 1,
+        "gpus": [
+            {"index": i, "utilization": u, "memory_used_mb": 4096, "power_w": 250.0}
+            for i, u in enumerate([90, 70, 0, 0, 0, 0, 0, 0])
+        ],
+    }
+    response = agent.post(f"/nodes/{node['id']}/heartbeat", json={"telemetry": telemetry})
+    assert response.status_code == 200, response.text
+    alice.post("/bids", json={"gpu_model": "A100-80G", "gpu_count": 3, "max_price": 1.2})
+    service.wait_for(
+        lambda: [q for q in service.client().get("/prices").json() if q["gpus_running"] == 3]
+    )
+    out = spotgpu_at(service, "nodes", key=key_of(owner))
+    assert out.returncode == 0, out.stdout + out.stderr
+    cells = [c.strip() for c in row(out.stdout, "rack-7").split("│")[1:-1]]
+    assert cells[:8] == [str(node["id"]), "rack-7", "A100-80G", "eu-west", "spot", "live",
+                         "3/8", "1"]  # fmt: skip
+    assert cells[8:12] == ["20%", "-", "32.0 GB", "0.90"]
+    assert cells[12].endswith("s ago")
+    assert row(out.stdout, other["name"]).split("│")[7].strip() == "0/2"
+    assert spotgpu_at(service, "nodes", key=key_of(alice)).stdout.count("A100-80G") == 0
+    everyone = spotgpu_at(service, "nodes", key="sgadm_test-admin-key-0123456789")
+    assert node["name"] in everyone.stdout and other["name"] in everyone.stdout
+
+
+def test_a_bad_key_is_the_services_401_and_a_dead_market_one_line(service):
+    for command in ("bids", "nodes"):
+        out = spotgpu_at(service, command, key="sgk_not-a-key")
+        assert out.returncode == 1
+        assert out.stdout.strip() == "error 401: unknown API key or token"
+    dead = f"http://127.0.0.1:{free_port()}"
+    for command in ("bids", "nodes", "prices"):
+        out = spotgpu_at(service, command, "--market", dead, key="sgk_x")
+        assert out.returncode == 1
+        lines = out.stdout.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"cannot reach the market at {dead}: ")
+        assert "Traceback" not in out.stderr

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Literal
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 import prefect_spotgpu
+
+if TYPE_CHECKING:
+    import httpx
 
 app = typer.Typer(
     name="spotgpu",
@@ -187,6 +193,22 @@ def _admin_client(market: str):
     )
 
 
+@contextlib.contextmanager
+def _market_client(market: str, api_key: str | None = None) -> Iterator[httpx.Client]:
+    """A client of the market's API; an unreachable market is a one-line error naming it."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with httpx.Client(
+            base_url=market.rstrip("/") + "/api/v1", timeout=30, headers=headers
+        ) as client:
+            yield client
+    except httpx.TransportError as exc:
+        console.print(f"[red]cannot reach the market at {market}[/red]: {exc}", soft_wrap=True)
+        raise typer.Exit(1) from None
+
+
 def _fail(response) -> None:
     try:
         detail = response.json().get("detail")
@@ -342,20 +364,24 @@ def prices(
     forecast: bool = typer.Option(False, help="Add each pool's forecast for the next hours."),
     hours: int = typer.Option(24, min=1, max=336, help="Hours ahead to forecast."),
 ) -> None:
-    """Every pool's current quote; with --forecast, its expected price ahead and the
-    forecast's error measured on held-back history."""
-    import httpx
-
-    with httpx.Client(base_url=market.rstrip("/") + "/api/v1", timeout=30) as client:
+    """Every pool's current quote and a sparkline of its clearing price over the last 24 hours
+    (hourly closes; on-demand pools sell at a fixed price); with --forecast, its expected price
+    ahead and the forecast's error measured on held-back history."""
+    with _market_client(market) as client:
         response = client.get("/prices")
         if response.status_code != 200:
             _fail(response)
         table = Table(title="Spot prices per GPU-hour", title_justify="left")
-        columns = ["pool", "free/total", "clearing", "on-demand", "discount", "waiting bids"]
+        columns = ["pool", "free/total", "clearing", "last 24 h", "on-demand", "discount"]
+        columns += ["waiting bids"]
         if forecast:
             columns += [f"next {hours} h: low / mean / high", "cheapest hour", "error (MAE)"]
         for name in columns:
-            table.add_column(name, justify="left" if name == "pool" else "right")
+            table.add_column(
+                name,
+                justify="left" if name in ("pool", "last 24 h") else "right",
+                no_wrap=name == "last 24 h",
+            )
         for q in response.json():
             price = q["clearing_price"] or q["reserve_price"]
             spot = q.get("capacity", "spot") == "spot"
@@ -363,6 +389,7 @@ def prices(
                 f"{q['gpu_model']} {q['region']}" + ("" if spot else " (on-demand)"),
                 f"{q['gpus_free']}/{q['gpus_total']}",
                 "-" if price is None else f"{price:.2f}",
+                _sparkline_cell(client, q["gpu_model"], q["region"]) if spot else "fixed",
                 f"{q['on_demand_price']:.2f}",
                 "-" if price is None else f"{1 - price / q['on_demand_price']:.0%}",
                 str(q["waiting_bids"]),
@@ -373,6 +400,20 @@ def prices(
                 row += cells if spot else fixed
             table.add_row(*row)
         console.print(table)
+
+
+def _sparkline_cell(client, gpu_model: str, region: str) -> str:
+    import time
+
+    from prefect_spotgpu.views import hourly_closes, sparkline, squeeze
+
+    response = client.get(f"/prices/{gpu_model}/{region}/hourly", params={"days": 1})
+    if response.status_code == 409:
+        return "no history yet"
+    if response.status_code != 200:
+        _fail(response)
+    closes = hourly_closes(response.json(), now=time.time())
+    return sparkline(squeeze(closes, 24 if console.width >= 120 else 12))
 
 
 def _forecast_cells(client, gpu_model: str, region: str, hours: int) -> list[str]:
@@ -407,13 +448,11 @@ def estimate(
     ),
 ) -> None:
     """Expected cost and finish of some GPU-hours by a deadline, against on-demand."""
-    import httpx
-
     body = {"gpu_model": gpu_model, "gpu_hours": gpu_hours, "max_price": max_price,
             "deadline": deadline, "gpus": gpus, "region": region}  # fmt: skip
     if start:
         body["start"] = start
-    with httpx.Client(base_url=market.rstrip("/") + "/api/v1", timeout=30) as client:
+    with _market_client(market) as client:
         response = client.post("/estimate", json=body)
     if response.status_code != 200:
         _fail(response)
@@ -428,6 +467,70 @@ def estimate(
         f"  P(deadline met on spot alone) {e['p_meet_deadline_on_spot']:.0%}; expected "
         f"on-demand fallback {e['expected_on_demand_gpu_hours']:g} GPU-hours"
     )
+
+
+# ---------------------------------------------------------------- bids and nodes
+
+API_KEY = typer.Option(..., envvar="SPOTGPU_API_KEY", help="Your API key (sgk_...).")
+MARKET = typer.Option(
+    DEFAULT_MARKET, envvar="SPOTGPU_MARKET_URL", help="URL of the market service."
+)
+
+
+@app.command()
+def bids(
+    status: Literal["open", "held", "cancelled", "finished"] | None = typer.Option(
+        None, help="Only bids in this status."
+    ),
+    limit: int = typer.Option(50, min=1, max=10_000, help="Show the latest N bids."),
+    api_key: str = API_KEY,
+    market: str = MARKET,
+) -> None:
+    """Your bids: each one's current allocation, price and cost so far, and your balance."""
+    from prefect_spotgpu.views import bids_table
+
+    with _market_client(market, api_key) as client:
+        me = _get(client, "/me")
+        shown: list[dict] = []
+        after = 0
+        while True:  # the API pages oldest first: keep the latest `limit`
+            params = {"limit": 1000, "after_id": after, **({"status": status} if status else {})}
+            page = _get(client, "/bids", params=params)
+            shown = (shown + page)[-limit:]
+            if len(page) < 1000:
+                break
+            after = page[-1]["id"]
+        allocations: dict[int, list[dict]] = {b["id"]: [] for b in shown}
+        everything = _get(client, "/allocations", params={"limit": 1000})
+        if len(everything) < 1000:  # all of the tenant's allocations in one request
+            for a in everything:
+                if a["bid_id"] in allocations:
+                    allocations[a["bid_id"]].append(a)
+        else:
+            for bid_id in allocations:
+                allocations[bid_id] = _get(client, f"/bids/{bid_id}/allocations")
+    console.print(bids_table(shown, allocations, tenant=me))
+
+
+@app.command()
+def nodes(api_key: str = API_KEY, market: str = MARKET) -> None:
+    """Your nodes (every node, with the admin key): state, GPUs in use, the agent's last
+    telemetry, reserve price and the age of the last heartbeat."""
+    import time
+
+    from prefect_spotgpu.views import nodes_table
+
+    with _market_client(market, api_key) as client:
+        listed = _get(client, "/nodes")
+        quotes = _get(client, "/prices")
+    console.print(nodes_table(listed, quotes, now=time.time()))
+
+
+def _get(client: httpx.Client, path: str, params: dict | None = None):
+    response = client.get(path, params=params)
+    if response.status_code != 200:
+        _fail(response)
+    return response.json()
 
 
 if __name__ == "__main__":  # pragma: no cover

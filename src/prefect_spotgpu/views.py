@@ -1,0 +1,240 @@
+"""What ``spotgpu prices``, ``spotgpu bids`` and ``spotgpu nodes`` show: pure functions from the
+market's JSON bodies (and ``now``, in UNIX seconds) to strings and rich tables. No I/O and no
+clock here, so every view is tested on tabled inputs; the commands in ``cli.py`` fetch and print.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from datetime import UTC, datetime
+
+from rich.markup import escape
+from rich.table import Table
+
+BLOCKS = "▁▂▃▄▅▆▇█"
+
+BID_COLORS = {"open": "green", "held": "yellow", "cancelled": "dim", "finished": "blue"}
+ALLOCATION_COLORS = {
+    "reserved": "cyan",
+    "running": "green",
+    "noticed": "yellow",
+    "preempted": "red",
+    "finished": "blue",
+    "released": "dim",
+}
+NODE_COLORS = {"live": "green", "draining": "yellow", "reclaimed": "magenta", "lost": "red"}
+
+
+def sparkline(values: Sequence[float | None], gap: str = " ") -> str:
+    """One block character per value, scaled between the series' min and max; a missing value
+    (None or NaN) is ``gap``, and a flat series is a flat line at mid height.
+
+    >>> sparkline([1, 2, 3, 4, 5, 6, 7, 8])
+    '▁▂▃▄▅▆▇█'
+    >>> sparkline([0.9, None, 1.1, 1.1])
+    '▁ ██'
+    >>> sparkline([2.0, 2.0])
+    '▄▄'
+    """
+    present = [v for v in values if v is not None and not math.isnan(v)]
+    if not present:
+        return gap * len(values)
+    low, high = min(present), max(present)
+    top = len(BLOCKS) - 1
+    out = []
+    for v in values:
+        if v is None or math.isnan(v):
+            out.append(gap)
+        elif high == low:
+            out.append(BLOCKS[top // 2])
+        else:
+            out.append(BLOCKS[round((v - low) / (high - low) * top)])
+    return "".join(out)
+
+
+def hourly_closes(bars: Sequence[dict], *, now: float, hours: int = 24) -> list[float | None]:
+    """The close of each of the last ``hours`` hours (the current one last) from the bodies of
+    ``GET /prices/{model}/{region}/hourly``; None for an hour without a bar."""
+    last = int(now // 3600)
+    slots: list[float | None] = [None] * hours
+    for bar in bars:
+        index = int(parse_time(bar["hour"]) // 3600) - (last - hours + 1)
+        if 0 <= index < hours:
+            slots[index] = bar["close"]
+    return slots
+
+
+def squeeze(values: Sequence[float | None], width: int) -> list[float | None]:
+    """``values`` in ``width`` equal runs, each the last value present in its run (a narrower
+    sparkline of the same period); as they are when they fit.
+
+    >>> squeeze([1.0, 2.0, None, None, 5.0, None], 3)
+    [2.0, None, 5.0]
+    """
+    if len(values) <= width:
+        return list(values)
+    run = -(-len(values) // width)
+    chunks = [values[i : i + run] for i in range(0, len(values), run)]
+    return [next((v for v in reversed(c) if v is not None), None) for c in chunks]
+
+
+def parse_time(value: str) -> float:
+    """UNIX seconds of an ISO 8601 time from the API (naive means UTC)."""
+    parsed = datetime.fromisoformat(value)
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=UTC)
+    return parsed.timestamp()
+
+
+def age(seconds: float) -> str:
+    """A short age: ``4s``, ``12m``, ``3h``, ``2d``."""
+    seconds = max(0.0, seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{int(seconds)}s"
+
+
+def colored(value: str, colors: dict[str, str]) -> str:
+    color = colors.get(value)
+    return f"[{color}]{escape(value)}[/{color}]" if color else escape(value)
+
+
+# ---------------------------------------------------------------- bids
+
+
+def current_allocation(allocations: Sequence[dict]) -> dict | None:
+    """The allocation that stands for the bid now: one holding GPUs, else a reservation, else
+    the latest one (ended)."""
+    if not allocations:
+        return None
+    rank = {"running": 2, "noticed": 2, "reserved": 1}
+    return max(allocations, key=lambda a: (rank.get(a["status"], 0), a["id"]))
+
+
+def bids_table(bids: Sequence[dict], allocations: dict[int, list[dict]], *, tenant: dict) -> Table:
+    """The tenant's bids with their current allocation and their cost so far (the sum of
+    every allocation's ``charged_amount``); ``tenant`` is the body of ``GET /me``."""
+    table = Table(
+        title=f"Bids of {escape(tenant['name'])}",
+        title_justify="left",
+        caption=f"balance {tenant['balance']:.4f}",
+        caption_justify="left",
+    )
+    for name, justify in (
+        ("id", "right"),
+        ("GPUs", "left"),
+        ("region", "left"),
+        ("capacity", "left"),
+        ("max price", "right"),
+        ("status", "left"),
+        ("created (UTC)", "left"),
+        ("allocation", "left"),
+        ("price", "right"),
+        ("cost so far", "right"),
+    ):
+        table.add_column(name, justify=justify)
+    for bid in bids:
+        allocs = allocations.get(bid["id"], [])
+        now = current_allocation(allocs)
+        status = colored(bid["status"], BID_COLORS)
+        if bid.get("hold_reason"):
+            status += f" ({escape(bid['hold_reason'])})"
+        created = datetime.fromtimestamp(parse_time(bid["created_at"]), UTC)
+        table.add_row(
+            str(bid["id"]),
+            f"{bid['gpu_model']} x{bid['gpu_count']}",
+            bid["region"],
+            bid["capacity"],
+            f"{bid['max_price']:.2f}",
+            status,
+            created.strftime("%Y-%m-%d %H:%M"),
+            "-"
+            if now is None
+            else f"node {now['node_id']} " + colored(now["status"], ALLOCATION_COLORS),
+            "-" if now is None else f"{now['price']:.2f}",
+            f"{sum(a['charged_amount'] for a in allocs):.4f}",
+        )
+    return table
+
+
+# ---------------------------------------------------------------- nodes
+
+
+def gpus_used(node: dict, quotes: Sequence[dict]) -> str:
+    """``used/total`` GPUs of a node, from its pool's quote (``GET /prices``). Exact only when
+    the node is its pool's only live node (the pool's total is the node's count); ``?``
+    otherwise, since the market shows an owner its pools, not the allocations on its nodes."""
+    pool = (node["gpu_model"], node["region"], node["capacity"])
+    for q in quotes:
+        alone = node["state"] == "live" and q["gpus_total"] == node["gpu_count"]
+        if (q["gpu_model"], q["region"], q["capacity"]) == pool and alone:
+            return f"{q['gpus_running']}/{node['gpu_count']}"
+    return f"?/{node['gpu_count']}"
+
+
+def telemetry_cells(telemetry: dict | None) -> tuple[str, str, str]:
+    """Mean utilisation, hottest temperature and memory in use over the node's GPUs, from its
+    agent's last heartbeat (``telemetry["gpus"]``); ``-`` where the agent did not report it."""
+    gpus = [g for g in (telemetry or {}).get("gpus") or [] if isinstance(g, dict)]
+
+    def values(*keys: str) -> list[float]:
+        found = []
+        for g in gpus:
+            value = next((g[k] for k in keys if isinstance(g.get(k), int | float)), None)
+            if value is not None:
+                found.append(float(value))
+        return found
+
+    util = values("utilization", "utilization_gpu")
+    temp = values("temperature", "temperature_c", "temp_c")
+    memory = values("memory_used_mb")
+    return (
+        f"{sum(util) / len(util):.0f}%" if util else "-",
+        f"{max(temp):.0f}°C" if temp else "-",
+        f"{sum(memory) / 1024:.1f} GB" if memory else "-",
+    )
+
+
+def nodes_table(nodes: Sequence[dict], quotes: Sequence[dict], *, now: float) -> Table:
+    """Nodes (``GET /nodes``) with their state, GPUs in use, telemetry and heartbeat age."""
+    table = Table(
+        title="Nodes",
+        title_justify="left",
+        caption="GPUs used: from the pool's quote, exact when the node is its pool's only "
+        "live node (? otherwise)",
+        caption_justify="left",
+    )
+    for name, justify in (
+        ("id", "right"),
+        ("name", "left"),
+        ("model", "left"),
+        ("region", "left"),
+        ("capacity", "left"),
+        ("state", "left"),
+        ("GPUs used", "right"),
+        ("jobs", "right"),
+        ("util", "right"),
+        ("temp", "right"),
+        ("memory", "right"),
+        ("reserve", "right"),
+        ("heartbeat", "right"),
+    ):
+        table.add_column(name, justify=justify)
+    for node in nodes:
+        jobs = (node.get("telemetry") or {}).get("jobs")
+        table.add_row(
+            str(node["id"]),
+            escape(node["name"]),
+            node["gpu_model"],
+            node["region"],
+            node["capacity"],
+            colored(node["state"], NODE_COLORS),
+            gpus_used(node, quotes),
+            str(jobs) if isinstance(jobs, int) else "-",
+            *telemetry_cells(node.get("telemetry")),
+            f"{node['reserve_price']:.2f}",
+            age(now - parse_time(node["last_heartbeat_at"])) + " ago",
+        )
+    return table
