@@ -83,8 +83,8 @@ def test_job_configuration_rules():
     )
     with pytest.raises(ValidationError, match="not a known GPU model"):
         SpotGPUJobConfiguration(gpu_model="B200")
-    with pytest.raises(ValidationError, match="needs a deadline"):
-        SpotGPUJobConfiguration(on_demand_fallback=True)
+    with pytest.raises(ValidationError, match="gpu_hours needs a deadline"):
+        SpotGPUJobConfiguration(gpu_hours=3)
     with pytest.raises(ValidationError, match="catalog"):
         SpotGPUJobConfiguration(image="nonsense")
 

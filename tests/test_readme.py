@@ -23,7 +23,8 @@ def test_readme_opens_with_the_two_setup_commands():
     assert first_block == [
         "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e '.[examples]' "
         "&& .venv/bin/spotgpu demo",
-        "python3 -m venv .venv && .venv/bin/pip install -e '.[dev]' && .venv/bin/pytest",
+        "(command -v chromium || apt-get install -y -q chromium) >/dev/null "
+        "&& python3 -m venv .venv && .venv/bin/pip install -e '.[dev]' && .venv/bin/pytest",
     ]
     ci = (README.parent / ".ci" / "run").read_text()
     assert first_block[1] in ci

@@ -67,8 +67,9 @@ def run_demo(console: Console, home: Path, steps: int = 500, keep_running: bool 
             summary = _pretrain_with_a_reclaim(console, stack, ui, steps)
             if keep_running:
                 console.print(
-                    f"\nThe stack keeps running: Prefect UI {ui}, market "
-                    f"{stack.market_url}/api/v1/prices. [bold]Ctrl-C[/bold] stops everything."
+                    f"\nThe stack keeps running: Prefect UI {ui}, market dashboard "
+                    f"{stack.market_url}/dashboard (sign in with {stack.buyer_key} to see the "
+                    "demo's bids). [bold]Ctrl-C[/bold] stops everything."
                 )
                 while True:
                     time.sleep(1)

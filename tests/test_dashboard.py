@@ -1,0 +1,259 @@
+"""The dashboard in a real headless Chromium (Debian's ``chromium``, driven by Playwright), served
+by the real market service on a loopback port over a real SQLite database.
+
+Chromium missing is a failure with the command that installs it, never a skip.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from conftest import start_service, wait_for
+from prefect_spotgpu.service.models import PriceBar
+
+CHROMIUM = os.environ.get("SPOTGPU_CHROMIUM", "/usr/bin/chromium")
+FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+HISTORY_MINUTES = 7 * 24 * 60  # stored bars: a week, one per minute
+SHOTS = os.environ.get("SPOTGPU_SCREENSHOTS")  # a directory: keep the screenshots there (docs/)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def market(tmp_path_factory):
+    """A market with two spot pools, an on-demand pool, telemetry, bids and stored history."""
+    home = tmp_path_factory.mktemp("dashboard")
+    db_url = f"sqlite:///{home / 'market.db'}"
+    service = start_service(db_url, home / "home")
+    owner, alice, bob = service.tenant("owner"), service.tenant("alice"), service.tenant("bob")
+    agents = []
+    for name, region, capacity in (
+        ("a1", "eu-west", "spot"),
+        ("a2", "eu-west", "spot"),
+        ("u1", "us-east", "spot"),
+        ("od", "eu-west", "on_demand"),
+    ):
+        node, agent = service.node(owner, region=region, gpus=4, name=name, capacity=capacity)
+        agents.append((node, agent))
+        gpus = [{"index": i, "utilization": 30 + 15 * i, "memory_used_mb": 9000} for i in range(4)]
+        beat = agent.post(f"/nodes/{node['id']}/heartbeat", json={"telemetry": {"gpus": gpus}})
+        assert beat.status_code == 200, beat.text
+    stop = threading.Event()
+
+    def heartbeats():  # live agents: the nodes stay live, their telemetry moves
+        beat = 0
+        while not stop.wait(2.0):
+            beat += 1
+            for node, agent in agents:
+                gpus = [
+                    {
+                        "index": i,
+                        "utilization": (30 + 15 * i + 7 * beat) % 100,
+                        "memory_used_mb": 9000,
+                    }
+                    for i in range(4)
+                ]
+                agent.post(f"/nodes/{node['id']}/heartbeat", json={"telemetry": {"gpus": gpus}})
+
+    bids = {}
+    for who, client, price in (("alice", alice, 1.3), ("bob", bob, 1.1)):
+        body = {"gpu_model": "A100-80G", "gpu_count": 4, "max_price": price, "region": "eu-west"}
+        response = client.post("/bids", json=body)
+        assert response.status_code == 201, response.text
+        bids[who] = response.json()
+    engine = sa.create_engine(db_url)
+    now_minute = int(time.time() // 60)
+    with engine.begin() as connection:
+        connection.execute(
+            sa.insert(PriceBar),
+            [
+                {"gpu_model": "A100-80G", "region": "us-east", "minute": m, **_bar(m)}
+                for m in range(now_minute - HISTORY_MINUTES - 5, now_minute - 5)
+            ],
+        )
+    engine.dispose()
+    service.owner, service.alice, service.bob, service.bids = owner, alice, bob, bids
+    beating = threading.Thread(target=heartbeats, daemon=True)
+    beating.start()
+    yield service
+    stop.set()
+    beating.join(timeout=10)
+    service.stop()
+
+
+def _bar(minute: int) -> dict:
+    """A daily cycle: the reserve (0.90) at night, up to 1.50 in the afternoon (UTC), jittered."""
+    hour = (minute / 60) % 24
+    day = max(0.0, math.sin(math.pi * (hour - 8) / 12)) if 8 <= hour < 20 else 0.0
+    price = round(0.9 + 0.6 * day + 0.03 * math.sin(minute / 7.0) * day, 4)
+    return {"open": price, "high": price, "low": price, "close": price}
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).exists():
+        pytest.fail(
+            f"no Chromium at {CHROMIUM}: install Debian's package (apt-get install -y chromium) "
+            "or set SPOTGPU_CHROMIUM",
+            pytrace=False,
+        )
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser, market):
+    context = browser.new_context(viewport={"width": 1280, "height": 1000})
+    page = context.new_page()
+    page.problems = []
+    page.on(
+        "console",
+        lambda m: (
+            page.problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None
+        ),
+    )
+    page.on("pageerror", lambda e: page.problems.append(f"page error: {e}"))
+    page.on(
+        "requestfailed",
+        lambda r: (
+            page.problems.append(f"failed {r.url}") if "/api/v1/stream" not in r.url else None
+        ),
+    )
+    page.on(
+        "request",
+        lambda r: (
+            page.problems.append(f"off-host {r.url}")
+            if not r.url.startswith((market.base_url, "data:"))
+            else None
+        ),
+    )
+    yield page
+    context.close()
+
+
+def shot(page, tmp_path, name: str) -> None:
+    path = tmp_path / name
+    page.screenshot(path=str(path), full_page=True)
+    assert path.stat().st_size > 10_000
+    if SHOTS:
+        Path(SHOTS).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, Path(SHOTS) / name)
+
+
+def sign_in(page, client) -> None:
+    page.fill("#key", client.headers["Authorization"].removeprefix("Bearer "))
+    page.click("#signin-button")
+    page.wait_for_selector("#tenant-card:not([hidden])")
+
+
+def test_the_page_loads_live_with_no_console_errors(page, market, tmp_path):
+    page.goto(market.base_url + "/")
+    page.wait_for_selector("#live.on")
+    page.wait_for_selector("#pools tbody tr.pool >> nth=2")
+    rows = page.locator("#pools tbody tr.pool").all_inner_texts()
+    assert any("us-east" in r and "spot" in r for r in rows), rows
+    assert any("on-demand" in r and "2.10" in r for r in rows), rows
+    page.wait_for_selector("#nodes .node >> nth=3")
+    assert page.locator("#nodes .gpu .fill").count() == 16  # every GPU's live utilisation
+    page.wait_for_selector("#depth .depth-row")
+    book = market.client().get("/market/depth/A100-80G/eu-west").json()["levels"]
+    shown = page.locator("#depth .depth-row").all_inner_texts()
+    assert [r.split()[0] for r in shown] == [f"{lv['price']:.2f}" for lv in book]
+    assert {1.3, 1.1} <= {lv["price"] for lv in book}
+    page.click("#pools tbody tr.pool:has-text('us-east')")
+    page.wait_for_function("document.querySelector('#price-line')?.dataset.points > 1000")
+    time.sleep(1.0)  # a few live updates
+    shot(page, tmp_path, "dashboard.png")
+    assert page.problems == []
+
+
+def test_the_chart_draws_the_stored_history_with_the_cheap_window_and_forecast(page, market):
+    page.goto(market.base_url + "/dashboard")
+    page.wait_for_selector("#pools tbody tr.pool")
+    page.click("#pools tbody tr.pool:has-text('us-east')")
+    page.wait_for_function("document.querySelector('#price-line')?.dataset.points > 1000")
+    stored = market.client().get("/prices/A100-80G/us-east/history", params={"hours": 24}).json()
+    assert len(stored) >= 24 * 60 - 10  # ours, and the live market's minutes since
+    drawn = int(page.get_attribute("#price-line", "data-points"))
+    assert drawn in (len(stored), len(stored) + 1), (drawn, len(stored))
+    assert page.locator("#chart polygon.forecast-band").count() == 1
+    # the chart covers 30 h: some of it is always in the cheap window (every night)
+    assert page.locator("#chart rect.night").count() >= 1
+    page.click(".tab[data-range='168']")
+    hours = {
+        b["minute"][:13]
+        for b in market.client()
+        .get("/prices/A100-80G/us-east/history", params={"hours": 168})
+        .json()
+    }
+    page.wait_for_function(  # hourly closes over 7 days
+        f"Math.abs(document.querySelector('#price-line')?.dataset.points - {len(hours)}) <= 1"
+    )
+    assert page.problems == []
+
+
+def test_a_bid_created_through_the_api_appears_without_reload(page, market):
+    page.goto(market.base_url + "/dashboard")
+    sign_in(page, market.alice)
+    page.wait_for_selector(f"tr[data-bid='{market.bids['alice']['id']}']")
+    new = market.alice.post(
+        "/bids", json={"gpu_model": "A100-80G", "gpu_count": 2, "max_price": 0.95}
+    ).json()
+    row = page.wait_for_selector(f"tr[data-bid='{new['id']}']", timeout=10_000)
+    assert "open" in row.inner_text() and "0.95" in row.inner_text()
+    assert "alice" in page.inner_text("#who")
+    assert page.problems == []
+
+
+def test_a_tenant_sees_only_its_own_bids_and_allocations(page, market, tmp_path):
+    page.goto(market.base_url + "/dashboard")
+    sign_in(page, market.bob)
+    page.wait_for_selector(f"tr[data-bid='{market.bids['bob']['id']}']")
+    wait_for(lambda: page.locator("#allocations tbody tr").count() >= 0, 5)
+    shown = set(page.locator("#bids tbody tr").evaluate_all("rows => rows.map(r => r.dataset.bid)"))
+    mine = {str(b["id"]) for b in market.bob.get("/bids").json()}
+    assert shown == mine and str(market.bids["alice"]["id"]) not in shown
+    bob_allocations = {str(a["id"]) for a in market.bob.get("/allocations").json()}
+    listed = page.locator("#allocations tbody tr").evaluate_all(
+        "rows => rows.map(r => r.dataset.allocation)"
+    )
+    assert set(listed) == bob_allocations
+    shot(page, tmp_path, "dashboard-tenant.png")
+    page.click("#signout")
+    assert page.locator("#tenant-card").is_hidden()
+    assert page.problems == []
+
+
+def test_the_page_fits_a_phone(browser, market, tmp_path):
+    context = browser.new_context(
+        viewport={"width": 390, "height": 844}, device_scale_factor=2, is_mobile=True
+    )
+    page = context.new_page()
+    page.goto(market.base_url + "/dashboard")
+    page.wait_for_selector("#live.on")
+    page.click("#pools tbody tr.pool:has-text('us-east')")
+    page.wait_for_function("document.querySelector('#price-line')?.dataset.points > 1000")
+    width = page.evaluate("document.documentElement.scrollWidth")
+    assert width <= 390, f"the page is {width} px wide on a 390 px screen"
+    shot(page, tmp_path, "dashboard-phone.png")
+    context.close()
