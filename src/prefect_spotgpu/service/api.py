@@ -654,6 +654,7 @@ def create_app(
 ) -> FastAPI:
     """The service as an ASGI app. With ``background``, the app's lifespan runs the tick loop
     (one leader among replicas) and the webhook sender."""
+    from prefect_spotgpu.service import metrics as service_metrics
     from prefect_spotgpu.service.db import make_engine, migrate
 
     settings = settings or ServiceSettings()
@@ -661,15 +662,16 @@ def create_app(
     engine = engine or make_engine(settings.database_url())
     sessions = make_sessionmaker(engine)
     notifier = Notifier()
+    metrics = service_metrics.ServiceMetrics(sessions)
     threads: list[threading.Thread] = []
     stop = threading.Event()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         if background and settings.run_ticker:
-            ticker = Ticker(settings, engine, sessions, notifier)
+            ticker = Ticker(settings, engine, sessions, notifier, metrics)
             app.state.ticker = ticker
-            sender = WebhookSender(settings, sessions)
+            sender = WebhookSender(settings, sessions, metrics)
             for target, name in ((ticker.run, "spotgpu-ticker"), (sender.run, "spotgpu-webhooks")):
                 thread = threading.Thread(target=target, args=(stop,), name=name, daemon=True)
                 thread.start()
@@ -693,11 +695,14 @@ def create_app(
     app.state.engine = engine
     app.state.sessions = sessions
     app.state.notifier = notifier
+    app.state.metrics = metrics
     app.state.ticker = None
     app.state.admin_key = settings.resolved_admin_key()
     app.state.auth_cache = {}
     app.add_exception_handler(ServiceError, _error_response)
     app.add_exception_handler(RequestValidationError, _validation_response)
+    app.add_middleware(service_metrics.RequestTimer, metrics=metrics)
     app.include_router(router)
     app.include_router(forecast_api.router)
+    app.include_router(service_metrics.router)
     return app

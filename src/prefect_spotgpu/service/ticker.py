@@ -52,6 +52,7 @@ from prefect_spotgpu.market import (
     PlacementKind,
 )
 from prefect_spotgpu.service import crud, gate
+from prefect_spotgpu.service.metrics import ServiceMetrics
 from prefect_spotgpu.service.models import (
     AllocationRow,
     BidRow,
@@ -164,11 +165,13 @@ class Ticker:
         engine: Engine,
         sessions: sessionmaker[Session],
         notifier: Notifier | None = None,
+        metrics: ServiceMetrics | None = None,
     ) -> None:
         self.settings = settings
         self.engine = engine
         self.sessions = sessions
         self.notifier = notifier or Notifier()
+        self.metrics = metrics or ServiceMetrics()
         self.leadership = Leadership(engine, settings)
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
         self.epoch: int | None = None
@@ -243,6 +246,7 @@ class Ticker:
             if self.market is None:
                 self._load(session, now)
             changes = list(session.scalars(select(MarketChange).order_by(MarketChange.id)))
+            reports = [c.op for c in changes if c.entity == "allocation"]
             writes = _Writes(session, self, now)
             for change in changes:
                 self._apply_change(writes, change, now)
@@ -262,6 +266,7 @@ class Ticker:
             self.notifier.notify()
         self.ticks += 1
         self.tick_seconds_last = time.perf_counter() - started
+        self.metrics.observe_tick(self.tick_seconds_last, notices=decision.notices, reports=reports)
         return decision
 
     def _load(self, session: Session, now: float) -> None:

@@ -22,6 +22,7 @@ import httpx
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from prefect_spotgpu.service.metrics import ServiceMetrics
 from prefect_spotgpu.service.models import EventRow, Tenant, WebhookDelivery
 from prefect_spotgpu.service.settings import ServiceSettings
 
@@ -38,9 +39,15 @@ def verify(secret: str, timestamp: str, body: bytes, signature: str) -> bool:
 
 
 class WebhookSender:
-    def __init__(self, settings: ServiceSettings, sessions: sessionmaker[Session]) -> None:
+    def __init__(
+        self,
+        settings: ServiceSettings,
+        sessions: sessionmaker[Session],
+        metrics: ServiceMetrics | None = None,
+    ) -> None:
         self.settings = settings
         self.sessions = sessions
+        self.metrics = metrics or ServiceMetrics()
         self.client = httpx.Client(timeout=5.0, follow_redirects=False)
 
     def run(self, stop: threading.Event) -> None:
@@ -113,6 +120,7 @@ class WebhookSender:
                 error = f"HTTP {code}: {response.text[:200]}"
         except httpx.HTTPError as exc:
             ok, error = False, f"{type(exc).__name__}: {exc}"[:500]
+        self.metrics.observe_delivery(ok)
         done = attempts + 1
         if ok:
             status, next_at = "delivered", now
