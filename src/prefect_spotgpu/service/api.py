@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 import prefect_spotgpu
 from prefect_spotgpu.market import DEFAULT_CATALOG
-from prefect_spotgpu.service import crud, forecast_api, schemas
+from prefect_spotgpu.service import crud, dashboard, forecast_api, schemas
 from prefect_spotgpu.service.db import make_sessionmaker
 from prefect_spotgpu.service.deps import (
     AdminOnly,
@@ -705,4 +705,5 @@ def create_app(
     app.include_router(router)
     app.include_router(forecast_api.router)
     app.include_router(service_metrics.router)
+    app.include_router(dashboard.router)
     return app

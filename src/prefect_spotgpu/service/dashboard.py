@@ -94,7 +94,7 @@ def market_nodes(db: Db):
 
 
 def _gpu_telemetry(telemetry: dict | None) -> list[dict]:
-    keep = ("index", "utilization", "memory_used_mb", "power_w")
+    keep = ("index", "utilization", "memory_used_mb", "power_w", "temperature_c")
     gpus = (telemetry or {}).get("gpus") or []
     return [{k: g.get(k) for k in keep} for g in gpus if isinstance(g, dict)]
 

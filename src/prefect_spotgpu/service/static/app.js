@@ -220,7 +220,7 @@ async function refreshNodes() {
           for (let i = 0; i < n.gpu_count; i++) {
             const t = n.gpus.find((g) => g.index === i) || {};
             const util = t.utilization;
-            const title = `GPU ${i}` + (util != null ? `: ${util} % busy` : "") + (t.memory_used_mb != null ? `, ${t.memory_used_mb} MB` : "") + (t.power_w != null ? `, ${t.power_w} W` : "");
+            const title = `GPU ${i}` + (util != null ? `: ${util} % busy` : "") + (t.memory_used_mb != null ? `, ${t.memory_used_mb} MB` : "") + (t.power_w != null ? `, ${t.power_w} W` : "") + (t.temperature_c != null ? `, ${t.temperature_c} °C` : "");
             gpus.push(`<div class="gpu${i < n.gpus_busy ? " busy" : ""}" title="${esc(title)}">${util != null ? `<div class="fill" style="height:${util}%"></div>` : ""}${i}</div>`);
           }
           return `<div class="node" data-node="${n.id}"><div class="title"><span>Node ${n.id}</span>${statusCell(n.state)}</div>
