@@ -68,6 +68,28 @@ class FakeNvml:
     def nvmlDeviceGetCurrentClocksThrottleReasons(self, h):
         return 0x4
 
+    NVML_TEMPERATURE_GPU = 0
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        return SimpleNamespace(gpu=40 + h, memory=10)
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        return 350_000  # milliwatts
+
+    def nvmlDeviceGetTemperature(self, h, sensor):
+        assert sensor == self.NVML_TEMPERATURE_GPU
+        return 61
+
+
+def test_heartbeat_telemetry_reads_each_gpu():
+    from prefect_spotgpu.agent.discovery import telemetry_nvml
+
+    assert telemetry_nvml(FakeNvml(["NVIDIA H200", "NVIDIA H200"])) == [
+        {"index": i, "utilization": 40 + i, "memory_used_mb": 0, "power_w": 350.0,
+         "temperature_c": 61}
+        for i in range(2)
+    ]  # fmt: skip
+
 
 def test_nvml_names_are_normalised_to_market_models():
     gpus = discover_nvml(FakeNvml(["NVIDIA H200", "NVIDIA H200"]))

@@ -233,7 +233,7 @@ def test_nodes_shows_state_gpus_in_use_telemetry_and_heartbeat(service):
     telemetry = {
         "jobs": 1,
         "gpus": [
-            {"index": i, "utilization": u, "memory_used_mb": 4096, "power_w": 250.0}
+            {"index": i, "utilization": u, "memory_used_mb": 4096, "temperature_c": 40 + u // 2}
             for i, u in enumerate([90, 70, 0, 0, 0, 0, 0, 0])
         ],
     }
@@ -248,7 +248,7 @@ def test_nodes_shows_state_gpus_in_use_telemetry_and_heartbeat(service):
     cells = [c.strip() for c in row(out.stdout, "rack-7").split("│")[1:-1]]
     assert cells[:8] == [str(node["id"]), "rack-7", "A100-80G", "eu-west", "spot", "live",
                          "3/8", "1"]  # fmt: skip
-    assert cells[8:12] == ["20%", "-", "32.0 GB", "0.90"]
+    assert cells[8:12] == ["20%", "85°C", "32.0 GB", "0.90"]
     assert cells[12].endswith("s ago")
     assert row(out.stdout, other["name"]).split("│")[7].strip() == "0/2"
     assert spotgpu_at(service, "nodes", key=key_of(alice)).stdout.count("A100-80G") == 0

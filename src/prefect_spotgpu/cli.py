@@ -522,8 +522,8 @@ def nodes(api_key: str = API_KEY, market: str = MARKET) -> None:
 
     with _market_client(market, api_key) as client:
         listed = _get(client, "/nodes")
-        quotes = _get(client, "/prices")
-    console.print(nodes_table(listed, quotes, now=time.time()))
+        busy = {n["id"]: n["gpus_busy"] for n in _get(client, "/market/nodes")}
+    console.print(nodes_table(listed, busy, now=time.time()))
 
 
 def _get(client: httpx.Client, path: str, params: dict | None = None):

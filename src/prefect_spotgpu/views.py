@@ -162,16 +162,10 @@ def bids_table(bids: Sequence[dict], allocations: dict[int, list[dict]], *, tena
 # ---------------------------------------------------------------- nodes
 
 
-def gpus_used(node: dict, quotes: Sequence[dict]) -> str:
-    """``used/total`` GPUs of a node, from its pool's quote (``GET /prices``). Exact only when
-    the node is its pool's only live node (the pool's total is the node's count); ``?``
-    otherwise, since the market shows an owner its pools, not the allocations on its nodes."""
-    pool = (node["gpu_model"], node["region"], node["capacity"])
-    for q in quotes:
-        alone = node["state"] == "live" and q["gpus_total"] == node["gpu_count"]
-        if (q["gpu_model"], q["region"], q["capacity"]) == pool and alone:
-            return f"{q['gpus_running']}/{node['gpu_count']}"
-    return f"?/{node['gpu_count']}"
+def gpus_used(node: dict, busy: dict[int, int]) -> str:
+    """``used/total`` GPUs of a node; ``busy`` maps node ids to GPUs running or noticed
+    (``GET /market/nodes``: ``gpus_busy``)."""
+    return f"{busy.get(node['id'], 0)}/{node['gpu_count']}"
 
 
 def telemetry_cells(telemetry: dict | None) -> tuple[str, str, str]:
@@ -197,14 +191,11 @@ def telemetry_cells(telemetry: dict | None) -> tuple[str, str, str]:
     )
 
 
-def nodes_table(nodes: Sequence[dict], quotes: Sequence[dict], *, now: float) -> Table:
+def nodes_table(nodes: Sequence[dict], busy: dict[int, int], *, now: float) -> Table:
     """Nodes (``GET /nodes``) with their state, GPUs in use, telemetry and heartbeat age."""
     table = Table(
         title="Nodes",
         title_justify="left",
-        caption="GPUs used: from the pool's quote, exact when the node is its pool's only "
-        "live node (? otherwise)",
-        caption_justify="left",
     )
     for name, justify in (
         ("id", "right"),
@@ -231,7 +222,7 @@ def nodes_table(nodes: Sequence[dict], quotes: Sequence[dict], *, now: float) ->
             node["region"],
             node["capacity"],
             colored(node["state"], NODE_COLORS),
-            gpus_used(node, quotes),
+            gpus_used(node, busy),
             str(jobs) if isinstance(jobs, int) else "-",
             *telemetry_cells(node.get("telemetry")),
             f"{node['reserve_price']:.2f}",

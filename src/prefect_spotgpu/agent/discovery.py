@@ -121,7 +121,7 @@ def discover_nvml(nvml=None) -> list[GpuInfo]:
 
 
 def telemetry_nvml(nvml=None) -> list[dict]:
-    """Utilisation, memory used and power of each GPU, for heartbeats."""
+    """Utilisation, memory used, power and temperature of each GPU, for heartbeats."""
     if nvml is None:
         import pynvml as nvml
     out = []
@@ -137,6 +137,9 @@ def telemetry_nvml(nvml=None) -> list[dict]:
                         lambda h=handle: nvml.nvmlDeviceGetMemoryInfo(h).used // (1024 * 1024)
                     ),
                     "power_w": _try(lambda h=handle: nvml.nvmlDeviceGetPowerUsage(h) / 1000.0),
+                    "temperature_c": _try(
+                        lambda h=handle: nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU)
+                    ),
                 }
             )
     finally:
