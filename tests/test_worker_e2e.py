@@ -27,6 +27,7 @@ from spot_flow import count
 
 HERE = Path(__file__).parent
 STEPS = 60
+PACE = 5  # the worker asks a paced run's policy every 5 s (default 60)
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +41,7 @@ def stack(prefect_api_url, tmp_path_factory):
         stack.on_demand_node = stack.start_agent("node-od", capacity="on_demand")
         pool = stack.create_pool("spot-e2e", defaults={"gpu_count": 2, "max_price": 1.5})
         stack.deployment = stack.deploy("spot_flow.py:spot_count", HERE, "e2e", pool)
-        stack.worker = stack.start_worker(pool)
+        stack.worker = stack.start_worker(pool, env={"SPOTGPU_PACE_SECONDS": str(PACE)})
         yield stack
 
 
@@ -382,3 +383,49 @@ def test_a_paced_run_with_slack_stays_on_spot(stack, prefect, tmp_path):
     assert bid["capacity"] == "spot" and bid["max_price"] == 1.5  # on pace: the cap
     allocations = stack.market().get(f"/bids/{bid['id']}/allocations").json()
     assert {a["node_id"] for a in allocations} <= set(stack.nodes)
+
+
+def test_a_spot_run_that_falls_behind_saves_and_finishes_on_demand(stack, prefect, tmp_path):
+    """95 s of slack and 1 minute lost per start: the first start on spot eats the slack, so
+    the policy moves the running job to on-demand. Its spot bid is lowered below every
+    reserve (a notice: the final save), and the run resumes on the on-demand node from that
+    save, finishing with the uninterrupted result."""
+    steps = 900
+    run_id, progress = start_run(
+        prefect,
+        stack,
+        tmp_path,
+        steps=steps,
+        gpu_hours=1.0,
+        deadline_hours=1.0 + 95 / 3600,
+        restart_minutes=1,
+    )
+    first = running_allocation(prefect, run_id)
+    spot_bid = bid_of(stack, prefect, run_id)
+    assert spot_bid["capacity"] == "spot" and spot_bid["max_price"] == 1.5
+    final = wait_state(prefect, run_id, lambda s: s.is_completed(), 240, "Completed")
+    assert final.is_completed() and prefect.read_flow_run(run_id).run_count == 2
+
+    market = stack.market()
+    spot = market.get(f"/allocations/{first}").json()
+    assert spot["status"] == "preempted" and spot["notice_reason"] == "below_reserve"
+    assert spot["final_save"] == "ok"
+    assert market.get(f"/bids/{spot_bid['id']}").json()["status"] == "cancelled"
+    on_demand = bid_of(stack, prefect, run_id)
+    assert on_demand["capacity"] == "on_demand" and on_demand["id"] != spot_bid["id"]
+    second = int(prefect.read_flow_run(run_id).labels["spotgpu.allocation"])
+    assert node_of(stack, second) == stack.on_demand_node
+
+    entries = progress_of(progress)
+    starts = [e for e in entries if "start" in e]
+    assert [int(s["alloc"]) for s in starts] == [first, second]
+    saved = [e["saved"] for e in entries if "saved" in e]
+    assert starts[1]["start"] == saved[0] + 1 > 1  # resumed from the final save
+    reference = Checkpointer(LocalStorage(tmp_path / "reference"), "ref", every=1e9)
+    assert [e["done"] for e in entries if "done" in e] == [count(reference, steps, 0.0, None)]
+    events = wait_for(
+        lambda: (e := _spot_events(prefect, run_id)) and "spotgpu.bid.on-demand" in e and e,
+        30,
+        "the worker's events",
+    )
+    assert "spotgpu.bid.preempted" in events

@@ -23,6 +23,7 @@ and the clock. Example (4 h of work, deadline 6 h after the scheduled start, res
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
@@ -30,8 +31,9 @@ from typing import Literal
 from prefect_spotgpu.deadline import JobView, get_policy
 from prefect_spotgpu.market import DEFAULT_CATALOG
 
-PACE_SECONDS = 60.0
-"""How often the worker asks the policy again while it follows a paced run."""
+PACE_SECONDS = float(os.environ.get("SPOTGPU_PACE_SECONDS", "60"))
+"""How often the worker asks the policy again while it follows a paced run (the policy's step;
+``SPOTGPU_PACE_SECONDS`` in the worker's environment changes it)."""
 RELEASE_PRICE = 0.0001
 """A spot bid repriced to this is below every reserve: its running job gets a notice."""
 HOLDING = ("running", "noticed")

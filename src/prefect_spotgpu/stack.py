@@ -210,15 +210,18 @@ class LocalStack:
         self._wait(f"agent-{name}", registered, 60)
         return registered()[0]
 
-    def start_worker(self, pool: str, name: str = "worker") -> subprocess.Popen:
-        """``prefect worker start --pool POOL --type spot-gpu`` as a process."""
+    def start_worker(
+        self, pool: str, name: str = "worker", env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
+        """``prefect worker start --pool POOL --type spot-gpu`` as a process (``env``: more
+        of its environment)."""
         process = self._spawn(
             name,
             [
                 *(sys.executable, "-m", "prefect", "worker", "start"),
                 *("--pool", pool, "--type", "spot-gpu", "--name", f"{name}-{os.getpid()}"),
             ],
-            env={"PREFECT_API_URL": self.prefect_api_url},
+            env={"PREFECT_API_URL": self.prefect_api_url, **(env or {})},
         )
         self._wait(name, lambda: "started!" in self.log(name, 100_000), 120)
         return process
