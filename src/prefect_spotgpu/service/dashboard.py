@@ -146,7 +146,11 @@ def depth(
     }
 
 
-@api.get("/stream", summary="Server-sent events: every pool's quote, as the market moves")
+@api.get(
+    "/stream",
+    summary="Server-sent events: every pool's quote, as the market moves",
+    include_in_schema=False,  # an endless text/event-stream: OpenAPI cannot describe it
+)
 async def stream(request: Request, db: Db, once: Annotated[bool, Query()] = False):
     """``event: market`` with ``{"version", "at", "pools"}``; ``once`` sends one and ends."""
     notifier = request.app.state.notifier
