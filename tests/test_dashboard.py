@@ -257,3 +257,32 @@ def test_the_page_fits_a_phone(browser, market, tmp_path):
     assert width <= 390, f"the page is {width} px wide on a 390 px screen"
     shot(page, tmp_path, "dashboard-phone.png")
     context.close()
+
+
+def test_the_stream_sends_every_pools_quote_and_the_views_are_anonymous(market):
+    import json
+
+    import httpx
+
+    response = httpx.get(market.base_url + "/api/v1/stream", params={"once": True}, timeout=10)
+    assert response.headers["content-type"].startswith("text/event-stream")
+    event, data = response.text.strip().split("\n", 1)
+    assert event == "event: market"
+    body = json.loads(data.removeprefix("data: "))
+    prices = market.client().get("/prices").json()
+    pools = {(p["gpu_model"], p["region"], p["capacity"]): p for p in body["pools"]}
+    for q in prices:
+        streamed = pools[(q["gpu_model"], q["region"], q["capacity"])]
+        assert streamed["on_demand_price"] == q["on_demand_price"]
+        assert streamed["gpus_total"] == q["gpus_total"]
+    nodes = market.client().get("/market/nodes").json()
+    assert len(nodes) == 4 and not any("owner_id" in n or "name" in n for n in nodes)
+    wait_for(  # the same GPUs in use, seen per node and per pool
+        lambda: (
+            sum(n["gpus_busy"] for n in market.client().get("/market/nodes").json())
+            == sum(q["gpus_running"] for q in market.client().get("/prices").json())
+        ),
+        10,
+    )
+    bad = market.client().get("/market/depth/B200/eu-west")
+    assert bad.status_code == 422 and "gpu_model" in bad.text

@@ -22,6 +22,7 @@ from prefect.states import Cancelling
 
 from conftest import wait_for
 from prefect_spotgpu.checkpoint import Checkpointer, LocalStorage
+from prefect_spotgpu.pacing import RELEASE_PRICE
 from prefect_spotgpu.stack import LocalStack
 from spot_flow import count
 
@@ -386,39 +387,46 @@ def test_a_paced_run_with_slack_stays_on_spot(stack, prefect, tmp_path):
 
 
 def test_a_spot_run_that_falls_behind_saves_and_finishes_on_demand(stack, prefect, tmp_path):
-    """95 s of slack and 1 minute lost per start: the first start on spot eats the slack, so
-    the policy moves the running job to on-demand. Its spot bid is lowered below every
-    reserve (a notice: the final save), and the run resumes on the on-demand node from that
-    save, finishing with the uninterrupted result."""
-    steps = 900
+    """135 s of slack and 90 s lost per start: the policy starts on spot, but the start eats
+    the slack, so about 40 s in it moves the running job to on-demand. Its spot bid
+    is lowered below every reserve (a notice: the final save), and the run resumes on the
+    on-demand node from that save, finishing with the uninterrupted result."""
+    steps = 800
     run_id, progress = start_run(
         prefect,
         stack,
         tmp_path,
         steps=steps,
         gpu_hours=1.0,
-        deadline_hours=1.0 + 95 / 3600,
-        restart_minutes=1,
+        deadline_hours=1.0 + 135 / 3600,
+        restart_minutes=1.5,
     )
-    first = running_allocation(prefect, run_id)
-    spot_bid = bid_of(stack, prefect, run_id)
-    assert spot_bid["capacity"] == "spot" and spot_bid["max_price"] == 1.5
-    final = wait_state(prefect, run_id, lambda s: s.is_completed(), 240, "Completed")
+    final = wait_state(prefect, run_id, lambda s: s.is_completed(), 300, "Completed")
     assert final.is_completed() and prefect.read_flow_run(run_id).run_count == 2
 
     market = stack.market()
-    spot = market.get(f"/allocations/{first}").json()
+
+    def bids_of_run():
+        listed = market.get("/bids", params={"limit": 1000}).json()
+        mine = [b for b in listed if b["labels"].get("prefect.flow-run-id") == str(run_id)]
+        return mine if mine[-1]["status"] == "finished" else None  # its job has ended
+
+    bids = wait_for(bids_of_run, 30, "the on-demand bid finished")
+    assert [(b["capacity"], b["status"]) for b in bids] == [
+        ("spot", "cancelled"),
+        ("on_demand", "finished"),
+    ]
+    spot_bid, on_demand_bid = bids
+    assert spot_bid["max_price"] == RELEASE_PRICE  # released: it was placed at the cap
+    [spot] = market.get(f"/bids/{spot_bid['id']}/allocations").json()
     assert spot["status"] == "preempted" and spot["notice_reason"] == "below_reserve"
-    assert spot["final_save"] == "ok"
-    assert market.get(f"/bids/{spot_bid['id']}").json()["status"] == "cancelled"
-    on_demand = bid_of(stack, prefect, run_id)
-    assert on_demand["capacity"] == "on_demand" and on_demand["id"] != spot_bid["id"]
-    second = int(prefect.read_flow_run(run_id).labels["spotgpu.allocation"])
-    assert node_of(stack, second) == stack.on_demand_node
+    assert spot["final_save"] == "ok" and spot["node_id"] in stack.nodes
+    [second] = market.get(f"/bids/{on_demand_bid['id']}/allocations").json()
+    assert second["node_id"] == stack.on_demand_node and second["price"] == 2.1
 
     entries = progress_of(progress)
     starts = [e for e in entries if "start" in e]
-    assert [int(s["alloc"]) for s in starts] == [first, second]
+    assert [int(s["alloc"]) for s in starts] == [spot["id"], second["id"]]
     saved = [e["saved"] for e in entries if "saved" in e]
     assert starts[1]["start"] == saved[0] + 1 > 1  # resumed from the final save
     reference = Checkpointer(LocalStorage(tmp_path / "reference"), "ref", every=1e9)

@@ -394,10 +394,10 @@ def prices(
                 "-" if price is None else f"{1 - price / q['on_demand_price']:.0%}",
                 str(q["waiting_bids"]),
             ]
-            if forecast:
-                fixed = ["fixed price", "-", "-"]
-                cells = _forecast_cells(client, q["gpu_model"], q["region"], hours)
-                row += cells if spot else fixed
+            if forecast and spot:
+                row += _forecast_cells(client, q["gpu_model"], q["region"], hours)
+            elif forecast:
+                row += ["fixed price", "-", "-"]
             table.add_row(*row)
         console.print(table)
 
