@@ -9,8 +9,8 @@ read-only views here:
 - ``GET /api/v1/market/depth/{model}/{region}``: the pool's order book, aggregated by price
   level (GPUs waiting and GPUs held at each maximum price), anonymous;
 - ``GET /api/v1/stream``: server-sent events. A ``market`` event carries every pool's quote
-  whenever this process's tick leader commits new events, and at least every
-  ``STREAM_SECONDS``; the page refreshes its views (and a signed-in tenant's own bids,
+  whenever this process's tick leader commits new events or a changed quote, and at least
+  every ``STREAM_SECONDS``; the page refreshes its views (and a signed-in tenant's own bids,
   allocations and ledger, with the tenant's key, over the ordinary API) on each one.
 
 A tenant signs in on the page with its API key; the key stays in the browser's session
@@ -168,11 +168,11 @@ async def stream(request: Request, db: Db, once: Annotated[bool, Query()] = Fals
     async def events():
         seen, sent_at = None, 0.0
         while True:
-            version = notifier.version
+            version = (notifier.version, notifier.market_version)
             if version != seen or time.monotonic() - sent_at >= STREAM_SECONDS:
                 seen, sent_at = version, time.monotonic()
                 body = {
-                    "version": version,
+                    "version": sum(version),
                     "at": time.time(),
                     "pools": await run_in_threadpool(pools),
                 }

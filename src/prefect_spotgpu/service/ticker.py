@@ -135,11 +135,16 @@ class Leadership:
 
 
 class Notifier:
-    """Wakes long-polls in this process when the local leader commits new events."""
+    """Wakes long-polls in this process when the local leader commits new events, and counts
+    the commits that changed a pool's quote (``market_version``, for the dashboard's stream)."""
 
     def __init__(self) -> None:
         self._condition = threading.Condition()
         self.version = 0
+        self.market_version = 0
+
+    def market_moved(self) -> None:
+        self.market_version += 1
 
     def notify(self) -> None:
         with self._condition:
@@ -257,13 +262,15 @@ class Ticker:
             writes.flush_events()
             if writes.ended or now - self.last_flush >= self.settings.charge_flush_seconds:
                 self._flush(session, now)
-            self._write_quotes(session, decision, now)
+            moved = self._write_quotes(session, decision, now)
             if changes:
                 session.execute(
                     delete(MarketChange).where(MarketChange.id.in_([c.id for c in changes]))
                 )
         if writes.events:
             self.notifier.notify()
+        if moved:
+            self.notifier.market_moved()
         self.ticks += 1
         self.tick_seconds_last = time.perf_counter() - started
         self.metrics.observe_tick(self.tick_seconds_last, notices=decision.notices, reports=reports)
@@ -589,7 +596,9 @@ class Ticker:
         self.bars.clear()
         self.last_flush = now
 
-    def _write_quotes(self, session: Session, decision: Decision, now: float) -> None:
+    def _write_quotes(self, session: Session, decision: Decision, now: float) -> bool:
+        """Each pool's quote and this minute's price bar; whether any quote changed."""
+        moved = False
         minute = int(now // 60)
         for q in decision.quotes:
             key = (q.gpu_model, q.region, q.capacity.value)
@@ -624,6 +633,8 @@ class Ticker:
             ) = values
             row.updated_at = now
             self.last_quotes[key] = values
+            moved = True
+        return moved
 
 
 def _bulk_charge(session: Session, rows: list[dict]) -> None:
