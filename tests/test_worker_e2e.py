@@ -261,12 +261,16 @@ def test_a_lost_agent_is_a_preemption_without_notice(stack, prefect, tmp_path):
 
 
 def test_a_worker_restarted_mid_run_adopts_it(stack, prefect, tmp_path):
-    run_id, progress = start_run(prefect, stack, tmp_path, steps=150)
+    steps = 600  # long enough to be reclaimed after the adoption, on a slow machine too
+    run_id, progress = start_run(prefect, stack, tmp_path, steps=steps)
     first = running_allocation(prefect, run_id)
     wait_for(lambda: steps_done(progress) >= 5, 60, "progress")
     stack.kill("worker")
-    stack.worker = stack.start_worker("spot-e2e", name="worker")
+    stack.worker = stack.start_worker(
+        "spot-e2e", name="worker", env={"SPOTGPU_PACE_SECONDS": str(PACE)}
+    )
     wait_for(lambda: "Adopting flow run" in stack.log("worker", 100_000), 60, "adoption")
+    assert steps_done(progress) < steps, "the run finished before the reclaim"
     reclaim(stack, node_of(stack, first))
     final = wait_state(prefect, run_id, lambda s: s.is_completed(), 120, "Completed")
     assert final.is_completed()
