@@ -270,6 +270,8 @@ def test_a_worker_restarted_mid_run_adopts_it(stack, prefect, tmp_path):
         "spot-e2e", name="worker", env={"SPOTGPU_PACE_SECONDS": str(PACE)}
     )
     wait_for(lambda: "Adopting flow run" in stack.log("worker", 100_000), 60, "adoption")
+    wait_for(lambda: f"Following bid {bid_of(stack, prefect, run_id)['id']}" in stack.log(
+        "worker", 100_000), 60, "the new worker following the run")  # fmt: skip
     assert steps_done(progress) < steps, "the run finished before the reclaim"
     reclaim(stack, node_of(stack, first))
     final = wait_state(prefect, run_id, lambda s: s.is_completed(), 120, "Completed")

@@ -209,6 +209,7 @@ class SpotGPUWorker(
         track = Track.from_events(history["events"])
         attempt = Attempt(http, flow_run, configuration, bid, track)
         cursor = history["cursor"]
+        logger.info("Following bid %s after its event %s", bid_id, cursor)
         self._following.add(str(flow_run.id))
         pace, paced_at = configuration.pace(flow_run), time.monotonic()
         try:
