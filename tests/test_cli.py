@@ -14,13 +14,14 @@ from prefect_spotgpu.stack import free_port
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def spotgpu(*args: str) -> subprocess.CompletedProcess:
+def spotgpu(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "prefect_spotgpu.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
+        env=env,
     )
 
 
@@ -91,14 +92,7 @@ def spotgpu_at(service, *args: str, key: str | None = None) -> subprocess.Comple
     env.update(COLUMNS="200", SPOTGPU_MARKET_URL=service.base_url)
     if key is not None:
         env["SPOTGPU_API_KEY"] = key
-    return subprocess.run(
-        [sys.executable, "-m", "prefect_spotgpu.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env=env,
-    )
+    return spotgpu(*args, env=env)
 
 
 def key_of(client) -> str:
