@@ -52,7 +52,7 @@ def test_a_failed_job_is_not_counted_as_a_preemption():
 
 def test_the_cost_report_compares_spot_with_on_demand():
     bid = {"id": 5, "gpu_model": "A100-80G", "gpu_count": 2, "max_price": 1.5, "region": "x"}
-    base = {"gpu_count": 2, "price": 1.0, "node_id": 1, "last_checkpoint_at": None}
+    base = {"gpu_count": 2, "price": 1.0, "node_id": 1, "last_checkpoint_at": None, "bid_id": 5}
     allocations = [
         # one hour on 2 GPUs at 1.0, preempted without a final save 600 s after its start
         {**base, "id": 1, "status": "preempted", "started_at": 0.0, "ended_at": 3600.0,
@@ -67,11 +67,16 @@ def test_the_cost_report_compares_spot_with_on_demand():
     assert [r["allocation"] for r in rows] == [1, 2]
     assert rows[0]["cost"] == 2.0 and rows[0]["end"] == "1970-01-01T01:00:00+00:00"
     assert "| GPU-hours | 3.0000 |" in summary
-    assert "| Spot cost | 3.000000 |" in summary
+    assert "| Cost paid | 3.000000 |" in summary
     assert "| On-demand cost | 6.300000 (at 2.10/GPU-h) |" in summary
     assert "| Saving | 52% |" in summary
     assert "| Preemptions | 1 |" in summary
     assert "| Work lost | 600.0 s" in summary
+    assert summary.startswith("### GPU cost of bid 5\n")
+    earlier = [{**a, "bid_id": 4} for a in allocations[:1]]  # a spot bid it replaced
+    rows, summary = allocation_report(bid, earlier + allocations[1:])
+    assert [(r["bid"], r["allocation"]) for r in rows] == [(4, 1), (5, 2)]
+    assert summary.startswith("### GPU cost of bids 4, 5\n")
 
 
 def test_the_job_the_worker_bids_with(tmp_path):

@@ -443,3 +443,19 @@ def test_a_spot_run_that_falls_behind_saves_and_finishes_on_demand(stack, prefec
         "the worker's events",
     )
     assert "spotgpu.bid.preempted" in events
+    assert on_demand_bid["labels"]["spotgpu.replaces"] == str(spot_bid["id"])
+    table = wait_for(
+        lambda: [
+            json.loads(a.data)
+            for a in prefect.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]))
+            )
+            if a.key == f"spotgpu-{run_id}-allocations"
+        ],
+        30,
+        "the run's allocations table",
+    )[0]
+    assert [(row["bid"], row["allocation"]) for row in table] == [
+        (spot_bid["id"], spot["id"]),
+        (on_demand_bid["id"], second["id"]),
+    ]  # the run's whole cost: spot and on-demand

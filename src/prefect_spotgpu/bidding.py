@@ -111,8 +111,15 @@ def bid_costs(bid: dict, allocations: list[dict]) -> dict:
     }
 
 
+def _bids(allocations: list[dict], bid: dict) -> str:
+    ids = sorted({a["bid_id"] for a in allocations} | {bid["id"]})
+    return f"bid {ids[0]}" if len(ids) == 1 else "bids " + ", ".join(map(str, ids))
+
+
 def allocation_report(bid: dict, allocations: list[dict]) -> tuple[list[dict], str]:
-    """Rows for the allocations table and the markdown summary of a bid's cost."""
+    """Rows for the allocations table and the markdown summary of the cost of a run's bid (and
+    of the bids it replaced, whose allocations come with it): what was paid, on spot or
+    on-demand, against the same GPU-hours all on-demand."""
     rows = []
     for a in sorted(allocations, key=lambda a: a["id"]):
         if a["status"] in ("reserved", "released"):
@@ -121,6 +128,7 @@ def allocation_report(bid: dict, allocations: list[dict]) -> tuple[list[dict], s
         rows.append(
             {
                 "allocation": a["id"],
+                "bid": a["bid_id"],
                 "node": a["node_id"],
                 "gpu": f"{a['gpu_count']} x {bid['gpu_model']}",
                 "start": iso(a["started_at"]),
@@ -134,13 +142,13 @@ def allocation_report(bid: dict, allocations: list[dict]) -> tuple[list[dict], s
     saving = "n/a" if c["saving"] is None else f"{c['saving']:.0%}"
     summary = "\n".join(
         [
-            f"### Spot GPU cost of bid {bid['id']}",
+            f"### GPU cost of {_bids(allocations, bid)}",
             "",
             "| | |",
             "|---|---|",
             f"| GPUs | {describe(bid)} |",
             f"| GPU-hours | {c['gpu_hours']:.4f} |",
-            f"| Spot cost | {c['spot_cost']:.6f} |",
+            f"| Cost paid | {c['spot_cost']:.6f} |",
             f"| On-demand cost | {c['on_demand_cost']:.6f} (at {c['on_demand_price']:.2f}/GPU-h) |",
             f"| Saving | {saving} |",
             f"| Preemptions | {c['preemptions']} |",

@@ -22,6 +22,8 @@ from prefect_spotgpu.pacing import RELEASE_PRICE, Pace, Plan, plan
 from prefect_spotgpu.schedules import cheap_window
 
 FLOW_RUN_LABEL = "prefect.flow-run-id"
+REPLACES_LABEL = "spotgpu.replaces"
+"""On a bid that replaced an earlier bid of the same run (spot -> on-demand): that bid's id."""
 POOL_LABEL = "prefect.work-pool"
 
 
@@ -47,12 +49,20 @@ class BidPlacement:
     """Placing, steering and pacing a flow run's bid (see the module docstring)."""
 
     async def _place_bid(
-        self, http, flow_run, configuration: SpotGPUJobConfiguration, course: Plan | None
+        self,
+        http,
+        flow_run,
+        configuration: SpotGPUJobConfiguration,
+        course: Plan | None,
+        replaces: dict | None = None,
     ) -> dict:
-        """A new bid for the run (idempotent: retries are safe), named on the run."""
+        """A new bid for the run (idempotent: retries are safe), named on the run; a bid that
+        ``replaces`` another names it (label ``spotgpu.replaces``) for the run's cost report."""
         if configuration.notice_webhook:
             await set_webhook(http, configuration.notice_webhook)
         body = self._bid_body(flow_run, configuration, course)
+        if replaces is not None:
+            body["labels"][REPLACES_LABEL] = str(replaces["id"])
         bid = await self._retry_checked(
             flow_run, "place the bid", lambda: http.post("/bids", json=body)
         )
@@ -65,8 +75,8 @@ class BidPlacement:
 
     async def _steer(self, http, flow_run, pace: Pace, bid: dict | None):
         """Ask the run's bidding policy (``pacing.plan``); returns the bid to keep (None:
-        place a new one) and the plan. A waiting spot bid is repriced to the plan's price,
-        or cancelled when the plan moves the run to on-demand capacity."""
+        place a new one), the plan, and the bid it cancelled. A waiting spot bid is repriced
+        to the plan's price, or cancelled when the plan moves the run to on-demand capacity."""
         allocations = []
         if bid is not None:
             allocations = checked(
@@ -74,20 +84,20 @@ class BidPlacement:
             )
         course = plan(pace, datetime.now(UTC), bid, allocations)
         if bid is None:
-            return None, course
+            return None, course, None
         logger = self.get_flow_run_logger(flow_run)
         if course.mode == "on_demand" and bid.get("capacity") != "on_demand":
             logger.warning("Moving to on-demand capacity: %s", course.describe())
             await cancel_bid(http, bid["id"])
             self._event("on-demand", flow_run, bid, plan=course.describe())
-            return None, course
+            return None, course, bid
         if course.mode == "spot" and bid["max_price"] != course.price:
             bid = checked(
                 await http.patch(f"/bids/{bid['id']}", json={"max_price": course.price}),
                 "reprice the bid",
             )
             logger.info("Bid %s repriced: %s", bid["id"], course.describe())
-        return bid, course
+        return bid, course, None
 
     async def _pace_running(self, attempt: Attempt, pace: Pace) -> SwitchBid | None:
         """Every ``PACE_SECONDS`` of a paced attempt: a waiting bid is steered (repriced, or
@@ -95,10 +105,11 @@ class BidPlacement:
         the usual notice, through its bid lowered below every reserve, and saves first."""
         http, flow_run, bid = attempt.http, attempt.flow_run, attempt.bid
         if attempt.track.live is None:
-            kept, course = await self._steer(http, flow_run, pace, bid)
+            kept, course, replaced = await self._steer(http, flow_run, pace, bid)
             if kept is None:
+                configuration = attempt.configuration
                 return SwitchBid(
-                    await self._place_bid(http, flow_run, attempt.configuration, course)
+                    await self._place_bid(http, flow_run, configuration, course, replaced)
                 )
             attempt.bid = kept
             return None

@@ -71,6 +71,7 @@ from prefect_spotgpu.pacing import PACE_SECONDS
 from prefect_spotgpu.placement import (
     FLOW_RUN_LABEL,
     POOL_LABEL,
+    REPLACES_LABEL,
     Attempt,
     BidPlacement,
     SwitchBid,
@@ -171,13 +172,13 @@ class SpotGPUWorker(
                 if window_over(bid):  # a cheap-window run paused: bid for the next window
                     await cancel_bid(http, bid["id"])
                     bid = None
-        pace, course = configuration.pace(flow_run), None
+        pace, course, replaced = configuration.pace(flow_run), None, None
         if pace is not None:
-            bid, course = await self._retry(
+            bid, course, replaced = await self._retry(
                 flow_run, "pace the run", lambda: self._steer(http, flow_run, pace, bid)
             )
         if bid is None:
-            bid = await self._place_bid(http, flow_run, configuration, course)
+            bid = await self._place_bid(http, flow_run, configuration, course, replaced)
         quote = await quote_text(http, bid)
         if bid.get("window_start"):
             quote += f"; runs in the cheap window {bid['window_start']} to {bid['window_end']}"
@@ -568,9 +569,17 @@ class SpotGPUWorker(
         )
 
     async def _publish_summary(self, http: httpx.AsyncClient, flow_run, bid: dict) -> None:
-        """The run's allocations as a keyed table, and a markdown cost summary."""
+        """The run's allocations as a keyed table, and a markdown cost summary (over every bid
+        of the run: an on-demand bid names the spot bid it replaced)."""
         try:
-            allocations = checked(await http.get(f"/bids/{bid['id']}/allocations"), "list")
+            allocations, current = [], bid
+            for _ in range(8):
+                path = f"/bids/{current['id']}/allocations"
+                allocations = checked(await http.get(path), "list") + allocations
+                earlier = (current.get("labels") or {}).get(REPLACES_LABEL)
+                if not earlier:
+                    break
+                current = checked(await http.get(f"/bids/{earlier}"), "read the replaced bid")
             table, summary = allocation_report(bid, allocations)
             key = f"spotgpu-{flow_run.id}"
             await self.client.create_artifact(
