@@ -286,6 +286,39 @@ def test_a_worker_restarted_mid_run_adopts_it(stack, prefect, tmp_path):
     assert [e["done"] for e in progress_of(progress) if "done" in e]
 
 
+def test_a_preemption_while_no_worker_follows_is_caught_up_by_the_next_worker(
+    stack, prefect, tmp_path
+):
+    """The worker is killed, then the node is reclaimed: the job saves and stops, its engine
+    reports Crashed, and nobody reschedules the run. The next worker adopts it, sees the
+    preemption it missed, reschedules it as Preempted, and the run resumes and completes."""
+    steps = 300
+    run_id, progress = start_run(prefect, stack, tmp_path, steps=steps)
+    first = running_allocation(prefect, run_id)
+    wait_for(lambda: steps_done(progress) >= 5, 60, "progress")
+    stack.kill("worker")
+    reclaim(stack, node_of(stack, first))
+    market = stack.market()
+    wait_for(
+        lambda: market.get(f"/allocations/{first}").json()["status"] == "preempted",
+        60,
+        "the preemption, with no worker",
+    )
+    assert steps_done(progress) < steps
+    stack.worker = stack.start_worker(
+        "spot-e2e", name="worker", env={"SPOTGPU_PACE_SECONDS": str(PACE)}
+    )
+    final = wait_state(prefect, run_id, lambda s: s.is_completed(), 180, "Completed")
+    assert final.is_completed() and prefect.read_flow_run(run_id).run_count == 2
+    assert "Preempted" in state_names(prefect, run_id)
+    starts = [e for e in progress_of(progress) if "start" in e]
+    saved = [e["saved"] for e in progress_of(progress) if "saved" in e]
+    assert len(starts) == 2 and starts[1]["start"] == saved[0] + 1  # from the final save
+    reference = Checkpointer(LocalStorage(tmp_path / "reference"), "ref", every=1e9)
+    done = [e["done"] for e in progress_of(progress) if "done" in e]
+    assert done == [count(reference, steps, 0.0, None)]
+
+
 def test_a_scheduled_run_is_bid_for_within_two_seconds(stack, prefect, tmp_path):
     run_id, _ = start_run(prefect, stack, tmp_path, steps=1)
     created = prefect.read_flow_run(run_id).created

@@ -214,6 +214,9 @@ class SpotGPUWorker(
         self._following.add(str(flow_run.id))
         pace, paced_at = configuration.pace(flow_run), time.monotonic()
         try:
+            missed = await self._missed_preemption(flow_run, history["events"])
+            if missed is not None:  # while no worker followed the run (an adoption)
+                return await self._preempted(attempt, missed)
             if track.live is not None:
                 await self._retry(flow_run, "start the job", lambda: self._go(attempt))
             while True:
@@ -253,6 +256,23 @@ class SpotGPUWorker(
                 cursor = max(cursor, page["cursor"])
         finally:
             self._following.discard(str(flow_run.id))
+
+    async def _missed_preemption(self, flow_run, events: list[dict]) -> dict | None:
+        """The ``preempted`` event of the allocation the run last ran on, when the run has not
+        been rescheduled since (it is still Running or Crashed from that allocation's engine):
+        a preemption that completed while no worker followed the run."""
+        run = await self.client.read_flow_run(flow_run.id)
+        label = (run.labels or {}).get(ALLOCATION_LABEL)
+        if not label or run.state is None or not (run.state.is_running() or run.state.is_crashed()):
+            return None
+        for event in events:
+            if (
+                event["kind"] == "preempted"
+                and str(event["allocation_id"]) == str(label)
+                and event["payload"].get("reason") != JOB_FAILED
+            ):
+                return event
+        return None
 
     async def _retry(self, flow_run, doing: str, call):
         """``await call()``, retried with backoff (1 s doubling to 30 s) while the failure is
@@ -508,10 +528,10 @@ class SpotGPUWorker(
             owner = (flow_run.labels or {}).get("prefect.worker.name")
             if (
                 state is None
-                or not (state.is_running() or state.is_pending())
+                or not (state.is_running() or state.is_pending() or state.is_crashed())
                 or owner in live_workers
             ):
-                continue
+                continue  # Crashed: its engine was stopped by a preemption no one followed
             self._logger.info(
                 "Adopting flow run %s (bid %s) left by worker %s", flow_run.id, bid["id"], owner
             )
