@@ -477,16 +477,16 @@ def test_a_spot_run_that_falls_behind_saves_and_finishes_on_demand(stack, prefec
     )
     assert "spotgpu.bid.preempted" in events
     assert on_demand_bid["labels"]["spotgpu.replaces"] == str(spot_bid["id"])
-    table = wait_for(
+    table = wait_for(  # each attempt publishes the table again: the last has both bids
         lambda: [
-            json.loads(a.data)
+            table
             for a in prefect.read_artifacts(
                 artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]))
             )
-            if a.key == f"spotgpu-{run_id}-allocations"
+            if a.key == f"spotgpu-{run_id}-allocations" and len(table := json.loads(a.data)) > 1
         ],
         30,
-        "the run's allocations table",
+        "the run's allocations table, after its last attempt",
     )[0]
     assert [(row["bid"], row["allocation"]) for row in table] == [
         (spot_bid["id"], spot["id"]),
