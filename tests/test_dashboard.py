@@ -286,3 +286,19 @@ def test_the_stream_sends_every_pools_quote_and_the_views_are_anonymous(market):
     )
     bad = market.client().get("/market/depth/B200/eu-west")
     assert bad.status_code == 422 and "gpu_model" in bad.text
+
+
+def test_a_new_bid_wakes_the_stream_within_a_tick(market):
+    """A waiting bid makes no event, but it changes its pool's quote: the leader's next tick
+    counts that (``market_version``), and the stream speaks at once instead of waiting for
+    its 2 s heartbeat. Unknown page files are 404s."""
+    notifier = market.app.state.notifier
+    before = notifier.market_version
+    response = market.bob.post(
+        "/bids", json={"gpu_model": "A100-80G", "gpu_count": 4, "max_price": 0.5}
+    )
+    assert response.status_code == 201, response.text
+    wait_for(lambda: notifier.market_version > before, 5, "the quote's change")
+    import httpx
+
+    assert httpx.get(market.base_url + "/dashboard/nothere.js").status_code == 404

@@ -15,10 +15,11 @@ per start (provisioning and restore). It is an estimate: the flow's own step cou
 visible to the worker. Nothing here does I/O; the worker supplies the bid, its allocations
 and the clock. Example (4 h of work, deadline 6 h after the scheduled start, restart 5 min)::
 
-    t=0 h    nothing ran                  slack 2.0 h  -> spot at the cap (on pace)
-    t=1 h    ran 0.9 h (one start)        1.08 h ahead -> spot at the cap (it holds GPUs)
-    t=3 h    preempted at 1.5 h, waiting  slack 0.58 h -> spot at the cap
-    t=4.45 h still waiting                slack 0.03 h -> on-demand to the end
+    t=0 h     nothing ran                      slack 2.0 h   -> spot at the cap (on pace)
+    t=1 h     running since 0 (0.92 h done)    0.25 h ahead  -> spot at the cap (holds GPUs)
+    t=3 h     preempted at 1.5 h (1.42 done)   slack 0.42 h  -> spot at the cap (behind)
+    t=3.35 h  still waiting                    slack 0.07 h  -> on-demand to the end
+              (below one restart and one step: 0.083 + 0.017 h)
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from sqlalchemy import func, select
 from prefect_spotgpu.market import DEFAULT_CATALOG
 from prefect_spotgpu.service import crud
 from prefect_spotgpu.service.deps import Db
-from prefect_spotgpu.service.errors import Invalid
+from prefect_spotgpu.service.errors import Invalid, NotFound
 from prefect_spotgpu.service.models import AllocationRow, BidRow, NodeRow, PoolQuoteRow
 
 STATIC = Path(__file__).parent / "static"
@@ -61,7 +61,7 @@ def page():
 def asset(name: Annotated[str, PathParam(pattern=r"^[a-z]+\.(js|css|svg)$")]):
     path = STATIC / name
     if not path.is_file():
-        raise Invalid(f"no dashboard file {name!r}", field="name")
+        raise NotFound(f"no dashboard file {name!r}")
     return FileResponse(path)
 
 
