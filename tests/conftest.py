@@ -113,6 +113,11 @@ class Service:
         client.tenant_id = response.json()["id"]
         return client
 
+    def grant_provider(self, tenant: httpx.Client) -> None:
+        """Make a tenant a provider (the operator's vetting), so it may register nodes."""
+        response = self.admin.put(f"/tenants/{tenant.tenant_id}/provider", json={"provider": True})
+        assert response.status_code == 200, response.text
+
     def node(
         self,
         owner: httpx.Client,
@@ -132,6 +137,7 @@ class Service:
         }
         if capacity == "spot":
             body["reserve_price"] = reserve
+        self.grant_provider(owner)
         response = owner.post("/nodes", json=body)
         assert response.status_code == 201, response.text
         node = response.json()

@@ -59,6 +59,8 @@ def test_a_tenant_sees_only_its_own_bids_and_nodes(service):
     assert [x["id"] for x in bob.get("/bids").json()] == []
     node, _ = service.node(alice)
     assert bob.get(f"/nodes/{node['id']}").status_code == 404
+    assert bob.patch(f"/nodes/{node['id']}", json={"state": "reclaimed"}).status_code == 403
+    service.grant_provider(bob)  # a provider, but not this node's
     assert bob.patch(f"/nodes/{node['id']}", json={"state": "reclaimed"}).status_code == 404
     assert service.admin.get(f"/nodes/{node['id']}").status_code == 200
 
@@ -125,6 +127,7 @@ def test_nul_characters_are_422_not_500(service, body, field):
     )
     assert response.status_code == 422, response.text
     assert any(field in err["loc"] for err in response.json()["detail"])
+    service.grant_provider(alice)
     response = alice.post(
         "/nodes",
         json={
@@ -153,6 +156,7 @@ def test_non_finite_prices_and_huge_ids_are_422(service):
         == 422
     )
     owner = service.tenant()
+    service.grant_provider(owner)
     response = owner.post(
         "/nodes",
         json={
@@ -264,7 +268,7 @@ def test_reclaim_notice_save_ack_and_migration(service):
         f"/allocations/{alloc}/report",
         json={"epoch": epoch, "outcome": "saved", "checkpoint_at": 1.0},
     )
-    assert wrong_node.status_code == 403
+    assert wrong_node.status_code == 404  # not its allocation: not even its existence
     ok = agent1.post(
         f"/allocations/{alloc}/report",
         json={"epoch": epoch, "outcome": "saved", "checkpoint_at": time.time()},
@@ -364,7 +368,7 @@ def test_a_failed_final_save_is_compensated(service):
     notice = wait_event(agent, f"/nodes/{node['id']}/events", "noticed")
     failed = agent.post(
         f"/allocations/{alloc}/report",
-        json={"epoch": notice["payload"]["epoch"], "outcome": "save_failed"},
+        json={"epoch": notice["payload"]["epoch"], "outcome": "save_failed", "cause": "storage"},
     )
     assert failed.status_code == 200
     entry = service.wait_for(
@@ -373,6 +377,9 @@ def test_a_failed_final_save_is_compensated(service):
     assert entry["allocation_id"] == alloc
     assert "final save failed" in entry["reason"]
     assert 0.9 * 8 * 0.8 / 3600 < entry["amount"] < 0.9 * 8 * 10 / 3600
+    ended = alice.get(f"/allocations/{alloc}").json()  # at once, not at the deadline
+    assert ended["status"] == "preempted" and ended["end_reason"] == "final save failed (storage)"
+    assert entry["amount"] <= ended["charged_amount"]  # never more than was paid
 
 
 def test_a_lost_node_preempts_without_notice_and_compensates(db_url, tmp_path):
@@ -465,16 +472,17 @@ def test_compensation_is_bounded_by_the_allocation_and_checkpoints_cannot_be_fut
         json={"epoch": 1, "outcome": "checkpoint", "checkpoint_at": time.time() + 3600},
     )
     assert future.status_code == 422 and future.json()["field"] == "checkpoint_at"
-    agent.post(
+    ancient = agent.post(
         f"/allocations/{alloc}/report",
         json={"epoch": 1, "outcome": "checkpoint", "checkpoint_at": 1.0},
     )  # 1970
+    assert ancient.status_code == 422 and ancient.json()["field"] == "checkpoint_at"
     started = alice.get(f"/allocations/{alloc}").json()["started_at"]
     owner.patch(f"/nodes/{node['id']}", json={"state": "reclaimed"})
     notice = wait_event(agent, f"/nodes/{node['id']}/events", "noticed")
     agent.post(
         f"/allocations/{alloc}/report",
-        json={"epoch": notice["payload"]["epoch"], "outcome": "save_failed"},
+        json={"epoch": notice["payload"]["epoch"], "outcome": "save_failed", "cause": "storage"},
     )
     entry = service.wait_for(
         lambda: [e for e in alice.get("/ledger").json()["entries"] if e["kind"] == "compensation"]
@@ -487,6 +495,7 @@ def test_concurrent_creates_with_one_name_never_500(service, path):
     from concurrent.futures import ThreadPoolExecutor
 
     owner = service.tenant()
+    service.grant_provider(owner)
     client = service.admin if path == "/tenants" else owner
     body = (
         {"name": "same"}

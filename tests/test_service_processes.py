@@ -101,6 +101,7 @@ def setup_market(server: Server, nodes: int) -> tuple[str, str]:
     with server.client(ADMIN_KEY) as admin:
         buyer = admin.post("/tenants", json={"name": "buyer", "starting_credit": 1000}).json()
         owner = admin.post("/tenants", json={"name": "owner"}).json()
+        admin.put(f"/tenants/{owner['id']}/provider", json={"provider": True}).raise_for_status()
     with server.client(owner["api_key"]) as client:
         for i in range(nodes):
             assert (

@@ -10,7 +10,7 @@ import time
 from datetime import UTC, datetime
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, FastAPI, Path, Query, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -18,8 +18,8 @@ from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session, sessionmaker
 
 import prefect_spotgpu
-from prefect_spotgpu.market import DEFAULT_CATALOG
-from prefect_spotgpu.service import crud, dashboard, forecast_api, schemas
+from prefect_spotgpu.market import DEFAULT_CATALOG, AllocationStatus
+from prefect_spotgpu.service import access, crud, dashboard, forecast_api, schemas
 from prefect_spotgpu.service.db import make_sessionmaker
 from prefect_spotgpu.service.deps import (
     AdminOnly,
@@ -30,6 +30,8 @@ from prefect_spotgpu.service.deps import (
 )
 from prefect_spotgpu.service.errors import Forbidden, Invalid, ServiceError
 from prefect_spotgpu.service.models import AllocationRow, BidRow, NodeRow, PoolQuoteRow, Tenant
+from prefect_spotgpu.service.roles import authorize, check_route_table
+from prefect_spotgpu.service.sealing import Sealer
 from prefect_spotgpu.service.settings import ServiceSettings
 from prefect_spotgpu.service.ticker import Notifier, Ticker
 from prefect_spotgpu.service.webhooks import WebhookSender
@@ -50,6 +52,7 @@ def _tenant_response(tenant: Tenant) -> dict:
         "id": tenant.id,
         "name": tenant.name,
         "balance": tenant.credits - tenant.spent,
+        "provider": tenant.provider,
         "created_at": tenant.created_at,
     }
 
@@ -137,7 +140,7 @@ def me(tenant_id: CurrentTenant, db: Db):
     status_code=201,
     response_model=schemas.NodeCreated,
     tags=["nodes"],
-    summary="Register a node you own; returns its agent token once",
+    summary="Register a node you own (providers only); returns its agent token once",
 )
 def register_node(data: schemas.NodeCreate, tenant_id: CurrentTenant, db: Db):
     with db.begin() as session:
@@ -199,7 +202,14 @@ def heartbeat(node_id: Id, data: schemas.Heartbeat, caller_node: CurrentNode, db
     with db.begin() as session:
         node = crud.get_node(session=session, node_id=node_id, owner_id=None)
         return _node_response(
-            crud.heartbeat_node(session=session, node=node, telemetry=data.telemetry, now=_now())
+            crud.heartbeat_node(
+                session=session,
+                node=node,
+                telemetry=None
+                if data.telemetry is None
+                else data.telemetry.model_dump(mode="json", exclude_none=True),
+                now=_now(),
+            )
         )
 
 
@@ -209,12 +219,15 @@ def heartbeat(node_id: Id, data: schemas.Heartbeat, caller_node: CurrentNode, db
     tags=["agents"],
     summary="The node's active allocations (for reconciliation)",
 )
-def node_allocations(node_id: Id, caller_node: CurrentNode, db: Db):
+def node_allocations(node_id: Id, caller_node: CurrentNode, db: Db, request: Request):
+    """A job, its environment opened, goes only to the node that holds a running (or noticed)
+    allocation of its bid, while it holds it; a reserved allocation shows no job yet."""
     _same_node(node_id, caller_node)
+    sealer = request.app.state.sealer
     with db.begin() as session:
         allocations = crud.list_allocations(session=session, node_id=node_id, active_only=True)
-        jobs = {
-            b.id: b.job
+        bids = {
+            b.id: b
             for b in session.scalars(
                 select(BidRow).where(BidRow.id.in_({a.bid_id for a in allocations}))
             )
@@ -222,11 +235,17 @@ def node_allocations(node_id: Id, caller_node: CurrentNode, db: Db):
         return [
             schemas.Assignment(
                 **_alloc_response(a).model_dump(),
-                job=jobs.get(a.bid_id),
+                tenant_id=a.tenant_id,
+                job=crud.job_for_node(bid=bids[a.bid_id], sealer=sealer)
+                if a.status in RUNS_A_JOB
+                else None,
                 checkpoint_key=f"bid-{a.bid_id}",
             )
             for a in allocations
         ]
+
+
+RUNS_A_JOB = frozenset({AllocationStatus.RUNNING.value, AllocationStatus.NOTICED.value})
 
 
 @router.get(
@@ -254,15 +273,24 @@ async def node_events(
     summary="Report a checkpoint, the final save or the job's end",
 )
 def report(allocation_id: Id, data: schemas.AllocationReport, caller_node: CurrentNode, db: Db):
-    with db.begin() as session:
-        alloc = crud.report_allocation(
-            session=session,
-            node_id=caller_node,
-            allocation_id=allocation_id,
-            report=data,
-            now=_now(),
-        )
-        return _alloc_response(alloc)
+    """Accepted only for the calling node's own allocation in its current epoch; every report,
+    accepted or refused, is kept in the audit table ``node_reports``."""
+    audit = {"node_id": caller_node, "allocation_id": allocation_id, "report": data}
+    try:
+        with db.begin() as session:
+            alloc = crud.report_allocation(session=session, **audit, now=_now())
+            crud.audit_report(session=session, **audit, status_code=200, detail=None, now=_now())
+            return _alloc_response(alloc)
+    except ServiceError as exc:
+        with db.begin() as session:
+            crud.audit_report(
+                session=session,
+                **audit,
+                status_code=exc.status_code,
+                detail=exc.message,
+                now=_now(),
+            )
+        raise
 
 
 def _same_node(node_id: int, caller_node: int) -> None:
@@ -281,9 +309,17 @@ def _same_node(node_id: int, caller_node: int) -> None:
     summary="Place a bid (an idempotency key makes retries safe)",
     responses={200: {"description": "The bid this idempotency key created before"}},
 )
-def create_bid(data: schemas.BidCreate, tenant_id: CurrentTenant, db: Db, response: Response):
+def create_bid(
+    data: schemas.BidCreate, tenant_id: CurrentTenant, db: Db, response: Response, request: Request
+):
     with db.begin() as session:
-        bid, created = crud.create_bid(session=session, tenant_id=tenant_id, data=data, now=_now())
+        bid, created = crud.create_bid(
+            session=session,
+            tenant_id=tenant_id,
+            data=data,
+            now=_now(),
+            sealer=request.app.state.sealer,
+        )
         if not created:
             response.status_code = 200
         return _bid_response(bid)
@@ -658,6 +694,7 @@ def create_app(
     from prefect_spotgpu.service.db import make_engine, migrate
 
     settings = settings or ServiceSettings()
+    sealer = Sealer(settings.resolved_secret_key())
     own_engine = engine is None
     engine = engine or make_engine(settings.database_url())
     sessions = make_sessionmaker(engine)
@@ -684,7 +721,10 @@ def create_app(
             engine.dispose()
 
     migrate(engine)
+    with sessions.begin() as session:
+        crud.seal_plaintext_jobs(session=session, sealer=sealer)
     app = FastAPI(
+        dependencies=[Depends(authorize)],  # every route's roles: service/roles.py
         title="prefect-spotgpu market",
         version=prefect_spotgpu.__version__,
         description="A spot market for idle GPUs: tenants bid, node agents serve, the market "
@@ -698,12 +738,15 @@ def create_app(
     app.state.metrics = metrics
     app.state.ticker = None
     app.state.admin_key = settings.resolved_admin_key()
-    app.state.auth_cache = {}
+    app.state.sealer = sealer
     app.add_exception_handler(ServiceError, _error_response)
     app.add_exception_handler(RequestValidationError, _validation_response)
     app.add_middleware(service_metrics.RequestTimer, metrics=metrics)
     app.include_router(router)
+    app.include_router(access.router)
     app.include_router(forecast_api.router)
     app.include_router(service_metrics.router)
     app.include_router(dashboard.router)
+    dashboard.install_security_headers(app)
+    check_route_table(app)
     return app

@@ -10,7 +10,7 @@ import hashlib
 import secrets
 from datetime import UTC, datetime
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -24,11 +24,13 @@ from prefect_spotgpu.service.models import (
     EventRow,
     LedgerEntry,
     MarketChange,
+    NodeReport,
     NodeRow,
     PriceBar,
     Tenant,
     WebhookDelivery,
 )
+from prefect_spotgpu.service.sealing import Sealer
 
 ACTIVE = tuple(s.value for s in AllocationStatus.active_statuses())
 
@@ -66,10 +68,7 @@ def create_tenant(
             session.flush()
     except IntegrityError:  # a concurrent request took the name first
         raise Conflict(f"tenant name {name!r} is taken", field="name") from None
-    key = new_secret("sgk")
-    session.add(
-        ApiKey(tenant_id=tenant.id, key_hash=hash_secret(key), prefix=key[:8], created_at=now)
-    )
+    key = issue_key(session=session, tenant_id=tenant.id, now=now)
     if starting_credit > 0:
         add_credit(
             session=session,
@@ -86,8 +85,40 @@ def tenant_for_key(*, session: Session, key: str) -> Tenant | None:
     return session.scalar(
         select(Tenant)
         .join(ApiKey, ApiKey.tenant_id == Tenant.id)
-        .where(ApiKey.key_hash == hash_secret(key))
+        .where(ApiKey.key_hash == hash_secret(key), ApiKey.revoked_at.is_(None))
     )
+
+
+def issue_key(*, session: Session, tenant_id: int, now: datetime) -> str:
+    """A new API key for the tenant (only its hash is kept); returns the key, shown once."""
+    key = new_secret("sgk")
+    session.add(
+        ApiKey(tenant_id=tenant_id, key_hash=hash_secret(key), prefix=key[:8], created_at=now)
+    )
+    return key
+
+
+def revoke_keys(*, session: Session, tenant_id: int, now: datetime) -> int:
+    """Revoke every live key of the tenant; how many were revoked."""
+    return session.execute(
+        update(ApiKey)
+        .where(ApiKey.tenant_id == tenant_id, ApiKey.revoked_at.is_(None))
+        .values(revoked_at=now)
+        .execution_options(synchronize_session=False)
+    ).rowcount
+
+
+def set_provider(*, session: Session, tenant: Tenant, provider: bool) -> Tenant:
+    """Allow a tenant to register nodes, or take that back: a former provider's live nodes
+    drain (their running jobs finish, they take no new work)."""
+    tenant.provider = provider
+    if not provider:
+        for node in session.scalars(
+            select(NodeRow).where(NodeRow.owner_id == tenant.id, NodeRow.state == "live")
+        ):
+            node.state = "draining"
+            record_change(session=session, entity="node", entity_id=node.id, op="upsert")
+    return tenant
 
 
 def get_tenant(*, session: Session, tenant_id: int) -> Tenant:
@@ -149,7 +180,9 @@ def register_node(
         state="live",
         token_hash=hash_secret(token),
         declared=data.declared,
-        inventory=data.inventory,
+        inventory=None
+        if data.inventory is None
+        else [g.model_dump(mode="json", exclude_none=True) for g in data.inventory],
         telemetry=None,
         last_heartbeat_at=now,
         created_at=now,
@@ -166,6 +199,18 @@ def register_node(
 
 def node_for_token(*, session: Session, token: str) -> NodeRow | None:
     return session.scalar(select(NodeRow).where(NodeRow.token_hash == hash_secret(token)))
+
+
+def rotate_node_token(*, session: Session, node: NodeRow) -> str:
+    """A new agent token for the node; the old one is refused from now on."""
+    token = new_secret("sgn")
+    node.token_hash = hash_secret(token)
+    return token
+
+
+def revoke_node_token(*, session: Session, node: NodeRow) -> None:
+    """No token works for the node any more (its agent stops; the owner may rotate later)."""
+    node.token_hash = hash_secret(new_secret("revoked"))
 
 
 def get_node(*, session: Session, node_id: int, owner_id: int | None) -> NodeRow:
@@ -214,12 +259,18 @@ def update_node(*, session: Session, node: NodeRow, data: schemas.NodeUpdate) ->
 
 
 def create_bid(
-    *, session: Session, tenant_id: int, data: schemas.BidCreate, now: datetime
+    *, session: Session, tenant_id: int, data: schemas.BidCreate, now: datetime, sealer: Sealer
 ) -> tuple[BidRow, bool]:
-    """The bid, and whether it was created now (False: the idempotency key found it)."""
+    """The bid, and whether it was created now (False: the idempotency key found it).
+
+    The job's environment is sealed (encrypted) here: the row keeps the names in the clear
+    (``job.env_names``) and the values only in ``job_env_sealed``."""
     fields = data.model_dump(exclude={"idempotency_key"})
-    if fields.get("job") is None:
-        fields.pop("job", None)
+    job = fields.pop("job", None)
+    if job is not None:
+        env = job.pop("env", None) or {}
+        fields["job"] = {**job, "env_names": sorted(env)}
+        fields["job_env_sealed"] = sealer.seal(env) if env else None
     if data.idempotency_key is not None:
         existing = session.scalar(
             select(BidRow).where(
@@ -272,6 +323,30 @@ def _same_bid_or_conflict(existing: BidRow, fields: dict) -> None:
                 f"idempotency_key was used for bid {existing.id} with a different {name}",
                 field="idempotency_key",
             )
+
+
+def job_for_node(*, bid: BidRow, sealer: Sealer) -> dict | None:
+    """The bid's job with its environment opened: only for the agent of a node that holds
+    an active allocation of the bid (the caller checks that)."""
+    if bid.job is None:
+        return None
+    job = {k: v for k, v in bid.job.items() if k != "env_names"}
+    job["env"] = sealer.open(bid.job_env_sealed) if bid.job_env_sealed else {}
+    return job
+
+
+def seal_plaintext_jobs(*, session: Session, sealer: Sealer) -> int:
+    """Seal the job environments written in the clear before sealing existed (once, at
+    start); how many bids were sealed."""
+    sealed = 0
+    for bid in session.scalars(select(BidRow).where(BidRow.job.is_not(None))):
+        if "env" in (bid.job or {}):
+            job = dict(bid.job)
+            env = job.pop("env") or {}
+            bid.job = {**job, "env_names": sorted(env)}
+            bid.job_env_sealed = sealer.seal(env) if env else None
+            sealed += 1
+    return sealed
 
 
 def get_bid(*, session: Session, tenant_id: int, bid_id: int) -> BidRow:
@@ -369,8 +444,11 @@ def report_allocation(
     report: schemas.AllocationReport,
     now: datetime,
 ) -> AllocationRow:
-    """Record what the node's agent says about its allocation (fenced by the epoch)."""
-    alloc = get_allocation(session=session, allocation_id=allocation_id, node_id=node_id)
+    """Check what the node's agent says about its allocation (its own allocation, in its
+    current epoch) and pass it to the tick leader through the outbox, which records it."""
+    alloc = session.get(AllocationRow, allocation_id)
+    if alloc is None or alloc.node_id != node_id:
+        raise NotFound(f"allocation {allocation_id} is not on this node")
     if report.epoch != alloc.epoch:
         raise Conflict(
             f"stale epoch {report.epoch}: allocation {allocation_id} is at epoch {alloc.epoch} "
@@ -383,21 +461,62 @@ def report_allocation(
         raise Invalid(f"outcome {report.outcome!r} needs checkpoint_at", field="checkpoint_at")
     if report.checkpoint_at is not None and report.checkpoint_at > now.timestamp() + 60:
         raise Invalid("checkpoint_at is in the future", field="checkpoint_at")
-    if report.checkpoint_at is not None:
-        alloc.last_checkpoint_at = max(alloc.last_checkpoint_at or 0.0, report.checkpoint_at)
+    if report.checkpoint_at is not None and report.checkpoint_at < alloc.started_at - 60:
+        raise Invalid("checkpoint_at is before the allocation started", field="checkpoint_at")
     if report.outcome == "saved":
         alloc.final_save = "ok"
     elif report.outcome == "save_failed":
         alloc.final_save = "failed"
-    if report.outcome != "checkpoint":
-        record_change(
-            session=session,
-            entity="allocation",
-            entity_id=alloc.id,
-            op=report.outcome,
-            data={"at": now.timestamp(), "epoch": alloc.epoch},
-        )
+    record_change(
+        session=session,
+        entity="allocation",
+        entity_id=alloc.id,
+        op=report.outcome,
+        data={
+            "at": now.timestamp(),
+            "epoch": alloc.epoch,
+            "checkpoint_at": report.checkpoint_at,
+            "cause": report.cause,
+        },
+    )
     return alloc
+
+
+def audit_report(
+    *,
+    session: Session,
+    node_id: int,
+    allocation_id: int,
+    report: schemas.AllocationReport,
+    status_code: int,
+    detail: str | None,
+    now: datetime,
+) -> None:
+    """Keep a node's report, whatever the API answered it."""
+    session.add(
+        NodeReport(
+            node_id=node_id,
+            allocation_id=allocation_id,
+            epoch=report.epoch,
+            outcome=report.outcome,
+            cause=report.cause,
+            checkpoint_at=report.checkpoint_at,
+            step=report.step,
+            status_code=status_code,
+            detail=None if detail is None else detail[:500],
+            created_at=now,
+        )
+    )
+
+
+def node_reports(*, session: Session, allocation_id: int) -> list[NodeReport]:
+    return list(
+        session.scalars(
+            select(NodeReport)
+            .where(NodeReport.allocation_id == allocation_id)
+            .order_by(NodeReport.id)
+        )
+    )
 
 
 # ---------------------------------------------------------------- events, prices, ledger

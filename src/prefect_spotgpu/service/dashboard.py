@@ -16,12 +16,24 @@ read-only views here:
 A tenant signs in on the page with its API key; the key stays in the browser's session
 storage and goes only to this service, in the ``Authorization`` header, so a tenant sees
 exactly what the API shows it and nothing of anyone else's.
+
+The page renders data, never markup: every value from the API goes into the page as text
+(``textContent``, ``createElement``), numbers in styles and SVG attributes are coerced and
+clamped, and the telemetry the page shows is checked against ``service.telemetry``'s schema on
+the way in and again on the way out. Every response of the service carries a
+Content-Security-Policy that runs only this host's scripts, styles and connections, no inline
+script, no plugin, no framing (``SecurityHeaders``, installed by ``install_security_headers``):
+an injected string that slipped past both still could not run. The OpenAPI pages (``/docs``,
+``/redoc``) load their viewer from a CDN and get a policy of their own (``DOCS_CSP``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import json
+import re
 import time
 from pathlib import Path
 from typing import Annotated, Literal
@@ -37,6 +49,7 @@ from prefect_spotgpu.service import crud
 from prefect_spotgpu.service.deps import Db
 from prefect_spotgpu.service.errors import Invalid, NotFound
 from prefect_spotgpu.service.models import AllocationRow, BidRow, NodeRow, PoolQuoteRow
+from prefect_spotgpu.service.telemetry import public_gpus
 
 STATIC = Path(__file__).parent / "static"
 STREAM_SECONDS = 2.0
@@ -86,17 +99,11 @@ def market_nodes(db: Db):
                 "gpu_count": n.gpu_count,
                 "gpus_busy": int(busy.get(n.id) or 0),
                 "reserve_price": n.reserve_price,
-                "gpus": _gpu_telemetry(n.telemetry),
+                "gpus": public_gpus(n.telemetry),
                 "last_heartbeat_at": n.last_heartbeat_at,
             }
             for n in nodes
         ]
-
-
-def _gpu_telemetry(telemetry: dict | None) -> list[dict]:
-    keep = ("index", "utilization", "memory_used_mb", "power_w", "temperature_c")
-    gpus = (telemetry or {}).get("gpus") or []
-    return [{k: g.get(k) for k in keep} for g in gpus if isinstance(g, dict)]
 
 
 @api.get(
@@ -188,3 +195,121 @@ async def stream(request: Request, db: Db, once: Annotated[bool, Query()] = Fals
 
 
 router.include_router(api)
+
+
+# ---------------------------------------------------------------- browser hardening
+
+_SHARED = (
+    "object-src 'none'",
+    "base-uri 'none'",
+    "frame-ancestors 'none'",
+    "form-action 'self'",
+)
+CSP = "; ".join(
+    (
+        "default-src 'self'",
+        "script-src 'self'",
+        "style-src 'self'",
+        "img-src 'self' data:",
+        "connect-src 'self'",
+        *_SHARED,
+    )
+)
+"""Every response but the OpenAPI pages: this host's scripts, styles and connections only."""
+
+DOCS_CDN = "https://cdn.jsdelivr.net"
+DOCS_CSP = "; ".join(
+    (
+        "default-src 'self'",
+        f"script-src 'self' {DOCS_CDN}" + "{hashes}",
+        f"style-src 'self' 'unsafe-inline' {DOCS_CDN} https://fonts.googleapis.com",
+        "font-src 'self' data: https://fonts.gstatic.com",
+        "img-src 'self' data: https://fastapi.tiangolo.com https://cdn.redoc.ly",
+        "worker-src 'self' blob:",
+        "connect-src 'self'",
+        *_SHARED,
+    )
+)
+"""FastAPI's Swagger UI and ReDoc pages: their viewer from the CDN, inline styles, and their
+one inline script allowed by its hash (``{hashes}``), never ``'unsafe-inline'`` scripts."""
+
+HARDENING = (
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),
+    (b"referrer-policy", b"no-referrer"),
+)
+_INLINE_SCRIPT = re.compile(rb"<script>(.*?)</script>", re.DOTALL)
+
+
+def _hardened(headers, csp: str) -> list[tuple[bytes, bytes]]:
+    """``headers`` with the hardening headers added where the response does not set them."""
+    out = list(headers)
+    present = {name.lower() for name, _ in out}
+    for name, value in ((b"content-security-policy", csp.encode()), *HARDENING):
+        if name not in present:
+            out.append((name, value))
+    return out
+
+
+def docs_csp(html: bytes) -> str:
+    """The OpenAPI page's policy, allowing exactly the inline scripts of ``html``."""
+    hashes = "".join(
+        f" 'sha256-{base64.b64encode(hashlib.sha256(script).digest()).decode()}'"
+        for script in _INLINE_SCRIPT.findall(html)
+    )
+    return DOCS_CSP.format(hashes=hashes)
+
+
+class SecurityHeaders:
+    """ASGI middleware: the hardening headers on every HTTP response. Pure ASGI, so a
+    streaming response (the dashboard's event stream) passes through unbuffered; only the
+    OpenAPI pages (``docs_paths``, a few kB of HTML) are read whole to hash their scripts."""
+
+    def __init__(self, app, docs_paths: frozenset[str]) -> None:
+        self.app = app
+        self.docs_paths = docs_paths
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
+        if path in self.docs_paths:
+            await self._docs(scope, receive, send)
+            return
+
+        async def send_hardened(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": _hardened(message.get("headers", ()), CSP)}
+            await send(message)
+
+        await self.app(scope, receive, send_hardened)
+
+    async def _docs(self, scope, receive, send) -> None:
+        start, chunks = None, []
+
+        async def send_hashed(message) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    html = b"".join(chunks)
+                    headers = _hardened(start.get("headers", ()), docs_csp(html))
+                    await send({**start, "headers": headers})
+                    await send({"type": "http.response.body", "body": html})
+            else:
+                await send(message)
+
+        await self.app(scope, receive, send_hashed)
+
+
+def install_security_headers(app) -> None:
+    """Every response of ``app`` carries the hardening headers (``CSP``, ``HARDENING``).
+
+    Responses the server itself writes for an unhandled exception (Starlette's
+    ``ServerErrorMiddleware``, outside every added middleware) are plain text without them.
+    """
+    docs = (app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url)
+    app.add_middleware(SecurityHeaders, docs_paths=frozenset(p for p in docs if p))

@@ -16,6 +16,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -54,6 +55,9 @@ class Tenant(Base):
     spent: Mapped[float] = mapped_column(Float, default=0.0)  # charges written so far
     webhook_url: Mapped[str | None] = mapped_column(String(2000))
     webhook_secret: Mapped[str | None] = mapped_column(String(200))
+    provider: Mapped[bool] = mapped_column(
+        Boolean, default=False, server_default=false()
+    )  # the operator allowed it to register nodes (supply is vetted; anyone may buy)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
@@ -65,6 +69,7 @@ class ApiKey(Base):
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     prefix: Mapped[str] = mapped_column(String(16))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)  # refused from then on
 
 
 class NodeRow(Base):
@@ -106,7 +111,8 @@ class BidRow(Base):
     status: Mapped[str] = mapped_column(String(20), index=True)  # open, held, cancelled, finished
     hold_reason: Mapped[str | None] = mapped_column(String(500))
     labels: Mapped[dict | None] = mapped_column(JSON)
-    job: Mapped[dict | None] = mapped_column(JSON)  # what the node agent runs (JobSpec)
+    job: Mapped[dict | None] = mapped_column(JSON)  # what the node agent runs, less its env
+    job_env_sealed: Mapped[str | None] = mapped_column(Text)  # the job's env, encrypted
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
@@ -135,6 +141,9 @@ class AllocationRow(Base):
     charged_amount: Mapped[float] = mapped_column(Float, default=0.0)
     charged_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     last_checkpoint_at: Mapped[float | None] = mapped_column(Float)
+    paid_at_checkpoint: Mapped[float] = mapped_column(
+        Float, default=0.0, server_default="0"
+    )  # charged_amount when the last durable checkpoint was reported
     final_save: Mapped[str | None] = mapped_column(String(20))  # ok, failed
     ended_at: Mapped[float | None] = mapped_column(Float)
     end_reason: Mapped[str | None] = mapped_column(String(200))
@@ -151,6 +160,24 @@ class LedgerEntry(Base):
     amount: Mapped[float] = mapped_column(Float)
     allocation_id: Mapped[int | None] = mapped_column(BigId)
     reason: Mapped[str] = mapped_column(String(500))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class NodeReport(Base):
+    """Audit: every report a node made about an allocation, accepted or not."""
+
+    __tablename__ = "node_reports"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    node_id: Mapped[int] = mapped_column(BigId, index=True)
+    allocation_id: Mapped[int] = mapped_column(BigId, index=True)
+    epoch: Mapped[int] = mapped_column(Integer)
+    outcome: Mapped[str] = mapped_column(String(20))
+    cause: Mapped[str | None] = mapped_column(String(20))
+    checkpoint_at: Mapped[float | None] = mapped_column(Float)
+    step: Mapped[int | None] = mapped_column(BigInteger)
+    status_code: Mapped[int] = mapped_column(Integer)  # what the API answered
+    detail: Mapped[str | None] = mapped_column(String(500))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 

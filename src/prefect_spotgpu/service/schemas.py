@@ -18,6 +18,7 @@ from pydantic import (
 
 from prefect_spotgpu.market import DEFAULT_CATALOG, MAX_GPUS_PER_NODE
 from prefect_spotgpu.market.types import check_region
+from prefect_spotgpu.service.telemetry import GpuInventoryItem, Telemetry
 
 
 def _model(value: str) -> str:
@@ -88,7 +89,24 @@ class TenantResponse(BaseModel):
     id: int
     name: str
     balance: float
+    provider: bool = Field(False, description="Whether the operator lets it register nodes.")
     created_at: datetime
+
+
+class ProviderUpdate(Strict):
+    provider: bool = Field(description="true: the tenant may register nodes; false: no more.")
+
+
+class KeyIssued(BaseModel):
+    api_key: str = Field(description="Shown once; store it. Every older key is revoked.")
+
+
+class KeysRevoked(BaseModel):
+    revoked: int = Field(description="How many live keys were revoked.")
+
+
+class NodeToken(BaseModel):
+    token: str = Field(description="The node agent's new token. Shown once; the old one is dead.")
 
 
 class TenantCreated(TenantResponse):
@@ -112,7 +130,7 @@ class NodeCreate(Strict):
     )
     capacity: CapacityKind = "spot"
     declared: bool = Field(False, description="Inventory declared by hand (no NVML).")
-    inventory: list[dict] | None = Field(None, max_length=MAX_GPUS_PER_NODE)
+    inventory: list[GpuInventoryItem] | None = Field(None, max_length=MAX_GPUS_PER_NODE)
 
     @model_validator(mode="after")
     def _on_demand_sells_at_the_on_demand_price(self) -> NodeCreate:
@@ -172,7 +190,7 @@ class NodeCreated(NodeResponse):
 
 
 class Heartbeat(Strict):
-    telemetry: dict | None = None
+    telemetry: Telemetry | None = None
 
 
 class JobSpec(Strict):
@@ -258,7 +276,11 @@ class BidResponse(BaseModel):
     window_end: datetime | None
     deadline: datetime | None
     labels: dict | None
-    job: dict | None = None
+    job: dict | None = Field(
+        None,
+        description="The job: command, image, checkpoint_url and env_names. The "
+        "environment's values are sealed: never returned, given only to the node running it.",
+    )
     created_at: datetime
 
 
@@ -284,8 +306,10 @@ class AllocationResponse(BaseModel):
 
 
 class Assignment(AllocationResponse):
-    """An allocation as its node agent sees it: with the job to run."""
+    """An allocation as its node agent sees it: with the job to run (its environment opened,
+    only while the allocation runs on this node)."""
 
+    tenant_id: int
     job: dict | None = None
     checkpoint_key: str
 
@@ -295,6 +319,11 @@ class AllocationReport(Strict):
 
     epoch: int = Field(ge=1)
     outcome: Literal["checkpoint", "saved", "save_failed", "finished", "failed"]
+    cause: Literal["storage", "job", "deadline"] | None = Field(
+        None,
+        description="Why a final save failed: storage (the write failed: compensated), job "
+        "(the job exited without saving) or deadline (still unsaved at the deadline).",
+    )
     checkpoint_at: float | None = Field(None, ge=0, allow_inf_nan=False)
     step: int | None = Field(None, ge=0)
 

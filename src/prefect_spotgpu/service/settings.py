@@ -29,6 +29,11 @@ class ServiceSettings(BaseSettings):
     admin_key: SecretStr | None = Field(
         None, description="Admin API key; default: generated once into <home>/admin_key."
     )
+    secret_key: SecretStr | None = Field(
+        None,
+        description="Fernet key that seals bids' job environments at rest; default: "
+        "generated once into <home>/secret_key (mode 0600). Replicas must share it.",
+    )
     tick_seconds: float = Field(1.0, gt=0, le=60)
     starting_credit: float = Field(10.0, ge=0)
     notice_seconds: float = Field(300.0, gt=0)
@@ -64,3 +69,11 @@ class ServiceSettings(BaseSettings):
             path.touch(mode=0o600)
             path.write_text("sgadm_" + secrets.token_urlsafe(24) + "\n")
         return path.read_text().strip()
+
+    def resolved_secret_key(self) -> str:
+        """The key that seals job environments: from the environment, else the key file."""
+        from prefect_spotgpu.service.sealing import key_from_home
+
+        if self.secret_key is not None:
+            return self.secret_key.get_secret_value()
+        return key_from_home(self.home)

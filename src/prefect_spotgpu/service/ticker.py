@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
-import math
 import os
 import socket
 import threading
@@ -51,12 +50,14 @@ from prefect_spotgpu.market import (
     NodeState,
     PlacementKind,
 )
+from prefect_spotgpu.market.compensation import Loss, LossCause, compensation
 from prefect_spotgpu.service import crud, gate
 from prefect_spotgpu.service.metrics import ServiceMetrics
 from prefect_spotgpu.service.models import (
     AllocationRow,
     BidRow,
     EventRow,
+    LedgerEntry,
     MarketChange,
     NodeRow,
     PoolQuoteRow,
@@ -436,24 +437,39 @@ class Ticker:
             self._release_holds(writes, change.entity_id)
 
     def _apply_report(self, writes: _Writes, change: MarketChange, now: float) -> None:
+        """A node's report (checked by the API: its own allocation, its current epoch).
+
+        A durable checkpoint (periodic, or the final save) records what the allocation had
+        paid by then, so compensation never covers work that was saved. A failed final save,
+        or a job that ends during its notice, ends the allocation at once: GPUs freed,
+        billing stopped."""
         alloc = writes.session.get(AllocationRow, change.entity_id)
         status = self.market.allocation_status(change.entity_id)
         if alloc is None or status is None or status.is_terminal():
             return
-        at = float((change.data or {}).get("at", now))
+        data = change.data or {}
+        at = min(float(data.get("at", now)), now)
+        checkpoint_at = data.get("checkpoint_at")
+        if change.op in ("checkpoint", "saved") and checkpoint_at is not None:
+            alloc.last_checkpoint_at = max(alloc.last_checkpoint_at or 0.0, checkpoint_at)
+            alloc.paid_at_checkpoint = writes.paid(alloc)
         if change.op == "saved" and status is S.NOTICED:
             writes.settlement(
-                self.market.end_allocation(alloc.id, S.PREEMPTED, min(at, now)),
+                self.market.end_allocation(alloc.id, S.PREEMPTED, at),
                 reason="final save acknowledged",
             )
-        elif change.op == "save_failed" and status is S.NOTICED:
-            if alloc.deadline is None or at <= alloc.deadline:
-                writes.compensate(
-                    alloc.id, alloc, at, "final save failed before the notice deadline"
-                )
+        elif change.op == "save_failed" and status in (S.RUNNING, S.NOTICED):
+            cause = LossCause(data.get("cause") or LossCause.JOB)
+            in_time = alloc.deadline is None or at <= alloc.deadline
+            writes.settlement(
+                self.market.end_allocation(alloc.id, S.PREEMPTED, at),
+                reason=f"final save failed ({cause.value})",
+            )
+            if cause is LossCause.STORAGE and in_time:
+                writes.compensate(alloc, cause)
         elif change.op == "finished" and status in (S.RUNNING, S.NOTICED):
             writes.settlement(
-                self.market.end_allocation(alloc.id, S.FINISHED, min(at, now)),
+                self.market.end_allocation(alloc.id, S.FINISHED, at),
                 reason="job finished",
             )
             bid = writes.session.get(BidRow, alloc.bid_id)
@@ -461,7 +477,7 @@ class Ticker:
                 bid.status = "finished"
         elif change.op == "failed" and status in (S.RUNNING, S.NOTICED):
             writes.settlement(
-                self.market.end_allocation(alloc.id, S.PREEMPTED, min(at, now)),
+                self.market.end_allocation(alloc.id, S.PREEMPTED, at),
                 reason="job failed on the node",
             )
 
@@ -825,7 +841,8 @@ class _Writes:
                 deadline=n.deadline,
                 epoch=row.epoch,
             )
-        self.settlement_endings(decision.endings, charges=decision.charges)
+        self.charges(decision.charges)  # first: a compensation reads what was paid
+        self.settlement_endings(decision.endings)
         for alloc_id in decision.promotions:
             row = gate.set_allocation_status(
                 session=self.session,
@@ -847,7 +864,6 @@ class _Writes:
                 placement="promoted",
                 epoch=row.epoch,
             )
-        self.charges(decision.charges)
 
     def charges(self, charges) -> None:
         pending, owed = self.ticker.pending, self.ticker.owed
@@ -873,15 +889,15 @@ class _Writes:
                 entry[1] += seconds
 
     def settlement(self, settlement, reason: str) -> None:
-        self.settlement_endings(settlement.endings, reason=reason, charges=settlement.charges)
         self.charges(settlement.charges)
+        self.settlement_endings(settlement.endings, reason=reason)
 
-    def settlement_endings(self, endings, reason: str | None = None, charges=None) -> None:
-        final_price = {}
-        if charges is not None and len(charges):
-            final_price = dict(
-                zip(charges.allocation_id.tolist(), charges.price.tolist(), strict=True)
-            )
+    def paid(self, alloc: AllocationRow) -> float:
+        """What the allocation has paid so far: written charges plus this leader's unwritten."""
+        pending = self.ticker.pending.get(alloc.id)
+        return alloc.charged_amount + (pending[0] if pending else 0.0)
+
+    def settlement_endings(self, endings, reason: str | None = None) -> None:
         for e in endings:
             self.ended = True
             fields = {"ended_at": e.at, "end_reason": reason or e.reason}
@@ -905,43 +921,35 @@ class _Writes:
             )
             if e.reason == "node lost" and e.previous.is_charged():
                 self.compensate(
-                    e.allocation_id,
-                    row,
-                    e.at,
-                    "node lost without notice",
-                    price=final_price.get(e.allocation_id),
+                    self.session.get(AllocationRow, e.allocation_id), LossCause.NODE_LOST
                 )
 
-    def compensate(
-        self, alloc_id: int, alloc, at: float, why: str, price: float | None = None
-    ) -> None:
-        """Credit the work lost since the allocation's last checkpoint (DESIGN §1)."""
-        exists = self.session.scalar(
-            select(crud.LedgerEntry.id).where(
-                crud.LedgerEntry.allocation_id == alloc_id, crud.LedgerEntry.kind == "compensation"
+    def compensate(self, alloc: AllocationRow, cause: LossCause) -> None:
+        """Credit what the allocation paid since its last durable checkpoint, when the loss
+        was the platform's (``market.compensation`` decides; this writes it, once)."""
+        node = self.session.get(NodeRow, alloc.node_id)
+        already = self.session.scalar(
+            select(LedgerEntry.id).where(
+                LedgerEntry.allocation_id == alloc.id, LedgerEntry.kind == "compensation"
             )
         )
-        if exists is not None:
-            return
-        # work lost: from the last checkpoint (never before the allocation started) to ``at``
-        since = max(alloc.started_at, min(alloc.last_checkpoint_at or 0.0, at))
-        seconds = max(0.0, at - since)
-        if price is None:
-            price = alloc.price
-            ids, prices, _ = self.ticker.market.charge_state()
-            match = np.flatnonzero(ids == alloc_id)
-            if len(match):
-                price = float(prices[match[0]])
-        amount = price * alloc.gpu_count * seconds / 3600.0
-        if amount <= 0 or not math.isfinite(amount):
+        decided = compensation(
+            Loss(
+                cause,
+                paid_total=self.paid(alloc),
+                paid_at_checkpoint=alloc.paid_at_checkpoint,
+                own_node=node is not None and node.owner_id == alloc.tenant_id,
+                already_compensated=already is not None,
+            )
+        )
+        if decided is None:
             return
         crud.add_credit(
             session=self.session,
             tenant_id=alloc.tenant_id,
-            amount=amount,
+            amount=decided.amount,
             kind="compensation",
-            allocation_id=alloc_id,
+            allocation_id=alloc.id,
             now=self.now_dt,
-            reason=f"{why}: {seconds:.0f} s of work on {alloc.gpu_count} GPU(s) "
-            f"at {price:.4f} since the last checkpoint",
+            reason=decided.reason,
         )

@@ -1,6 +1,12 @@
 // The market dashboard: plain JavaScript, no libraries, nothing fetched from another host.
 // Public views come from the public API; a signed-in tenant's views use its key in the
 // Authorization header. A server-sent event stream (/api/v1/stream) drives every refresh.
+//
+// The page renders data, never markup. Every value from the API (names, labels, telemetry,
+// reasons...) reaches the page as text: built with h()/svg() and text nodes, never through
+// innerHTML or a string of markup. Numbers that go into styles or SVG attributes pass through
+// num() (Number(), finite, clamped). The service's Content-Security-Policy runs no inline
+// script, and no style attribute: sizes are set through the CSSOM (el.style.width).
 "use strict";
 
 const API = "/api/v1";
@@ -15,11 +21,38 @@ const state = {
 };
 
 const $ = (id) => document.getElementById(id);
-const esc = (s) => String(s ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
-const money = (x) => (x === null || x === undefined ? "–" : Number(x).toFixed(2));
+const SVG = "http://www.w3.org/2000/svg";
+const UNSAFE_ATTRIBUTE = /^(on|href$|src$|style$|xlink:|formaction$|action$)/i;
+
+function build(node, attrs, children) {
+  for (const [name, value] of Object.entries(attrs || {})) {
+    if (value === null || value === undefined || value === false) continue;
+    if (UNSAFE_ATTRIBUTE.test(name)) throw new Error(`no ${name} attribute from data`);
+    node.setAttribute(name, String(value));
+  }
+  for (const child of children.flat()) {
+    if (child === null || child === undefined || child === false) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+// h("td", { class: "num" }, "text", child...): an element; strings become text nodes
+const h = (tag, attrs, ...children) => build(document.createElement(tag), attrs, children);
+const svg = (tag, attrs, ...children) => build(document.createElementNS(SVG, tag), attrs, children);
+// a finite number clamped to [lo, hi], or null: the only way data reaches a style or a geometry
+function num(x, lo = -Infinity, hi = Infinity) {
+  if (x === null || x === undefined || x === "" || typeof x === "boolean") return null;
+  const n = Number(x);
+  return Number.isFinite(n) ? Math.min(hi, Math.max(lo, n)) : null;
+}
+const fixed = (x, digits) => { const n = num(x); return n === null ? "–" : n.toFixed(digits); };
+const money = (x) => fixed(x, 2);
+const token = (s) => String(s ?? "").replace(/[^A-Za-z0-9_-]/g, ""); // a class-name suffix
+const when = (s) => { const t = Date.parse(s); return Number.isFinite(t) ? new Date(t).toLocaleString() : "–"; };
 const poolKey = (p) => `${p.gpu_model}|${p.region}|${p.capacity || "spot"}`;
-const statusCell = (s) => `<span class="status s-${esc(s)}">${esc(s)}</span>`;
-const kindCell = (k) => `<span class="kind-${esc(k)}">${k === "on_demand" ? "on-demand" : "spot"}</span>`;
+const statusCell = (s) => h("span", { class: `status s-${token(s)}` }, String(s ?? ""));
+const kindCell = (k) => h("span", { class: `kind-${token(k)}` }, k === "on_demand" ? "on-demand" : "spot");
+const muted = (text, tag = "p") => h(tag, { class: "muted" }, text);
 
 async function getJSON(path, auth = false) {
   const headers = auth && state.key ? { Authorization: `Bearer ${state.key}` } : {};
@@ -41,18 +74,20 @@ function renderPools() {
     const spot = state.pools.find((p) => (p.capacity || "spot") === "spot") || state.pools[0];
     state.selected = poolKey(spot);
   }
-  body.innerHTML = state.pools
-    .map((p) => {
-      const price = p.clearing_price ?? p.reserve_price;
-      const discount = price && p.on_demand_price ? `${Math.round((1 - price / p.on_demand_price) * 100)} %` : "–";
+  body.replaceChildren(
+    ...state.pools.map((p) => {
+      const price = num(p.clearing_price ?? p.reserve_price, 0);
+      const onDemand = num(p.on_demand_price, 0);
+      const discount = price && onDemand ? `${Math.round((1 - price / onDemand) * 100)} %` : "–";
       const key = poolKey(p);
-      return `<tr class="pool${key === state.selected ? " selected" : ""}" data-key="${esc(key)}">
-        <td>${esc(p.gpu_model)}</td><td>${esc(p.region)}</td><td>${kindCell(p.capacity || "spot")}</td>
-        <td class="num">${p.gpus_free} / ${p.gpus_total}</td><td class="num">${money(price)}</td>
-        <td class="num opt">${money(p.on_demand_price)}</td><td class="num">${discount}</td>
-        <td class="num opt">${p.waiting_bids}</td></tr>`;
-    })
-    .join("");
+      return h("tr", { class: key === state.selected ? "pool selected" : "pool", "data-key": key },
+        h("td", {}, String(p.gpu_model)), h("td", {}, String(p.region)),
+        h("td", {}, kindCell(p.capacity || "spot")),
+        h("td", { class: "num" }, `${fixed(p.gpus_free, 0)} / ${fixed(p.gpus_total, 0)}`),
+        h("td", { class: "num" }, money(price)), h("td", { class: "num opt" }, money(onDemand)),
+        h("td", { class: "num" }, discount), h("td", { class: "num opt" }, fixed(p.waiting_bids, 0)));
+    }),
+  );
 }
 
 $("pools").addEventListener("click", (event) => {
@@ -102,32 +137,42 @@ function hourly(bars) {
   return [...out.entries()].map(([t, close]) => ({ t, close }));
 }
 
-function drawChart(series, forecast, pool) {
-  const svg = $("chart");
+const MAX_PRICE = 1e6; // a price past this is not drawn (the API refuses more than 1000)
+
+function drawChart(rawSeries, rawForecast, pool) {
+  const chart = $("chart");
   // drawn at the element's own size, so text is never stretched (a phone's width included)
-  const box = svg.getBoundingClientRect();
+  const box = chart.getBoundingClientRect();
   const W = Math.max(280, Math.round(box.width) || 800), H = Math.max(160, Math.round(box.height) || 260);
-  svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
+  chart.setAttribute("viewBox", `0 0 ${W} ${H}`);
   const now = Date.now();
   const span = state.range * 3600e3;
   const t0 = now - span, t1 = now + span / 4;
+  // only finite numbers reach the geometry
+  const series = rawSeries
+    .map((p) => ({ t: num(p.t), close: num(p.close, 0, MAX_PRICE) }))
+    .filter((p) => p.t !== null && p.close !== null);
+  const forecast = rawForecast
+    .map((f) => ({ t: num(Date.parse(f.at)), low: num(f.low, 0, MAX_PRICE), high: num(f.high, 0, MAX_PRICE), expected: num(f.expected, 0, MAX_PRICE) }))
+    .filter((f) => f.t !== null && f.low !== null && f.high !== null && f.expected !== null);
+  const onDemand = pool ? num(pool.on_demand_price, 0, MAX_PRICE) : null;
   const prices = series.map((p) => p.close);
   for (const f of forecast) prices.push(f.low, f.high);
-  if (pool && pool.on_demand_price) prices.push(pool.on_demand_price);
+  if (onDemand) prices.push(onDemand);
   let lo = prices.length ? Math.min(...prices) : 0, hi = prices.length ? Math.max(...prices) : 1;
   if (hi - lo < 1e-9) { lo -= 0.5; hi += 0.5; }
   const pad = (hi - lo) * 0.08;
   lo = Math.max(0, lo - pad); hi += pad;
-  const x = (t) => PAD.l + ((t - t0) / (t1 - t0)) * (W - PAD.l - PAD.r);
-  const y = (p) => H - PAD.b - ((p - lo) / (hi - lo)) * (H - PAD.t - PAD.b);
+  const x = (t) => (PAD.l + ((t - t0) / (t1 - t0)) * (W - PAD.l - PAD.r)).toFixed(1);
+  const y = (p) => (H - PAD.b - ((p - lo) / (hi - lo)) * (H - PAD.t - PAD.b)).toFixed(1);
   const parts = [];
   for (const [a, b] of cheapSpans(t0, t1)) {
-    parts.push(`<rect class="night" x="${x(a).toFixed(1)}" y="${PAD.t}" width="${(x(b) - x(a)).toFixed(1)}" height="${H - PAD.t - PAD.b}" fill="rgba(30,41,80,.07)"/>`);
+    parts.push(svg("rect", { class: "night", x: x(a), y: PAD.t, width: (x(b) - x(a)).toFixed(1), height: H - PAD.t - PAD.b, fill: "rgba(30,41,80,.07)" }));
   }
   for (let i = 0; i <= 4; i++) {
     const p = lo + ((hi - lo) * i) / 4;
-    parts.push(`<line x1="${PAD.l}" x2="${W - PAD.r}" y1="${y(p).toFixed(1)}" y2="${y(p).toFixed(1)}" stroke="#e3e6ec"/>`);
-    parts.push(`<text x="${PAD.l - 6}" y="${(y(p) + 4).toFixed(1)}" text-anchor="end">${p.toFixed(2)}</text>`);
+    parts.push(svg("line", { x1: PAD.l, x2: W - PAD.r, y1: y(p), y2: y(p), stroke: "#e3e6ec" }));
+    parts.push(svg("text", { x: PAD.l - 6, y: (Number(y(p)) + 4).toFixed(1), "text-anchor": "end" }, p.toFixed(2)));
   }
   const ticks = Math.max(2, Math.min(state.range > 48 ? 7 : 6, Math.floor(W / 110)));
   for (let i = 0; i <= ticks; i++) {
@@ -135,25 +180,24 @@ function drawChart(series, forecast, pool) {
     const d = new Date(t);
     const label = state.range > 48 ? d.toLocaleDateString([], { weekday: "short", day: "numeric" }) : d.toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" });
     const anchor = i === 0 ? "start" : i === ticks ? "end" : "middle";
-    parts.push(`<text x="${x(t).toFixed(1)}" y="${H - 6}" text-anchor="${anchor}">${esc(label)}</text>`);
+    parts.push(svg("text", { x: x(t), y: H - 6, "text-anchor": anchor }, label));
   }
-  parts.push(`<line x1="${x(now).toFixed(1)}" x2="${x(now).toFixed(1)}" y1="${PAD.t}" y2="${H - PAD.b}" stroke="#94a3b8" stroke-dasharray="3 3"/>`);
-  if (pool && pool.on_demand_price) {
-    const yo = y(pool.on_demand_price).toFixed(1);
-    parts.push(`<line class="on-demand" x1="${PAD.l}" x2="${W - PAD.r}" y1="${yo}" y2="${yo}" stroke="#9333ea" stroke-dasharray="6 4"/>`);
+  parts.push(svg("line", { x1: x(now), x2: x(now), y1: PAD.t, y2: H - PAD.b, stroke: "#94a3b8", "stroke-dasharray": "3 3" }));
+  if (onDemand) {
+    parts.push(svg("line", { class: "on-demand", x1: PAD.l, x2: W - PAD.r, y1: y(onDemand), y2: y(onDemand), stroke: "#9333ea", "stroke-dasharray": "6 4" }));
   }
   if (forecast.length) {
-    const upper = forecast.map((f) => `${x(Date.parse(f.at)).toFixed(1)},${y(f.high).toFixed(1)}`);
-    const lower = forecast.map((f) => `${x(Date.parse(f.at)).toFixed(1)},${y(f.low).toFixed(1)}`).reverse();
-    parts.push(`<polygon class="forecast-band" points="${[...upper, ...lower].join(" ")}" fill="rgba(37,99,235,.14)" stroke="none"/>`);
-    const mid = forecast.map((f) => `${x(Date.parse(f.at)).toFixed(1)},${y(f.expected).toFixed(1)}`);
-    parts.push(`<polyline class="forecast" points="${mid.join(" ")}" fill="none" stroke="#2563eb" stroke-dasharray="4 3"/>`);
+    const upper = forecast.map((f) => `${x(f.t)},${y(f.high)}`);
+    const lower = forecast.map((f) => `${x(f.t)},${y(f.low)}`).reverse();
+    parts.push(svg("polygon", { class: "forecast-band", points: [...upper, ...lower].join(" "), fill: "rgba(37,99,235,.14)", stroke: "none" }));
+    const mid = forecast.map((f) => `${x(f.t)},${y(f.expected)}`);
+    parts.push(svg("polyline", { class: "forecast", points: mid.join(" "), fill: "none", stroke: "#2563eb", "stroke-dasharray": "4 3" }));
   }
   if (series.length) {
-    const points = series.map((p) => `${x(p.t).toFixed(1)},${y(p.close).toFixed(1)}`).join(" ");
-    parts.push(`<polyline id="price-line" data-points="${series.length}" points="${points}" fill="none" stroke="#2563eb" stroke-width="2"/>`);
+    const points = series.map((p) => `${x(p.t)},${y(p.close)}`).join(" ");
+    parts.push(svg("polyline", { id: "price-line", "data-points": series.length, points, fill: "none", stroke: "#2563eb", "stroke-width": 2 }));
   }
-  svg.innerHTML = parts.join("");
+  chart.replaceChildren(...parts);
 }
 
 async function refreshChart(pool) {
@@ -172,8 +216,8 @@ async function refreshChart(pool) {
   let forecast = [];
   if (bars.length) {
     const f = await getJSON(`${path}/forecast?hours=${Math.round(state.range / 4)}`);
-    forecast = f.points;
-    note.textContent = f.error ? `Forecast error on held-back history: ${(f.error.mae ?? 0).toFixed(3)} per GPU-hour (MAE).` : "Forecast from the history so far.";
+    forecast = Array.isArray(f.points) ? f.points : [];
+    note.textContent = f.error ? `Forecast error on held-back history: ${fixed(f.error.mae ?? 0, 3)} per GPU-hour (MAE).` : "Forecast from the history so far.";
   } else {
     note.textContent = "No price history yet: the market records each pool's clearing price every minute.";
   }
@@ -192,16 +236,24 @@ document.querySelectorAll(".tab").forEach((tab) =>
 
 async function refreshDepth(pool) {
   const box = $("depth");
-  if (!pool) { box.innerHTML = '<p class="muted">No pool selected.</p>'; return; }
+  if (!pool) { box.replaceChildren(muted("No pool selected.")); return; }
   $("depth-pool").textContent = `${pool.gpu_model} ${pool.region}`;
-  const book = await getJSON(`/market/depth/${encodeURIComponent(pool.gpu_model)}/${encodeURIComponent(pool.region)}?capacity=${pool.capacity || "spot"}`);
-  if (!book.levels.length) { box.innerHTML = '<p class="muted">No open bids.</p>'; return; }
-  const most = Math.max(...book.levels.map((l) => l.held + l.waiting));
-  box.innerHTML = book.levels
-    .map((l) => `<div class="depth-row"><span>${money(l.price)}</span>
-      <div class="depth-bar"><div class="held" style="width:${(100 * l.held) / most}%"></div><div class="waiting" style="width:${(100 * l.waiting) / most}%"></div></div>
-      <span class="num small">${l.held + l.waiting} GPUs</span></div>`)
-    .join("");
+  const book = await getJSON(`/market/depth/${encodeURIComponent(pool.gpu_model)}/${encodeURIComponent(pool.region)}?capacity=${encodeURIComponent(pool.capacity || "spot")}`);
+  const levels = book.levels.map((l) => ({ price: l.price, held: num(l.held, 0) ?? 0, waiting: num(l.waiting, 0) ?? 0 }));
+  if (!levels.length) { box.replaceChildren(muted("No open bids.")); return; }
+  const most = Math.max(1, ...levels.map((l) => l.held + l.waiting));
+  const bar = (kind, gpus) => {
+    const part = h("div", { class: kind });
+    part.style.width = `${num((100 * gpus) / most, 0, 100)}%`; // the CSSOM: allowed by the CSP
+    return part;
+  };
+  box.replaceChildren(
+    ...levels.map((l) =>
+      h("div", { class: "depth-row" },
+        h("span", {}, money(l.price)),
+        h("div", { class: "depth-bar" }, bar("held", l.held), bar("waiting", l.waiting)),
+        h("span", { class: "num small" }, `${l.held + l.waiting} GPUs`))),
+  );
 }
 
 async function refreshPool() {
@@ -211,24 +263,40 @@ async function refreshPool() {
 
 // ------------------------------------------------------------------ nodes
 
+function gpuCell(n, i, telemetry) {
+  const t = telemetry.find((g) => num(g.index) === i) || {};
+  const util = num(t.utilization, 0, 100), memory = num(t.memory_used_mb, 0);
+  const power = num(t.power_w, 0), temperature = num(t.temperature_c);
+  const title = `GPU ${i}` + (util !== null ? `: ${util} % busy` : "") + (memory !== null ? `, ${memory} MB` : "") +
+    (power !== null ? `, ${power} W` : "") + (temperature !== null ? `, ${temperature} °C` : "");
+  const cell = h("div", { class: i < n.gpus_busy ? "gpu busy" : "gpu", title });
+  if (util !== null) {
+    const fill = h("div", { class: "fill" });
+    fill.style.height = `${util}%`; // the CSSOM: allowed by the CSP
+    cell.append(fill);
+  }
+  cell.append(String(i));
+  return cell;
+}
+
+const MAX_GPUS_SHOWN = 16; // the market's most GPUs on one node
+
 async function refreshNodes() {
   const nodes = await getJSON("/market/nodes");
-  $("nodes").innerHTML = nodes.length
-    ? nodes
-        .map((n) => {
-          const gpus = [];
-          for (let i = 0; i < n.gpu_count; i++) {
-            const t = n.gpus.find((g) => g.index === i) || {};
-            const util = t.utilization;
-            const title = `GPU ${i}` + (util != null ? `: ${util} % busy` : "") + (t.memory_used_mb != null ? `, ${t.memory_used_mb} MB` : "") + (t.power_w != null ? `, ${t.power_w} W` : "") + (t.temperature_c != null ? `, ${t.temperature_c} °C` : "");
-            gpus.push(`<div class="gpu${i < n.gpus_busy ? " busy" : ""}" title="${esc(title)}">${util != null ? `<div class="fill" style="height:${util}%"></div>` : ""}${i}</div>`);
-          }
-          return `<div class="node" data-node="${n.id}"><div class="title"><span>Node ${n.id}</span>${statusCell(n.state)}</div>
-            <div class="small muted">${esc(n.gpu_model)} · ${esc(n.region)} · ${kindCell(n.capacity)} · reserve ${money(n.reserve_price)}</div>
-            <div class="small">${n.gpus_busy} / ${n.gpu_count} GPUs in use</div><div class="gpus">${gpus.join("")}</div></div>`;
-        })
-        .join("")
-    : '<p class="muted">No nodes yet.</p>';
+  if (!nodes.length) { $("nodes").replaceChildren(muted("No nodes yet.")); return; }
+  $("nodes").replaceChildren(
+    ...nodes.map((n) => {
+      const count = num(n.gpu_count, 0, MAX_GPUS_SHOWN) ?? 0;
+      const telemetry = Array.isArray(n.gpus) ? n.gpus : [];
+      const gpus = [];
+      for (let i = 0; i < count; i++) gpus.push(gpuCell(n, i, telemetry));
+      return h("div", { class: "node", "data-node": n.id },
+        h("div", { class: "title" }, h("span", {}, `Node ${n.id}`), statusCell(n.state)),
+        h("div", { class: "small muted" }, `${n.gpu_model} · ${n.region} · `, kindCell(n.capacity), ` · reserve ${money(n.reserve_price)}`),
+        h("div", { class: "small" }, `${fixed(n.gpus_busy, 0)} / ${count} GPUs in use`),
+        h("div", { class: "gpus" }, gpus));
+    }),
+  );
 }
 
 // ------------------------------------------------------------------ the signed-in tenant
@@ -244,31 +312,37 @@ async function refreshTenant() {
   $("balance").textContent = money(me.balance);
   $("spent").textContent = money(ledger.spent);
   $("credits").textContent = money(ledger.credits);
-  $("preemptions").textContent = allocations.filter((a) => a.status === "preempted").length;
-  $("bids").querySelector("tbody").innerHTML = bids
-    .slice()
-    .reverse()
-    .map((b) => {
-      const fresh = !state.seenBids.has(b.id) && state.seenBids.size ? " fresh" : "";
-      return `<tr class="bid${fresh}" data-bid="${b.id}"><td>${b.id}</td><td>${b.gpu_count} × ${esc(b.gpu_model)}</td><td>${esc(b.region)}</td>
-      <td>${kindCell(b.capacity || "spot")}</td><td class="num">${money(b.max_price)}</td><td>${statusCell(b.status)}</td>
-      <td>${esc(new Date(b.created_at).toLocaleString())}</td></tr>`;
-    })
-    .join("");
+  $("preemptions").textContent = String(allocations.filter((a) => a.status === "preempted").length);
+  $("bids").querySelector("tbody").replaceChildren(...bids.slice().reverse().map(bidRow));
   bids.forEach((b) => state.seenBids.add(b.id));
-  $("allocations").querySelector("tbody").innerHTML = allocations
-    .slice()
-    .reverse()
-    .map((a) => {
-      const ran = ((a.ended_at ?? Date.now() / 1000) - a.started_at) / 60;
-      return `<tr data-allocation="${a.id}"><td>${a.id}</td><td>${a.bid_id}</td><td>${a.node_id}</td><td>${statusCell(a.status)}</td>
-      <td>${esc(a.notice_reason || a.end_reason || "")}</td><td class="num">${money(a.price)}</td><td class="num">${a.charged_amount.toFixed(4)}</td>
-      <td class="num">${a.status === "reserved" ? "–" : `${Math.max(0, ran).toFixed(1)} min`}</td></tr>`;
-    })
-    .join("");
-  $("ledger").innerHTML = ledger.entries.length
-    ? ledger.entries.map((e) => `<li>${money(e.amount)} — ${esc(e.reason || e.kind || "")} <span class="muted small">${esc(new Date(e.created_at).toLocaleString())}</span></li>`).join("")
-    : '<li class="muted">None.</li>';
+  $("allocations").querySelector("tbody").replaceChildren(...allocations.slice().reverse().map(allocationRow));
+  $("ledger").replaceChildren(
+    ...(ledger.entries.length
+      ? ledger.entries.map((e) => h("li", {}, `${money(e.amount)} — ${e.reason || e.kind || ""} `, h("span", { class: "muted small" }, when(e.created_at))))
+      : [muted("None.", "li")]),
+  );
+}
+
+function bidRow(b) {
+  const fresh = !state.seenBids.has(b.id) && state.seenBids.size;
+  const labels = Object.entries(b.labels && typeof b.labels === "object" ? b.labels : {});
+  return h("tr", { class: fresh ? "bid fresh" : "bid", "data-bid": b.id },
+    h("td", {}, String(b.id), b.idempotency_key ? h("div", { class: "small muted key", title: b.idempotency_key }, String(b.idempotency_key)) : null),
+    h("td", {}, `${fixed(b.gpu_count, 0)} × ${b.gpu_model}`), h("td", {}, String(b.region)),
+    h("td", {}, kindCell(b.capacity || "spot")), h("td", { class: "num" }, money(b.max_price)),
+    h("td", {}, statusCell(b.status), b.hold_reason ? h("div", { class: "small muted" }, String(b.hold_reason)) : null),
+    h("td", { class: "labels" }, labels.map(([k, v]) => h("span", { class: "chip", title: `${k}=${v}` }, `${k}=${v}`))),
+    h("td", {}, when(b.created_at)));
+}
+
+function allocationRow(a) {
+  const started = num(a.started_at), ended = num(a.ended_at ?? Date.now() / 1000);
+  const ran = started !== null && ended !== null ? Math.max(0, (ended - started) / 60) : null;
+  return h("tr", { "data-allocation": a.id },
+    h("td", {}, String(a.id)), h("td", {}, String(a.bid_id)), h("td", {}, String(a.node_id)),
+    h("td", {}, statusCell(a.status)), h("td", {}, String(a.notice_reason || a.end_reason || "")),
+    h("td", { class: "num" }, money(a.price)), h("td", { class: "num" }, fixed(a.charged_amount, 4)),
+    h("td", { class: "num" }, a.status === "reserved" || ran === null ? "–" : `${ran.toFixed(1)} min`));
 }
 
 $("signin").addEventListener("submit", (event) => {

@@ -1,0 +1,74 @@
+"""Compensation: what the market credits a tenant whose work a reclaim destroyed (pure).
+
+The rule (DESIGN §1, §7), as a function of plain data:
+
+- only a loss the **platform** caused is compensated: a node lost without notice, or a final
+  save that failed for a reason the job reports as the storage's. A job that crashed, ignored
+  its notice or ran past the deadline is its own loss;
+- the amount is what the tenant **actually paid** for that allocation since its last durable
+  checkpoint (``paid_total - paid_at_checkpoint``), never more — so no price move, reserve
+  change or missing checkpoint report can turn a reclaim into a profit;
+- never for a bid on a node the tenant owns (a provider cannot reclaim its own node to be paid
+  back what it paid itself);
+- once per allocation.
+
+Example: an allocation that paid 0.50 in all, 0.25 of it before its last checkpoint, on a node
+lost without notice, is credited 0.25; the same loss on the tenant's own node, or after the job
+crashed, is credited nothing::
+
+    >>> compensation(Loss(LossCause.NODE_LOST, paid_total=0.5, paid_at_checkpoint=0.25)).amount
+    0.25
+    >>> compensation(Loss(LossCause.NODE_LOST, paid_total=0.5, own_node=True)) is None
+    True
+    >>> compensation(Loss(LossCause.JOB, paid_total=0.5)) is None
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class LossCause(StrEnum):
+    NODE_LOST = "node_lost"  # heartbeats stopped: no notice, no final save (the platform's)
+    STORAGE = "storage"  # the final save failed writing to storage (the platform's)
+    JOB = "job"  # the job exited during its notice without saving (the tenant's)
+    DEADLINE = "deadline"  # the job was still running, unsaved, at the deadline (the tenant's)
+
+    def platforms_fault(self) -> bool:
+        return self in (LossCause.NODE_LOST, LossCause.STORAGE)
+
+
+REASONS = {
+    LossCause.NODE_LOST: "node lost without notice",
+    LossCause.STORAGE: "final save failed in storage before the notice deadline",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Loss:
+    cause: LossCause
+    paid_total: float  # what the allocation has paid in all, up to its end
+    paid_at_checkpoint: float = 0.0  # what it had paid at its last durable checkpoint
+    own_node: bool = False  # the bid's tenant owns the node
+    already_compensated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Compensation:
+    amount: float
+    reason: str
+
+
+def compensation(loss: Loss) -> Compensation | None:
+    """The credit this loss earns, or None."""
+    if loss.already_compensated or loss.own_node or not loss.cause.platforms_fault():
+        return None
+    amount = loss.paid_total - max(0.0, min(loss.paid_at_checkpoint, loss.paid_total))
+    if not math.isfinite(amount) or amount <= 0:
+        return None
+    return Compensation(
+        amount, f"{REASONS[loss.cause]}: {amount:.6f} paid since the last durable checkpoint"
+    )
