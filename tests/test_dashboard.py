@@ -17,7 +17,8 @@ import pytest
 import sqlalchemy as sa
 
 from conftest import start_service, wait_for
-from prefect_spotgpu.service.models import PriceBar
+from prefect_spotgpu.service import dashboard
+from prefect_spotgpu.service.models import NodeRow, PriceBar
 
 CHROMIUM = os.environ.get("SPOTGPU_CHROMIUM", "/usr/bin/chromium")
 FLAGS = [
@@ -160,6 +161,16 @@ def shot(page, tmp_path, name: str) -> None:
         shutil.copy(path, Path(SHOTS) / name)
 
 
+def until(page, expression: str, timeout: float = 30.0) -> None:
+    """Wait until ``expression`` is truthy in the page. Not ``page.wait_for_function``: that
+    evaluates its string with ``eval``, which the page's Content-Security-Policy refuses;
+    ``page.evaluate`` goes through the DevTools protocol, outside the page's policy."""
+    deadline = time.monotonic() + timeout
+    while not page.evaluate(expression):
+        assert time.monotonic() < deadline, f"never true: {expression}"
+        time.sleep(0.1)
+
+
 def sign_in(page, client) -> None:
     page.fill("#key", client.headers["Authorization"].removeprefix("Bearer "))
     page.click("#signin-button")
@@ -181,7 +192,7 @@ def test_the_page_loads_live_with_no_console_errors(page, market, tmp_path):
     assert [r.split()[0] for r in shown] == [f"{lv['price']:.2f}" for lv in book]
     assert {1.3, 1.1} <= {lv["price"] for lv in book}
     page.click("#pools tbody tr.pool:has-text('us-east')")
-    page.wait_for_function("document.querySelector('#price-line')?.dataset.points > 1000")
+    until(page, "document.querySelector('#price-line')?.dataset.points > 1000")
     time.sleep(1.0)  # a few live updates
     shot(page, tmp_path, "dashboard.png")
     assert page.problems == []
@@ -191,7 +202,7 @@ def test_the_chart_draws_the_stored_history_with_the_cheap_window_and_forecast(p
     page.goto(market.base_url + "/dashboard")
     page.wait_for_selector("#pools tbody tr.pool")
     page.click("#pools tbody tr.pool:has-text('us-east')")
-    page.wait_for_function("document.querySelector('#price-line')?.dataset.points > 1000")
+    until(page, "document.querySelector('#price-line')?.dataset.points > 1000")
     stored = market.client().get("/prices/A100-80G/us-east/history", params={"hours": 24}).json()
     assert len(stored) >= 24 * 60 - 10  # ours, and the live market's minutes since
     drawn = int(page.get_attribute("#price-line", "data-points"))
@@ -206,8 +217,8 @@ def test_the_chart_draws_the_stored_history_with_the_cheap_window_and_forecast(p
         .get("/prices/A100-80G/us-east/history", params={"hours": 168})
         .json()
     }
-    page.wait_for_function(  # hourly closes over 7 days
-        f"Math.abs(document.querySelector('#price-line')?.dataset.points - {len(hours)}) <= 1"
+    until(  # hourly closes over 7 days
+        page, f"Math.abs(document.querySelector('#price-line')?.dataset.points - {len(hours)}) <= 1"
     )
     assert page.problems == []
 
@@ -252,7 +263,7 @@ def test_the_page_fits_a_phone(browser, market, tmp_path):
     page.goto(market.base_url + "/dashboard")
     page.wait_for_selector("#live.on")
     page.click("#pools tbody tr.pool:has-text('us-east')")
-    page.wait_for_function("document.querySelector('#price-line')?.dataset.points > 1000")
+    until(page, "document.querySelector('#price-line')?.dataset.points > 1000")
     width = page.evaluate("document.documentElement.scrollWidth")
     assert width <= 390, f"the page is {width} px wide on a 390 px screen"
     shot(page, tmp_path, "dashboard-phone.png")
@@ -302,3 +313,187 @@ def test_a_new_bid_wakes_the_stream_within_a_tick(market):
     import httpx
 
     assert httpx.get(market.base_url + "/dashboard/nothere.js").status_code == 404
+
+
+# ---------------------------------------------------------------- hostile data
+
+HOSTILE = (
+    '<img src=x onerror="window.__pwned=1">',
+    '"><script>window.__pwned=1</script>',
+    "javascript:window.__pwned=1",
+    "</td></tr><svg onload=window.__pwned=1></svg>",
+)
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory):
+    """A market where every free-text field a tenant, a provider or the operator controls
+    holds markup, and a node's stored telemetry predates the schema (written to the database
+    directly). Fields restricted by a pattern (tenant and node names, regions, models, GPU
+    names) refuse markup with a 422 that names them."""
+    home = tmp_path_factory.mktemp("hostile")
+    db_url = f"sqlite:///{home / 'market.db'}"
+    service = start_service(db_url, home / "home")
+    admin = service.admin
+    for text in HOSTILE:
+        refused = admin.post("/tenants", json={"name": text})
+        assert refused.status_code == 422 and "name" in refused.text, refused.text
+    owner, mallory = service.tenant("owner"), service.tenant("mallory")
+    service.grant_provider(owner)
+    body = {"gpu_model": "A100-80G", "region": "eu-west", "gpu_count": 4, "reserve_price": 0.9}
+    for field, text in (("name", HOSTILE[0]), ("region", HOSTILE[1]), ("gpu_model", HOSTILE[2])):
+        refused = owner.post("/nodes", json={"name": "n", **body, field: text})
+        assert refused.status_code == 422 and field in refused.text, refused.text
+    inventory = [  # the strings the inventory schema does allow: no markup, but a scheme
+        {"index": i, "model": "A100-80G", "name": "javascript:void(0)",
+         "uuid": "javascript:alert(1)", "memory_mb": 81920, "driver": "(1)+/-"}
+        for i in range(4)
+    ]  # fmt: skip
+    nodes = []
+    for name in ("rack-1", "rack-2"):
+        node, agent = service.node(owner, gpus=4, name=name)
+        beat = agent.post(
+            f"/nodes/{node['id']}/heartbeat",
+            json={"telemetry": {"jobs": 0, "gpus": [{"index": 0, "utilization": 20}]}},
+        )
+        assert beat.status_code == 200, beat.text
+        nodes.append(node)
+    listed = owner.post("/nodes", json={"name": "rack-3", **body, "inventory": inventory})
+    assert listed.status_code == 201, listed.text
+    engine = sa.create_engine(db_url)
+    legacy = {
+        "gpus": [
+            {"index": 0, "utilization": '100%"><img src=x onerror="window.__pwned=1">'},
+            {"index": 1, "utilization": "50%;background:url(javascript:1)"},
+            {"index": 2, "utilization": 1e9, "memory_used_mb": HOSTILE[1]},
+            {"index": 3, "utilization": 55, "power_w": 300},
+        ]
+    }
+    with engine.begin() as connection:
+        connection.execute(
+            sa.update(NodeRow).where(NodeRow.id == nodes[1]["id"]).values(telemetry=legacy)
+        )
+    engine.dispose()
+    credit = admin.post(
+        f"/tenants/{mallory.tenant_id}/credits", json={"amount": 5, "reason": HOSTILE[3]}
+    )
+    assert credit.status_code == 201, credit.text
+    bids = []
+    for i, text in enumerate(HOSTILE):
+        bid = {"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 0.5 + i / 10,
+               "idempotency_key": text, "labels": {text: text, "team": HOSTILE[i - 1]}}  # fmt: skip
+        response = mallory.post("/bids", json=bid)
+        assert response.status_code == 201, response.text
+        bids.append(response.json())
+    service.mallory, service.hostile_bids, service.legacy_node = mallory, bids, nodes[1]
+    yield service
+    service.stop()
+
+
+def test_hostile_strings_render_as_text_and_nothing_runs(browser, hostile, tmp_path):
+    context = browser.new_context(viewport={"width": 1280, "height": 1000})
+    page = context.new_page()
+    problems = []
+    page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    page.on("dialog", lambda d: (problems.append(f"dialog: {d.message}"), d.dismiss()))
+    response = page.goto(hostile.base_url + "/dashboard")
+    assert response.headers["content-security-policy"] == dashboard.CSP
+    page.wait_for_selector("#live.on")
+    page.wait_for_selector("#pools tbody tr.pool")
+    page.wait_for_selector("#nodes .node >> nth=2")
+    sign_in(page, hostile.mallory)
+    for bid in hostile.hostile_bids:
+        page.wait_for_selector(f"tr[data-bid='{bid['id']}']")
+    until(page, "document.querySelectorAll('#ledger li').length >= 1")
+    time.sleep(1.0)  # a few live refreshes over the hostile data
+    assert page.evaluate("typeof window.__pwned") == "undefined"
+    # the markup stayed text: no element came from it, and no link either
+    made = ("img", "script", "iframe", "object", "embed", "a", "svg:not(#chart)", "[onerror]")
+    assert page.locator(", ".join(f"main {tag}" for tag in made)).count() == 0
+    for bid in hostile.hostile_bids:
+        row = page.locator(f"tr[data-bid='{bid['id']}']")
+        assert row.locator(".key").inner_text() == bid["idempotency_key"]
+        chips = row.locator(".chip").all_inner_texts()
+        assert sorted(chips) == sorted(f"{k}={v}" for k, v in bid["labels"].items())
+    assert HOSTILE[3] in page.inner_text("#ledger")
+    assert page.locator("#nodes .gpu").count() == 12
+    # the legacy node: only its one valid reading is drawn, its height set through the CSSOM
+    legacy = page.locator(f"#nodes .node[data-node='{hostile.legacy_node['id']}']")
+    assert legacy.locator(".fill").count() == 1
+    assert legacy.locator(".gpu >> nth=3").locator(".fill").evaluate("e => e.style.height") == (
+        "55%"
+    )
+    shot(page, tmp_path, "dashboard-hostile.png")
+    assert page.evaluate("typeof window.__pwned") == "undefined"
+    assert problems == []
+    context.close()
+
+
+def test_every_response_carries_the_hardening_headers(market):
+    import httpx
+
+    expected = {
+        "content-security-policy": dashboard.CSP,
+        "x-content-type-options": "nosniff",
+        "x-frame-options": "DENY",
+        "referrer-policy": "no-referrer",
+    }
+    assert "'unsafe-inline'" not in dashboard.CSP and "script-src 'self';" in dashboard.CSP
+    with httpx.Client(base_url=market.base_url, timeout=10) as client:
+        for path, status in (
+            ("/dashboard", 200),
+            ("/dashboard/app.js", 200),
+            ("/dashboard/nothere.js", 404),
+            ("/api/v1/market/nodes", 200),
+            ("/api/v1/market/depth/B200/eu-west", 422),
+            ("/api/v1/me", 401),
+            ("/api/v1/stream?once=true", 200),
+            ("/metrics", 200),
+            ("/openapi.json", 200),
+        ):
+            response = client.get(path)
+            assert response.status_code == status, (path, response.text[:200])
+            assert {k: response.headers.get(k) for k in expected} == expected, path
+        redirect = client.get("/")
+        assert redirect.status_code in (302, 307) and redirect.headers["x-frame-options"] == "DENY"
+        with client.stream("GET", "/api/v1/stream") as live:  # still streamed, event by event
+            assert live.headers["content-security-policy"] == dashboard.CSP
+            lines = live.iter_lines()
+            assert next(lines) == "event: market"
+
+
+def test_the_api_docs_get_their_own_policy_and_still_start(browser, market):
+    """``/docs`` and ``/redoc`` load their viewer from a CDN (stubbed here: the tests have no
+    network) and run one inline bootstrap, allowed by its hash; nothing else inline runs."""
+    import httpx
+
+    docs = httpx.get(market.base_url + "/docs", timeout=10)
+    csp = docs.headers["content-security-policy"]
+    assert "'sha256-" in csp and "'unsafe-inline'" not in csp.split("script-src")[1].split(";")[0]
+    assert docs.headers["x-frame-options"] == "DENY"
+    context = browser.new_context()
+    page = context.new_page()
+    problems = []
+    page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+    stubs = {
+        "swagger-ui-bundle.js": "window.SwaggerUIBundle = (c) => { window.__docs = c.url; };"
+        "SwaggerUIBundle.presets = {apis: {}}; SwaggerUIBundle.SwaggerUIStandalonePreset = {};",
+        "redoc.standalone.js": "window.__redoc = document.querySelector('redoc')"
+        ".getAttribute('spec-url');",
+    }
+
+    def cdn(route):
+        name = route.request.url.rsplit("/", 1)[-1].split("?")[0]
+        kind = "javascript" if name.endswith(".js") else "css"
+        route.fulfill(status=200, content_type=f"text/{kind}", body=stubs.get(name, ""))
+
+    page.route("https://cdn.jsdelivr.net/**", cdn)
+    page.route("https://fonts.googleapis.com/**", cdn)
+    page.route("https://fastapi.tiangolo.com/**", lambda r: r.fulfill(status=204))
+    page.goto(market.base_url + "/docs")
+    until(page, "window.__docs === '/openapi.json'", timeout=10)
+    page.goto(market.base_url + "/redoc")
+    until(page, "window.__redoc === '/openapi.json'", timeout=10)
+    assert problems == []
+    context.close()
