@@ -33,6 +33,7 @@ import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -313,7 +314,13 @@ def profile(kind: str) -> dict:
                 data = schemas.BidCreate.model_validate(
                     {"gpu_model": "A100-80G", "gpu_count": 2, "max_price": 1.5}
                 )
-                api.create_bid(data=data, tenant_id=tenant.id, db=sessions, response=Response())
+                api.create_bid(
+                    data=data,
+                    tenant_id=tenant.id,
+                    db=sessions,
+                    response=Response(),
+                    request=SimpleNamespace(app=app),
+                )
             prof.disable()
             out["create_bid"] = top(prof)
             ticker = Ticker(settings, app.state.engine, app.state.sessions)

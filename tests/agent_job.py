@@ -1,13 +1,17 @@
 """A job the agent tests run: counts steps, checkpoints, answers a notice with a final save.
 
-python agent_job.py STEPS      (JOB_LOG: a JSON-lines progress file shared by all runs)
+python agent_job.py STEPS      (JOB_LOG: a JSON-lines progress file shared by all runs;
+                                BREAK_STORAGE_ON_NOTICE=1: the checkpoint storage breaks for
+                                real when the notice comes, so the final save fails)
 """
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
+from pathlib import Path
 
 from prefect_spotgpu.checkpoint import Checkpointer, storage_from_url
 
@@ -48,6 +52,10 @@ for step in range(start, steps):
     total += step
     with open(log_path, "a") as log:
         log.write(json.dumps({"alloc": alloc, "step": step, "t": time.time()}) + "\n")
+    if os.environ.get("BREAK_STORAGE_ON_NOTICE") and ckpt.notice_pending():
+        key_dir = Path(os.environ["SPOTGPU_CHECKPOINT_URL"], os.environ["SPOTGPU_CHECKPOINT_KEY"])
+        shutil.rmtree(key_dir, ignore_errors=True)
+        key_dir.write_text("no longer a directory")
     ckpt.maybe_save({"total": total}, step)
     if ckpt.notice_received:
         while True:  # saved and acknowledged: the agent stops us

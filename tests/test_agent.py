@@ -17,6 +17,7 @@ import pytest
 from conftest import ADMIN_KEY
 from conftest import wait_for as wait
 from prefect_spotgpu.agent.discovery import DiscoveryError, discover_nvml, parse_declared
+from prefect_spotgpu.agent.isolation import JobUsers
 from prefect_spotgpu.agent.runners import DockerRunner, JobRequest, ProcessRunner, get_runner
 
 HERE = Path(__file__).parent
@@ -129,8 +130,12 @@ def request(tmp_path, command, **kw):
         workdir=tmp_path / "alloc-7",
         checkpoint_url=str(tmp_path / "ckpt"),
         checkpoint_key="bid-3",
+        tenant_id=5,
         **kw,
     )
+
+
+AS_ME = JobUsers(str(os.getuid()))  # jobs as the test's user: they run its interpreter
 
 
 CHILD = """
@@ -154,7 +159,7 @@ def running(pid: int) -> bool:
 
 
 def test_the_process_runner_signals_the_main_process_only_and_stops_the_group(tmp_path):
-    runner = ProcessRunner()
+    runner = ProcessRunner(users=AS_ME)  # (isolated jobs: test_agent_isolation.py)
     req = request(tmp_path, [sys.executable, "-c", CHILD])
     handle = runner.start(req)
     deadline = time.monotonic() + 10
@@ -177,19 +182,26 @@ def test_the_process_runner_signals_the_main_process_only_and_stops_the_group(tm
 
 
 def test_the_docker_runner_builds_the_container_spec(tmp_path):
-    spec = DockerRunner(client=object()).container_spec(
+    runner = DockerRunner(client=object(), checkpoint_root=tmp_path / "roots")
+    spec = runner.container_spec(
         request(tmp_path, ["python", "-m", "prefect.engine"], image="pytorch/pytorch:2.4")
     )
     assert spec["image"] == "pytorch/pytorch:2.4" and spec["init"] is False
     assert spec["command"] == ["python", "-m", "prefect.engine"]
     device = spec["device_requests"][0]
     assert device["DeviceIDs"] == ["1", "3"] and device["Capabilities"] == [["gpu"]]
-    assert spec["environment"]["SPOTGPU_NOTICE_FILE"] == "/spotgpu/notice.json"
-    assert "CUDA_VISIBLE_DEVICES" not in spec["environment"]
-    assert spec["volumes"][str(tmp_path / "alloc-7")]["bind"] == "/spotgpu"
+    env = spec["environment"]
+    assert env["SPOTGPU_NOTICE_FILE"] == "/spotgpu/notice.json"
+    assert env["SPOTGPU_SAVED_FILE"] == "/spotgpu/saved.json"
+    assert env["SPOTGPU_CHECKPOINT_URL"] == "/spotgpu/checkpoints"
+    assert "CUDA_VISIBLE_DEVICES" not in env
+    assert spec["volumes"] == {
+        str(tmp_path / "alloc-7"): {"bind": "/spotgpu", "mode": "rw"},
+        str(tmp_path / "roots" / "tenant-5"): {"bind": "/spotgpu/checkpoints", "mode": "rw"},
+    }  # (hostile checkpoint URLs: test_agent_isolation.py)
     assert spec["labels"]["io.spotgpu.allocation-id"] == "7"
     with pytest.raises(ValueError, match="image"):
-        DockerRunner(client=object()).container_spec(request(tmp_path, ["x"]))
+        runner.container_spec(request(tmp_path, ["x"]))
     with pytest.raises(ValueError, match="valid runners: docker, process"):
         get_runner("k8s")
 
@@ -198,6 +210,8 @@ def test_the_docker_runner_builds_the_container_spec(tmp_path):
 
 
 def start_agent(server, key, name, tmp_path):
+    """A real agent; its jobs run as the test's user (they use the test's interpreter and
+    write to ``tmp_path``; isolated jobs are test_agent_isolation.py's)."""
     log = open(tmp_path / f"agent-{name}.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
         [
@@ -208,8 +222,8 @@ def start_agent(server, key, name, tmp_path):
             "start",
             "--market",
             server.url,
-            "--token",
-            key,
+            "--job-user",
+            str(os.getuid()),
             "--gpus",
             "A100-80G:2",
             "--name",
@@ -227,6 +241,7 @@ def start_agent(server, key, name, tmp_path):
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
+        env={**os.environ, "SPOTGPU_AGENT_TOKEN": key},
     )
     proc.logfile = log
     return proc
@@ -266,7 +281,10 @@ def test_two_agents_a_reclaim_and_a_resume_from_the_checkpoint(tmp_path):
     finally:
         del os.environ["SPOTGPU_HEARTBEAT_TIMEOUT_SECONDS"]
     admin = server.client(ADMIN_KEY)
-    owner_key = admin.post("/tenants", json={"name": "owner"}).json()["api_key"]
+    owner = admin.post("/tenants", json={"name": "owner"}).json()
+    owner_key = owner["api_key"]
+    granted = admin.put(f"/tenants/{owner['id']}/provider", json={"provider": True})
+    assert granted.status_code == 200, granted.text
     buyer_key = admin.post("/tenants", json={"name": "buyer"}).json()["api_key"]
     agents = {n: start_agent(server, owner_key, n, tmp_path) for n in ("a", "b")}
     try:
@@ -376,14 +394,14 @@ def test_two_agents_a_reclaim_and_a_resume_from_the_checkpoint(tmp_path):
                 os.killpg(int(pid_file.read_text()), signal.SIGKILL)
 
 
-def make_agent(service, owner, tmp_path, gpus=1):
+def make_agent(service, owner, tmp_path, gpus=1, runner=None):
     from prefect_spotgpu.agent.agent import Agent
 
     node, _ = service.node(owner, gpus=gpus, reserve=0.5)
     agent = Agent(
         market=service.base_url,
         token=node["token"],
-        runner=ProcessRunner(),
+        runner=runner or ProcessRunner(),
         gpus=parse_declared(f"A100-80G:{gpus}"),
         declared=True,
         state_dir=tmp_path / "agent",
@@ -455,7 +473,7 @@ def test_an_allocation_waits_for_gpus_a_stopping_job_still_holds(service, tmp_pa
     bid = buyer.post(
         "/bids",
         json={"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0, "region": "eu-west",
-              "job": {"command": [sys.executable, "-c", "import time; time.sleep(60)"]}},
+              "job": {"command": ["sleep", "60"]}},
     ).json()  # fmt: skip
     (alloc,) = wait(lambda: [a for a in agent.assignments().values()], 20, "the allocation")
     agent.free = set()  # the GPU is still held by a job being stopped
@@ -470,3 +488,126 @@ def test_an_allocation_waits_for_gpus_a_stopping_job_still_holds(service, tmp_pa
         buyer.post(f"/bids/{bid['id']}/cancel")
         agent.stop(alloc["id"], reason="test over")
     assert node["id"] == alloc["node_id"]
+
+
+def test_checkpoints_are_reported_and_a_failed_final_save_names_its_cause(service, tmp_path):
+    import threading
+
+    owner, buyer = service.tenant(), service.tenant()
+    node, agent = make_agent(service, owner, tmp_path, gpus=2, runner=ProcessRunner(users=AS_ME))
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        job_log = tmp_path / "job.jsonl"
+        storage_fails = buyer.post(
+            "/bids",
+            json={
+                "gpu_model": "A100-80G",
+                "gpu_count": 1,
+                "max_price": 1.0,
+                "job": {
+                    "command": [sys.executable, str(HERE / "agent_job.py"), "100000"],
+                    "env": {"JOB_LOG": str(job_log), "BREAK_STORAGE_ON_NOTICE": "1"},
+                    "checkpoint_url": str(tmp_path / "ckpt"),
+                },
+            },
+        ).json()
+        job_crashes = buyer.post(
+            "/bids",
+            json={
+                "gpu_model": "A100-80G",
+                "gpu_count": 1,
+                "max_price": 1.0,
+                "job": {
+                    "command": ["sh", "-c", "trap 'exit 3' USR1; while :; do sleep 0.05; done"]
+                },
+            },
+        ).json()
+
+        def allocation(bid):
+            allocs = buyer.get(f"/bids/{bid['id']}/allocations").json()
+            return allocs[0] if allocs else None
+
+        # periodic saves (every 0.5 s) reach the market as checkpoints
+        reported = wait(
+            lambda: (a := allocation(storage_fails)) and a["last_checkpoint_at"] and a,
+            30,
+            "a periodic checkpoint reported",
+        )
+        assert reported["status"] == "running" and reported["last_checkpoint_at"] <= time.time()
+        owner.patch(f"/nodes/{node['id']}", json={"state": "reclaimed"})
+        ended = {
+            name: wait(
+                lambda bid=bid: (a := allocation(bid)) and a["status"] == "preempted" and a,
+                30,
+                f"the {name} allocation ended",
+            )
+            for name, bid in (("storage", storage_fails), ("job", job_crashes))
+        }
+        assert ended["storage"]["final_save"] == ended["job"]["final_save"] == "failed"
+        # the market compensates the storage's failure, not the job's crash
+        entries = buyer.get("/ledger").json()["entries"]
+        compensations = [e for e in entries if e["kind"] == "compensation"]
+        assert [e["allocation_id"] for e in compensations] == [ended["storage"]["id"]], entries
+        assert "storage" in compensations[0]["reason"]
+    finally:
+        agent.shutdown()
+        thread.join(timeout=10)
+        for handle in list(agent.jobs.values()):
+            agent.runner.stop(handle, grace=0)
+
+
+def owner_agent(service, owner, state_dir, name="node-x"):
+    from prefect_spotgpu.agent.agent import Agent
+
+    return Agent(
+        market=service.base_url,
+        token=owner.headers["Authorization"].removeprefix("Bearer "),
+        runner=ProcessRunner(users=AS_ME),
+        gpus=parse_declared("A100-80G:1"),
+        declared=True,
+        state_dir=state_dir,
+        name=name,
+        region="eu-west",
+        reserve_price=0.5,
+    )
+
+
+def test_registering_keeps_a_node_token_and_a_cursor_of_that_node_only(service, tmp_path):
+    from prefect_spotgpu.agent.credentials import NodeRecord, save_cursor, save_record
+
+    owner = service.tenant()
+    service.grant_provider(owner)
+    state = tmp_path / "state"
+    state.mkdir()
+    save_record(state, NodeRecord("http://another-market", 1, "sgn_elsewhere"))
+    save_cursor(state, "http://another-market", 1, 12345)  # that market's events, not ours
+    agent = owner_agent(service, owner, state)
+    agent.register()
+    assert agent.token is None  # the owner's key is not kept
+    record = json.loads((state / "node.json").read_text())
+    assert record["market"] == service.base_url and record["node_id"] == agent.node_id
+    assert record["token"].startswith("sgn_")
+    assert agent.cursor == 0
+    again = owner_agent(service, owner, state)  # a restart: the kept token, no registration
+    again.register()
+    assert again.node_id == agent.node_id and len(owner.get("/nodes").json()) == 1
+
+
+def test_a_second_registration_of_a_name_issues_a_new_token(service, tmp_path):
+    owner = service.tenant()
+    service.grant_provider(owner)
+    first = owner_agent(service, owner, tmp_path / "first")
+    first.register()
+    old = json.loads((tmp_path / "first" / "node.json").read_text())["token"]
+    second = owner_agent(service, owner, tmp_path / "second")  # the host, its state lost
+    second.register()
+    new = json.loads((tmp_path / "second" / "node.json").read_text())["token"]
+    assert second.node_id == first.node_id and new != old
+    assert service.client(old).get("/nodes/me").status_code == 401  # revoked
+    assert service.client(new).get("/nodes/me").json()["id"] == second.node_id
+    # the first host's agent comes back with the owner's key: its token is refused, so it
+    # asks for a new one (the second's stops working: one host per node)
+    first.token = owner.headers["Authorization"].removeprefix("Bearer ")
+    first.register()
+    assert service.client(new).get("/nodes/me").status_code == 401

@@ -254,7 +254,7 @@ def test_a_bad_key_is_the_services_401_and_a_dead_market_one_line(service):
     for command in ("bids", "nodes"):
         out = spotgpu_at(service, command, key="sgk_not-a-key")
         assert out.returncode == 1
-        assert out.stdout.strip() == "error 401: unknown API key or token"
+        assert out.stdout.strip() == "error 401: unknown or revoked API key or token"
     dead = f"http://127.0.0.1:{free_port()}"
     for command in ("bids", "nodes", "prices"):
         out = spotgpu_at(service, command, "--market", dead, key="sgk_x")

@@ -143,7 +143,10 @@ class LocalStack:
         self._market_db = db_url or f"sqlite:///{self.home / 'market.db'}"
         self._serve_market(port)
         admin = self.market(self.admin_key)
-        self.owner_key = _created(admin.post("/tenants", json={"name": "fleet-owner"}))["api_key"]
+        owner = _created(admin.post("/tenants", json={"name": "fleet-owner"}))
+        self.owner_key = owner["api_key"]
+        granted = admin.put(f"/tenants/{owner['id']}/provider", json={"provider": True})
+        granted.raise_for_status()  # only a provider may register nodes
         self.buyer_key = _created(
             admin.post("/tenants", json={"name": "prefect", "starting_credit": 1000})
         )["api_key"]
@@ -187,7 +190,12 @@ class LocalStack:
     ) -> int:
         """A node agent with ``gpus`` declared GPUs; returns its node id once registered.
 
-        ``capacity="on_demand"`` registers non-preemptible capacity at the on-demand price."""
+        ``capacity="on_demand"`` registers non-preemptible capacity at the on-demand price.
+
+        The agents share one checkpoint root (as nodes share storage), and run their jobs as
+        the caller's user (``--job-user``): the stack is the single-tenant demo, whose jobs
+        use the caller's interpreter and write the caller's files — under root that
+        interpreter often lives in root's home, which the per-job users cannot reach."""
         price = ("--reserve-price", str(reserve_price)) if capacity == "spot" else ()
         self._spawn(
             f"agent-{name}",
@@ -198,8 +206,10 @@ class LocalStack:
                 *price,
                 *("--capacity", capacity, "--heartbeat-seconds", "1"),
                 *("--state-dir", str(self.home / f"agent-{name}"), "--grace-seconds", "3"),
+                *("--checkpoint-root", str(self.home / "node-checkpoints")),
+                *("--job-user", str(os.getuid())),
             ],
-            env={"PREFECT_API_URL": self.prefect_api_url, "SPOTGPU_AGENT_TOKEN": self.owner_key},
+            env={"SPOTGPU_AGENT_TOKEN": self.owner_key},
         )  # the key in the environment, not on the command line (ps shows that)
         owner = self.market(self.owner_key)
 

@@ -3,28 +3,40 @@
 It talks to the market service over HTTP only: a heartbeat every few seconds (with GPU
 telemetry), and a long-poll on its node's events. On ``allocated`` it starts the job on free
 GPUs; on ``noticed`` it writes the notice file and sends SIGUSR1 to the job's main process,
-waits for the checkpoint library's acknowledgement (or the deadline), reports the outcome with
-the allocation's epoch (the fencing token), then stops the job's process group; on
-``preempted``/``finished``/``released`` it stops whatever still runs. A job that exits by itself
-is reported ``finished`` (exit 0) or ``failed``. On start it reconciles: local jobs the market
-no longer assigns to this node are killed.
+waits for the checkpoint library's acknowledgement (or the deadline), stops the job, then
+reports the outcome with the allocation's epoch (the fencing token; see ``reports`` for the
+outcomes and their causes); on ``preempted``/``finished``/``released`` it stops whatever still
+runs. A job that exits by itself is reported ``finished`` (exit 0) or ``failed``. Every durable
+save a job's checkpointer records in its saved file is reported as a ``checkpoint`` within about
+a second. On start it reconciles: local jobs the market no longer assigns to this node are
+killed.
+
+Its credential is the node's token (``credentials``); the runner isolates the jobs
+(``runners``, ``isolation``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
-import signal
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
+from prefect_spotgpu.agent.credentials import (
+    CredentialError,
+    load_cursor,
+    load_record,
+    obtain_node_token,
+    save_cursor,
+    save_record,
+)
 from prefect_spotgpu.agent.discovery import GpuInfo
-from prefect_spotgpu.agent.runners import JobHandle, JobRequest
+from prefect_spotgpu.agent.isolation import read_job_file, read_pid, write_job_file
+from prefect_spotgpu.agent.reports import checkpoint_report, notice_report, save_marker
+from prefect_spotgpu.agent.runners import JobHandle, JobRequest, Runner
 
 logger = logging.getLogger("prefect_spotgpu.agent")
 
@@ -38,8 +50,8 @@ class Agent:
         self,
         *,
         market: str,
-        token: str,
-        runner,
+        token: str | None,
+        runner: Runner,
         gpus: list[GpuInfo],
         declared: bool,
         state_dir: Path,
@@ -52,7 +64,7 @@ class Agent:
         telemetry=None,
     ) -> None:
         self.market = market.rstrip("/")
-        self.token = token
+        self.token = token  # a node token, or the owner's key until registration is done
         self.runner = runner
         self.gpus = gpus
         self.declared = declared
@@ -84,52 +96,27 @@ class Agent:
         )
 
     def register(self) -> None:
+        """Find this node's token (given, or kept in ``node.json``), or obtain one with the
+        owner's key; check it against the market and this host's GPUs."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        saved = self.state_dir / "node.json"
-        node_token = None
-        if self.token.startswith("sgn_"):
-            node_token = self.token
-        elif saved.exists():
-            record = json.loads(saved.read_text())
-            if record.get("market") == self.market:
-                node_token = record["token"]
-        if node_token is None:
-            if not self.region or (self.capacity == "spot" and not self.reserve_price):
+        token = self.token if self.token and self.token.startswith("sgn_") else None
+        owner_key = None if token or not self.token else self.token
+        if token is None:
+            record = load_record(self.state_dir, self.market)
+            token = record.token if record else None
+        me = self._me(token) if token else None
+        if me is None or (me.status_code == 401 and owner_key):
+            if not owner_key:
                 raise AgentError(
-                    "registering a spot node needs --region and --reserve-price "
-                    "(an on-demand node needs --region)"
+                    "no token: give the node's token or the owner's API key "
+                    "(--token-file or SPOTGPU_AGENT_TOKEN)"
                 )
-            with self._http(self.token) as owner:
-                response = owner.post(
-                    "/nodes",
-                    json={
-                        "name": self.name,
-                        "gpu_model": self.gpus[0].model,
-                        "region": self.region,
-                        "gpu_count": len(self.gpus),
-                        "reserve_price": self.reserve_price,
-                        "capacity": self.capacity,
-                        "declared": self.declared,
-                        "inventory": [g.to_json() for g in self.gpus],
-                    },
-                )
-            if response.status_code != 201:
-                raise AgentError(
-                    f"registering node {self.name!r} failed: {response.status_code} {response.text}"
-                )
-            node_token = response.json()["token"]
-            tmp = saved.with_suffix(".tmp")
-            tmp.touch(mode=0o600)
-            tmp.write_text(
-                json.dumps(
-                    {"market": self.market, "token": node_token, "node_id": response.json()["id"]}
-                )
-            )
-            os.replace(tmp, saved)
-        self.client = self._http(node_token)
-        me = self.client.get("/nodes/me")
+            token = self._register_with(owner_key)
+            me = self._me(token)
+        self.token = None  # the owner's key is not kept past registration
         if me.status_code != 200:
             raise AgentError(f"the market refused this node's token: {me.status_code} {me.text}")
+        self.client = self._http(token)
         node = me.json()
         if node["gpu_count"] != len(self.gpus) or node["gpu_model"] != self.gpus[0].model:
             raise AgentError(
@@ -138,9 +125,7 @@ class Agent:
                 f"{self.gpus[0].model}"
             )
         self.node_id = node["id"]
-        cursor_file = self.state_dir / "cursor"
-        if cursor_file.exists():
-            self.cursor = int(cursor_file.read_text() or 0)
+        self.cursor = load_cursor(self.state_dir, self.market, self.node_id)
         logger.info(
             "agent for node %s (%s x %s) on %s",
             self.node_id,
@@ -148,6 +133,35 @@ class Agent:
             self.gpus[0].model,
             self.market,
         )
+
+    def _me(self, token: str) -> httpx.Response:
+        with self._http(token) as client:
+            return client.get("/nodes/me")
+
+    def _register_with(self, owner_key: str) -> str:
+        if not self.region or (self.capacity == "spot" and not self.reserve_price):
+            raise AgentError(
+                "registering a spot node needs --region and --reserve-price "
+                "(an on-demand node needs --region)"
+            )
+        registration = {
+            "name": self.name,
+            "gpu_model": self.gpus[0].model,
+            "region": self.region,
+            "gpu_count": len(self.gpus),
+            "reserve_price": self.reserve_price,
+            "capacity": self.capacity,
+            "declared": self.declared,
+            "inventory": [g.to_json() for g in self.gpus],
+        }
+        try:
+            with self._http(owner_key) as owner:
+                record = obtain_node_token(owner, self.market, registration)
+        except CredentialError as exc:
+            raise AgentError(str(exc)) from None
+        save_record(self.state_dir, record)
+        logger.info("node %s: token kept in %s", record.node_id, self.state_dir / "node.json")
+        return record.token
 
     # ---------------------------------------------------------------- the loop
 
@@ -160,6 +174,7 @@ class Agent:
         try:
             while not self.stop_event.is_set():
                 self._check_exits()
+                self._report_saves()
                 for alloc_id in sorted(self.waiting_for_gpus):  # GPUs being freed by a stop
                     try:
                         self.start(alloc_id)
@@ -186,7 +201,7 @@ class Agent:
                         logger.exception("handling event %s failed", event.get("id"))
                 if body["cursor"] != self.cursor:
                     self.cursor = body["cursor"]
-                    (self.state_dir / "cursor").write_text(str(self.cursor))
+                    save_cursor(self.state_dir, self.market, self.node_id, self.cursor)
         finally:
             self.stop_event.set()
 
@@ -273,6 +288,7 @@ class Agent:
                 checkpoint_url=job.get("checkpoint_url"),
                 checkpoint_key=assignment["checkpoint_key"],
                 image=job.get("image"),
+                tenant_id=assignment.get("tenant_id"),
             )
             try:
                 handle = self.runner.start(request)
@@ -286,7 +302,7 @@ class Agent:
                 return
             self.jobs[alloc_id] = handle
             self.epochs[alloc_id] = assignment["epoch"]
-            (request.workdir / "pid").write_text(str(handle.pid))
+            write_job_file(request.workdir / "pid", str(handle.pid))
             logger.info("allocation %s: started pid %s on GPUs %s", alloc_id, handle.pid, indices)
 
     def notice(self, alloc_id: int, deadline: float, epoch: int | None) -> None:
@@ -294,10 +310,13 @@ class Agent:
             handle = self.jobs.get(alloc_id)
         if handle is None:
             return
-        self.runner.notice(handle, deadline)
-        logger.info(
-            "allocation %s: notice sent (deadline in %.0f s)", alloc_id, deadline - time.time()
-        )
+        try:
+            self.runner.notice(handle, deadline)
+            logger.info(
+                "allocation %s: notice sent (deadline in %.0f s)", alloc_id, deadline - time.time()
+            )
+        except Exception:  # (what the job did to its directory): still wait, stop, report
+            logger.exception("allocation %s: the notice could not be delivered", alloc_id)
         threading.Thread(
             target=self._await_final_save,
             args=(alloc_id, handle, deadline),
@@ -306,7 +325,8 @@ class Agent:
         ).start()
 
     def _await_final_save(self, alloc_id: int, handle: JobHandle, deadline: float) -> None:
-        """Wait for the acknowledgement (or the deadline), stop the job, then report.
+        """Wait for the acknowledgement (or the job's exit, or the deadline), stop the job,
+        then report (``reports.notice_report``).
 
         The job is stopped *before* the report: the report ends the allocation, and the market
         may start the bid's next allocation at once; the old process must be gone by then (its
@@ -315,40 +335,74 @@ class Agent:
         ack_file = handle.request.ack_file
         while time.time() < deadline and not ack_file.exists() and handle.poll() is None:
             time.sleep(0.02)
-        saved = ack_file.exists()
-        finished = not saved and handle.poll() == 0  # it finished its work during the notice
-        ack = json.loads(ack_file.read_text()) if saved else {}
-        exited = handle.poll() is not None
+        ack = read_job_file(ack_file)
+        exit_code = handle.poll()
+        self._report_save(alloc_id, handle)  # a periodic save not reported yet
         self.stop(alloc_id, reason="notice")
-        epoch = self.epochs.get(alloc_id, 1)
-        if saved:
-            body = {
-                "epoch": epoch,
-                "outcome": "saved",
-                "checkpoint_at": ack.get("saved_at") or time.time(),
-                "step": ack.get("step"),
-            }
-        else:
-            body = {"epoch": epoch, "outcome": "finished" if finished else "save_failed"}
+        body = notice_report(
+            epoch=self.epochs.get(alloc_id, handle.request.epoch),
+            ack=ack,
+            exit_code=exit_code,
+            now=time.time(),
+        )
         response = self.client.post(f"/allocations/{alloc_id}/report", json=body)
-        if saved:
+        if body["outcome"] == "saved":
             logger.info(
                 "allocation %s: final save at step %s acknowledged (%s)",
                 alloc_id,
-                ack.get("step"),
+                body["step"],
                 response.status_code,
             )
-        elif finished:
+        elif body["outcome"] == "finished":
             logger.info(
                 "allocation %s: finished during its notice (%s)", alloc_id, response.status_code
             )
-        else:  # not saved: the market decides whether that is compensated
+        else:  # the market decides whether that is compensated, by its cause
             logger.warning(
-                "allocation %s: no final save (job %s) before the deadline; reported (%s)",
+                "allocation %s: no final save (cause: %s%s); reported (%s)",
                 alloc_id,
-                "exited" if exited else "still running",
+                body["cause"],
+                f", {ack.get('error')}" if ack and ack.get("error") else "",
                 response.status_code,
             )
+
+    def _report_saves(self) -> None:
+        with self.lock:
+            running = list(self.jobs.items())
+        for alloc_id, handle in running:
+            try:
+                self._report_save(alloc_id, handle)
+            except Exception:  # one job's garbage must not stop the node
+                logger.exception("allocation %s: reading its saved file failed", alloc_id)
+
+    def _report_save(self, alloc_id: int, handle: JobHandle) -> None:
+        """Report the job's latest durable save if it is new (the final one is the notice's)."""
+        saved = read_job_file(handle.request.saved_file)
+        with self.lock:  # the loop and a notice thread may both look: one reports
+            last = handle.extra.get("reported")
+            body = checkpoint_report(
+                epoch=self.epochs.get(alloc_id, handle.request.epoch),
+                saved=saved,
+                last=last,
+                now=time.time(),
+            )
+            if body is None:
+                return
+            handle.extra["reported"] = save_marker(saved)
+        try:
+            response = self.client.post(f"/allocations/{alloc_id}/report", json=body)
+        except httpx.HTTPError as exc:
+            with self.lock:
+                handle.extra["reported"] = last  # the next look tries again
+            logger.warning("allocation %s: checkpoint report failed (%s)", alloc_id, exc)
+            return
+        logger.log(
+            logging.INFO if response.status_code == 200 else logging.WARNING,
+            "allocation %s: checkpoint at step %s reported (%s)",
+            alloc_id,
+            body["step"],
+            response.status_code,
+        )
 
     def stop(self, alloc_id: int, reason: str) -> None:
         with self.lock:
@@ -368,10 +422,13 @@ class Agent:
                 if h.signalled_at is None and h.poll() is not None
             ]
         for alloc_id, handle, code in exited:
+            self._report_save(alloc_id, handle)
             with self.lock:
                 if self.jobs.get(alloc_id) is not handle:
                     continue
                 del self.jobs[alloc_id]
+            self.runner.stop(handle, grace=0)  # what it left running: its processes, container
+            with self.lock:
                 self.free |= set(handle.request.gpu_indices)
             outcome = "finished" if code == 0 else "failed"
             response = self.client.post(
@@ -391,35 +448,17 @@ class Agent:
         active = self.assignments()
         for workdir in sorted(self.state_dir.glob("alloc-*")):
             alloc_id = int(workdir.name.removeprefix("alloc-"))
-            pid_file = workdir / "pid"
-            if alloc_id in active or not pid_file.exists():
+            pid = read_pid(workdir / "pid")
+            if alloc_id in active or pid is None:
                 continue
-            if _kill_job(int(pid_file.read_text()), alloc_id):
+            if self.runner.kill_stale(alloc_id, pid):
                 logger.warning(
                     "reconcile: killed the job of allocation %s, no longer ours", alloc_id
                 )
-            pid_file.unlink(missing_ok=True)
+            (workdir / "pid").unlink(missing_ok=True)
         for alloc_id, assignment in active.items():
             if assignment["status"] == "running":
-                pid_file = self.state_dir / f"alloc-{alloc_id}" / "pid"
-                if pid_file.exists():  # our previous run's job: stop it, start it cleanly
-                    _kill_job(int(pid_file.read_text()), alloc_id)
+                pid = read_pid(self.state_dir / f"alloc-{alloc_id}" / "pid")
+                if pid is not None:  # our previous run's job: stop it, start it cleanly
+                    self.runner.kill_stale(alloc_id, pid)
                 self.start(alloc_id, assignment)
-
-
-def _kill_job(pid: int, alloc_id: int) -> bool:
-    """SIGKILL the process group of ``pid`` if it still is this allocation's job.
-
-    A recorded pid may have been reused by an unrelated process after a reboot or a long
-    outage: the job's environment (``SPOTGPU_ALLOCATION_ID``) must match before we kill.
-    """
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return False  # gone (or not ours to read)
-    if f"SPOTGPU_ALLOCATION_ID={alloc_id}".encode() not in environ:
-        return False
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-        return True
-    return False

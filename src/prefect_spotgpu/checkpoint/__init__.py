@@ -7,6 +7,7 @@ The core (``Checkpointer``, the format, local and S3 storage) imports nothing of
 from prefect_spotgpu.checkpoint.checkpointer import (
     ACK_FILE_ENV,
     NOTICE_FILE_ENV,
+    SAVED_FILE_ENV,
     Checkpointer,
     Restored,
     SaveResult,
@@ -25,6 +26,7 @@ from prefect_spotgpu.checkpoint.storage import (
 __all__ = [
     "ACK_FILE_ENV",
     "NOTICE_FILE_ENV",
+    "SAVED_FILE_ENV",
     "CheckpointStorage",
     "Checkpointer",
     "CorruptCheckpoint",

@@ -5,7 +5,14 @@ when the interval has passed (periodic) or when a notice arrived (final). A noti
 (whose handler only sets a flag) or the appearance of the file named by ``SPOTGPU_NOTICE_FILE``
 (checked with one ``stat`` per call, so code in any process of the job sees it). After the final
 save the checkpointer writes the acknowledgement the node agent waits for (``SPOTGPU_ACK_FILE``,
-default ``<notice file>.ack``) and sets ``notice_received``; the flow should then stop.
+default ``<notice file>.ack``) and sets ``notice_received``; the flow should then stop. When the
+final save's storage fails, the acknowledgement says so (``{"failed": true, "cause":
+"storage", "error": ...}``) and the error is raised: the agent reports a failed save the
+platform caused, not a job that crashed.
+
+After every durable save, periodic or final, it rewrites the file named by
+``SPOTGPU_SAVED_FILE`` (``{"step", "saved_at", "final"}``); the agent reports each new one to
+the market, which compensates lost work only back to the last reported checkpoint.
 
 Example::
 
@@ -42,6 +49,8 @@ logger = logging.getLogger("prefect_spotgpu.checkpoint")
 
 NOTICE_FILE_ENV = "SPOTGPU_NOTICE_FILE"
 ACK_FILE_ENV = "SPOTGPU_ACK_FILE"
+SAVED_FILE_ENV = "SPOTGPU_SAVED_FILE"
+ERROR_CHARS = 200
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +83,7 @@ class Checkpointer:
         keep: int = 3,
         notice_file: str | os.PathLike | None = None,
         ack_file: str | os.PathLike | None = None,
+        saved_file: str | os.PathLike | None = None,
         handle_sigusr1: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -93,6 +103,8 @@ class Checkpointer:
         if ack is None and self.notice_file is not None:
             ack = str(self.notice_file) + ".ack"
         self.ack_file = Path(ack) if ack else None
+        saved = saved_file or os.environ.get(SAVED_FILE_ENV)
+        self.saved_file = Path(saved) if saved else None
         self._signalled = threading.Event()
         self.notice_received = False
         self.notice_deadline: float | None = None
@@ -126,15 +138,22 @@ class Checkpointer:
 
         ``state`` may be a callable, called only when a save happens. A periodic save that
         fails is logged and retried at the next call; training goes on. A final save that
-        fails raises: the flow should know it could not save before the deadline.
+        fails raises: the flow should know it could not save before the deadline (when its
+        storage failed, the acknowledgement tells the agent so first).
         """
         if self.notice_received:
             return None
         if self.notice_pending():
             self._read_deadline()
-            result = self.save(
-                state() if callable(state) else state, step, final=True, retain=False
-            )
+            snapshot = state() if callable(state) else state
+            started = time.perf_counter()
+            encoded = self._encode(snapshot, step, final=True)
+            try:
+                result = self._commit(encoded, started, step, final=True, retain=False)
+            except Exception as exc:
+                self.notice_received = True  # nothing more to save: the agent stops us
+                self._acknowledge_failure(exc)
+                raise
             self._acknowledge(result)  # durable: tell the agent first, tidy up after
             self.notice_received = True
             self._retain()
@@ -159,10 +178,17 @@ class Checkpointer:
         self, state: object, step: int, *, final: bool = False, retain: bool = True
     ) -> SaveResult:
         """Write one checkpoint now, durably, then (with ``retain``) delete old ones."""
+        started = time.perf_counter()
+        return self._commit(self._encode(state, step, final=final), started, step, final, retain)
+
+    def _encode(self, state: object, step: int, *, final: bool):
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
-        started = time.perf_counter()
-        encoded = encode(state, step=step, extra={"final": final, "saved_at": time.time()})
+        return encode(state, step=step, extra={"final": final, "saved_at": time.time()})
+
+    def _commit(self, encoded, started: float, step: int, final: bool, retain: bool) -> SaveResult:
+        """Write what ``_encode`` made to the storage (the part that fails for the storage's
+        reasons, not the job's), then tell the agent."""
         checksums = threading.Thread(target=encoded.fill_checksums, name="spotgpu-crc32")
         checksums.start()
 
@@ -177,6 +203,7 @@ class Checkpointer:
         result = SaveResult(step, encoded.size, time.perf_counter() - started, final)
         self.last_save = result
         self._last_save_at = self.clock()
+        self._report_saved(result)
         if retain:
             self._retain()
         logger.info(
@@ -199,6 +226,24 @@ class Checkpointer:
     def _acknowledge(self, result: SaveResult) -> None:
         if self.ack_file is not None:
             write_ack(self.ack_file, step=result.step, durable=True, seconds=result.seconds)
+
+    def _acknowledge_failure(self, exc: Exception) -> None:
+        """The final save's storage failed: say so (and why) before the error propagates."""
+        error = f"{type(exc).__name__}: {exc}"[:ERROR_CHARS]
+        logger.error("final checkpoint of %s failed: %s", self.key, error)
+        if self.ack_file is not None:
+            with contextlib.suppress(OSError):
+                write_ack(self.ack_file, failed=True, cause="storage", error=error)
+
+    def _report_saved(self, result: SaveResult) -> None:
+        """Tell the node's agent (``SPOTGPU_SAVED_FILE``) that a save is durable; a failure
+        to tell is logged, never the save's failure."""
+        if self.saved_file is None:
+            return
+        try:
+            write_ack(self.saved_file, step=result.step, final=result.final)
+        except OSError as exc:
+            logger.warning("could not write %s: %s", self.saved_file, exc)
 
     # ---------------------------------------------------------------- restoring
 

@@ -317,7 +317,7 @@ class Assignment(AllocationResponse):
 class AllocationReport(Strict):
     """What a node agent (or a worker) reports about an allocation, fenced by its epoch."""
 
-    epoch: int = Field(ge=1)
+    epoch: int = Field(ge=1, le=2**31 - 1)
     outcome: Literal["checkpoint", "saved", "save_failed", "finished", "failed"]
     cause: Literal["storage", "job", "deadline"] | None = Field(
         None,
@@ -325,7 +325,7 @@ class AllocationReport(Strict):
         "(the job exited without saving) or deadline (still unsaved at the deadline).",
     )
     checkpoint_at: float | None = Field(None, ge=0, allow_inf_nan=False)
-    step: int | None = Field(None, ge=0)
+    step: int | None = Field(None, ge=0, le=2**62)
 
 
 class QuoteResponse(BaseModel):

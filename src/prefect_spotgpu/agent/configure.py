@@ -1,0 +1,98 @@
+"""From the operator's options to a runner and a state directory (``spotgpu agent start``).
+
+The agent's key never comes from its command line (every user of the host can read
+``/proc/<pid>/cmdline``): it comes from a file or the ``SPOTGPU_AGENT_TOKEN`` variable, which
+is then removed from the agent's environment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefect_spotgpu.agent.isolation import UID_BASE, JobUsers, unreachable
+from prefect_spotgpu.agent.runners import Runner, get_runner
+
+logger = logging.getLogger("prefect_spotgpu.agent")
+
+TOKEN_ENV = "SPOTGPU_AGENT_TOKEN"
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerOptions:
+    """The runner's options, as ``spotgpu agent start`` takes them."""
+
+    kind: str = "process"
+    checkpoint_root: Path | None = None
+    job_user: str = "auto"
+    job_uid_base: int = UID_BASE
+    pids_limit: int = 4096
+    memory: str | None = None
+
+
+def agent_token(token_file: str | None) -> str | None:
+    """The key from ``token_file``, else from the environment (then removed from it)."""
+    token = os.environ.pop(TOKEN_ENV, None) or None
+    if token_file:
+        path = Path(token_file)
+        try:
+            token = path.read_text().strip() or None
+            if path.stat().st_mode & 0o077:
+                logger.warning("%s is readable by other users: chmod 600 it", path)
+        except OSError as exc:
+            raise ValueError(f"--token-file: {exc}") from None
+    return token
+
+
+def default_state_dir(name: str) -> Path:
+    """``$SPOTGPU_HOME/agent-NAME``; SPOTGPU_HOME is ~/.spotgpu, or /var/lib/spotgpu for
+    root (root's home is usually closed to the job users that must reach their files)."""
+    if os.environ.get("SPOTGPU_HOME"):
+        home = Path(os.environ["SPOTGPU_HOME"])
+    else:
+        home = Path("/var/lib/spotgpu") if os.geteuid() == 0 else Path.home() / ".spotgpu"
+    return home / f"agent-{name}"
+
+
+def build_runner(options: RunnerOptions, state_dir: Path) -> Runner:
+    """The runner, and the state directory ready for it; ValueError names a bad option.
+
+    The checkpoint root defaults to ``<state dir>/checkpoints`` for the docker runner and for
+    isolated process jobs; a process runner without isolation and without a root keeps each
+    job's own checkpoint path (the single-tenant case)."""
+    if options.memory and not re.fullmatch(r"\d+[bkmgBKMG]?", options.memory):
+        raise ValueError(f"--job-memory {options.memory!r}: give a size like 512m or 64g")
+    users = JobUsers(options.job_user, uid_base=options.job_uid_base)
+    docker = options.kind == "docker"
+    if docker and users.for_job(allocation_id=0, tenant_id=0).root:
+        raise ValueError("the docker runner never runs a job as root: --job-user auto or a user")
+    root = options.checkpoint_root
+    if root is None and (docker or users.isolated):
+        root = state_dir / "checkpoints"
+    extra = {"pids_limit": options.pids_limit, "memory": options.memory} if docker else {}
+    runner = get_runner(
+        options.kind,
+        users=users,
+        checkpoint_root=None if root is None else Path(root).absolute(),
+        **extra,
+    )
+    state_dir.mkdir(parents=True, exist_ok=True)
+    if users.isolated:  # job users reach their own directories and list none of ours
+        state_dir.chmod(0o711)
+        for needed in (state_dir, root):
+            if blocked := unreachable(needed):
+                raise ValueError(
+                    f"{needed} is out of reach of job users ({blocked} is not o+x): choose "
+                    "--state-dir and --checkpoint-root elsewhere, e.g. under /var/lib"
+                )
+        if blocked := unreachable(Path(sys.executable)):
+            logger.warning(
+                "jobs that run 'python' get %s, which job users cannot reach (%s is not o+x)",
+                sys.executable,
+                blocked,
+            )
+    return runner

@@ -1,0 +1,121 @@
+"""The agent's credential is its node's token (``sgn_...``), never the owner's tenant key.
+
+An owner key (``sgk_...``) is used once, to register this host as a node — or, when the owner
+already has a node of that name, to find it and ask for a new token (which revokes the old one).
+The node token is then kept in ``<state dir>/node.json`` (mode 0600, written atomically) with
+the market and node it belongs to, and the agent uses nothing else; the owner key is dropped.
+
+The event cursor belongs to the node: it is kept with the node's identity (market, node id) in
+``<state dir>/cursor``, and an agent that finds a cursor of another market or node starts at 0
+(writing ``node.json`` for another node removes it). A stale cursor would skip the new node's
+first events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+NODE_FILE = "node.json"
+CURSOR_FILE = "cursor"
+
+
+class CredentialError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRecord:
+    market: str
+    node_id: int
+    token: str
+
+
+def load_record(state_dir: Path, market: str) -> NodeRecord | None:
+    """The node token this state directory holds for ``market``, if any."""
+    try:
+        record = json.loads((state_dir / NODE_FILE).read_text())
+        if record.get("market") != market:
+            return None
+        return NodeRecord(market, int(record["node_id"]), str(record["token"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_record(state_dir: Path, record: NodeRecord) -> None:
+    """Keep the node token (0600, atomically); a cursor of another node is dropped."""
+    previous = _read_json(state_dir / NODE_FILE)
+    _write_private(state_dir / NODE_FILE, json.dumps(asdict(record)))
+    if (previous.get("market"), previous.get("node_id")) != (record.market, record.node_id):
+        (state_dir / CURSOR_FILE).unlink(missing_ok=True)
+
+
+def load_cursor(state_dir: Path, market: str, node_id: int) -> int:
+    """The node's event cursor, or 0 when the saved one belongs to another market or node
+    (or is an older agent's bare number, whose node is unknown)."""
+    saved = _read_json(state_dir / CURSOR_FILE)
+    if (saved.get("market"), saved.get("node_id")) != (market, node_id):
+        return 0
+    cursor = saved.get("cursor")
+    return cursor if isinstance(cursor, int) and cursor >= 0 else 0
+
+
+def save_cursor(state_dir: Path, market: str, node_id: int, cursor: int) -> None:
+    payload = {"market": market, "node_id": node_id, "cursor": cursor}
+    _write_private(state_dir / CURSOR_FILE, json.dumps(payload))
+
+
+def obtain_node_token(client: httpx.Client, market: str, registration: dict) -> NodeRecord:
+    """Register this host with the owner's ``client``, or, if the owner already has a node of
+    that name, issue that node a new token (the old one stops working)."""
+    response = client.post("/nodes", json=registration)
+    if response.status_code == 201:
+        body = response.json()
+        return NodeRecord(market, body["id"], body["token"])
+    if response.status_code != 409:
+        raise CredentialError(
+            f"registering node {registration['name']!r} failed: "
+            f"{response.status_code} {response.text[:300]}"
+        )
+    listed = client.get("/nodes")
+    if listed.status_code != 200:
+        raise CredentialError(f"listing your nodes failed: {listed.status_code}")
+    named = [n for n in listed.json() if n.get("name") == registration["name"]]
+    if not named:
+        raise CredentialError(f"node {registration['name']!r}: {response.text[:300]}")
+    node_id = named[0]["id"]
+    issued = client.post(f"/nodes/{node_id}/token")
+    if issued.status_code not in (200, 201):
+        raise CredentialError(
+            f"a new token for node {node_id} was refused: {issued.status_code} {issued.text[:300]}"
+        )
+    return NodeRecord(market, node_id, issued.json()["token"])
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` readable by the agent's user only: a new 0600 file, fsynced, renamed."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

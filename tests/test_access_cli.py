@@ -1,0 +1,79 @@
+"""``spotgpu admin`` access commands and ``spotgpu keys``, run as the operator and a tenant
+would, against the real service."""
+
+from __future__ import annotations
+
+import os
+
+from conftest import ADMIN_KEY
+from test_cli import spotgpu
+
+
+def _env(service, **extra) -> dict[str, str]:
+    return {
+        **os.environ,
+        "SPOTGPU_MARKET_URL": service.base_url,
+        "SPOTGPU_ADMIN_KEY": ADMIN_KEY,
+        "COLUMNS": "200",
+        **extra,
+    }
+
+
+def test_the_operator_grants_and_revokes_providers_keys_and_node_tokens(service):
+    env = _env(service)
+    tenant = service.tenant("carol")
+    body = {"name": "n", "gpu_model": "A100-80G", "region": "eu-west", "gpu_count": 1}
+    assert tenant.post("/nodes", json={**body, "reserve_price": 0.9}).status_code == 403
+    out = spotgpu("admin", "grant-provider", "carol", env=env)
+    assert out.returncode == 0 and "carol is now a provider" in out.stdout, out.stderr
+    node = tenant.post("/nodes", json={**body, "reserve_price": 0.9}).json()
+    agent = service.client(node["token"])
+    assert agent.get("/nodes/me").status_code == 200
+    out = spotgpu("admin", "revoke-node", str(node["id"]), env=env)
+    assert out.returncode == 0 and "agent token revoked" in out.stdout, out.stderr
+    assert agent.get("/nodes/me").status_code == 401
+    out = spotgpu("admin", "revoke-provider", "carol", env=env)
+    assert out.returncode == 0 and "no longer a provider" in out.stdout
+    assert (
+        tenant.post("/nodes", json={**body, "name": "m", "reserve_price": 0.9}).status_code == 403
+    )
+    out = spotgpu("admin", "revoke-keys", "carol", env=env)
+    assert out.returncode == 0 and "revoked 1 key(s)" in out.stdout
+    assert tenant.get("/me").status_code == 401
+    out = spotgpu("admin", "issue-key", "carol", env=env)
+    key = out.stdout.split(": ")[-1].strip()
+    assert service.client(key).get("/me").json()["name"] == "carol"
+    out = spotgpu("admin", "grant-provider", "nobody-here", env=env)
+    assert out.returncode == 1 and "no tenant named" in out.stdout
+
+
+def test_a_tenant_rotates_its_key_and_its_nodes_token_from_the_environment(service, tmp_path):
+    tenant = service.tenant()
+    node, agent = service.node(tenant, gpus=1)
+    old = tenant.headers["Authorization"].removeprefix("Bearer ")
+    key_file = tmp_path / "key"
+    out = spotgpu(
+        "keys", "rotate", "--write", str(key_file), env=_env(service, SPOTGPU_API_KEY=old)
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    assert service.client(old).get("/me").status_code == 401
+    out = spotgpu(
+        "keys", "node-token", str(node["id"]), "--api-key-file", str(key_file), env=_env(service)
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    token = out.stdout.split(": ")[-1].strip()
+    assert agent.get("/nodes/me").status_code == 401
+    assert service.client(token).get("/nodes/me").json()["id"] == node["id"]
+    out = spotgpu(
+        "keys", "rotate", env={k: v for k, v in _env(service).items() if k != "SPOTGPU_API_KEY"}
+    )
+    assert out.returncode == 2 and "SPOTGPU_API_KEY" in out.stdout
+
+
+def test_new_secret_key_prints_a_usable_key():
+    from prefect_spotgpu.service.sealing import Sealer
+
+    out = spotgpu("admin", "new-secret-key")
+    assert out.returncode == 0
+    Sealer(out.stdout.strip()).seal({"A": "b"})
