@@ -338,3 +338,77 @@ def test_keys_rotate_and_revoke_at_once(service):
     assert agent.get("/nodes/me").status_code == 401
     # no one rotates another's node token
     assert service.client(issued).post(f"/nodes/{node['id']}/token").status_code == 403
+
+
+def test_a_storage_failure_under_a_notice_the_tenant_caused_is_not_compensated(service):
+    """A second, higher bid of one's own outbids the first; its job then claims the storage
+    failed. The tenant caused that notice: nothing is credited."""
+    alice, provider = service.tenant(credit=100), service.tenant()
+    node, agent, _, alloc = _running(service, alice, provider)
+    time.sleep(1.0)
+    bid(alice, gpu_count=8, max_price=2.0)  # outbids its own first bid
+    notice = wait_event(agent, f"/nodes/{node['id']}/events", "noticed")
+    assert notice["payload"]["reason"] == "outbid"
+    agent.post(
+        f"/allocations/{alloc}/report",
+        json={"epoch": notice["payload"]["epoch"], "outcome": "save_failed", "cause": "storage"},
+    )
+    service.wait_for(lambda: alice_status(alice, alloc) == "preempted")
+    time.sleep(0.5)
+    assert ledger_compensation(alice) == []
+    # and a save_failed on an allocation that has no notice changes nothing
+    running = service.wait_for(
+        lambda: [a for a in alice.get("/allocations", params={"active": True}).json()]
+    )[0]
+    refused = agent.post(
+        f"/allocations/{running['id']}/report",
+        json={"epoch": running["epoch"], "outcome": "save_failed", "cause": "storage"},
+    )
+    assert refused.status_code == 200  # recorded, but the market ignores it
+    time.sleep(0.5)
+    assert alice.get(f"/allocations/{running['id']}").json()["status"] == "running"
+    assert ledger_compensation(alice) == []
+
+
+def test_a_revoked_providers_nodes_never_come_back(db_url, tmp_path):
+    svc = start_service(db_url, tmp_path / "home", heartbeat_timeout_seconds=1.0)
+    try:
+        provider = svc.tenant()
+        node, agent = svc.node(provider, gpus=1)
+        svc.wait_for(lambda: svc.admin.get(f"/nodes/{node['id']}").json()["state"] == "lost")
+        assert (
+            svc.admin.put(
+                f"/tenants/{provider.tenant_id}/provider", json={"provider": False}
+            ).status_code
+            == 200
+        )
+        # its agent comes back with its still-valid token: the node drains, takes no work
+        assert agent.post(f"/nodes/{node['id']}/heartbeat", json={}).json()["state"] == "draining"
+        refused = provider.patch(f"/nodes/{node['id']}", json={"state": "live"})
+        assert refused.status_code == 403
+        assert (
+            provider.patch(f"/nodes/{node['id']}", json={"reserve_price": 0.5}).status_code == 403
+        )
+        # it may still take its node out, and kill its agent's token
+        assert (
+            provider.patch(f"/nodes/{node['id']}", json={"state": "reclaimed"}).status_code == 200
+        )
+        assert provider.post(f"/nodes/{node['id']}/token/revoke").status_code == 200
+        assert agent.get("/nodes/me").status_code == 401
+        assert provider.post(f"/nodes/{node['id']}/token").status_code == 403  # no new one
+    finally:
+        svc.stop()
+
+
+def test_a_replica_with_another_secret_key_refuses_to_start(db_url, tmp_path):
+    svc = start_service(db_url, tmp_path / "a")
+    try:
+        bid(svc.tenant(), job=job(A=SECRET))
+    finally:
+        svc.stop()
+    try:
+        start_service(db_url, tmp_path / "b")  # a home of its own: a key of its own
+    except RuntimeError as exc:
+        assert "SPOTGPU_SECRET_KEY" in str(exc)
+    else:
+        raise AssertionError("a replica with another key started")

@@ -156,6 +156,7 @@ def rotate(
         return
     fd = os.open(write, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:
+        os.fchmod(out.fileno(), 0o600)  # also when the file existed with a wider mode
         out.write(key + "\n")
     console.print(f"new API key written to {write}; the old one no longer works")
 

@@ -201,7 +201,10 @@ class Agent:
                         logger.exception("handling event %s failed", event.get("id"))
                 if body["cursor"] != self.cursor:
                     self.cursor = body["cursor"]
-                    save_cursor(self.state_dir, self.market, self.node_id, self.cursor)
+                    try:
+                        save_cursor(self.state_dir, self.market, self.node_id, self.cursor)
+                    except OSError as exc:  # e.g. a full disk: keep serving, retry next page
+                        logger.error("could not save the event cursor: %s", exc)
         finally:
             self.stop_event.set()
 
@@ -217,6 +220,14 @@ class Agent:
         response = self.client.post(
             f"/nodes/{self.node_id}/heartbeat", json={"telemetry": telemetry}
         )
+        if response.status_code == 422 and "gpus" in telemetry:  # a reading out of schema:
+            logger.warning(
+                "GPU telemetry refused (%s); heartbeat sent without it", response.text[:200]
+            )
+            del telemetry["gpus"]  # the node must not look lost over it
+            response = self.client.post(
+                f"/nodes/{self.node_id}/heartbeat", json={"telemetry": telemetry}
+            )
         if response.status_code != 200:
             logger.warning("heartbeat refused: %s %s", response.status_code, response.text[:200])
 
@@ -362,7 +373,7 @@ class Agent:
                 "allocation %s: no final save (cause: %s%s); reported (%s)",
                 alloc_id,
                 body["cause"],
-                f", {ack.get('error')}" if ack and ack.get("error") else "",
+                f", {str(ack.get('error'))[:200]!r}" if ack and ack.get("error") else "",
                 response.status_code,
             )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pwd
 import re
 import sys
 from dataclasses import dataclass
@@ -35,7 +36,9 @@ class RunnerOptions:
 
 
 def agent_token(token_file: str | None) -> str | None:
-    """The key from ``token_file``, else from the environment (then removed from it)."""
+    """The key from ``token_file``, else from the environment (then removed from this
+    process's ``os.environ``; ``/proc/<pid>/environ`` still shows the value it started with,
+    which only root and the agent's own user can read — never an isolated job)."""
     token = os.environ.pop(TOKEN_ENV, None) or None
     if token_file:
         path = Path(token_file)
@@ -68,6 +71,14 @@ def build_runner(options: RunnerOptions, state_dir: Path) -> Runner:
         raise ValueError(f"--job-memory {options.memory!r}: give a size like 512m or 64g")
     users = JobUsers(options.job_user, uid_base=options.job_uid_base)
     docker = options.kind == "docker"
+    if not docker and not users.isolated and options.job_user == "auto":
+        raise ValueError(
+            "the process runner is not running as root, so its jobs would run as this agent's "
+            "own user and could read its node token, and through it every job's secrets on "
+            "this node. Run the agent as root (each job gets a uid of its own), use --runner "
+            "docker, or accept that on a single-tenant node with --job-user set to this user "
+            f"({pwd.getpwuid(os.geteuid()).pw_name})"
+        )
     if docker and users.for_job(allocation_id=0, tenant_id=0).root:
         raise ValueError("the docker runner never runs a job as root: --job-user auto or a user")
     root = options.checkpoint_root

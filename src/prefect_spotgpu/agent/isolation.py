@@ -256,7 +256,7 @@ def write_job_file(path: Path, text: str, mode: int = 0o644) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        os.chmod(tmp, mode)
+            os.fchmod(f.fileno(), mode)  # by descriptor: the job may swap ``tmp`` for a link
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -285,6 +285,20 @@ def open_job_log(path: Path) -> int:
 
 
 # ---------------------------------------------------------------- finding a job's processes
+
+
+def uids_in_use() -> set[int]:
+    """The real uids of every live process on the host."""
+    uids = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            for line in Path(entry.path, "status").read_text().splitlines():
+                if line.startswith("Uid:"):
+                    uids.add(int(line.split()[1]))
+                    break
+    return uids
 
 
 def job_processes(user: JobUser, allocation_id: int) -> list[int]:

@@ -37,6 +37,7 @@ from prefect_spotgpu.agent.isolation import (
     prepare_job_dirs,
     retire_workdir,
     tenant_checkpoint_dir,
+    uids_in_use,
     write_job_file,
 )
 from prefect_spotgpu.checkpoint.checkpointer import ACK_FILE_ENV, NOTICE_FILE_ENV, SAVED_FILE_ENV
@@ -194,6 +195,10 @@ class ProcessRunner:
 
     def start(self, request: JobRequest) -> JobHandle:
         user = self.users.for_job(allocation_id=request.allocation_id, tenant_id=request.tenant_id)
+        if user.dedicated and user.uid in uids_in_use():
+            # a live job of an allocation id equal modulo the range: never share a uid (the
+            # agent reports this allocation failed; the market places the bid again)
+            raise ValueError(f"job uid {user.uid} is in use by another process")
         host_dir, url = checkpoint_location(request, self.checkpoint_root)
         prepare_job_dirs(request.workdir, host_dir, user, chown=self.users.isolated)
         for stale in (request.notice_file, request.ack_file, request.saved_file):
@@ -308,6 +313,9 @@ class DockerRunner:
             "PREFECT_HOME": "/spotgpu/.prefect",
             **request.env,
             **request.job_variables(workdir="/spotgpu", checkpoint_url=url),
+            # last: neither the bid nor the image's ENV widens the GPUs the device request
+            # gives (the NVIDIA toolkit may honour this variable in unprivileged containers)
+            "NVIDIA_VISIBLE_DEVICES": ",".join(str(i) for i in request.gpu_indices),
         }
         if not url:  # no checkpoint storage: none the job's own variables may name either
             env.pop(CHECKPOINT_URL_ENV, None)

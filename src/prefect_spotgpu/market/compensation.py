@@ -3,8 +3,11 @@
 The rule (DESIGN §1, §7), as a function of plain data:
 
 - only a loss the **platform** caused is compensated: a node lost without notice, or a final
-  save that failed for a reason the job reports as the storage's. A job that crashed, ignored
-  its notice or ran past the deadline is its own loss;
+  save that failed for a reason the job reports as the storage's, under a notice the node's
+  owner caused by reclaiming it. A job that crashed, ignored its notice or ran past the
+  deadline is its own loss; so is a failed save under any other notice (outbid, below reserve,
+  window closing), because the tenant can cause those itself — a second, higher bid of its
+  own, a lowered price, a window — and the job writes its own storage report;
 - the amount is what the tenant **actually paid** for that allocation since its last durable
   checkpoint (``paid_total - paid_at_checkpoint``), never more — so no price move, reserve
   change or missing checkpoint report can turn a reclaim into a profit;
@@ -22,6 +25,13 @@ crashed, is credited nothing::
     True
     >>> compensation(Loss(LossCause.JOB, paid_total=0.5)) is None
     True
+
+A failed save in storage is compensated under an owner's reclaim only::
+
+    >>> compensation(Loss(LossCause.STORAGE, paid_total=0.5, reclaimed=True)).amount
+    0.5
+    >>> compensation(Loss(LossCause.STORAGE, paid_total=0.5, reclaimed=False)) is None
+    True
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ from enum import StrEnum
 
 class LossCause(StrEnum):
     NODE_LOST = "node_lost"  # heartbeats stopped: no notice, no final save (the platform's)
-    STORAGE = "storage"  # the final save failed writing to storage (the platform's)
+    STORAGE = "storage"  # the final save failed writing to storage (the platform's, if reclaimed)
     JOB = "job"  # the job exited during its notice without saving (the tenant's)
     DEADLINE = "deadline"  # the job was still running, unsaved, at the deadline (the tenant's)
 
@@ -54,6 +64,7 @@ class Loss:
     paid_at_checkpoint: float = 0.0  # what it had paid at its last durable checkpoint
     own_node: bool = False  # the bid's tenant owns the node
     already_compensated: bool = False
+    reclaimed: bool = False  # the notice (if any) was the owner's reclaim
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +77,8 @@ def compensation(loss: Loss) -> Compensation | None:
     """The credit this loss earns, or None."""
     if loss.already_compensated or loss.own_node or not loss.cause.platforms_fault():
         return None
+    if loss.cause is LossCause.STORAGE and not loss.reclaimed:
+        return None  # a notice the tenant may have caused itself
     amount = loss.paid_total - max(0.0, min(loss.paid_at_checkpoint, loss.paid_total))
     if not math.isfinite(amount) or amount <= 0:
         return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import threading
 import time
@@ -31,7 +32,7 @@ from prefect_spotgpu.service.deps import (
 from prefect_spotgpu.service.errors import Forbidden, Invalid, ServiceError
 from prefect_spotgpu.service.models import AllocationRow, BidRow, NodeRow, PoolQuoteRow, Tenant
 from prefect_spotgpu.service.roles import authorize, check_route_table
-from prefect_spotgpu.service.sealing import Sealer
+from prefect_spotgpu.service.sealing import Sealer, SealError
 from prefect_spotgpu.service.settings import ServiceSettings
 from prefect_spotgpu.service.ticker import Notifier, Ticker
 from prefect_spotgpu.service.webhooks import WebhookSender
@@ -41,6 +42,7 @@ Cursor = Annotated[int, Query(ge=0, le=2**62, description="Events after this id.
 Wait = Annotated[float, Query(ge=0, le=60, description="Seconds to wait for an event.")]
 
 router = APIRouter(prefix="/api/v1")
+logger = logging.getLogger("prefect_spotgpu.service")
 
 
 def _now() -> datetime:
@@ -188,7 +190,11 @@ def update_node(node_id: Id, data: schemas.NodeUpdate, caller: TenantOrAdmin, db
     with db.begin() as session:
         owner = None if caller.admin else caller.tenant_id
         node = crud.get_node(session=session, node_id=node_id, owner_id=owner)
-        return _node_response(crud.update_node(session=session, node=node, data=data))
+        return _node_response(
+            crud.update_node(
+                session=session, node=node, data=data, provider=caller.admin or caller.provider
+            )
+        )
 
 
 @router.post(
@@ -236,9 +242,7 @@ def node_allocations(node_id: Id, caller_node: CurrentNode, db: Db, request: Req
             schemas.Assignment(
                 **_alloc_response(a).model_dump(),
                 tenant_id=a.tenant_id,
-                job=crud.job_for_node(bid=bids[a.bid_id], sealer=sealer)
-                if a.status in RUNS_A_JOB
-                else None,
+                job=_job(bids[a.bid_id], sealer) if a.status in RUNS_A_JOB else None,
                 checkpoint_key=f"bid-{a.bid_id}",
             )
             for a in allocations
@@ -246,6 +250,16 @@ def node_allocations(node_id: Id, caller_node: CurrentNode, db: Db, request: Req
 
 
 RUNS_A_JOB = frozenset({AllocationStatus.RUNNING.value, AllocationStatus.NOTICED.value})
+
+
+def _job(bid: BidRow, sealer: Sealer) -> dict | None:
+    """The bid's job for its node; one that cannot be opened is logged and left out (the
+    agent then reports the allocation failed), never a 500 for the node's every job."""
+    try:
+        return crud.job_for_node(bid=bid, sealer=sealer)
+    except SealError:
+        logger.error("bid %s: its sealed job environment does not open with this key", bid.id)
+        return None
 
 
 @router.get(
@@ -722,6 +736,13 @@ def create_app(
 
     migrate(engine)
     with sessions.begin() as session:
+        try:
+            crud.check_sealing_key(session=session, sealer=sealer)
+        except SealError:
+            raise RuntimeError(
+                "this replica's secret key does not open the job environments this market "
+                "has sealed: give every replica the same SPOTGPU_SECRET_KEY"
+            ) from None
         crud.seal_plaintext_jobs(session=session, sealer=sealer)
     app = FastAPI(
         dependencies=[Depends(authorize)],  # every route's roles: service/roles.py

@@ -99,7 +99,9 @@ def issue_key(*, session: Session, tenant_id: int, now: datetime) -> str:
 
 
 def revoke_keys(*, session: Session, tenant_id: int, now: datetime) -> int:
-    """Revoke every live key of the tenant; how many were revoked."""
+    """Revoke every live key of the tenant; how many were revoked. The tenant's row is
+    locked first, so two concurrent rotations leave exactly one live key."""
+    session.get(Tenant, tenant_id, with_for_update=True)
     return session.execute(
         update(ApiKey)
         .where(ApiKey.tenant_id == tenant_id, ApiKey.revoked_at.is_(None))
@@ -235,12 +237,22 @@ def heartbeat_node(
     if telemetry is not None:
         node.telemetry = telemetry
     if node.state == "lost":  # the agent is back: it offers its GPUs again, empty
-        node.state = "live"
+        owner = session.get(Tenant, node.owner_id)
+        # ... unless its owner is no longer a provider: then it takes no new work
+        node.state = "live" if owner is not None and owner.provider else "draining"
         record_change(session=session, entity="node", entity_id=node.id, op="upsert")
     return node
 
 
-def update_node(*, session: Session, node: NodeRow, data: schemas.NodeUpdate) -> NodeRow:
+def update_node(
+    *, session: Session, node: NodeRow, data: schemas.NodeUpdate, provider: bool = True
+) -> NodeRow:
+    """Change a node's reserve or state. A former provider (``provider`` False) may still
+    drain or reclaim its nodes, never offer them again or reprice them."""
+    if not provider and (data.reserve_price is not None or data.state == "live"):
+        raise Forbidden(
+            "only a provider may offer a node or set its reserve: the operator grants that role"
+        )
     if data.reserve_price is not None and node.capacity == "on_demand":
         raise Conflict(
             f"node {node.id} sells on-demand capacity at the on-demand price: "
@@ -331,7 +343,10 @@ def job_for_node(*, bid: BidRow, sealer: Sealer) -> dict | None:
     if bid.job is None:
         return None
     job = {k: v for k, v in bid.job.items() if k != "env_names"}
-    job["env"] = sealer.open(bid.job_env_sealed) if bid.job_env_sealed else {}
+    if bid.job_env_sealed:
+        job["env"] = sealer.open(bid.job_env_sealed)
+    else:  # written in the clear by a replica that predates sealing (until it is sealed)
+        job["env"] = dict(bid.job.get("env") or {})
     return job
 
 
@@ -339,7 +354,8 @@ def seal_plaintext_jobs(*, session: Session, sealer: Sealer) -> int:
     """Seal the job environments written in the clear before sealing existed (once, at
     start); how many bids were sealed."""
     sealed = 0
-    for bid in session.scalars(select(BidRow).where(BidRow.job.is_not(None))):
+    unsealed = select(BidRow).where(BidRow.job.is_not(None), BidRow.job_env_sealed.is_(None))
+    for bid in session.scalars(unsealed.execution_options(yield_per=1000)):
         if "env" in (bid.job or {}):
             job = dict(bid.job)
             env = job.pop("env") or {}
@@ -591,3 +607,16 @@ def list_deliveries(*, session: Session, tenant_id: int, limit: int = 200) -> li
             .limit(limit)
         )
     )
+
+
+def check_sealing_key(*, session: Session, sealer: Sealer) -> None:
+    """Refuse a key that cannot open what this market has sealed (a replica started with a
+    home of its own, hence a key of its own, beside replicas that share one)."""
+    sample = session.scalar(
+        select(BidRow.job_env_sealed)
+        .where(BidRow.job_env_sealed.is_not(None))
+        .order_by(BidRow.id.desc())
+        .limit(1)
+    )
+    if sample is not None:
+        sealer.open(sample)  # SealError: the wrong key

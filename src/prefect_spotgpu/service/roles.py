@@ -50,7 +50,7 @@ ROUTE_ROLES: dict[tuple[str, str], frozenset[Role]] = {
         ("PUT", f"{API}/tenants/{{tenant_id}}/provider"): {A},
         ("POST", f"{API}/tenants/{{tenant_id}}/keys"): {A},
         ("POST", f"{API}/tenants/{{tenant_id}}/keys/revoke"): {A},
-        ("POST", f"{API}/nodes/{{node_id}}/token/revoke"): {V, A},
+        ("POST", f"{API}/nodes/{{node_id}}/token/revoke"): {T, A},  # its owner, even former
         # a tenant: itself, its bids, allocations, ledger and webhook
         ("GET", f"{API}/me"): {T},
         ("POST", f"{API}/me/key"): {T},
@@ -72,7 +72,7 @@ ROUTE_ROLES: dict[tuple[str, str], frozenset[Role]] = {
         ("POST", f"{API}/nodes"): {V},
         ("GET", f"{API}/nodes"): {T, A},
         ("GET", f"{API}/nodes/{{node_id}}"): {T, A},
-        ("PATCH", f"{API}/nodes/{{node_id}}"): {V, A},
+        ("PATCH", f"{API}/nodes/{{node_id}}"): {T, A},  # a former provider still drains
         ("POST", f"{API}/nodes/{{node_id}}/token"): {V},
         # a node's agent: only its own node and allocations
         ("GET", f"{API}/nodes/me"): {N},

@@ -450,15 +450,19 @@ class Ticker:
         data = change.data or {}
         at = min(float(data.get("at", now)), now)
         checkpoint_at = data.get("checkpoint_at")
-        if change.op in ("checkpoint", "saved") and checkpoint_at is not None:
-            alloc.last_checkpoint_at = max(alloc.last_checkpoint_at or 0.0, checkpoint_at)
+        if (
+            change.op in ("checkpoint", "saved")
+            and checkpoint_at is not None
+            and checkpoint_at > (alloc.last_checkpoint_at or 0.0)
+        ):  # a newer durable checkpoint: what was paid up to now is no longer at risk
+            alloc.last_checkpoint_at = checkpoint_at
             alloc.paid_at_checkpoint = writes.paid(alloc)
         if change.op == "saved" and status is S.NOTICED:
             writes.settlement(
                 self.market.end_allocation(alloc.id, S.PREEMPTED, at),
                 reason="final save acknowledged",
             )
-        elif change.op == "save_failed" and status in (S.RUNNING, S.NOTICED):
+        elif change.op == "save_failed" and status is S.NOTICED:
             cause = LossCause(data.get("cause") or LossCause.JOB)
             in_time = alloc.deadline is None or at <= alloc.deadline
             writes.settlement(
@@ -466,7 +470,7 @@ class Ticker:
                 reason=f"final save failed ({cause.value})",
             )
             if cause is LossCause.STORAGE and in_time:
-                writes.compensate(alloc, cause)
+                writes.compensate(alloc, cause, reclaimed=alloc.notice_reason == "reclaimed")
         elif change.op == "finished" and status in (S.RUNNING, S.NOTICED):
             writes.settlement(
                 self.market.end_allocation(alloc.id, S.FINISHED, at),
@@ -924,7 +928,7 @@ class _Writes:
                     self.session.get(AllocationRow, e.allocation_id), LossCause.NODE_LOST
                 )
 
-    def compensate(self, alloc: AllocationRow, cause: LossCause) -> None:
+    def compensate(self, alloc: AllocationRow, cause: LossCause, reclaimed: bool = False) -> None:
         """Credit what the allocation paid since its last durable checkpoint, when the loss
         was the platform's (``market.compensation`` decides; this writes it, once)."""
         node = self.session.get(NodeRow, alloc.node_id)
@@ -940,6 +944,7 @@ class _Writes:
                 paid_at_checkpoint=alloc.paid_at_checkpoint,
                 own_node=node is not None and node.owner_id == alloc.tenant_id,
                 already_compensated=already is not None,
+                reclaimed=reclaimed,
             )
         )
         if decided is None:

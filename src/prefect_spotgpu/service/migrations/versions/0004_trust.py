@@ -37,6 +37,11 @@ def upgrade() -> None:
         "allocations",
         sa.Column("paid_at_checkpoint", sa.Float(), nullable=False, server_default="0"),
     )
+    # allocations that already reported a checkpoint: what they paid so far is not at risk
+    op.execute(
+        "UPDATE allocations SET paid_at_checkpoint = charged_amount "
+        "WHERE last_checkpoint_at IS NOT NULL"
+    )
     op.create_table(
         "node_reports",
         sa.Column("id", BIG_ID, nullable=False),
