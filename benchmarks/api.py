@@ -99,7 +99,21 @@ def new_database(kind: str, home: Path):
     return fresh_postgres_schema(POSTGRES)
 
 
-def bench_create(kind: str, seconds: float, clients: int) -> dict:
+JOB = {  # what the spot-gpu worker sends: the engine's command and its environment, sealed
+    "command": ["python", "-m", "prefect_spotgpu.launch"],
+    "env": {
+        "PREFECT_API_URL": "http://prefect:4200/api",
+        "PREFECT_API_KEY": "pnu_" + "x" * 36,
+        "PREFECT__FLOW_RUN_ID": str(uuid.uuid4()),
+        "SPOTGPU_CHECKPOINT_URL": "s3://bucket/checkpoints",
+        "AWS_ACCESS_KEY_ID": "AKIA" + "X" * 16,
+        "AWS_SECRET_ACCESS_KEY": "s" * 40,
+        **{f"EXTRA_{i}": "v" * 64 for i in range(24)},  # about 2 KB in all
+    },
+}
+
+
+def bench_create(kind: str, seconds: float, clients: int, job: dict | None = None) -> dict:
     home = Path(tempfile.mkdtemp())
     url, drop = new_database(kind, home)
     proc, base = start(url, home)
@@ -125,6 +139,8 @@ def bench_create(kind: str, seconds: float, clients: int) -> dict:
                         "max_price": round(float(rng.uniform(0.9, 2.1)), 2),
                         "idempotency_key": uuid.uuid4().hex,
                     }
+                    if job is not None:
+                        body["job"] = job
                     t0 = time.perf_counter()
                     response = c.post("/bids", json=body)
                     local.append(time.perf_counter() - t0)
@@ -303,20 +319,19 @@ def profile(kind: str) -> dict:
             # the route's own work, in this thread: auth lookup, validation, insert, commit
             from fastapi import Response
 
-            from prefect_spotgpu.service import api, crud, schemas
+            from prefect_spotgpu.service import api, roles, schemas
 
             sessions = app.state.sessions
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(300):
-                with sessions.begin() as session:
-                    tenant = crud.tenant_for_key(session=session, key=key["api_key"])
+                tenant_id = roles._lookup(app.state.engine, key["api_key"]).tenant_id
                 data = schemas.BidCreate.model_validate(
                     {"gpu_model": "A100-80G", "gpu_count": 2, "max_price": 1.5}
                 )
                 api.create_bid(
                     data=data,
-                    tenant_id=tenant.id,
+                    tenant_id=tenant_id,
                     db=sessions,
                     response=Response(),
                     request=SimpleNamespace(app=app),
@@ -357,6 +372,12 @@ def main() -> None:
     for kind in ("sqlite", "postgresql"):
         out["create"][kind] = bench_create(kind, args.seconds, args.clients)
         print(json.dumps({kind: out["create"][kind]}), file=sys.stderr)
+        with_job = bench_create(kind, args.seconds, args.clients, job=JOB)
+        with_job["vs_plain"] = round(
+            with_job["bids_per_second"] / out["create"][kind]["bids_per_second"], 3
+        )
+        out["create"][f"{kind}_with_sealed_job"] = with_job
+        print(json.dumps({f"{kind}_with_sealed_job": with_job}), file=sys.stderr)
         out["tick"][kind] = []
         for bids in (int(b) for b in args.books.split(",")):
             out["tick"][kind].append(bench_tick(kind, bids))

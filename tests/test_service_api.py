@@ -59,7 +59,7 @@ def test_a_tenant_sees_only_its_own_bids_and_nodes(service):
     assert [x["id"] for x in bob.get("/bids").json()] == []
     node, _ = service.node(alice)
     assert bob.get(f"/nodes/{node['id']}").status_code == 404
-    assert bob.patch(f"/nodes/{node['id']}", json={"state": "reclaimed"}).status_code == 403
+    assert bob.patch(f"/nodes/{node['id']}", json={"state": "reclaimed"}).status_code == 404
     service.grant_provider(bob)  # a provider, but not this node's
     assert bob.patch(f"/nodes/{node['id']}", json={"state": "reclaimed"}).status_code == 404
     assert service.admin.get(f"/nodes/{node['id']}").status_code == 200

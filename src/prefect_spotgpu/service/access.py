@@ -42,13 +42,7 @@ def set_provider(tenant_id: Id, data: schemas.ProviderUpdate, _: Authorized, db:
     with db.begin() as session:
         tenant = crud.get_tenant(session=session, tenant_id=tenant_id)
         crud.set_provider(session=session, tenant=tenant, provider=data.provider)
-        return {
-            "id": tenant.id,
-            "name": tenant.name,
-            "balance": tenant.credits - tenant.spent,
-            "provider": tenant.provider,
-            "created_at": tenant.created_at,
-        }
+        return schemas.tenant_response(tenant)
 
 
 @router.post(
@@ -60,8 +54,7 @@ def set_provider(tenant_id: Id, data: schemas.ProviderUpdate, _: Authorized, db:
 )
 def rotate_key(tenant_id: CurrentTenant, db: Db):
     with db.begin() as session:
-        crud.revoke_keys(session=session, tenant_id=tenant_id, now=_now())
-        return {"api_key": crud.issue_key(session=session, tenant_id=tenant_id, now=_now())}
+        return {"api_key": crud.replace_keys(session=session, tenant_id=tenant_id, now=_now())}
 
 
 @router.post(
@@ -74,8 +67,7 @@ def rotate_key(tenant_id: CurrentTenant, db: Db):
 def issue_key(tenant_id: Id, _: Authorized, db: Db):
     with db.begin() as session:
         crud.get_tenant(session=session, tenant_id=tenant_id)
-        crud.revoke_keys(session=session, tenant_id=tenant_id, now=_now())
-        return {"api_key": crud.issue_key(session=session, tenant_id=tenant_id, now=_now())}
+        return {"api_key": crud.replace_keys(session=session, tenant_id=tenant_id, now=_now())}
 
 
 @router.post(

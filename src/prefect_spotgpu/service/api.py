@@ -49,16 +49,6 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
-def _tenant_response(tenant: Tenant) -> dict:
-    return {
-        "id": tenant.id,
-        "name": tenant.name,
-        "balance": tenant.credits - tenant.spent,
-        "provider": tenant.provider,
-        "created_at": tenant.created_at,
-    }
-
-
 def _bid_response(bid: BidRow) -> schemas.BidResponse:
     return schemas.BidResponse.model_validate(bid, from_attributes=True)
 
@@ -91,7 +81,7 @@ def create_tenant(data: schemas.TenantCreate, _: AdminOnly, db: Db, request: Req
         )
         session.flush()
         session.refresh(tenant)
-        return {**_tenant_response(tenant), "api_key": key}
+        return {**schemas.tenant_response(tenant), "api_key": key}
 
 
 @router.get(
@@ -102,7 +92,9 @@ def create_tenant(data: schemas.TenantCreate, _: AdminOnly, db: Db, request: Req
 )
 def list_tenants(_: AdminOnly, db: Db):
     with db.begin() as session:
-        return [_tenant_response(t) for t in session.scalars(select(Tenant).order_by(Tenant.id))]
+        return [
+            schemas.tenant_response(t) for t in session.scalars(select(Tenant).order_by(Tenant.id))
+        ]
 
 
 @router.post(
@@ -131,7 +123,7 @@ def credit_tenant(tenant_id: Id, data: schemas.CreditCreate, _: AdminOnly, db: D
 )
 def me(tenant_id: CurrentTenant, db: Db):
     with db.begin() as session:
-        return _tenant_response(crud.get_tenant(session=session, tenant_id=tenant_id))
+        return schemas.tenant_response(crud.get_tenant(session=session, tenant_id=tenant_id))
 
 
 # ---------------------------------------------------------------- nodes

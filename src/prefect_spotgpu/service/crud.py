@@ -81,14 +81,6 @@ def create_tenant(
     return tenant, key
 
 
-def tenant_for_key(*, session: Session, key: str) -> Tenant | None:
-    return session.scalar(
-        select(Tenant)
-        .join(ApiKey, ApiKey.tenant_id == Tenant.id)
-        .where(ApiKey.key_hash == hash_secret(key), ApiKey.revoked_at.is_(None))
-    )
-
-
 def issue_key(*, session: Session, tenant_id: int, now: datetime) -> str:
     """A new API key for the tenant (only its hash is kept); returns the key, shown once."""
     key = new_secret("sgk")
@@ -108,6 +100,12 @@ def revoke_keys(*, session: Session, tenant_id: int, now: datetime) -> int:
         .values(revoked_at=now)
         .execution_options(synchronize_session=False)
     ).rowcount
+
+
+def replace_keys(*, session: Session, tenant_id: int, now: datetime) -> str:
+    """Revoke every key of the tenant and issue one new key (returned, shown once)."""
+    revoke_keys(session=session, tenant_id=tenant_id, now=now)
+    return issue_key(session=session, tenant_id=tenant_id, now=now)
 
 
 def set_provider(*, session: Session, tenant: Tenant, provider: bool) -> Tenant:
@@ -197,10 +195,6 @@ def register_node(
         raise Conflict(f"you already have a node named {data.name!r}", field="name") from None
     record_change(session=session, entity="node", entity_id=node.id, op="upsert")
     return node, token
-
-
-def node_for_token(*, session: Session, token: str) -> NodeRow | None:
-    return session.scalar(select(NodeRow).where(NodeRow.token_hash == hash_secret(token)))
 
 
 def rotate_node_token(*, session: Session, node: NodeRow) -> str:

@@ -33,6 +33,8 @@ def make_engine(url: str) -> Engine:
 
         @event.listens_for(engine, "begin")
         def _begin_immediate(connection):  # pragma: no cover - trivial
+            if connection.get_execution_options().get("isolation_level") == "AUTOCOMMIT":
+                return  # a single read (an auth look-up): no transaction, no write lock
             connection.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine

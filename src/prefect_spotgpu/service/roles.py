@@ -24,9 +24,11 @@ from enum import StrEnum
 from fastapi import FastAPI, Request
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPBearer
+from sqlalchemy import Engine, select
 
 from prefect_spotgpu.service import crud
 from prefect_spotgpu.service.errors import Forbidden, Unauthorized
+from prefect_spotgpu.service.models import ApiKey, NodeRow, Tenant
 
 
 class Role(StrEnum):
@@ -153,19 +155,27 @@ async def _identify(request: Request, key: str) -> Caller:
 
     if hmac.compare_digest(key.encode(), request.app.state.admin_key.encode()):
         return Caller(admin=True)
-    return await run_in_threadpool(_lookup, request.app.state.sessions, key)
+    return await run_in_threadpool(_lookup, request.app.state.engine, key)
 
 
-def _lookup(sessions, key: str) -> Caller:
-    with sessions.begin() as session:
+def _lookup(engine: Engine, key: str) -> Caller:
+    """One indexed read outside any transaction (no write lock on SQLite, one round trip on
+    PostgreSQL): the node of a token, or the tenant of a live key."""
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
         if key.startswith("sgn_"):
-            node = crud.node_for_token(session=session, token=key)
-            if node is not None:
-                return Caller(node_id=node.id)
+            node_id = connection.scalar(
+                select(NodeRow.id).where(NodeRow.token_hash == crud.hash_secret(key))
+            )
+            if node_id is not None:
+                return Caller(node_id=node_id)
         else:
-            tenant = crud.tenant_for_key(session=session, key=key)
+            tenant = connection.execute(
+                select(Tenant.id, Tenant.provider)
+                .join(ApiKey, ApiKey.tenant_id == Tenant.id)
+                .where(ApiKey.key_hash == crud.hash_secret(key), ApiKey.revoked_at.is_(None))
+            ).first()
             if tenant is not None:
-                return Caller(tenant_id=tenant.id, provider=tenant.provider)
+                return Caller(tenant_id=tenant.id, provider=bool(tenant.provider))
     raise Unauthorized("unknown or revoked API key or token")
 
 

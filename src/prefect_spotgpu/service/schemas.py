@@ -93,6 +93,17 @@ class TenantResponse(BaseModel):
     created_at: datetime
 
 
+def tenant_response(tenant) -> dict:
+    """A tenant row as ``TenantResponse``'s fields (its balance computed)."""
+    return {
+        "id": tenant.id,
+        "name": tenant.name,
+        "balance": tenant.credits - tenant.spent,
+        "provider": tenant.provider,
+        "created_at": tenant.created_at,
+    }
+
+
 class ProviderUpdate(Strict):
     provider: bool = Field(description="true: the tenant may register nodes; false: no more.")
 
