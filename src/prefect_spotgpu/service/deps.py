@@ -1,7 +1,8 @@
 """FastAPI dependencies: the database, and who is calling (tenant, node agent or admin).
 
 Authentication and the route's roles are checked once, by ``roles.authorize`` (an app-wide
-dependency); these aliases only hand the route the caller it already admitted.
+dependency); these aliases only hand the route the caller it already admitted. They do no I/O,
+so they are ``async``: FastAPI runs a plain ``def`` dependency in its thread pool, a hop each.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from prefect_spotgpu.service.errors import Forbidden
 from prefect_spotgpu.service.roles import Caller, authorize
 
 
-def get_sessions(request: Request) -> sessionmaker[Session]:
+async def get_sessions(request: Request) -> sessionmaker[Session]:
     return request.app.state.sessions
 
 
@@ -23,13 +24,13 @@ Db = Annotated[sessionmaker[Session], Depends(get_sessions)]
 Authorized = Annotated[Caller, Depends(authorize)]
 
 
-def current_tenant(caller: Authorized) -> int:
+async def current_tenant(caller: Authorized) -> int:
     if caller.tenant_id is None:  # the route table admits only tenants here
         raise Forbidden("this needs a tenant API key")
     return caller.tenant_id
 
 
-def current_node(caller: Authorized) -> int:
+async def current_node(caller: Authorized) -> int:
     if caller.node_id is None:
         raise Forbidden("this needs a node agent token")
     return caller.node_id

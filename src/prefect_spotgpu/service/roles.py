@@ -20,10 +20,11 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.routing import APIRoute
-from fastapi.security import HTTPBearer
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import Engine, select
 
 from prefect_spotgpu.service import crud
@@ -136,26 +137,28 @@ def route_roles(request: Request) -> frozenset[Role]:
     return roles
 
 
-async def authorize(request: Request) -> Caller:
-    """The app-wide dependency: the caller, if the route's roles admit it; else 401/403."""
+def authorize(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+) -> Caller:
+    """The app-wide dependency: the caller, if the route's roles admit it; else 401/403.
+
+    A plain ``def``: FastAPI runs it in its thread pool, where the key's look-up may block."""
     roles = route_roles(request)
     if Role.PUBLIC in roles:
         return ANONYMOUS
-    credentials = await bearer(request)
     if credentials is None or not credentials.credentials:
         raise Unauthorized("missing credentials: send 'Authorization: Bearer <key>'")
-    caller = await _identify(request, credentials.credentials)
+    caller = _identify(request, credentials.credentials)
     if not caller.roles & roles:
         raise Forbidden(f"this needs {_describe(roles)}")
     return caller
 
 
-async def _identify(request: Request, key: str) -> Caller:
-    from fastapi.concurrency import run_in_threadpool
-
+def _identify(request: Request, key: str) -> Caller:
     if hmac.compare_digest(key.encode(), request.app.state.admin_key.encode()):
         return Caller(admin=True)
-    return await run_in_threadpool(_lookup, request.app.state.engine, key)
+    return _lookup(request.app.state.engine, key)
 
 
 def _lookup(engine: Engine, key: str) -> Caller:
