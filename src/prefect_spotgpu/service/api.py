@@ -30,6 +30,7 @@ from prefect_spotgpu.service.deps import (
     TenantOrAdmin,
 )
 from prefect_spotgpu.service.errors import Forbidden, Invalid, ServiceError
+from prefect_spotgpu.service.limits import BodyLimit
 from prefect_spotgpu.service.models import AllocationRow, BidRow, NodeRow, PoolQuoteRow, Tenant
 from prefect_spotgpu.service.roles import authorize, check_route_table
 from prefect_spotgpu.service.sealing import Sealer, SealError
@@ -761,5 +762,6 @@ def create_app(
     app.include_router(service_metrics.router)
     app.include_router(dashboard.router)
     dashboard.install_security_headers(app)
+    app.add_middleware(BodyLimit)  # outermost: a huge body is refused before anything reads it
     check_route_table(app)
     return app

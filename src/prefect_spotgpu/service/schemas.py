@@ -227,6 +227,24 @@ class JobSpec(Strict):
         description="Where the job checkpoints (path or s3://).",
     )
 
+    @model_validator(mode="after")
+    def _env_fits(self) -> JobSpec:
+        size = sum(len(k) + len(v) for k, v in self.env.items())
+        if size > MAX_JOB_ENV_BYTES:
+            raise ValueError(
+                f"env holds {size} characters; at most {MAX_JOB_ENV_BYTES} in all "
+                "(put large data in the checkpoint storage, not the environment)"
+            )
+        return self
+
+
+MAX_JOB_ENV_BYTES = 64 * 1024
+"""The most a job's environment may hold, names and values together."""
+LabelKey = Annotated[
+    str, Field(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:/-]*$")
+]
+LabelValue = Annotated[str, Field(max_length=256)]
+
 
 class BidCreate(Strict):
     gpu_model: GpuModelName
@@ -242,7 +260,9 @@ class BidCreate(Strict):
     window_start: datetime | None = None
     window_end: datetime | None = None
     deadline: datetime | None = None
-    labels: dict[str, str] | None = Field(None, max_length=32)
+    labels: dict[LabelKey, LabelValue] | None = Field(
+        None, max_length=32, description="Up to 32 labels: keys of 63, values of 256 characters."
+    )
     job: JobSpec | None = None
 
     @model_validator(mode="after")

@@ -1,0 +1,55 @@
+"""Every free-form input is bounded: labels, a job's environment, request bodies (413)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from prefect_spotgpu.service.limits import MAX_BODY_BYTES
+
+BID = {"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0}
+
+
+def test_labels_and_job_environments_are_bounded(service):
+    alice = service.tenant()
+    for labels, field in (
+        ({"k": "v" * 257}, "labels"),
+        ({"k" * 64: "v"}, "labels"),
+        ({"<img src=x>": "v"}, "labels"),
+        ({f"k{i}": "v" for i in range(33)}, "labels"),
+    ):
+        response = alice.post("/bids", json={**BID, "labels": labels})
+        assert response.status_code == 422, labels
+        assert field in json.dumps(response.json()["detail"][0]["loc"])
+    env = {f"A{i}": "v" * 30_000 for i in range(3)}
+    response = alice.post("/bids", json={**BID, "job": {"command": ["x"], "env": env}})
+    assert response.status_code == 422 and "at most 65536" in response.text
+    assert "v" * 100 not in response.text  # the environment is never echoed
+    ok = alice.post("/bids", json={**BID, "labels": {"team": "ml", "spotgpu.bid": "7"}})
+    assert ok.status_code == 201
+    assert [b["labels"] for b in alice.get("/bids").json()] == [{"team": "ml", "spotgpu.bid": "7"}]
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(service):
+    alice = service.tenant()
+    huge = json.dumps({**BID, "labels": {"k": "v" * (MAX_BODY_BYTES + 10)}}).encode()
+    response = alice.post("/bids", content=huge, headers={"content-type": "application/json"})
+    assert response.status_code == 413 and "larger than" in response.json()["detail"]
+
+    def chunks():  # no Content-Length: refused as soon as it passes the limit
+        for _ in range(40):
+            yield b" " * 65536
+
+    streamed = httpx.post(
+        service.base_url + "/api/v1/bids",
+        content=chunks(),
+        headers={**alice.headers, "content-type": "application/json"},
+        timeout=30,
+    )
+    assert streamed.status_code == 413
+    telemetry = {"telemetry": {"gpus": [{"index": 0, "utilization": 1.0}], "x": "y" * 5_000_000}}
+    _, agent = service.node(service.tenant(), gpus=1)
+    node_id = agent.get("/nodes/me").json()["id"]
+    assert agent.post(f"/nodes/{node_id}/heartbeat", json=telemetry).status_code == 413
+    assert alice.get("/bids").json() == []  # nothing was written
