@@ -4,12 +4,14 @@ stack, a pretraining run through a reclaim, the timeline; then Ctrl-C stops ever
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -68,9 +70,44 @@ def test_demo_runs_the_stack_through_a_reclaim_and_ctrl_c_stops_everything(tmp_p
         assert "saved); 1 preemption(s), 1 with a final save" in out
         assert "/runs/flow-run/" in out
         assert processes_mentioning(str(home))  # the stack is up
+        # the printed UI asks its own server, not the default port 4200
+        ui = re.search(r"Prefect server and UI at (http://\S+)", out)[1]
+        assert httpx.get(f"{ui}/ui-settings", timeout=10).json()["api_url"] == f"{ui}/api"
         demo.send_signal(signal.SIGINT)
         rest = demo.communicate(timeout=60)[0]
         assert "stopping every process" in rest
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    deadline = time.monotonic() + 20
+    while processes_mentioning(str(home)):
+        assert time.monotonic() < deadline, processes_mentioning(str(home))
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_or_sighup_stops_the_demos_whole_stack_like_ctrl_c(tmp_path, stop):
+    home = tmp_path / "demo"
+    env = {**os.environ, "COLUMNS": "160"}
+    env.pop("PREFECT_API_URL", None)
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "prefect_spotgpu.cli", "demo", "--home", home],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    lines = []
+    try:
+        for line in demo.stdout:  # the Prefect server is up, the market is starting
+            lines.append(line)
+            if "Market service at" in line:
+                break
+        assert processes_mentioning(str(home)), "".join(lines)
+        demo.send_signal(stop)
+        rest = demo.communicate(timeout=60)[0]
+        assert "stopping every process" in rest, "".join(lines) + rest
     finally:
         if demo.poll() is None:
             demo.kill()

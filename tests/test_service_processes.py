@@ -30,8 +30,8 @@ OVER_COMMITTED = sa.text("""
 
 
 class Server:
-    def __init__(self, db_url: str, home: Path) -> None:
-        self.port = free_port()
+    def __init__(self, db_url: str, home: Path, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {
             **os.environ,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -61,6 +62,8 @@ def run_demo(console: Console, home: Path, steps: int = 500, keep_running: bool 
     """Bring the stack up, run the pretraining flow through a reclaim, print the timeline."""
     project = find_project()
     home.mkdir(parents=True, exist_ok=True)
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # like Ctrl-C: stop what the demo started
+        signal.signal(sig, _interrupt)
     with LocalStack(home, gpu_model=GPU_MODEL, region="local") as stack:
         try:
             ui = _bring_up(console, stack, project, home)
@@ -75,10 +78,16 @@ def run_demo(console: Console, home: Path, steps: int = 500, keep_running: bool 
                     time.sleep(1)
             return summary
         except KeyboardInterrupt:
+            for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # a second one: wait
+                signal.signal(sig, signal.SIG_IGN)
             console.print("\n[yellow]Ctrl-C: stopping every process the demo started[/yellow]")
             return {}
         finally:
             console.print(f"Logs of every process: {stack.logs}")
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def _bring_up(console: Console, stack: LocalStack, project: Path, home: Path) -> str:

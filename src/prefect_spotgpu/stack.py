@@ -126,6 +126,8 @@ class LocalStack:
             env={
                 "PREFECT_HOME": str(self.home / "prefect"),
                 "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                # the UI asks its API here (by default the settings' port 4200, not --port)
+                "PREFECT_SERVER_UI_API_URL": f"http://127.0.0.1:{port}/api",
                 "PREFECT_API_DATABASE_CONNECTION_URL": (
                     f"sqlite+aiosqlite:///{self.home / 'prefect' / 'prefect.db'}"
                 ),

@@ -280,10 +280,7 @@ class Agent:
                 logger.error(
                     "allocation %s needs %s GPUs, %s free", alloc_id, count, len(self.free)
                 )
-                self.client.post(
-                    f"/allocations/{alloc_id}/report",
-                    json={"epoch": assignment["epoch"], "outcome": "failed"},
-                )
+                self._report_later(alloc_id, {"epoch": assignment["epoch"], "outcome": "failed"})
                 return
             self.waiting_for_gpus.pop(alloc_id, None)
             indices = sorted(self.free)[:count]
@@ -306,10 +303,7 @@ class Agent:
             except Exception as exc:  # e.g. the command does not exist: give the GPUs back
                 self.free |= set(indices)
                 logger.error("allocation %s: the job could not start: %s", alloc_id, exc)
-                self.client.post(
-                    f"/allocations/{alloc_id}/report",
-                    json={"epoch": assignment["epoch"], "outcome": "failed"},
-                )
+                self._report_later(alloc_id, {"epoch": assignment["epoch"], "outcome": "failed"})
                 return
             self.jobs[alloc_id] = handle
             self.epochs[alloc_id] = assignment["epoch"]
@@ -356,7 +350,9 @@ class Agent:
             exit_code=exit_code,
             now=time.time(),
         )
-        response = self.client.post(f"/allocations/{alloc_id}/report", json=body)
+        response = self.report(alloc_id, body)  # the job is gone: retried until the market has it
+        if response is None:
+            return
         if body["outcome"] == "saved":
             logger.info(
                 "allocation %s: final save at step %s acknowledged (%s)",
@@ -442,17 +438,55 @@ class Agent:
             with self.lock:
                 self.free |= set(handle.request.gpu_indices)
             outcome = "finished" if code == 0 else "failed"
-            response = self.client.post(
-                f"/allocations/{alloc_id}/report",
-                json={"epoch": self.epochs.get(alloc_id, 1), "outcome": outcome},
+            logger.info("allocation %s: job exited %s -> %s", alloc_id, code, outcome)
+            self._report_later(
+                alloc_id, {"epoch": self.epochs.get(alloc_id, 1), "outcome": outcome}
             )
-            logger.info(
-                "allocation %s: job exited %s -> %s (%s)",
+
+    # ---------------------------------------------------------------- reports
+
+    def report(self, alloc_id: int, body: dict) -> httpx.Response | None:
+        """POST a report until the market answers it: a lost ``saved`` or ``finished`` would
+        leave the run waiting for the notice's deadline. Transport errors, 5xx and 429 are
+        retried with backoff (0.5 s doubling to 5 s); any other answer is final. None when the
+        agent stops first."""
+        delay = 0.5
+        while True:
+            try:
+                response = self.client.post(f"/allocations/{alloc_id}/report", json=body)
+            except httpx.HTTPError as exc:
+                problem = type(exc).__name__
+            else:
+                if response.status_code < 500 and response.status_code != 429:
+                    if response.status_code >= 400:
+                        logger.warning(
+                            "allocation %s: report %s refused: %s %s",
+                            alloc_id,
+                            body["outcome"],
+                            response.status_code,
+                            response.text[:200],
+                        )
+                    return response
+                problem = str(response.status_code)
+            logger.warning(
+                "allocation %s: report %s not delivered (%s); again in %.1f s",
                 alloc_id,
-                code,
-                outcome,
-                response.status_code,
+                body["outcome"],
+                problem,
+                delay,
             )
+            if self.stop_event.wait(delay):
+                return None
+            delay = min(delay * 2, 5.0)
+
+    def _report_later(self, alloc_id: int, body: dict) -> None:
+        """``report`` in a thread of its own: the loop (and the lock) never wait on the market."""
+        threading.Thread(
+            target=self.report,
+            args=(alloc_id, body),
+            name=f"spotgpu-report-{alloc_id}",
+            daemon=True,
+        ).start()
 
     def reconcile(self) -> None:
         """Kill local work the market no longer assigns here; start what it does."""
