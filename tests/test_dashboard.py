@@ -379,9 +379,15 @@ def hostile(tmp_path_factory):
     )
     assert credit.status_code == 201, credit.text
     bids = []
+    refused = mallory.post(  # label keys are plain names (a pattern); values are any text
+        "/bids", json={"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0,
+                       "labels": {HOSTILE[0]: "x"}},
+    )  # fmt: skip
+    assert refused.status_code == 422, refused.text
     for i, text in enumerate(HOSTILE):
+        labels = {f"k{i}": text, "team": HOSTILE[i - 1]}
         bid = {"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 0.5 + i / 10,
-               "idempotency_key": text, "labels": {text: text, "team": HOSTILE[i - 1]}}  # fmt: skip
+               "idempotency_key": text, "labels": labels}  # fmt: skip
         response = mallory.post("/bids", json=bid)
         assert response.status_code == 201, response.text
         bids.append(response.json())

@@ -53,3 +53,30 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(service):
     node_id = agent.get("/nodes/me").json()["id"]
     assert agent.post(f"/nodes/{node_id}/heartbeat", json=telemetry).status_code == 413
     assert alice.get("/bids").json() == []  # nothing was written
+
+
+def test_reads_never_wait_for_the_write_lock(service):
+    """A writer holding SQLite's write lock (as the tick does while it commits) delays no GET:
+    reading sessions take a snapshot, not the lock; on PostgreSQL they are READ ONLY."""
+    import time
+
+    from sqlalchemy import text
+
+    alice = service.tenant()
+    alice.post("/bids", json=BID)
+    engine = service.app.state.engine
+    with service.app.state.sessions.begin() as session:  # holds the write lock (SQLite)
+        session.execute(text("UPDATE tenants SET spent = spent WHERE id = :id"), {"id": 1})
+        started = time.monotonic()
+        for path in ("/bids", "/ledger", "/allocations", "/me"):
+            assert alice.get(path).status_code == 200
+        assert service.client().get("/prices").status_code == 200
+        assert time.monotonic() - started < 2.0  # no busy wait of 30 s
+    if engine.dialect.name == "postgresql":
+        with service.app.state.reads.begin() as session:
+            try:
+                session.execute(text("UPDATE tenants SET spent = spent"))
+            except Exception as exc:
+                assert "read-only" in str(exc)
+            else:
+                raise AssertionError("a reading session wrote")

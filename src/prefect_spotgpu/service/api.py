@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 import prefect_spotgpu
 from prefect_spotgpu.market import DEFAULT_CATALOG, AllocationStatus
 from prefect_spotgpu.service import access, crud, dashboard, forecast_api, schemas
-from prefect_spotgpu.service.db import make_sessionmaker
+from prefect_spotgpu.service.db import make_reading_sessionmaker, make_sessionmaker
 from prefect_spotgpu.service.deps import (
     AdminOnly,
     CurrentNode,
@@ -706,7 +706,7 @@ def create_app(
     engine = engine or make_engine(settings.database_url())
     sessions = make_sessionmaker(engine)
     notifier = Notifier()
-    metrics = service_metrics.ServiceMetrics(sessions)
+    metrics = service_metrics.ServiceMetrics(make_reading_sessionmaker(engine))  # scrapes read
     threads: list[threading.Thread] = []
     stop = threading.Event()
 
@@ -748,6 +748,7 @@ def create_app(
     app.state.settings = settings
     app.state.engine = engine
     app.state.sessions = sessions
+    app.state.reads = make_reading_sessionmaker(engine)
     app.state.notifier = notifier
     app.state.metrics = metrics
     app.state.ticker = None

@@ -33,16 +33,32 @@ def make_engine(url: str) -> Engine:
 
         @event.listens_for(engine, "begin")
         def _begin_immediate(connection):  # pragma: no cover - trivial
-            if connection.get_execution_options().get("isolation_level") == "AUTOCOMMIT":
+            options = connection.get_execution_options()
+            if options.get("isolation_level") == "AUTOCOMMIT":
                 return  # a single read (an auth look-up): no transaction, no write lock
-            connection.exec_driver_sql("BEGIN IMMEDIATE")
+            # a reading session (every GET) takes a snapshot and no lock: WAL readers never
+            # wait for the tick's writes
+            connection.exec_driver_sql("BEGIN" if options.get(READ_ONLY) else "BEGIN IMMEDIATE")
 
         return engine
     return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
 
 
+READ_ONLY = "spotgpu_read_only"
+"""Execution option of reading sessions: a deferred transaction on SQLite, a READ ONLY one on
+PostgreSQL (a write there fails instead of happening)."""
+
+
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
+
+
+def make_reading_sessionmaker(engine: Engine) -> sessionmaker[Session]:
+    """Sessions for reads only (the API's GET routes): they never take SQLite's write lock."""
+    options = {READ_ONLY: True}
+    if engine.dialect.name == "postgresql":
+        options["postgresql_readonly"] = True
+    return sessionmaker(engine.execution_options(**options), expire_on_commit=False)
 
 
 def migrate(engine: Engine) -> None:

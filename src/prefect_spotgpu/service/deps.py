@@ -17,6 +17,9 @@ from prefect_spotgpu.service.roles import Caller, authorize
 
 
 async def get_sessions(request: Request) -> sessionmaker[Session]:
+    """The sessions of this request: reading ones for a GET (no write lock, read-only)."""
+    if request.method in ("GET", "HEAD"):
+        return request.app.state.reads
     return request.app.state.sessions
 
 
