@@ -5,6 +5,7 @@ run (each measured --repeat times, alternating, median kept):
 
 - raw: the same bytes written with large sequential writes and fsynced (the ceiling);
 - ours: ``Checkpointer.save`` to ``LocalStorage`` (checksums, manifest, atomic rename, fsyncs);
+- ours_signed: the same with a signing key (SHA-256 per leaf instead of CRC32, signed manifest);
 - torch.save and, when installed, safetensors, each followed by an fsync;
 - notice_to_durable: a separate process holds the state and calls ``maybe_save`` every step;
   the time from SIGUSR1 to its acknowledgement file (written after the save is durable).
@@ -64,9 +65,15 @@ def raw_write(state: dict, path: Path) -> float:
     return time.perf_counter() - t0
 
 
-def ours(state: dict, root: Path) -> float:
+def ours(state: dict, root: Path, signing_key: str = "") -> float:
     """One save into a fresh key: the write itself, as raw (retention is not timed)."""
-    ckpt = Checkpointer(LocalStorage(root), f"bench-{time.time_ns()}", keep=3, handle_sigusr1=False)
+    ckpt = Checkpointer(
+        LocalStorage(root),
+        f"bench-{time.time_ns()}",
+        keep=3,
+        handle_sigusr1=False,
+        signing_key=signing_key,
+    )
     t0 = time.perf_counter()
     ckpt.save(state, int(time.time() * 1000))
     return time.perf_counter() - t0
@@ -140,11 +147,18 @@ def main() -> None:
     try:
         state = make_state(args.gib, args.device)
         size = sum(t.numel() * t.element_size() for t in state.values())
-        times: dict[str, list[float]] = {"raw": [], "ours": [], "torch_save": [], "safetensors": []}
+        times: dict[str, list[float]] = {
+            "raw": [],
+            "ours": [],
+            "ours_signed": [],
+            "torch_save": [],
+            "safetensors": [],
+        }
         cpu_state = state if args.device == "cpu" else {k: v.cpu() for k, v in state.items()}
         for i in range(args.repeat):
             times["raw"].append(raw_write(cpu_state, base / f"raw{i}.bin"))
             times["ours"].append(ours(state, base / "ours"))
+            times["ours_signed"].append(ours(state, base / "ours", signing_key="bench-key"))
             times["torch_save"].append(torch_save(state, base / f"t{i}.pt"))
             st = safetensors_save(state, base / f"s{i}.safetensors")
             if st is not None:

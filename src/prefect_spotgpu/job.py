@@ -9,6 +9,8 @@ one named ``model_validator``. The worker that uses them is
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import shlex
 from datetime import UTC, datetime, timedelta
 from typing import Literal
@@ -18,6 +20,7 @@ from prefect.workers.base import BaseJobConfiguration, BaseVariables
 from pydantic import Field, model_validator
 
 from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
+from prefect_spotgpu.checkpoint.checkpointer import SIGNING_KEY_ENV
 from prefect_spotgpu.deadline import get_policy
 from prefect_spotgpu.market import DEFAULT_CATALOG
 from prefect_spotgpu.pacing import Pace
@@ -147,7 +150,13 @@ class SpotGPUJobConfiguration(BaseJobConfiguration):
 
     def prepare_for_flow_run(self, flow_run, deployment=None, flow=None, **kwargs) -> None:
         """Prefect's environment for the run, plus the API URL and the checkpoint settings;
-        the command is the launcher, which becomes ``python -m prefect.engine`` on the node."""
+        the command is the launcher, which becomes ``python -m prefect.engine`` on the node.
+
+        With a market block, the checkpoint settings include the run's signing key
+        (:func:`checkpoint_signing_key`): the same for every attempt of the run, so a resumed
+        attempt restores only what an attempt of this run signed. It reaches the node only in
+        the job's environment, which the market seals at rest. Without a market key the
+        checkpoints are unsigned (and any is restored), as before signing existed."""
         super().prepare_for_flow_run(flow_run, deployment, flow, **kwargs)
         if self.command in (None, "", self._base_flow_run_command()):
             self.command = LAUNCH_COMMAND
@@ -157,6 +166,9 @@ class SpotGPUJobConfiguration(BaseJobConfiguration):
             extra["PREFECT_API_URL"] = api_url
         if self.checkpoint_storage is not None:
             extra.update(self.checkpoint_storage.job_env())
+        api_key = self.market.api_key.get_secret_value() if self.market is not None else ""
+        if api_key:
+            extra[SIGNING_KEY_ENV] = checkpoint_signing_key(api_key, flow_run.id)
         self.env = {**extra, **self.env}
 
     def job_spec(self) -> dict:
@@ -170,6 +182,15 @@ class SpotGPUJobConfiguration(BaseJobConfiguration):
         if self.checkpoint_storage is not None:
             spec["checkpoint_url"] = self.checkpoint_storage.url()
         return spec
+
+
+def checkpoint_signing_key(api_key: str, flow_run_id) -> str:
+    """The key a flow run's checkpoints are signed with (hex): HMAC-SHA256 keyed by the
+    tenant's market API key over ``checkpoint-signing:<flow run id>``. Stable across the run's
+    resumes; another run, or anyone without the API key, cannot compute it. Rotating the API
+    key changes it: checkpoints signed before a rotation are then refused."""
+    message = f"checkpoint-signing:{flow_run_id}".encode()
+    return hmac.new(api_key.encode(), message, hashlib.sha256).hexdigest()
 
 
 def _origin(flow_run) -> datetime:

@@ -8,6 +8,7 @@ from prefect_spotgpu.checkpoint.checkpointer import (
     ACK_FILE_ENV,
     NOTICE_FILE_ENV,
     SAVED_FILE_ENV,
+    SIGNING_KEY_ENV,
     Checkpointer,
     Restored,
     SaveResult,
@@ -15,7 +16,11 @@ from prefect_spotgpu.checkpoint.checkpointer import (
     set_rng_state,
     write_ack,
 )
-from prefect_spotgpu.checkpoint.format import CorruptCheckpoint
+from prefect_spotgpu.checkpoint.format import (
+    CorruptCheckpoint,
+    UnreadableCheckpoint,
+    UntrustedCheckpoint,
+)
 from prefect_spotgpu.checkpoint.storage import (
     CheckpointStorage,
     LocalStorage,
@@ -27,6 +32,7 @@ __all__ = [
     "ACK_FILE_ENV",
     "NOTICE_FILE_ENV",
     "SAVED_FILE_ENV",
+    "SIGNING_KEY_ENV",
     "CheckpointStorage",
     "Checkpointer",
     "CorruptCheckpoint",
@@ -34,6 +40,8 @@ __all__ = [
     "Restored",
     "S3Storage",
     "SaveResult",
+    "UnreadableCheckpoint",
+    "UntrustedCheckpoint",
     "rng_state",
     "set_rng_state",
     "storage_from_url",

@@ -14,6 +14,13 @@ After every durable save, periodic or final, it rewrites the file named by
 ``SPOTGPU_SAVED_FILE`` (``{"step", "saved_at", "final"}``); the agent reports each new one to
 the market, which compensates lost work only back to the last reported checkpoint.
 
+Invariants: ``restore`` returns only a complete, verified checkpoint (with a signing key:
+signed with that key, ``SPOTGPU_CHECKPOINT_SIGNING_KEY`` by default); any checkpoint it
+cannot read, verify or rebuild is skipped with a warning naming its step, and an older one is
+tried. Retention counts only verified checkpoints: it never deletes the newest verified one
+nor the one just written, and never an unverified one newer than those it keeps. This
+checkpointer is the single writer of its key's checkpoints.
+
 Example::
 
     ckpt = Checkpointer(LocalStorage("/ckpt"), key="run-42", every=timedelta(minutes=15))
@@ -30,6 +37,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -42,7 +50,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from prefect_spotgpu.checkpoint.format import CorruptCheckpoint, decode, encode, read_manifest
+from prefect_spotgpu.checkpoint.format import (
+    CorruptCheckpoint,
+    decode,
+    encode,
+    read_manifest,
+    signature,
+    verify,
+)
 from prefect_spotgpu.checkpoint.storage import CheckpointStorage
 
 logger = logging.getLogger("prefect_spotgpu.checkpoint")
@@ -50,6 +65,7 @@ logger = logging.getLogger("prefect_spotgpu.checkpoint")
 NOTICE_FILE_ENV = "SPOTGPU_NOTICE_FILE"
 ACK_FILE_ENV = "SPOTGPU_ACK_FILE"
 SAVED_FILE_ENV = "SPOTGPU_SAVED_FILE"
+SIGNING_KEY_ENV = "SPOTGPU_CHECKPOINT_SIGNING_KEY"
 ERROR_CHARS = 200
 
 
@@ -70,8 +86,16 @@ class SaveResult:
 class Checkpointer:
     """Periodic and final saves of one run's state, and its restore.
 
-    ``keep``: how many committed checkpoints to keep (older ones are deleted after a save).
+    ``keep``: how many verified checkpoints to keep (older ones are deleted after a save).
     ``clock``: a monotonic clock in seconds (a seam for tests).
+    ``signing_key``: the run's secret for signing manifests (HMAC-SHA256); by default the
+    environment's ``SPOTGPU_CHECKPOINT_SIGNING_KEY`` (the spot-gpu worker gives each flow run
+    one, the same across its resumes); ``""`` means none. With a key, every checkpoint is
+    written signed (format 2, SHA-256 per leaf) and restore refuses, with a warning, any
+    checkpoint that is unsigned or signed with another key, for another key name or step.
+    Without a key, checkpoints are written unsigned and every checkpoint is accepted, as
+    before signing existed: non-tensor state is pickled, so whoever can write the storage
+    can then run code in the job when it restores.
     """
 
     def __init__(
@@ -86,6 +110,7 @@ class Checkpointer:
         saved_file: str | os.PathLike | None = None,
         handle_sigusr1: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        signing_key: str | bytes | None = None,
     ) -> None:
         seconds = every.total_seconds() if isinstance(every, timedelta) else float(every)
         if not (math.isfinite(seconds) and seconds > 0):
@@ -111,8 +136,19 @@ class Checkpointer:
         self.last_save: SaveResult | None = None
         self._last_save_at = clock()
         self.failures = 0
+        if signing_key is None:
+            signing_key = os.environ.get(SIGNING_KEY_ENV, "")
+        if isinstance(signing_key, str):
+            signing_key = signing_key.encode()
+        self._signing_key = signing_key or None
+        self._checked: dict[int, tuple[bytes, bool]] = {}  # step -> (manifest sha256, verified)
         if handle_sigusr1 and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGUSR1, self._on_sigusr1)
+
+    @property
+    def signed(self) -> bool:
+        """Whether this checkpointer signs its checkpoints and restores only signed ones."""
+        return self._signing_key is not None
 
     def _on_sigusr1(self, signum, frame) -> None:  # only sets a flag: no I/O in handlers
         self._signalled.set()
@@ -156,7 +192,7 @@ class Checkpointer:
                 raise
             self._acknowledge(result)  # durable: tell the agent first, tidy up after
             self.notice_received = True
-            self._retain()
+            self._retain(result.step)
             return result
         if self.clock() - self._last_save_at < self.every:
             return None
@@ -184,7 +220,8 @@ class Checkpointer:
     def _encode(self, state: object, step: int, *, final: bool):
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
-        return encode(state, step=step, extra={"final": final, "saved_at": time.time()})
+        extra = {"final": final, "saved_at": time.time()}
+        return encode(state, step=step, extra=extra, signed=self.signed)
 
     def _commit(self, encoded, started: float, step: int, final: bool, retain: bool) -> SaveResult:
         """Write what ``_encode`` made to the storage (the part that fails for the storage's
@@ -192,20 +229,26 @@ class Checkpointer:
         checksums = threading.Thread(target=encoded.fill_checksums, name="spotgpu-crc32")
         checksums.start()
 
+        written: list[bytes] = []
+
         def manifest() -> bytes:
             checksums.join()
-            return encoded.manifest_bytes()
+            key = self._signing_key
+            sign = None if key is None else (lambda body: signature(key, self.key, step, body))
+            written.append(encoded.manifest_bytes(sign))
+            return written[-1]
 
         try:
             self.storage.write(self.key, step, encoded.buffers, encoded.size, manifest)
         finally:
             checksums.join()
+        self._checked[step] = (hashlib.sha256(written[-1]).digest(), True)
         result = SaveResult(step, encoded.size, time.perf_counter() - started, final)
         self.last_save = result
         self._last_save_at = self.clock()
         self._report_saved(result)
         if retain:
-            self._retain()
+            self._retain(step)
         logger.info(
             "%s checkpoint of %s at step %s: %.1f MB in %.2f s",
             "final" if final else "periodic",
@@ -216,12 +259,44 @@ class Checkpointer:
         )
         return result
 
-    def _retain(self) -> None:
+    def _retain(self, written: int) -> None:
+        """Delete what :func:`steps_to_delete` says, verifying checkpoints only as far as
+        it looks (each at most once: a verdict is kept for as long as its manifest stays)."""
         try:
-            for old in self.storage.steps(self.key)[self.keep :]:
+            doomed = steps_to_delete(
+                self.storage.steps(self.key), self._verified, keep=self.keep, written=written
+            )
+            for old in doomed:
                 self.storage.delete(self.key, old)
+                self._checked.pop(old, None)
         except Exception as exc:  # retention is housekeeping: never fail a save over it
             logger.warning("could not delete old checkpoints of %s: %s", self.key, exc)
+
+    def _manifest(self, raw: bytes, step: int) -> dict:
+        return read_manifest(raw, key=self._signing_key, name=self.key, step=step)
+
+    def _verified(self, step: int) -> bool:
+        """Whether ``step`` is complete and verified (signed with our key, when we have one)
+        without unpickling it; a failure to read it now counts as not verified."""
+        try:
+            read_manifest_only = getattr(self.storage, "read_manifest", None)
+            if read_manifest_only is not None:
+                digest = hashlib.sha256(read_manifest_only(self.key, step)).digest()
+                known = self._checked.get(step)
+                if known is not None and known[0] == digest:
+                    return known[1]
+            raw, blob = self.storage.read(self.key, step)
+        except Exception as exc:
+            logger.debug("checkpoint %s step %s cannot be read now: %s", self.key, step, exc)
+            return False
+        try:
+            verify(self._manifest(raw, step), blob)
+            ok = True
+        except CorruptCheckpoint as exc:
+            logger.warning("checkpoint %s step %s is not usable (%s)", self.key, step, exc)
+            ok = False
+        self._checked[step] = (hashlib.sha256(raw).digest(), ok)
+        return ok
 
     def _acknowledge(self, result: SaveResult) -> None:
         if self.ack_file is not None:
@@ -248,22 +323,57 @@ class Checkpointer:
     # ---------------------------------------------------------------- restoring
 
     def restore(self) -> Restored | None:
-        """The newest complete, verified checkpoint, or None; corrupt ones are skipped."""
+        """The newest complete, verified checkpoint, or None.
+
+        A checkpoint that is missing a part, torn, corrupt, unsigned or mis-signed (with a
+        signing key), or whose state cannot be rebuilt, is skipped with a warning and an
+        older one tried (so is a local ``OSError``). Nothing is unpickled before the whole
+        checkpoint is verified. Any other storage error (S3 that does not answer) raises:
+        starting the run over is no fallback for a store that is down.
+        """
         for step in self.storage.steps(self.key):
+            raw = None
             try:
                 raw, blob = self.storage.read(self.key, step)
-                manifest = read_manifest(raw)
-                state = decode(manifest, blob)
+                state = decode(self._manifest(raw, step), blob)
             except (CorruptCheckpoint, OSError) as exc:
                 logger.warning(
-                    "checkpoint %s step %s is not usable (%s); trying an older one",
+                    "checkpoint %s step %s is not usable (%s: %s); trying an older one",
                     self.key,
                     step,
+                    type(exc).__name__,
                     exc,
                 )
+                if raw is not None and isinstance(exc, CorruptCheckpoint):
+                    self._checked[step] = (hashlib.sha256(raw).digest(), False)
                 continue
+            self._checked[step] = (hashlib.sha256(raw).digest(), True)
             return Restored(state, step)
         return None
+
+
+def steps_to_delete(
+    steps: list[int], verified: Callable[[int], bool], *, keep: int, written: int | None = None
+) -> list[int]:
+    """Retention's rule, on plain data: the steps to delete, given all steps newest first.
+
+    Walking from the newest, the first ``keep`` verified steps are kept; unverified steps
+    among them are left alone (one may be unreadable only for now, and none is ever loaded);
+    everything older than the ``keep``-th verified step is deleted, except ``written`` (the
+    checkpoint just saved). ``verified`` is asked only about steps above that point.
+
+    >>> steps_to_delete([9, 5, 4, 3], lambda s: s != 9, keep=1, written=5)
+    [4, 3]
+    >>> steps_to_delete([9, 5], lambda s: False, keep=1, written=5)
+    []
+    """
+    doomed, kept = [], 0
+    for step in steps:
+        if kept < keep:
+            kept += verified(step)
+        elif step != written:
+            doomed.append(step)
+    return doomed
 
 
 def rng_state() -> dict:

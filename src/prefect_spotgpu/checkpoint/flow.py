@@ -8,6 +8,9 @@
         ...
 
 A resumed run (same flow run, run count + 1) finds the checkpoints of its earlier attempts.
+Under the spot-gpu worker the job's environment also carries the run's signing key
+(``SPOTGPU_CHECKPOINT_SIGNING_KEY``, the same for every attempt of the run), so its
+checkpoints are signed and only checkpoints signed with it are restored.
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ def checkpointer_for_run(
     key: str | None = None,
     every: timedelta | float = timedelta(minutes=15),
     keep: int = 3,
+    signing_key: str | bytes | None = None,
 ) -> Checkpointer:
     """A ``Checkpointer`` for the running flow: its storage from the argument or
-    ``SPOTGPU_CHECKPOINT_URL``, its key from the argument or the flow run id."""
+    ``SPOTGPU_CHECKPOINT_URL``, its key from the argument or the flow run id, its signing key
+    from the argument or ``SPOTGPU_CHECKPOINT_SIGNING_KEY`` (see ``Checkpointer``)."""
     if storage is None:
         url = os.environ.get(CHECKPOINT_URL_ENV)
         if not url:
@@ -48,7 +53,7 @@ def checkpointer_for_run(
     library_logger = logging.getLogger("prefect_spotgpu.checkpoint")
     if library_logger.level == logging.NOTSET:  # saves show in the run's logs (the worker
         library_logger.setLevel(logging.INFO)  # sets PREFECT_LOGGING_EXTRA_LOGGERS for that)
-    return Checkpointer(storage, key, every=every, keep=keep)
+    return Checkpointer(storage, key, every=every, keep=keep, signing_key=signing_key)
 
 
 def wait_to_be_stopped(ckpt: Checkpointer, grace: float = 30.0) -> None:

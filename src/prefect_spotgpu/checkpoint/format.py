@@ -1,28 +1,64 @@
 """The checkpoint format: tensor bytes back to back in one blob, and a small JSON manifest.
 
 The manifest records the state's tree (dicts, lists, tuples, scalars), and for every array or
-tensor its library, dtype, shape, offset and CRC32; other Python objects are pickled into the
-blob with a CRC32 of their own. The manifest carries a CRC32 of itself. A checkpoint whose
-manifest or any leaf fails its check is never returned: ``decode`` raises ``CorruptCheckpoint``.
+tensor its library, dtype, shape, offset and checksum; other Python objects are pickled into
+the blob with a checksum of their own. The manifest carries a CRC32 of itself. Two versions:
+
+- ``spotgpu-checkpoint/1``: every leaf has a CRC32 (catches torn writes and flipped bits);
+- ``spotgpu-checkpoint/2``: every leaf has a SHA-256 instead, and the manifest is signed:
+  ``hmac_sha256`` beside it is HMAC-SHA256 over the manifest, the checkpoint's key and its
+  step (:func:`signature`), so a signed checkpoint cannot be altered, nor moved to another
+  key or step, without the signing key. CRC32 is no defence against someone who can write
+  the storage (it is easily forged); a SHA-256 under a signed manifest is.
+
+A checkpoint whose manifest or any leaf fails its check is never returned: ``read_manifest``
+and ``decode`` raise ``CorruptCheckpoint`` (or a subclass), and ``decode`` checks every leaf
+before it unpickles anything.
 
 torch is optional: tensors are handled when torch is importable, NumPy arrays always.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import pickle
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 FORMAT = "spotgpu-checkpoint/1"
+FORMAT_SIGNED = "spotgpu-checkpoint/2"
+FORMATS = (FORMAT, FORMAT_SIGNED)
+SIGNATURE_FIELD = "hmac_sha256"
+SIGNATURE_CONTEXT = "spotgpu-checkpoint-signature/1"
 ALIGN = 64
 
 
 class CorruptCheckpoint(Exception):
     """A checkpoint failed verification (torn write, flipped byte, wrong format)."""
+
+
+class UnreadableCheckpoint(CorruptCheckpoint):
+    """A listed checkpoint cannot be read: its blob or manifest is missing (the storage
+    layer maps its own "not found" errors, such as S3's ``NoSuchKey``, to this)."""
+
+
+class UntrustedCheckpoint(CorruptCheckpoint):
+    """A checkpoint is unsigned, or not signed with this checkpointer's key."""
+
+
+def signature(key: bytes, name: str, step: int, body: bytes) -> str:
+    """HMAC-SHA256 (hex) of a manifest's canonical ``body``, bound to its key and step."""
+    context = json.dumps([SIGNATURE_CONTEXT, name, step]).encode()
+    return hmac.new(key, context + b"\n" + body, hashlib.sha256).hexdigest()
+
+
+def _canonical(manifest: dict) -> bytes:
+    return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
 
 
 def _torch():
@@ -38,27 +74,36 @@ class Encoded:
     """A state ready to write: the buffers of the blob, in order, and the manifest.
 
     Checksums are left for :meth:`fill_checksums`, so they can be computed in a second
-    thread while the buffers are written (both release the GIL).
+    thread while the buffers are written (both release the GIL). ``digest`` is ``"crc32"``
+    (format 1) or ``"sha256"`` (format 2, for signed checkpoints).
     """
 
     buffers: list[memoryview] = field(default_factory=list)
     size: int = 0
     manifest: dict = field(default_factory=dict)
     pending: list[tuple[dict, memoryview]] = field(default_factory=list)
+    digest: str = "crc32"
 
     def fill_checksums(self) -> None:
         for node, view in self.pending:
-            node["crc32"] = zlib.crc32(view)
+            node[self.digest] = _digest(self.digest, view)
         self.pending = []
 
-    def manifest_bytes(self) -> bytes:
+    def manifest_bytes(self, sign: Callable[[bytes], str] | None = None) -> bytes:
+        """The manifest as stored; ``sign`` (see :func:`signature`) signs its body."""
         if self.pending:
             self.fill_checksums()
-        body = json.dumps(self.manifest, sort_keys=True, separators=(",", ":")).encode()
-        crc = zlib.crc32(body)
-        return json.dumps(
-            {"crc32": crc, "manifest": self.manifest}, sort_keys=True, separators=(",", ":")
-        ).encode()
+        body = _canonical(self.manifest)
+        outer: dict = {"crc32": zlib.crc32(body), "manifest": self.manifest}
+        if sign is not None:
+            outer[SIGNATURE_FIELD] = sign(body)
+        return json.dumps(outer, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _digest(kind: str, view) -> int | str:
+    if kind == "sha256":
+        return hashlib.sha256(view).hexdigest()
+    return zlib.crc32(view)
 
 
 class _Encoder:
@@ -86,7 +131,7 @@ class _Encoder:
             "shape": list(shape),
             "offset": offset,
             "length": length,
-            "crc32": None,
+            self.out.digest: None,
         }
         self.out.pending.append((node, view))
         return node
@@ -129,7 +174,7 @@ class _Encoder:
         data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
         view = memoryview(data)
         offset, length = self._append(view)
-        node = {"t": "pickle", "offset": offset, "length": length, "crc32": None}
+        node = {"t": "pickle", "offset": offset, "length": length, self.out.digest: None}
         self.out.pending.append((node, view))
         return node
 
@@ -143,12 +188,16 @@ def _numpy_has(dtype) -> bool:
     )
 
 
-def encode(state, *, step: int, extra: dict | None = None) -> Encoded:
-    """Lay ``state`` out as one blob of buffers and its manifest (no bytes are copied)."""
+def encode(state, *, step: int, extra: dict | None = None, signed: bool = False) -> Encoded:
+    """Lay ``state`` out as one blob of buffers and its manifest (no bytes are copied).
+
+    ``signed``: format 2 (SHA-256 leaves), for a manifest that will be signed.
+    """
     encoder = _Encoder()
+    encoder.out.digest = "sha256" if signed else "crc32"
     tree = encoder.encode(state)
     encoder.out.manifest = {
-        "format": FORMAT,
+        "format": FORMAT_SIGNED if signed else FORMAT,
         "step": step,
         "size": encoder.out.size,
         "tree": tree,
@@ -157,32 +206,84 @@ def encode(state, *, step: int, extra: dict | None = None) -> Encoded:
     return encoder.out
 
 
-def read_manifest(raw: bytes) -> dict:
+def read_manifest(
+    raw: bytes, *, key: bytes | None = None, name: str | None = None, step: int | None = None
+) -> dict:
+    """The manifest in ``raw``, checked: its CRC32, its format and (given ``step``) that it
+    is the manifest of that step. With a signing ``key``, it must also be signed with that key
+    for checkpoint ``name`` at ``step`` (compared in constant time), or
+    ``UntrustedCheckpoint`` is raised: unsigned and mis-signed manifests are refused alike.
+    """
     try:
         outer = json.loads(raw)
         manifest = outer["manifest"]
-        body = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+        body = _canonical(manifest)
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptCheckpoint(f"unreadable manifest: {exc}") from None
+    if key is not None:
+        if name is None or step is None:
+            raise ValueError("checking a signature needs the checkpoint's name and step")
+        claimed = outer.get(SIGNATURE_FIELD)
+        if not isinstance(claimed, str):
+            raise UntrustedCheckpoint("the manifest is not signed")
+        expected = signature(key, name, step, body)
+        if not hmac.compare_digest(claimed.encode(), expected.encode()):
+            raise UntrustedCheckpoint("the manifest's signature does not match this run's key")
     if zlib.crc32(body) != outer.get("crc32"):
         raise CorruptCheckpoint("manifest checksum mismatch")
-    if manifest.get("format") != FORMAT:
-        raise CorruptCheckpoint(f"unknown format {manifest.get('format')!r}")
+    if not isinstance(manifest, dict) or manifest.get("format") not in FORMATS:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise CorruptCheckpoint(f"unknown format {found!r}")
+    if key is not None and manifest["format"] != FORMAT_SIGNED:
+        raise UntrustedCheckpoint(f"a signed checkpoint must be {FORMAT_SIGNED}")
+    if step is not None and manifest.get("step") != step:
+        raise CorruptCheckpoint(f"the manifest is of step {manifest.get('step')!r}")
     return manifest
 
 
-def decode(manifest: dict, blob) -> object:
-    """Rebuild the state from its manifest and blob, checking every leaf's CRC32."""
+def verify(manifest: dict, blob) -> None:
+    """Check the blob's size and every leaf's checksum (format 1: CRC32, format 2: SHA-256),
+    unpickling nothing; raises ``CorruptCheckpoint``."""
     view = memoryview(blob)
-    if view.nbytes != manifest["size"]:
-        raise CorruptCheckpoint(f"blob is {view.nbytes} bytes, manifest says {manifest['size']}")
+    kind = "sha256" if manifest.get("format") == FORMAT_SIGNED else "crc32"
+    try:
+        if view.nbytes != manifest["size"]:
+            raise CorruptCheckpoint(
+                f"blob is {view.nbytes} bytes, manifest says {manifest['size']}"
+            )
+        stack = [manifest["tree"]]
+        while stack:
+            node = stack.pop()
+            if node["t"] == "dict":
+                stack.extend(v for _, v in node["items"])
+            elif node["t"] in ("list", "tuple"):
+                stack.extend(node["items"])
+            elif node["t"] in ("array", "pickle"):
+                part = view[node["offset"] : node["offset"] + node["length"]]
+                if node.get(kind) is None or _digest(kind, part) != node[kind]:
+                    raise CorruptCheckpoint(f"checksum mismatch at offset {node['offset']}")
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CorruptCheckpoint(f"malformed manifest: {type(exc).__name__}: {exc}") from None
+
+
+def decode(manifest: dict, blob) -> object:
+    """Rebuild the state from its manifest and blob once :func:`verify` has checked every
+    leaf. Any failure to rebuild (a class that no longer unpickles, a malformed tree) raises
+    ``CorruptCheckpoint``, so the caller can fall back to an older checkpoint."""
+    verify(manifest, blob)
+    try:
+        return _build(manifest, memoryview(blob))
+    except (CorruptCheckpoint, MemoryError):
+        raise
+    except Exception as exc:
+        raise CorruptCheckpoint(f"cannot rebuild the state: {type(exc).__name__}: {exc}") from exc
+
+
+def _build(manifest: dict, view: memoryview) -> object:
     torch = _torch()
 
     def leaf(node):
-        part = view[node["offset"] : node["offset"] + node["length"]]
-        if zlib.crc32(part) != node["crc32"]:
-            raise CorruptCheckpoint(f"checksum mismatch at offset {node['offset']}")
-        return part
+        return view[node["offset"] : node["offset"] + node["length"]]
 
     def build(node):
         kind = node["t"]

@@ -1,11 +1,23 @@
 """Where checkpoints live: a local directory, or S3 (and S3-compatible stores).
 
-A checkpoint is committed atomically or not at all:
+A checkpoint is committed atomically or not at all, and saving a step again replaces it
+atomically too: at every moment one complete copy of each committed step is readable.
 
 - local: the blob and manifest are written into a temporary directory, fsynced, and the
-  directory is renamed to its final name (``rename`` is atomic), then the parent is fsynced;
-- S3: the blob is uploaded (multipart for large ones) and the manifest is written last; a
-  checkpoint without its manifest does not exist for readers.
+  directory is renamed to a name no other directory has (``rename`` is atomic), then the
+  parent is fsynced. A step saved again gets a newer version of its directory
+  (``<step>.<n>``); readers take the newest version that has a manifest, and the older one
+  is removed only after the new one is durable.
+- S3: the blob is uploaded under a name of its own (multipart for large ones) and the
+  manifest, which names that blob in its metadata, is written last: a checkpoint without its
+  manifest does not exist for readers, and a step saved again switches to its new blob in one
+  PUT of its manifest. The step's other blobs are deleted after that.
+
+A listed checkpoint whose blob or manifest cannot be found (or is refused to us) raises
+``UnreadableCheckpoint``: each storage maps its own errors for that (``FileNotFoundError``,
+S3's ``NoSuchKey``/404, ``AccessDenied``/403) to that one exception. Other failures (a store
+that does not answer) propagate as they are. The single writer of a key's checkpoints is its
+``Checkpointer``.
 """
 
 from __future__ import annotations
@@ -13,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable, Sequence
@@ -20,10 +33,15 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlparse
 
+from prefect_spotgpu.checkpoint.format import UnreadableCheckpoint
+
 logger = logging.getLogger("prefect_spotgpu.checkpoint")
 
 MANIFEST = "manifest.json"
 BLOB = "data.bin"
+BLOB_METADATA = "blob"  # the S3 manifest's metadata naming its blob (absent: data.bin)
+_BLOB_NAME = re.compile(r"data(-[0-9a-f]{32})?\.bin")
+_MISSING_S3 = {"NoSuchKey", "404", "NotFound", "AccessDenied", "403", "InvalidObjectState"}
 
 
 def step_name(step: int) -> str:
@@ -46,7 +64,13 @@ class CheckpointStorage(Protocol):
         """Committed checkpoints of ``key``, newest first."""
         ...
 
-    def read(self, key: str, step: int) -> tuple[bytes, bytearray]: ...
+    def read(self, key: str, step: int) -> tuple[bytes, bytearray]:
+        """The manifest and blob; ``UnreadableCheckpoint`` when either is missing."""
+        ...
+
+    def read_manifest(self, key: str, step: int) -> bytes:
+        """The manifest alone (cheap); ``UnreadableCheckpoint`` when it is missing."""
+        ...
 
     def delete(self, key: str, step: int) -> None: ...
 
@@ -57,8 +81,16 @@ def _check_key(key: str) -> str:
     return key
 
 
+def _version(name: str) -> tuple[int, int] | None:
+    """``(step, version)`` of a step directory's name (``<step>`` or ``<step>.<n>``)."""
+    head, dot, tail = name.partition(".")
+    if not head.isdigit() or (dot and not tail.isdigit()):
+        return None
+    return int(head), int(tail) if dot else 0
+
+
 class LocalStorage:
-    """Checkpoints in a directory: ``<root>/<key>/<step>/{data.bin,manifest.json}``."""
+    """Checkpoints in a directory: ``<root>/<key>/<step>[.<n>]/{data.bin,manifest.json}``."""
 
     def __init__(self, root: str | os.PathLike, *, chunk_bytes: int = 64 << 20) -> None:
         self.root = Path(root)
@@ -66,6 +98,26 @@ class LocalStorage:
 
     def __repr__(self) -> str:
         return f"LocalStorage({str(self.root)!r})"
+
+    def _versions(self, base: Path) -> dict[int, list[tuple[int, Path]]]:
+        """Every step's directories, newest version first."""
+        found: dict[int, list[tuple[int, Path]]] = {}
+        if not base.is_dir():
+            return found
+        for path in base.iterdir():
+            parsed = _version(path.name)
+            if parsed is not None:
+                found.setdefault(parsed[0], []).append((parsed[1], path))
+        for versions in found.values():
+            versions.sort(reverse=True)
+        return found
+
+    def _current(self, key: str, step: int) -> Path:
+        base = self.root / _check_key(key)
+        for _, path in self._versions(base).get(step, []):
+            if (path / MANIFEST).is_file():
+                return path
+        raise UnreadableCheckpoint(f"step {step} of {key} is not in {self.root}")
 
     def write(
         self,
@@ -83,40 +135,70 @@ class LocalStorage:
             _write_file(tmp / BLOB, buffers)
             _write_file(tmp / MANIFEST, [memoryview(manifest())])
             _fsync_dir(tmp)
-            final = base / step_name(step)
-            if final.exists():  # the same step saved again: replace it
-                shutil.rmtree(final)
-            os.rename(tmp, final)
+            older = self._versions(base).get(step, [])
+            name = step_name(step) + (f".{older[0][0] + 1}" if older else "")
+            os.rename(tmp, base / name)  # a name no directory has: nothing is replaced
             _fsync_dir(base)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        for _, path in older:  # the same step saved again: the new version is durable
+            _remove(path)
 
     def steps(self, key: str) -> list[int]:
-        base = self.root / _check_key(key)
-        if not base.is_dir():
-            return []
+        versions = self._versions(self.root / _check_key(key))
         found = [
-            int(p.name) for p in base.iterdir() if p.name.isdigit() and (p / MANIFEST).is_file()
+            step
+            for step, paths in versions.items()
+            if any((path / MANIFEST).is_file() for _, path in paths)
         ]
         return sorted(found, reverse=True)
 
+    def read_manifest(self, key: str, step: int) -> bytes:
+        path = self._current(key, step)
+        try:
+            return (path / MANIFEST).read_bytes()
+        except (FileNotFoundError, NotADirectoryError, PermissionError) as exc:
+            raise UnreadableCheckpoint(f"step {step} of {key}: {exc}") from None
+
     def read(self, key: str, step: int) -> tuple[bytes, bytearray]:
-        path = self.root / _check_key(key) / step_name(step)
-        manifest = (path / MANIFEST).read_bytes()
-        size = (path / BLOB).stat().st_size
-        blob = bytearray(size)
-        with open(path / BLOB, "rb", buffering=0) as f:
-            view, done = memoryview(blob), 0
-            while done < size:
-                n = f.readinto(view[done:])
-                if not n:
-                    break
-                done += n
+        path = self._current(key, step)
+        try:
+            manifest = (path / MANIFEST).read_bytes()
+            with open(path / BLOB, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                blob = bytearray(size)
+                view, done = memoryview(blob), 0
+                while done < size:
+                    n = f.readinto(view[done:])
+                    if not n:
+                        break
+                    done += n
+        except (FileNotFoundError, NotADirectoryError, PermissionError) as exc:
+            raise UnreadableCheckpoint(f"step {step} of {key}: {exc}") from None
         return manifest, blob
 
     def delete(self, key: str, step: int) -> None:
-        shutil.rmtree(self.root / _check_key(key) / step_name(step), ignore_errors=True)
+        base = self.root / _check_key(key)
+        for _, path in self._versions(base).get(step, []):
+            _remove(path)
+        with contextlib.suppress(OSError):  # what an interrupted delete left behind
+            for leftover in base.glob(".del-*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _remove(path: Path) -> None:
+    """Remove a step's directory: first renamed aside (it vanishes for readers at once, never
+    half deleted under its name), then deleted."""
+    aside = path.with_name(f".del-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        logger.warning("could not remove %s: %s", path, exc)
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _write_file(path: Path, buffers: Sequence[memoryview]) -> None:
@@ -142,7 +224,9 @@ def _fsync_dir(path: Path) -> None:
 
 
 class S3Storage:
-    """Checkpoints in S3: ``s3://<bucket>/<prefix>/<key>/<step>/{data.bin,manifest.json}``.
+    """Checkpoints in S3: ``s3://<bucket>/<prefix>/<key>/<step>/{data-<id>.bin,manifest.json}``
+    (the manifest's metadata ``blob`` names the blob; checkpoints written before it existed
+    have ``data.bin``).
 
     ``endpoint_url`` points at S3-compatible stores (MinIO, Ceph, moto). Throttling, timeouts
     and connection errors are retried by botocore (adaptive mode); credentials come from the
@@ -206,17 +290,47 @@ class S3Storage:
         size: int,
         manifest: Callable[[], bytes],
     ) -> None:
-        blob_key = self._key(key, step, BLOB)
+        blob = f"data-{uuid.uuid4().hex}.bin"  # its own name: an older version stays intact
+        blob_key = self._key(key, step, blob)
         if size <= self.part_bytes:
             self.client.put_object(
                 Bucket=self.bucket, Key=blob_key, Body=b"".join(bytes(b) for b in buffers)
             )
         else:
             self._multipart(blob_key, buffers)
-        # the manifest last: only now does the checkpoint exist for readers
+        # the manifest last: only now does the checkpoint (or its new version) exist for readers
         self.client.put_object(
-            Bucket=self.bucket, Key=self._key(key, step, MANIFEST), Body=manifest()
+            Bucket=self.bucket,
+            Key=self._key(key, step, MANIFEST),
+            Body=manifest(),
+            Metadata={BLOB_METADATA: blob},
         )
+        try:  # an older version's blob, or one a crashed save left behind
+            for other in self._objects(self._key(key, step)):
+                if other != blob_key and not other.endswith("/" + MANIFEST):
+                    self.client.delete_object(Bucket=self.bucket, Key=other)
+        except Exception as exc:  # housekeeping: the save is committed
+            logger.warning("could not delete old blobs of %s step %s: %s", key, step, exc)
+
+    def _objects(self, prefix: str) -> list[str]:
+        paginator = self.client.get_paginator("list_objects_v2")
+        return [
+            obj["Key"]
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix)
+            for obj in page.get("Contents", [])
+        ]
+
+    def _get(self, key: str, step: int, name: str) -> dict:
+        """``get_object``, with a missing or forbidden object as ``UnreadableCheckpoint``."""
+        from botocore.exceptions import ClientError
+
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(key, step, name))
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code in _MISSING_S3:
+                raise UnreadableCheckpoint(f"step {step} of {key}: {name}: {code}") from None
+            raise
 
     def _multipart(self, blob_key: str, buffers: Sequence[memoryview]) -> None:
         upload = self.client.create_multipart_upload(Bucket=self.bucket, Key=blob_key)
@@ -248,20 +362,22 @@ class S3Storage:
     def steps(self, key: str) -> list[int]:
         prefix = self._key(key)
         found = []
-        paginator = self.client.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
-            for obj in page.get("Contents", []):
-                rest = obj["Key"][len(prefix) :]
-                name, _, leaf = rest.partition("/")
-                if leaf == MANIFEST and name.isdigit():
-                    found.append(int(name))
+        for name in self._objects(prefix):
+            step, _, leaf = name[len(prefix) :].partition("/")
+            if leaf == MANIFEST and step.isdigit():
+                found.append(int(step))
         return sorted(found, reverse=True)
 
+    def read_manifest(self, key: str, step: int) -> bytes:
+        return self._get(key, step, MANIFEST)["Body"].read()
+
     def read(self, key: str, step: int) -> tuple[bytes, bytearray]:
-        manifest = self.client.get_object(Bucket=self.bucket, Key=self._key(key, step, MANIFEST))[
-            "Body"
-        ].read()
-        body = self.client.get_object(Bucket=self.bucket, Key=self._key(key, step, BLOB))
+        response = self._get(key, step, MANIFEST)
+        manifest = response["Body"].read()
+        name = response.get("Metadata", {}).get(BLOB_METADATA, BLOB)
+        if not _BLOB_NAME.fullmatch(name):
+            raise UnreadableCheckpoint(f"step {step} of {key}: bad blob name {name!r}")
+        body = self._get(key, step, name)
         blob = bytearray(body["ContentLength"])
         view, done = memoryview(blob), 0
         stream = body["Body"]
@@ -274,8 +390,10 @@ class S3Storage:
         return manifest, blob
 
     def delete(self, key: str, step: int) -> None:
-        for name in (MANIFEST, BLOB):  # the manifest first: the checkpoint vanishes at once
-            self.client.delete_object(Bucket=self.bucket, Key=self._key(key, step, name))
+        # the manifest first: the checkpoint vanishes at once; then its blob(s)
+        self.client.delete_object(Bucket=self.bucket, Key=self._key(key, step, MANIFEST))
+        for name in self._objects(self._key(key, step)):
+            self.client.delete_object(Bucket=self.bucket, Key=name)
 
 
 def _chunks(buffers: Sequence[memoryview], size: int):
