@@ -157,6 +157,9 @@ def start_service(db_url: str, home, **overrides) -> Service:
     from prefect_spotgpu.service.api import create_app
     from prefect_spotgpu.service.settings import ServiceSettings
 
+    # webhooks go to loopback receivers in tests: private destinations are allowed unless a
+    # test asks for the default (refused; tests/test_webhook_destinations.py)
+    overrides.setdefault("webhook_allow_private", True)
     settings = ServiceSettings(
         db_url=db_url,
         home=home,

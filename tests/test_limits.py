@@ -80,3 +80,10 @@ def test_reads_never_wait_for_the_write_lock(service):
                 assert "read-only" in str(exc)
             else:
                 raise AssertionError("a reading session wrote")
+
+
+def test_a_refused_webhook_secret_is_never_echoed(service):
+    alice = service.tenant()
+    secret = "whsec_not-base64-but-secret!!"
+    response = alice.put("/webhook", json={"url": "https://example.com/hook", "secret": secret})
+    assert response.status_code == 422 and secret not in response.text

@@ -561,14 +561,19 @@ def ledger(tenant_id: CurrentTenant, db: Db):
     tags=["webhooks"],
     summary="Set (or clear, with url null) the URL your events are POSTed to",
 )
-def set_webhook(data: schemas.WebhookConfig, tenant_id: CurrentTenant, db: Db):
+def set_webhook(data: schemas.WebhookConfig, tenant_id: CurrentTenant, db: Db, request: Request):
+    url = None if data.url is None else str(data.url)
+    allow_private = request.app.state.settings.webhook_allow_private
+    if url is not None:  # resolve the host before the transaction: DNS holds no lock
+        crud.check_webhook_destination(url=url, allow_private=allow_private)
     with db.begin() as session:
         tenant = crud.get_tenant(session=session, tenant_id=tenant_id)
         crud.set_webhook(
             session=session,
             tenant=tenant,
-            url=None if data.url is None else str(data.url),
+            url=url,
             secret=data.secret,
+            allow_private=allow_private,
         )
         crud.record_change(session=session, entity="tenant", entity_id=tenant_id, op="webhook")
         return {"url": tenant.webhook_url, "has_secret": bool(tenant.webhook_secret)}
@@ -670,8 +675,9 @@ def _safe(value):
 
 def _echo(loc: tuple, value):
     """What of a bad input goes back in an error: scalars (truncated), never a whole object
-    (a bid's body holds its job's environment, secrets included) nor anything under ``env``."""
-    if "env" in loc:
+    (a bid's body holds its job's environment, secrets included) nor anything under ``env``
+    or a webhook's ``secret``."""
+    if "env" in loc or "secret" in loc:
         return "<redacted>"
     if isinstance(value, dict | list | tuple):
         return f"<{type(value).__name__}>"

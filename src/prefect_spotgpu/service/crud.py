@@ -10,12 +10,13 @@ import hashlib
 import secrets
 from datetime import UTC, datetime
 
+import httpcore
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from prefect_spotgpu.market import AllocationStatus
-from prefect_spotgpu.service import schemas
+from prefect_spotgpu.service import schemas, webhooks
 from prefect_spotgpu.service.errors import Conflict, Forbidden, Invalid, NotFound
 from prefect_spotgpu.service.models import (
     AllocationRow,
@@ -583,9 +584,20 @@ def ledger_entries(*, session: Session, tenant_id: int, limit: int = 500) -> lis
     )
 
 
-def set_webhook(*, session: Session, tenant: Tenant, url: str | None, secret: str | None) -> Tenant:
+def set_webhook(
+    *,
+    session: Session,
+    tenant: Tenant,
+    url: str | None,
+    secret: str | None,
+    allow_private: bool = False,
+) -> Tenant:
+    """Set a tenant's webhook. The URL must resolve to public addresses only, unless
+    ``allow_private`` (the ``webhook_allow_private`` setting); every delivery checks again."""
     if url is not None and not (secret or tenant.webhook_secret):
         raise Invalid("a webhook needs a secret to sign its deliveries", field="secret")
+    if url is not None:
+        check_webhook_destination(url=url, allow_private=allow_private)
     tenant.webhook_url = url
     if secret is not None:
         tenant.webhook_secret = secret
@@ -614,3 +626,18 @@ def check_sealing_key(*, session: Session, sealer: Sealer) -> None:
     )
     if sample is not None:
         sealer.open(sample)  # SealError: the wrong key
+
+
+# ---------------------------------------------------------------- webhook helpers
+
+
+def check_webhook_destination(*, url: str, allow_private: bool) -> None:
+    """A 422 naming ``url`` unless it resolves to public addresses only (or ``allow_private``)."""
+    try:
+        webhooks.check_destination(url, allow_private=allow_private)
+    except webhooks.DestinationRefused as exc:
+        raise Invalid(f"webhook destinations must be public: {exc.reason}", field="url") from None
+    except httpcore.TimeoutException:
+        raise Invalid("the webhook's host did not resolve in time", field="url") from None
+    except httpcore.ConnectError:
+        raise Invalid("the webhook's host does not resolve", field="url") from None

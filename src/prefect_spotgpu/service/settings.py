@@ -44,6 +44,21 @@ class ServiceSettings(BaseSettings):
     )
     webhook_max_attempts: int = Field(6, ge=1, le=20)
     webhook_backoff_seconds: float = Field(1.0, gt=0)
+    webhook_timeout_seconds: float = Field(
+        5.0,
+        gt=0,
+        le=60,
+        description="One delivery attempt's deadline, all of it: DNS, connect, TLS, sending "
+        "and the answer's status.",
+    )
+    webhook_workers: int = Field(
+        8, ge=1, le=256, description="Deliveries in flight at once (one per tenant at a time)."
+    )
+    webhook_allow_private: bool = Field(
+        False,
+        description="Let webhooks reach loopback, private and link-local addresses (local "
+        "stacks and tests); otherwise only public destinations are accepted and reached.",
+    )
     run_ticker: bool = Field(True, description="Run the tick loop (one leader among replicas).")
 
     @field_validator("db_url")
