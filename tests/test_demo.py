@@ -32,18 +32,30 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
-def test_demo_runs_the_stack_through_a_reclaim_and_ctrl_c_stops_everything(tmp_path):
-    home = tmp_path / "demo"
+def start_demo(tmp_path: Path, home: Path, *options: str) -> subprocess.Popen:
+    """``spotgpu demo`` as a user runs it, from a directory outside the clone."""
     env = {**os.environ, "COLUMNS": "160"}
     env.pop("PREFECT_API_URL", None)
-    demo = subprocess.Popen(
-        [sys.executable, "-m", "prefect_spotgpu.cli", "demo", "--steps", "150", "--home", home],
+    return subprocess.Popen(
+        [sys.executable, "-m", "prefect_spotgpu.cli", "demo", *options, "--home", home],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
         cwd=tmp_path,  # the clone is found from the installed package
     )
+
+
+def assert_all_stopped(home: Path, seconds: float = 20) -> None:
+    deadline = time.monotonic() + seconds
+    while processes_mentioning(str(home)):
+        assert time.monotonic() < deadline, processes_mentioning(str(home))
+        time.sleep(0.2)
+
+
+def test_demo_runs_the_stack_through_a_reclaim_and_ctrl_c_stops_everything(tmp_path):
+    home = tmp_path / "demo"
+    demo = start_demo(tmp_path, home, "--steps", "150")
     lines = []
     deadline = time.monotonic() + 400
     try:
@@ -79,25 +91,13 @@ def test_demo_runs_the_stack_through_a_reclaim_and_ctrl_c_stops_everything(tmp_p
     finally:
         if demo.poll() is None:
             demo.kill()
-    deadline = time.monotonic() + 20
-    while processes_mentioning(str(home)):
-        assert time.monotonic() < deadline, processes_mentioning(str(home))
-        time.sleep(0.2)
+    assert_all_stopped(home)
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_or_sighup_stops_the_demos_whole_stack_like_ctrl_c(tmp_path, stop):
     home = tmp_path / "demo"
-    env = {**os.environ, "COLUMNS": "160"}
-    env.pop("PREFECT_API_URL", None)
-    demo = subprocess.Popen(
-        [sys.executable, "-m", "prefect_spotgpu.cli", "demo", "--home", home],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-    )
+    demo = start_demo(tmp_path, home)
     lines = []
     try:
         for line in demo.stdout:  # the Prefect server is up, the market is starting
@@ -111,7 +111,4 @@ def test_sigterm_or_sighup_stops_the_demos_whole_stack_like_ctrl_c(tmp_path, sto
     finally:
         if demo.poll() is None:
             demo.kill()
-    deadline = time.monotonic() + 20
-    while processes_mentioning(str(home)):
-        assert time.monotonic() < deadline, processes_mentioning(str(home))
-        time.sleep(0.2)
+    assert_all_stopped(home)
