@@ -38,6 +38,7 @@ from prefect_spotgpu.agent.isolation import (
 )
 from prefect_spotgpu.agent.runners import DockerRunner, JobRequest, ProcessRunner
 from prefect_spotgpu.checkpoint import Checkpointer, LocalStorage, S3Storage
+from test_agent import running
 
 AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="jobs are isolated only under root")
 
@@ -62,15 +63,6 @@ def sandbox():
     base.chmod(0o711)
     yield base
     shutil.rmtree(base, ignore_errors=True)
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 HOSTILE = r"""

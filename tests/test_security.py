@@ -366,7 +366,8 @@ def test_a_storage_failure_under_a_notice_the_tenant_caused_is_not_compensated(s
     )
     assert refused.status_code == 200  # recorded, but the market ignores it
     time.sleep(0.5)
-    assert alice.get(f"/allocations/{running['id']}").json()["status"] == "running"
+    ignored = alice.get(f"/allocations/{running['id']}").json()
+    assert ignored["status"] == "running" and ignored["final_save"] is None
     assert ledger_compensation(alice) == []
 
 

@@ -416,13 +416,10 @@ def get_allocation(
     session: Session,
     allocation_id: int,
     tenant_id: int | None = None,
-    node_id: int | None = None,
 ) -> AllocationRow:
     alloc = session.get(AllocationRow, allocation_id)
     if alloc is None or (tenant_id is not None and alloc.tenant_id != tenant_id):
         raise NotFound(f"allocation {allocation_id} not found")
-    if node_id is not None and alloc.node_id != node_id:
-        raise Forbidden(f"allocation {allocation_id} is not on this node")
     return alloc
 
 
@@ -474,10 +471,6 @@ def report_allocation(
         raise Invalid("checkpoint_at is in the future", field="checkpoint_at")
     if report.checkpoint_at is not None and report.checkpoint_at < alloc.started_at - 60:
         raise Invalid("checkpoint_at is before the allocation started", field="checkpoint_at")
-    if report.outcome == "saved":
-        alloc.final_save = "ok"
-    elif report.outcome == "save_failed":
-        alloc.final_save = "failed"
     record_change(
         session=session,
         entity="allocation",

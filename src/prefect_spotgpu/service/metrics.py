@@ -11,8 +11,8 @@ What is measured, and who writes it:
   ``spotgpu_notices_total{reason}`` and ``spotgpu_final_saves_total{outcome}`` (``ok``,
   ``failed``): written only by ``Ticker.tick`` on the leader, after its transaction commits, so a
   tick that fails and is cleared again is not counted twice. A final save is counted when the
-  leader applies the agent's report (the ``saved`` / ``save_failed`` outbox row that
-  ``crud.report_allocation`` wrote beside ``final_save``).
+  leader applies the agent's ``saved`` / ``save_failed`` report to a noticed allocation (and
+  writes its ``final_save``); a report it ignores is not counted.
 - **Webhooks** — ``spotgpu_webhook_deliveries_total{outcome}``: one per attempt, written only by
   ``WebhookSender`` after the POST.
 - **The API** — ``spotgpu_http_request_duration_seconds{method, route, status}``: written only by

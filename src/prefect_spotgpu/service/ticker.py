@@ -252,7 +252,6 @@ class Ticker:
             if self.market is None:
                 self._load(session, now)
             changes = list(session.scalars(select(MarketChange).order_by(MarketChange.id)))
-            reports = [c.op for c in changes if c.entity == "allocation"]
             writes = _Writes(session, self, now)
             for change in changes:
                 self._apply_change(writes, change, now)
@@ -274,7 +273,9 @@ class Ticker:
             self.notifier.market_moved()
         self.ticks += 1
         self.tick_seconds_last = time.perf_counter() - started
-        self.metrics.observe_tick(self.tick_seconds_last, notices=decision.notices, reports=reports)
+        self.metrics.observe_tick(
+            self.tick_seconds_last, notices=decision.notices, reports=writes.final_saves
+        )
         return decision
 
     def _load(self, session: Session, now: float) -> None:
@@ -458,11 +459,15 @@ class Ticker:
             alloc.last_checkpoint_at = checkpoint_at
             alloc.paid_at_checkpoint = writes.paid(alloc)
         if change.op == "saved" and status is S.NOTICED:
+            alloc.final_save = "ok"
+            writes.final_saves.append(change.op)
             writes.settlement(
                 self.market.end_allocation(alloc.id, S.PREEMPTED, at),
                 reason="final save acknowledged",
             )
         elif change.op == "save_failed" and status is S.NOTICED:
+            alloc.final_save = "failed"
+            writes.final_saves.append(change.op)
             cause = LossCause(data.get("cause") or LossCause.JOB)
             in_time = alloc.deadline is None or at <= alloc.deadline
             writes.settlement(
@@ -706,6 +711,7 @@ class _Writes:
         self.now_dt = datetime.fromtimestamp(now, UTC)
         self.events = 0
         self.ended = False
+        self.final_saves: list[str] = []  # final-save reports applied (saved, save_failed)
         self._pending_events: list[dict] = []
         self._webhooks: dict[int, str | None] = {}
         self._tenants: dict[int, tuple[float, float]] = {}
