@@ -255,6 +255,25 @@ def test_a_tenant_sees_only_its_own_bids_and_allocations(page, market, tmp_path)
     assert page.problems == []
 
 
+def test_a_long_list_shows_its_newest_page_and_the_rest_on_show_older(page, market):
+    carol = market.tenant("carol")
+    body = {"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 0.2, "region": "eu-west"}
+    ids = [carol.post("/bids", json=body).json()["id"] for _ in range(103)]
+    page.goto(market.base_url + "/dashboard")
+    sign_in(page, carol)
+    page.wait_for_selector(f"tr[data-bid='{ids[-1]}']")
+    listed = page.locator("#bids tbody tr").evaluate_all("rows => rows.map(r => r.dataset.bid)")
+    assert listed == [str(i) for i in reversed(ids[3:])]  # the newest page, newest first
+    assert page.locator("#bids-older").is_visible()
+    page.click("#bids-older")
+    page.wait_for_selector(f"tr[data-bid='{ids[0]}']")
+    listed = page.locator("#bids tbody tr").evaluate_all("rows => rows.map(r => r.dataset.bid)")
+    assert listed == [str(i) for i in reversed(ids)]
+    until(page, "document.querySelector('#bids-older').hidden")
+    assert page.locator("#allocations-older").is_hidden()
+    assert page.problems == []
+
+
 def test_the_page_fits_a_phone(browser, market, tmp_path):
     context = browser.new_context(
         viewport={"width": 390, "height": 844}, device_scale_factor=2, is_mobile=True

@@ -543,29 +543,24 @@ def bids(
     market: str = MARKET,
 ) -> None:
     """Your bids: each one's current allocation, price and cost so far, and your balance."""
-    from prefect_spotgpu.views import bids_table
+    from prefect_spotgpu.views import bids_table, parse_time
 
     with _market_client(market, api_key) as client:
         me = _get(client, "/me")
-        shown: list[dict] = []
-        after = 0
-        while True:  # the API pages oldest first: keep the latest `limit`
-            params = {"limit": 1000, "after_id": after, **({"status": status} if status else {})}
-            page = _get(client, "/bids", params=params)
-            shown = (shown + page)[-limit:]
-            if len(page) < 1000:
-                break
-            after = page[-1]["id"]
+        params = {"limit": min(limit, PAGE_SIZE), **({"status": status} if status else {})}
+        shown = _get_pages(client, "/bids", params, up_to=limit)  # newest first
         allocations: dict[int, list[dict]] = {b["id"]: [] for b in shown}
-        everything = _get(client, "/allocations", params={"limit": 1000})
-        if len(everything) < 1000:  # all of the tenant's allocations in one request
-            for a in everything:
+        # every allocation of a shown bid started after that bid was made: page back to there
+        since = min((parse_time(b["created_at"]) for b in shown), default=float("inf"))
+        for page in _pages(client, "/allocations", {"limit": 1000}):
+            for a in page:
                 if a["bid_id"] in allocations:
                     allocations[a["bid_id"]].append(a)
-        else:
-            for bid_id in allocations:
-                allocations[bid_id] = _get(client, f"/bids/{bid_id}/allocations")
-    console.print(bids_table(shown, allocations, tenant=me))
+            if not page or page[-1]["started_at"] < since - 1:
+                break
+        for attempts in allocations.values():
+            attempts.sort(key=lambda a: a["id"])
+    console.print(bids_table(shown[::-1], allocations, tenant=me))
 
 
 @app.command()
@@ -587,6 +582,33 @@ def _get(client: httpx.Client, path: str, params: dict | None = None):
     if response.status_code != 200:
         _fail(response)
     return response.json()
+
+
+PAGE_SIZE = 100
+"""Rows the CLI asks for in one page of a paged list."""
+
+
+def _pages(client: httpx.Client, path: str, params: dict) -> Iterator[list[dict]]:
+    """Each page of a paged list (newest first), following the ``Link: rel="next"`` header."""
+    response = client.get(path, params=params)
+    while True:
+        if response.status_code != 200:
+            _fail(response)
+        yield response.json()
+        following = response.links.get("next", {}).get("url")
+        if not following:
+            return
+        response = client.get(following)
+
+
+def _get_pages(client: httpx.Client, path: str, params: dict, up_to: int) -> list[dict]:
+    """The newest ``up_to`` rows of a paged list."""
+    rows: list[dict] = []
+    for page in _pages(client, path, params):
+        rows += page
+        if len(rows) >= up_to:
+            break
+    return rows[:up_to]
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -41,6 +41,16 @@ from prefect_spotgpu.service.webhooks import WebhookSender
 Id = Annotated[int, Path(ge=1, le=2**62, description="Numeric id.")]
 Cursor = Annotated[int, Query(ge=0, le=2**62, description="Events after this id.")]
 Wait = Annotated[float, Query(ge=0, le=60, description="Seconds to wait for an event.")]
+Before = Annotated[
+    int | None,
+    Query(
+        ge=0,
+        le=2**62,
+        description="Only rows older than this id: the cursor in the previous page's "
+        '`Link: <...>; rel="next"` header (0: none). Without it, the newest rows.',
+    ),
+]
+PageSize = Annotated[int, Query(ge=1, le=1000, description="Rows in one page.")]
 
 router = APIRouter(prefix="/api/v1")
 logger = logging.getLogger("prefect_spotgpu.service")
@@ -60,6 +70,19 @@ def _alloc_response(alloc: AllocationRow) -> schemas.AllocationResponse:
 
 def _node_response(node: NodeRow) -> schemas.NodeResponse:
     return schemas.NodeResponse.model_validate(node, from_attributes=True)
+
+
+def _next_cursor(rows: list, limit: int) -> int | None:
+    """Where the page after ``rows`` (newest first) starts; None when this one is the last."""
+    return rows[-1].id if len(rows) == limit else None
+
+
+def _link_next(request: Request, response: Response, **cursors: int | None) -> None:
+    """Point to the next page (RFC 8288 ``Link: <url>; rel="next"``) while any list goes on;
+    a list that has ended is asked again with cursor 0 (nothing older)."""
+    if any(c is not None for c in cursors.values()):
+        url = request.url.include_query_params(**{k: c or 0 for k, c in cursors.items()})
+        response.headers["Link"] = f'<{url}>; rel="next"'
 
 
 # ---------------------------------------------------------------- tenants
@@ -332,21 +355,27 @@ def create_bid(
         return _bid_response(bid)
 
 
-@router.get("/bids", response_model=list[schemas.BidResponse], tags=["bids"])
+@router.get(
+    "/bids",
+    response_model=list[schemas.BidResponse],
+    tags=["bids"],
+    summary="Your bids, newest first, a page at a time (the next page's URL: the Link header)",
+)
 def list_bids(
     tenant_id: CurrentTenant,
     db: Db,
+    request: Request,
+    response: Response,
     status: Literal["open", "held", "cancelled", "finished"] | None = None,
-    after_id: Cursor = 0,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    before: Before = None,
+    limit: PageSize = 100,
 ):
     with db.begin() as session:
-        return [
-            _bid_response(b)
-            for b in crud.list_bids(
-                session=session, tenant_id=tenant_id, status=status, limit=limit, after_id=after_id
-            )
-        ]
+        bids = crud.list_bids(
+            session=session, tenant_id=tenant_id, status=status, limit=limit, before_id=before
+        )
+        _link_next(request, response, before=_next_cursor(bids, limit))
+        return [_bid_response(b) for b in bids]
 
 
 @router.get("/bids/{bid_id}", response_model=schemas.BidResponse, tags=["bids"])
@@ -421,20 +450,27 @@ async def tenant_events(
     return await _long_poll(request, db, after, timeout, tenant_id=tenant_id)
 
 
-@router.get("/allocations", response_model=list[schemas.AllocationResponse], tags=["allocations"])
+@router.get(
+    "/allocations",
+    response_model=list[schemas.AllocationResponse],
+    tags=["allocations"],
+    summary="Your allocations, newest first, a page at a time (the next: the Link header)",
+)
 def list_allocations(
     tenant_id: CurrentTenant,
     db: Db,
+    request: Request,
+    response: Response,
     active: bool = False,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 500,
+    before: Before = None,
+    limit: PageSize = 500,
 ):
     with db.begin() as session:
-        return [
-            _alloc_response(a)
-            for a in crud.list_allocations(
-                session=session, tenant_id=tenant_id, active_only=active, limit=limit
-            )
-        ]
+        allocs = crud.page_allocations(
+            session=session, tenant_id=tenant_id, active_only=active, limit=limit, before_id=before
+        )
+        _link_next(request, response, before=_next_cursor(allocs, limit))
+        return [_alloc_response(a) for a in allocs]
 
 
 @router.get(
@@ -526,14 +562,40 @@ def price_history(
     "/ledger",
     response_model=schemas.LedgerResponse,
     tags=["ledger"],
-    summary="Balance, credits and the charges of each allocation",
+    summary="Balance, credits and the charges of each allocation, newest first, paged",
 )
-def ledger(tenant_id: CurrentTenant, db: Db):
+def ledger(
+    tenant_id: CurrentTenant,
+    db: Db,
+    request: Request,
+    response: Response,
+    before: Before = None,
+    charges_before: Before = None,
+    limit: PageSize = 100,
+):
+    """The balance, then two lists a page at a time, newest first: ``entries`` (credits,
+    compensations; cursor ``before``) and ``charges`` (what each allocation cost; cursor
+    ``charges_before``). ``next`` holds both cursors (null: that list has ended), and the
+    Link header the URL of the next page of both."""
     with db.begin() as session:
         tenant = crud.get_tenant(session=session, tenant_id=tenant_id)
-        entries = crud.ledger_entries(session=session, tenant_id=tenant_id)
-        allocs = crud.list_allocations(session=session, tenant_id=tenant_id, limit=1000)
+        entries = crud.ledger_entries(
+            session=session, tenant_id=tenant_id, limit=limit, before_id=before
+        )
+        allocs = crud.page_allocations(
+            session=session,
+            tenant_id=tenant_id,
+            active_only=False,
+            limit=limit,
+            before_id=charges_before,
+        )
+        cursors = {
+            "before": _next_cursor(entries, limit),
+            "charges_before": _next_cursor(allocs, limit),
+        }
+        _link_next(request, response, **cursors)
         return {
+            "next": cursors,
             "tenant_id": tenant_id,
             "credits": tenant.credits,
             "spent": tenant.spent,

@@ -368,17 +368,16 @@ def get_bid(*, session: Session, tenant_id: int, bid_id: int) -> BidRow:
 
 
 def list_bids(
-    *, session: Session, tenant_id: int, status: str | None, limit: int, after_id: int
+    *, session: Session, tenant_id: int, status: str | None, limit: int, before_id: int | None
 ) -> list[BidRow]:
-    query = (
-        select(BidRow)
-        .where(BidRow.tenant_id == tenant_id, BidRow.id > after_id)
-        .order_by(BidRow.id)
-        .limit(limit)
-    )
+    """A page of the tenant's bids, newest first: those older than ``before_id`` (the cursor
+    a previous page ended at; None for the newest)."""
+    query = select(BidRow).where(BidRow.tenant_id == tenant_id)
+    if before_id is not None:
+        query = query.where(BidRow.id < before_id)
     if status is not None:
         query = query.where(BidRow.status == status)
-    return list(session.scalars(query))
+    return list(session.scalars(query.order_by(BidRow.id.desc()).limit(limit)))
 
 
 def reprice_bid(*, session: Session, bid: BidRow, max_price: float, now: datetime) -> BidRow:
@@ -426,15 +425,13 @@ def get_allocation(
 def list_allocations(
     *,
     session: Session,
-    tenant_id: int | None = None,
     node_id: int | None = None,
     bid_id: int | None = None,
     active_only: bool = False,
-    limit: int = 500,
 ) -> list[AllocationRow]:
-    query = select(AllocationRow).order_by(AllocationRow.id).limit(limit)
-    if tenant_id is not None:
-        query = query.where(AllocationRow.tenant_id == tenant_id)
+    """A node's or a bid's allocations, oldest first (a bid has one per attempt, a node as
+    many active ones as it has GPUs)."""
+    query = select(AllocationRow).order_by(AllocationRow.id)
     if node_id is not None:
         query = query.where(AllocationRow.node_id == node_id)
     if bid_id is not None:
@@ -442,6 +439,18 @@ def list_allocations(
     if active_only:
         query = query.where(AllocationRow.status.in_(ACTIVE))
     return list(session.scalars(query))
+
+
+def page_allocations(
+    *, session: Session, tenant_id: int, active_only: bool, limit: int, before_id: int | None
+) -> list[AllocationRow]:
+    """A page of the tenant's allocations, newest first, older than ``before_id``."""
+    query = select(AllocationRow).where(AllocationRow.tenant_id == tenant_id)
+    if before_id is not None:
+        query = query.where(AllocationRow.id < before_id)
+    if active_only:
+        query = query.where(AllocationRow.status.in_(ACTIVE))
+    return list(session.scalars(query.order_by(AllocationRow.id.desc()).limit(limit)))
 
 
 def report_allocation(
@@ -566,15 +575,14 @@ def price_bars(
     )
 
 
-def ledger_entries(*, session: Session, tenant_id: int, limit: int = 500) -> list[LedgerEntry]:
-    return list(
-        session.scalars(
-            select(LedgerEntry)
-            .where(LedgerEntry.tenant_id == tenant_id)
-            .order_by(LedgerEntry.id)
-            .limit(limit)
-        )
-    )
+def ledger_entries(
+    *, session: Session, tenant_id: int, limit: int, before_id: int | None
+) -> list[LedgerEntry]:
+    """A page of the tenant's ledger entries, newest first, older than ``before_id``."""
+    query = select(LedgerEntry).where(LedgerEntry.tenant_id == tenant_id)
+    if before_id is not None:
+        query = query.where(LedgerEntry.id < before_id)
+    return list(session.scalars(query.order_by(LedgerEntry.id.desc()).limit(limit)))
 
 
 def set_webhook(

@@ -392,6 +392,14 @@ class LedgerEntryResponse(BaseModel):
     created_at: datetime
 
 
+class LedgerCursors(BaseModel):
+    """Where each of the ledger's lists goes on (the query parameters of the next page);
+    null where that list has ended."""
+
+    before: int | None
+    charges_before: int | None
+
+
 class LedgerResponse(BaseModel):
     tenant_id: int
     credits: float
@@ -399,6 +407,7 @@ class LedgerResponse(BaseModel):
     balance: float
     entries: list[LedgerEntryResponse]
     charges: list[AllocationCharge]
+    next: LedgerCursors
 
 
 class AllocationCharge(BaseModel):

@@ -16,6 +16,7 @@ const state = {
   selected: null, // "model|region|capacity"
   range: 24,
   seenBids: new Set(),
+  pages: { bids: 1, allocations: 1, ledger: 1 }, // pages of each list shown ("Show older")
   refreshing: false,
   again: false,
 };
@@ -63,6 +64,33 @@ async function getJSON(path, auth = false) {
     throw error;
   }
   return response.json();
+}
+
+// The next page of a paged list (newest first): the response's `Link: <url>; rel="next"`,
+// asked of this page's own origin whatever host the link names.
+function nextPage(response) {
+  const match = /<([^>]+)>\s*;\s*rel="next"/.exec(response.headers.get("Link") || "");
+  if (!match) return null;
+  const url = new URL(match[1], location.href);
+  return url.pathname.startsWith(API + "/") ? url.pathname + url.search : null;
+}
+
+// `pages` pages of a signed-in list; `rows` picks the list out of a body. Whether more follow.
+async function getPages(path, pages, rows = (body) => body) {
+  let url = API + path, first = null, all = [];
+  for (let i = 0; i < pages && url; i++) {
+    const response = await fetch(url, { headers: { Authorization: `Bearer ${state.key}` } });
+    if (!response.ok) {
+      const error = new Error(`${response.status} ${path}`);
+      error.status = response.status;
+      throw error;
+    }
+    const body = await response.json();
+    first = first ?? body;
+    all = all.concat(rows(body));
+    url = nextPage(response);
+  }
+  return { first, rows: all, more: url !== null };
 }
 
 // ------------------------------------------------------------------ pools
@@ -305,22 +333,35 @@ async function refreshTenant() {
   const card = $("tenant-card");
   if (!state.key) { card.hidden = true; return; }
   const [me, bids, allocations, ledger] = await Promise.all([
-    getJSON("/me", true), getJSON("/bids?limit=1000", true), getJSON("/allocations?limit=1000", true), getJSON("/ledger", true),
+    getJSON("/me", true),
+    getPages("/bids?limit=100", state.pages.bids),
+    getPages("/allocations?limit=100", state.pages.allocations),
+    getPages("/ledger?limit=100&charges_before=0", state.pages.ledger, (body) => body.entries),
   ]);
   card.hidden = false;
   $("who").textContent = `Signed in as ${me.name}`;
   $("balance").textContent = money(me.balance);
-  $("spent").textContent = money(ledger.spent);
-  $("credits").textContent = money(ledger.credits);
-  $("preemptions").textContent = String(allocations.filter((a) => a.status === "preempted").length);
-  $("bids").querySelector("tbody").replaceChildren(...bids.slice().reverse().map(bidRow));
-  bids.forEach((b) => state.seenBids.add(b.id));
-  $("allocations").querySelector("tbody").replaceChildren(...allocations.slice().reverse().map(allocationRow));
+  $("spent").textContent = money(ledger.first.spent);
+  $("credits").textContent = money(ledger.first.credits);
+  $("preemptions").textContent = String(allocations.rows.filter((a) => a.status === "preempted").length);
+  $("bids").querySelector("tbody").replaceChildren(...bids.rows.map(bidRow));
+  bids.rows.forEach((b) => state.seenBids.add(b.id));
+  $("allocations").querySelector("tbody").replaceChildren(...allocations.rows.map(allocationRow));
   $("ledger").replaceChildren(
-    ...(ledger.entries.length
-      ? ledger.entries.map((e) => h("li", {}, `${money(e.amount)} — ${e.reason || e.kind || ""} `, h("span", { class: "muted small" }, when(e.created_at))))
+    ...(ledger.rows.length
+      ? ledger.rows.map((e) => h("li", {}, `${money(e.amount)} — ${e.reason || e.kind || ""} `, h("span", { class: "muted small" }, when(e.created_at))))
       : [muted("None.", "li")]),
   );
+  $("bids-older").hidden = !bids.more;
+  $("allocations-older").hidden = !allocations.more;
+  $("ledger-older").hidden = !ledger.more;
+}
+
+for (const list of ["bids", "allocations", "ledger"]) {
+  $(`${list}-older`).addEventListener("click", () => {
+    state.pages[list] += 1;
+    refreshTenant().catch(report);
+  });
 }
 
 function bidRow(b) {
@@ -351,6 +392,7 @@ $("signin").addEventListener("submit", (event) => {
   if (!key) return;
   state.key = key;
   state.seenBids.clear();
+  state.pages = { bids: 1, allocations: 1, ledger: 1 };
   sessionStorage.setItem("spotgpu-key", key);
   $("key").value = "";
   showSignedIn();
