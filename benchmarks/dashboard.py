@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from api import ADMIN_KEY, fill, new_database, start, stop  # noqa: E402
+from api import ADMIN_KEY, fill, new_database, start, stop
 
 READS = {
     "health (baseline)": "/api/v1/health",

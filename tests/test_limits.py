@@ -66,7 +66,8 @@ def test_reads_never_wait_for_the_write_lock(service):
     alice.post("/bids", json=BID)
     engine = service.app.state.engine
     with service.app.state.sessions.begin() as session:  # holds the write lock (SQLite)
-        session.execute(text("UPDATE tenants SET spent = spent WHERE id = :id"), {"id": 1})
+        hold = text("UPDATE tenants SET spent_micros = spent_micros WHERE id = :id")
+        session.execute(hold, {"id": 1})
         started = time.monotonic()
         for path in ("/bids", "/ledger", "/allocations", "/me"):
             assert alice.get(path).status_code == 200
@@ -75,7 +76,7 @@ def test_reads_never_wait_for_the_write_lock(service):
     if engine.dialect.name == "postgresql":
         with service.app.state.reads.begin() as session:
             try:
-                session.execute(text("UPDATE tenants SET spent = spent"))
+                session.execute(text("UPDATE tenants SET spent_micros = spent_micros"))
             except Exception as exc:
                 assert "read-only" in str(exc)
             else:

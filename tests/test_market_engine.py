@@ -204,12 +204,14 @@ def test_charges_bill_each_second_at_the_price_in_force():
     m.add_bid(bid(3, 4, 0.8))  # loses: sets the price at 0.8
     m.tick(0.0)
     d = m.tick(10.0)
+    # in whole micros: 0.8 x 2 x 10 s = 4444.4 micros, 0.8 x 6 x 10 s = 13333.3 (a third carried)
     assert sorted(zip(d.charges.bid_id.tolist(), d.charges.amount.tolist(), strict=False)) == [
-        (1, pytest.approx(0.8 * 2 * 10 / 3600)),
-        (2, pytest.approx(0.8 * 6 * 10 / 3600)),
+        (1, 4444),
+        (2, 13333),
     ]
     settled = m.cancel_bid(2, at=15.0)  # the job ends: final charge, GPUs free
-    assert settled.charges.amount.tolist() == [pytest.approx(0.8 * 6 * 5 / 3600)]
+    # 6666.7 + the third carried: 15 s of 0.8 x 6 GPUs cost exactly 20000 micros in all
+    assert settled.charges.amount.tolist() == [6667]
     assert [e.status for e in settled.endings] == [AllocationStatus.FINISHED]
     d = m.tick(20.0)
     assert placed(d) == {3: (1, PlacementKind.NEW)}

@@ -9,6 +9,7 @@ market rebuilt cold from the same state.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -79,6 +80,34 @@ def _pick(items, i):
     return items[i % len(items)] if items else None
 
 
+class ExactBook:
+    """What each allocation owes, exactly (a Fraction of micros), against what it was
+    charged (whole micros): while it runs the two differ by under one micro; once it has
+    ended it paid the exact amount rounded up to a whole micro."""
+
+    def __init__(self) -> None:
+        self.owed: dict[int, Fraction] = {}
+        self.paid: dict[int, int] = {}
+        self.ended: set[int] = set()
+
+    def bill(self, charges, endings=()) -> None:
+        for c in charges:
+            assert isinstance(c.amount, int)
+            ms = round(c.seconds * 1000)
+            assert ms == c.seconds * 1000  # whole milliseconds
+            micros_per_hour = round(c.price * 1_000_000)
+            owed = Fraction(micros_per_hour * c.gpu_count * ms, 3_600_000)
+            self.owed[c.allocation_id] = self.owed.get(c.allocation_id, Fraction(0)) + owed
+            self.paid[c.allocation_id] = self.paid.get(c.allocation_id, 0) + c.amount
+        self.ended.update(e.allocation_id for e in endings)
+        for alloc_id, owed in self.owed.items():
+            paid = self.paid[alloc_id]
+            if alloc_id in self.ended:
+                assert paid == math.ceil(owed), (alloc_id, owed, paid)
+            else:
+                assert 0 <= owed - paid < 1, (alloc_id, owed, paid)
+
+
 def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
     config = MarketConfig(hysteresis=hysteresis, notice_seconds=300, regions=frozenset(REGIONS))
     market = Market(config)
@@ -86,7 +115,8 @@ def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
         model, _, capacity = model.partition("/")
         market.upsert_node(Node(i, model, region, count, reserve, capacity=capacity or "spot"))
     now, next_bid = 0.0, 1
-    total_charged = 0.0
+    total_charged = 0
+    book = ExactBook()
     expected: dict[int, float] = {}  # allocation id -> price in force (checker's view)
     last_tick = None
     for step in steps:
@@ -117,6 +147,7 @@ def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
         elif kind == "cancel" and state.bids:
             settled = market.cancel_bid(_pick(state.bids, step[1]).id, now)
             total_charged += settled.charges.total()
+            book.bill(settled.charges, settled.endings)
         elif kind == "node":
             node = _pick(state.nodes, step[1])
             change = step[2]
@@ -148,6 +179,7 @@ def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
                 status = AllocationStatus.PREEMPTED if kind == "ack" else AllocationStatus.FINISHED
                 settled = market.end_allocation(alloc.id, status, now)
                 total_charged += settled.charges.total()
+                book.bill(settled.charges, settled.endings)
                 for c in settled.charges:
                     assert math.isclose(c.price, expected[c.allocation_id])
         elif kind == "tick":
@@ -160,6 +192,7 @@ def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
             after = market.snapshot()
             check_tick(before, after, decision, expected, now)
             total_charged += decision.charges.total()
+            book.bill(decision.charges, decision.endings)
             last_tick = decision
     return market, total_charged, last_tick
 
@@ -171,14 +204,16 @@ def check_tick(before, after, decision, expected, now):
     check_free_fit_used(after, now)
     # charges: each row bills the price the checker computed at the previous tick
     for c in decision.charges:
-        assert c.amount == pytest.approx(c.price * c.gpu_count * c.seconds / 3600)
+        # whole micros: the exact amount plus the carry in (< 1), rounded down (a last charge:
+        # up); ExactBook checks the totals to the micro
+        assert -1 - 1e-6 < c.amount - c.price * 1e6 * c.gpu_count * c.seconds / 3600 < 2 + 1e-6
         assert c.allocation_id in expected, f"charge for unknown allocation {c.allocation_id}"
         assert c.price == pytest.approx(expected[c.allocation_id])
     prices = expected_prices(after, decision)
     for a in after.allocations:
         if a.status.is_charged():
             assert a.price == pytest.approx(prices[a.id]), (a, prices[a.id])
-            assert a.charged_until == now
+            assert now - 0.001 < a.charged_until <= now  # billed to the whole millisecond
     expected.clear()
     expected.update(prices)
 

@@ -41,8 +41,8 @@ def test_the_capacity_migration_goes_down_and_up_keeping_spot_rows(db_url):
         with engine.begin() as connection:
             connection.execute(
                 sa.text(
-                    "INSERT INTO tenants (name, credits, spent, created_at) "
-                    "VALUES ('t', 10, 0, CURRENT_TIMESTAMP)"
+                    "INSERT INTO tenants (name, credits_micros, spent_micros, created_at) "
+                    "VALUES ('t', 10000000, 0, CURRENT_TIMESTAMP)"
                 )
             )
             tenant = connection.execute(sa.text("SELECT id FROM tenants")).scalar_one()
@@ -61,5 +61,75 @@ def test_the_capacity_migration_goes_down_and_up_keeping_spot_rows(db_url):
         with engine.connect() as connection:
             rows = connection.execute(sa.text("SELECT capacity, max_price FROM bids")).all()
         assert [tuple(r) for r in rows] == [("spot", 1.2)]  # old rows read as spot
+    finally:
+        engine.dispose()
+
+
+def test_the_money_migration_turns_floats_into_micros_whose_totals_agree(db_url):
+    """0004 -> 0005 on float data: each amount to the nearest micro, and each tenant's totals
+    set to the exact sums of its entries and its allocations' charges."""
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as connection:
+            command.upgrade(_config(connection), "0004")
+        with engine.begin() as connection:
+            run = connection.execute
+            run(
+                sa.text(
+                    "INSERT INTO tenants (id, name, credits, spent, provider, created_at) VALUES "
+                    "(1, 'buyer', 10.1, 0.30000000000000004, false, CURRENT_TIMESTAMP), "
+                    "(2, 'owner', 0, 0, true, CURRENT_TIMESTAMP)"
+                )
+            )
+            run(
+                sa.text(
+                    "INSERT INTO ledger_entries (tenant_id, kind, amount, reason, created_at) "
+                    "VALUES (1, 'starting_credit', 10, 's', CURRENT_TIMESTAMP), "
+                    "(1, 'credit', 0.1, 'c', CURRENT_TIMESTAMP)"
+                )
+            )
+            run(
+                sa.text(
+                    "INSERT INTO nodes (id, owner_id, name, gpu_model, region, gpu_count, "
+                    "reserve_price, capacity, state, token_hash, declared, "
+                    "last_heartbeat_at, created_at) VALUES (1, 2, 'n', 'A100-80G', 'eu-west', "
+                    "8, 0.9, 'spot', 'live', 'h', false, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
+                )
+            )
+            run(
+                sa.text(
+                    "INSERT INTO bids (id, tenant_id, gpu_model, region, gpu_count, max_price, "
+                    "capacity, status, created_at, updated_at) VALUES (1, 1, 'A100-80G', "
+                    "'eu-west', 1, 1.2, 'spot', 'open', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
+                )
+            )
+            for alloc_id, amount in ((1, 0.1), (2, 0.2)):
+                run(
+                    sa.text(
+                        "INSERT INTO allocations (id, bid_id, node_id, tenant_id, gpu_count, "
+                        "status, epoch, kind, started_at, charged_until, price, charged_amount, "
+                        "charged_seconds, paid_at_checkpoint) VALUES (:id, 1, 1, 1, 1, "
+                        "'finished', 1, 'new', 0, 1, 0.9, :amount, 1, :amount)"
+                    ),
+                    {"id": alloc_id, "amount": amount},
+                )
+        with engine.begin() as connection:
+            command.upgrade(_config(connection), "head")
+        with engine.connect() as connection:
+            tenant = connection.execute(
+                sa.text("SELECT credits_micros, spent_micros FROM tenants WHERE id = 1")
+            ).one()
+            charged = connection.execute(
+                sa.text("SELECT charged_micros, paid_at_checkpoint_micros FROM allocations")
+            ).all()
+            entries = connection.execute(sa.text("SELECT amount_micros FROM ledger_entries")).all()
+        assert sorted(tuple(r) for r in charged) == [(100_000, 100_000), (200_000, 200_000)]
+        assert sorted(r[0] for r in entries) == [100_000, 10_000_000]
+        assert tuple(tenant) == (10_100_000, 300_000)  # exact sums, not the float totals
+        with engine.begin() as connection:
+            command.downgrade(_config(connection), "0004")
+        with engine.connect() as connection:
+            back = connection.execute(sa.text("SELECT credits, spent FROM tenants WHERE id = 1"))
+            assert tuple(back.one()) == (10.1, 0.3)
     finally:
         engine.dispose()

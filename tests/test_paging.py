@@ -55,8 +55,13 @@ def test_bids_come_newest_first_and_every_bid_once_across_pages(service):
 
 @pytest.mark.parametrize(
     "params, field",
-    [({"before": -1}, "before"), ({"before": "x"}, "before"), ({"limit": 0}, "limit"),
-     ({"limit": 1001}, "limit"), ({"before": 2**63}, "before")],
+    [
+        ({"before": -1}, "before"),
+        ({"before": "x"}, "before"),
+        ({"limit": 0}, "limit"),
+        ({"limit": 1001}, "limit"),
+        ({"before": 2**63}, "before"),
+    ],
 )
 def test_bad_cursors_are_422_naming_the_parameter(service, params, field):
     alice = service.tenant()

@@ -130,7 +130,7 @@ def simulate(
         placed = len(rnd.decision.placements)
         console.print(
             f"  {placed} placements, {len(rnd.decision.notices)} notices, "
-            f"charged {rnd.decision.charges.total():.4f} this round"
+            f"charged {rnd.decision.charges.total() / 1e6:.4f} this round"
         )
         for event in rnd.events[:6]:
             console.print(f"  [yellow]{event}[/yellow]")

@@ -38,6 +38,7 @@ from prefect_spotgpu.market import (
     Node,
     NodeState,
 )
+from prefect_spotgpu.market.money import MICROS
 
 MODEL, REGION = "A100-80G", "trace"
 RESERVE = 0.90  # the lowest A100-80G spot price of the product brief: the owners' floor
@@ -197,15 +198,15 @@ def replay(trace: Trace, policy_name: str, job: Job, start: int = 0, seed: int =
             else:
                 market.add_bid(Bid(JOB_BID, MODEL, trace.gpus_per_node, action.bid, REGION, now))
         elif market.has_bid(JOB_BID):
-            out.cost += market.cancel_bid(JOB_BID, now).charges.total()
+            out.cost += market.cancel_bid(JOB_BID, now).charges.total() / MICROS
             alloc = None
         decision = market.tick(now)
         quote = prospect(decision, job.cap, mine=alloc is not None)
-        out.cost += float(decision.charges.amount[decision.charges.bid_id == JOB_BID].sum())
+        out.cost += int(decision.charges.amount[decision.charges.bid_id == JOB_BID].sum()) / MICROS
         for notice in decision.notices:
             if notice.bid_id == JOB_BID:  # the final save is done within the notice
                 settled = market.end_allocation(notice.allocation_id, "preempted", now)
-                out.cost += settled.charges.total()
+                out.cost += settled.charges.total() / MICROS
                 out.preemptions += 1
         for ending in decision.endings:  # a notice deadline passed (not with instant saves)
             if ending.bid_id == JOB_BID and ending.status is AllocationStatus.PREEMPTED:
@@ -242,7 +243,7 @@ def replay(trace: Trace, policy_name: str, job: Job, start: int = 0, seed: int =
         out.steps.append(mode[0])
     if market.has_bid(JOB_BID):  # settle the last charges
         end = finish_at or pool.t0 + len(out.steps) * trace.gap_seconds
-        out.cost += market.cancel_bid(JOB_BID, end).charges.total()
+        out.cost += market.cancel_bid(JOB_BID, end).charges.total() / MICROS
     if out.finished_h is not None and out.finished_h > job.deadline_h + 1e-9:
         out.finished_h = None
     return out

@@ -58,6 +58,7 @@ class AllocationsMixin:
         arow = self._alloc_row_of(alloc.id)
         self.a.price[arow] = alloc.price
         self.a.charged[arow] = alloc.charged_until
+        self.a.carry[arow] = alloc.charge_carry
         self.a.tick[arow] = -1
         self._suspect_nodes.add(nrow)
 
@@ -79,6 +80,7 @@ class AllocationsMixin:
         a.id[arow], a.bid[arow], a.node[arow] = alloc_id, brow, nrow
         a.pool[arow], a.gpus[arow], a.status[arow] = self.n_pool[nrow], gpus, status
         a.price[arow], a.charged[arow], a.started[arow] = 0.0, now, now
+        a.carry[arow] = 0
         a.deadline[arow] = math.nan if deadline is None else deadline
         a.reason[arow] = -1 if reason is None else REASONS.index(reason)
         a.tick[arow] = self._tick

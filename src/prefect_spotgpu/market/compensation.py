@@ -15,30 +15,35 @@ The rule (DESIGN §1, §7), as a function of plain data:
   back what it paid itself);
 - once per allocation.
 
-Example: an allocation that paid 0.50 in all, 0.25 of it before its last checkpoint, on a node
-lost without notice, is credited 0.25; the same loss on the tenant's own node, or after the job
-crashed, is credited nothing::
+Amounts are whole micros (:mod:`prefect_spotgpu.market.money`). Example: an allocation that
+paid 0.50 in all, 0.25 of it before its last checkpoint, on a node lost without notice, is
+credited 0.25; the same loss on the tenant's own node, or after the job crashed, is credited
+nothing::
 
-    >>> compensation(Loss(LossCause.NODE_LOST, paid_total=0.5, paid_at_checkpoint=0.25)).amount
-    0.25
-    >>> compensation(Loss(LossCause.NODE_LOST, paid_total=0.5, own_node=True)) is None
+    >>> lost = Loss(LossCause.NODE_LOST, paid_total=500_000, paid_at_checkpoint=250_000)
+    >>> compensation(lost).amount
+    250000
+    >>> compensation(lost).reason
+    'node lost without notice: 0.250000 paid since the last durable checkpoint'
+    >>> compensation(Loss(LossCause.NODE_LOST, paid_total=500_000, own_node=True)) is None
     True
-    >>> compensation(Loss(LossCause.JOB, paid_total=0.5)) is None
+    >>> compensation(Loss(LossCause.JOB, paid_total=500_000)) is None
     True
 
 A failed save in storage is compensated under an owner's reclaim only::
 
-    >>> compensation(Loss(LossCause.STORAGE, paid_total=0.5, reclaimed=True)).amount
-    0.5
-    >>> compensation(Loss(LossCause.STORAGE, paid_total=0.5, reclaimed=False)) is None
+    >>> compensation(Loss(LossCause.STORAGE, paid_total=500_000, reclaimed=True)).amount
+    500000
+    >>> compensation(Loss(LossCause.STORAGE, paid_total=500_000, reclaimed=False)) is None
     True
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from enum import StrEnum
+
+from prefect_spotgpu.market.money import MICROS
 
 
 class LossCause(StrEnum):
@@ -60,8 +65,8 @@ REASONS = {
 @dataclass(frozen=True, slots=True)
 class Loss:
     cause: LossCause
-    paid_total: float  # what the allocation has paid in all, up to its end
-    paid_at_checkpoint: float = 0.0  # what it had paid at its last durable checkpoint
+    paid_total: int  # micros the allocation has paid in all, up to its end
+    paid_at_checkpoint: int = 0  # micros it had paid at its last durable checkpoint
     own_node: bool = False  # the bid's tenant owns the node
     already_compensated: bool = False
     reclaimed: bool = False  # the notice (if any) was the owner's reclaim
@@ -69,7 +74,7 @@ class Loss:
 
 @dataclass(frozen=True, slots=True)
 class Compensation:
-    amount: float
+    amount: int  # micros
     reason: str
 
 
@@ -79,9 +84,11 @@ def compensation(loss: Loss) -> Compensation | None:
         return None
     if loss.cause is LossCause.STORAGE and not loss.reclaimed:
         return None  # a notice the tenant may have caused itself
-    amount = loss.paid_total - max(0.0, min(loss.paid_at_checkpoint, loss.paid_total))
-    if not math.isfinite(amount) or amount <= 0:
+    paid = int(loss.paid_total)
+    amount = paid - max(0, min(int(loss.paid_at_checkpoint), paid))
+    if amount <= 0:
         return None
     return Compensation(
-        amount, f"{REASONS[loss.cause]}: {amount:.6f} paid since the last durable checkpoint"
+        amount,
+        f"{REASONS[loss.cause]}: {amount / MICROS:.6f} paid since the last durable checkpoint",
     )

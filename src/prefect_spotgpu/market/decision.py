@@ -110,12 +110,15 @@ class Charge:
     gpu_count: int
     price: float
     seconds: float
-    amount: float
+    amount: int
+    """In micros (:mod:`prefect_spotgpu.market.money`)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Charges:
-    """Per-second billing since each allocation's last charge: ``price * gpus * seconds / 3600``."""
+    """Per-second billing since each allocation's last charge: ``price * gpus * seconds / 3600``
+    in whole micros (``amount``, int64), what was below one micro carried into the next charge;
+    ``seconds`` are whole milliseconds."""
 
     allocation_id: np.ndarray
     bid_id: np.ndarray
@@ -128,7 +131,7 @@ class Charges:
     @classmethod
     def empty(cls) -> Charges:
         ints, floats = np.zeros(0, np.int64), np.zeros(0, np.float64)
-        return cls(ints, ints, ints, ints, floats, floats, floats)
+        return cls(ints, ints, ints, ints, floats, floats, ints)
 
     @classmethod
     def concat(cls, parts: list[Charges]) -> Charges:
@@ -139,8 +142,9 @@ class Charges:
     def __len__(self) -> int:
         return len(self.allocation_id)
 
-    def total(self) -> float:
-        return float(self.amount.sum())
+    def total(self) -> int:
+        """Micros charged in all."""
+        return int(self.amount.sum())
 
     def __iter__(self) -> Iterator[Charge]:
         for i in range(len(self)):
@@ -151,7 +155,7 @@ class Charges:
                 int(self.gpu_count[i]),
                 float(self.price[i]),
                 float(self.seconds[i]),
-                float(self.amount[i]),
+                int(self.amount[i]),
             )
 
     def equals(self, other: Charges) -> bool:

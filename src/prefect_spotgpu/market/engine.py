@@ -172,6 +172,7 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
             status=np.int8,
             price=np.float64,
             charged=np.float64,
+            carry=np.int64,  # below one micro, owed into the next charge (market/money.py)
             started=np.float64,
             deadline=np.float64,
             reason=np.int8,
@@ -644,6 +645,7 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
                     started_at=float(a.started[arow]),
                     charged_until=float(a.charged[arow]),
                     price=float(a.price[arow]),
+                    charge_carry=int(a.carry[arow]),
                     deadline=None if math.isnan(deadline) else deadline,
                     notice_reason=None if reason < 0 else REASONS[reason],
                     kind=("migration" if a.mig[arow] else "takeover")
@@ -653,11 +655,16 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
             )
         return MarketState(nodes, tuple(bids), tuple(allocs), self.config, self._next_alloc_id)
 
-    def charge_state(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(allocation ids, price in force, charged until)`` of every charged allocation."""
+    def charge_state(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(allocation ids, price in force, charged until, charge carry)`` of every charged
+        allocation."""
         a = self.a
         rows = np.flatnonzero((a.status[: a.n] == RUNNING) | (a.status[: a.n] == NOTICED))
-        return a.id[rows].copy(), a.price[rows].copy(), a.charged[rows].copy()
+        return a.id[rows].copy(), a.price[rows].copy(), a.charged[rows].copy(), a.carry[rows].copy()
+
+    def price_in_force(self, alloc_id: int) -> float:
+        """The price per GPU-hour an allocation pays from now on (0 while only reserved)."""
+        return float(self.a.price[self._alloc_row_of(alloc_id)])
 
     def bid_tenant(self, bid_id: int) -> int:
         return int(self.b.tenant[self._bid_row_of(bid_id)])

@@ -10,10 +10,11 @@ from prefect_spotgpu.market.decision import (
     Charges,
     PoolQuote,
 )
+from prefect_spotgpu.market.money import charges as owed
+from prefect_spotgpu.market.money import elapsed_ms
 from prefect_spotgpu.market.tables import (
     NOTICED,
     RUNNING,
-    SECONDS_PER_HOUR,
     WAITING,
     Pool,
 )
@@ -107,24 +108,25 @@ class PricingMixin:
         rows = np.flatnonzero((status == RUNNING) | (status == NOTICED))
         if len(rows) == 0:
             return Charges.empty()
-        seconds = now - a.charged[rows]
+        ms = elapsed_ms(a.charged[rows], now)
         gpus = a.gpus[rows].astype(np.int64)
         price = a.price[rows]
-        bill = seconds > 0
+        bill = ms > 0
         brows = a.bid[rows]
         charged = rows[bill]
         order = np.argsort(a.id[charged], kind="stable")
         charged = charged[order]
-        c_price, c_seconds = price[bill][order], seconds[bill][order]
+        c_price, c_ms = price[bill][order], ms[bill][order]
         c_gpus = gpus[bill][order]
+        amount, a.carry[charged] = owed(c_price, c_gpus, c_ms, a.carry[charged])
         charges = Charges(
             a.id[charged].copy(),
             b.id[a.bid[charged]],
             b.tenant[a.bid[charged]],
             c_gpus,
             c_price.copy(),
-            c_seconds,
-            c_price * c_gpus * c_seconds / SECONDS_PER_HOUR,
+            c_ms / 1000,
+            amount,
         )
         # the price in force from now on
         if self._n_reserve_np is None:
@@ -133,13 +135,16 @@ class PricingMixin:
         pool_price = clearing[a.pool[rows]]
         pool_price = np.where(np.isnan(pool_price), node_reserve, pool_price)
         a.price[rows] = np.minimum(np.maximum(pool_price, node_reserve), b.price[brows])
-        a.charged[rows] = now
+        a.charged[charged] += c_ms / 1000  # whole milliseconds billed: the rest bills next
         return charges
 
     def _final_charge(self, arow: int, at: float) -> None:
+        """The last charge of an allocation that ends at ``at``: up to ``at``, and whatever
+        carry is left rounds up to one micro (an ended allocation owes nothing later)."""
         a = self.a
-        seconds = at - float(a.charged[arow])
-        if seconds > 0:
+        ms = int(elapsed_ms(float(a.charged[arow]), at))
+        carry = int(a.carry[arow])
+        if ms > 0 or carry > 0:
             brow = int(a.bid[arow])
             price, gpus = float(a.price[arow]), int(a.gpus[arow])
             self._out.final_charges.append(
@@ -149,25 +154,29 @@ class PricingMixin:
                     int(self.b.tenant[brow]),
                     gpus,
                     price,
-                    seconds,
+                    ms,
+                    carry,
                 )
             )
+        a.carry[arow] = 0
         a.charged[arow] = max(at, float(a.charged[arow]))
 
     def _final_charges(self) -> Charges:
         rows = self._out.final_charges
         if not rows:
             return Charges.empty()
-        ids, bids, tenants, gpus, price, seconds = (np.asarray(c) for c in zip(*rows, strict=False))
+        ids, bids, tenants, gpus, price, ms, carry = (
+            np.asarray(c) for c in zip(*rows, strict=False)
+        )
         price = price.astype(np.float64)
-        seconds = seconds.astype(np.float64)
-        amount = price * gpus * seconds / SECONDS_PER_HOUR
+        ms = ms.astype(np.int64)
+        amount, left = owed(price, gpus.astype(np.int64), ms, carry.astype(np.int64))
         return Charges(
             ids.astype(np.int64),
             bids.astype(np.int64),
             tenants.astype(np.int64),
             gpus.astype(np.int64),
             price,
-            seconds,
-            amount,
+            ms / 1000,
+            amount + (left > 0),
         )

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from prefect_spotgpu.market.gpus import DEFAULT_CATALOG
+from prefect_spotgpu.market.money import MS_PER_HOUR
 
 MAX_GPUS_PER_NODE = 16
 """The largest node the market accepts; a bid for more GPUs can never fit on one node."""
@@ -261,8 +262,9 @@ class Allocation:
     """GPUs of one node held (or promised) for one bid.
 
     ``price`` is the price per GPU-hour in force since ``charged_until``: the next charge bills
-    ``price * gpu_count * (t - charged_until) / 3600``. ``deadline`` is the notice deadline of a
-    ``NOTICED`` allocation and the expiry of a ``RESERVED`` one.
+    ``price * gpu_count * (t - charged_until) / 3600`` in whole micros, plus ``charge_carry``
+    (what was below one micro, see :mod:`prefect_spotgpu.market.money`). ``deadline`` is the
+    notice deadline of a ``NOTICED`` allocation and the expiry of a ``RESERVED`` one.
     """
 
     id: int
@@ -276,6 +278,8 @@ class Allocation:
     deadline: float | None = None
     notice_reason: NoticeReason | None = None
     kind: str = "new"
+    charge_carry: int = 0
+    """Micro-milliseconds per hour owed below one micro: the next charge adds it."""
     """How it was placed: ``new``, ``takeover`` (a reservation on GPUs that noticed
     allocations will free) or ``migration`` (a reservation on free GPUs)."""
 
@@ -289,6 +293,8 @@ class Allocation:
         object.__setattr__(self, "status", AllocationStatus(self.status))
         check_time("started_at", self.started_at)
         check_time("charged_until", self.charged_until)
+        if not 0 <= self.charge_carry < MS_PER_HOUR:
+            raise ValueError(f"charge_carry must be in [0, {MS_PER_HOUR}), got {self.charge_carry}")
         if self.status.is_terminal():
             raise ValueError(f"an allocation in the market must be active, got {self.status!r}")
         if self.status in (AllocationStatus.NOTICED, AllocationStatus.RESERVED):

@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 import prefect_spotgpu
 from prefect_spotgpu.market import DEFAULT_CATALOG, AllocationStatus
+from prefect_spotgpu.market.money import to_micros
 from prefect_spotgpu.service import access, crud, dashboard, forecast_api, schemas
 from prefect_spotgpu.service.db import make_reading_sessionmaker, make_sessionmaker
 from prefect_spotgpu.service.deps import (
@@ -101,7 +102,7 @@ def create_tenant(data: schemas.TenantCreate, _: AdminOnly, db: Db, request: Req
         credit = request.app.state.settings.starting_credit
     with db.begin() as session:
         tenant, key = crud.create_tenant(
-            session=session, name=data.name, starting_credit=credit, now=_now()
+            session=session, name=data.name, starting_credit=to_micros(credit), now=_now()
         )
         session.flush()
         session.refresh(tenant)
@@ -133,7 +134,7 @@ def credit_tenant(tenant_id: Id, data: schemas.CreditCreate, _: AdminOnly, db: D
         entry = crud.add_credit(
             session=session,
             tenant_id=tenant_id,
-            amount=data.amount,
+            amount=to_micros(data.amount),
             kind="credit",
             reason=data.reason,
             now=_now(),
@@ -599,7 +600,10 @@ def ledger(
             "tenant_id": tenant_id,
             "credits": tenant.credits,
             "spent": tenant.spent,
-            "balance": tenant.credits - tenant.spent,
+            "balance": tenant.balance,
+            "credits_micros": tenant.credits_micros,
+            "spent_micros": tenant.spent_micros,
+            "balance_micros": tenant.balance_micros,
             "entries": [
                 schemas.LedgerEntryResponse.model_validate(e, from_attributes=True) for e in entries
             ],
@@ -609,6 +613,7 @@ def ledger(
                     "bid_id": a.bid_id,
                     "gpu_count": a.gpu_count,
                     "charged_amount": a.charged_amount,
+                    "charged_micros": a.charged_micros,
                     "charged_seconds": a.charged_seconds,
                     "status": a.status,
                 }

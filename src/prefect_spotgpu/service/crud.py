@@ -54,15 +54,20 @@ def record_change(
     session.add(MarketChange(entity=entity, entity_id=entity_id, op=op, data=data))
 
 
+OUT_OF_CREDIT = "out of credit"
+"""How the hold reason of a bid held for its tenant's balance begins."""
+
+
 # ---------------------------------------------------------------- tenants and keys
 
 
 def create_tenant(
-    *, session: Session, name: str, starting_credit: float, now: datetime
+    *, session: Session, name: str, starting_credit: int, now: datetime
 ) -> tuple[Tenant, str]:
+    """A tenant and its first key; ``starting_credit`` in micros."""
     if session.scalar(select(Tenant.id).where(Tenant.name == name)) is not None:
         raise Conflict(f"tenant name {name!r} is taken", field="name")
-    tenant = Tenant(name=name, credits=0.0, spent=0.0, created_at=now)
+    tenant = Tenant(name=name, credits_micros=0, spent_micros=0, created_at=now)
     try:
         with session.begin_nested():
             session.add(tenant)
@@ -133,7 +138,7 @@ def add_credit(
     *,
     session: Session,
     tenant_id: int,
-    amount: float,
+    amount: int,
     kind: str,
     reason: str,
     now: datetime,
@@ -142,11 +147,11 @@ def add_credit(
     tenant = session.get(Tenant, tenant_id, with_for_update=True)
     if tenant is None:
         raise NotFound(f"tenant {tenant_id} not found")
-    tenant.credits += amount
+    tenant.credits_micros += amount  # micros: exactly the sum of its entries
     entry = LedgerEntry(
         tenant_id=tenant_id,
         kind=kind,
-        amount=amount,
+        amount_micros=amount,
         allocation_id=allocation_id,
         reason=reason,
         created_at=now,
@@ -289,9 +294,9 @@ def create_bid(
             return existing, False
     tenant = session.get(Tenant, tenant_id)
     status, reason = "open", None
-    if tenant is not None and tenant.credits - tenant.spent <= 0:
+    if tenant is not None and tenant.balance_micros <= 0:
         status = "held"
-        reason = f"out of credit: balance {tenant.credits - tenant.spent:.4f}"
+        reason = f"{OUT_OF_CREDIT}: balance {tenant.balance:.4f}"
     bid = BidRow(
         tenant_id=tenant_id,
         idempotency_key=data.idempotency_key,

@@ -1,4 +1,10 @@
-"""The market's tables (SQLAlchemy 2 declarative). Migrations live in ``migrations/``."""
+"""The market's tables (SQLAlchemy 2 declarative). Migrations live in ``migrations/``.
+
+Money is stored as whole micros (``*_micros``, BigInteger; :mod:`prefect_spotgpu.market.money`),
+never as floats: a tenant's ``spent_micros`` is exactly the sum of its allocations'
+``charged_micros``, and its ``credits_micros`` exactly the sum of its ledger entries. The
+float properties (``credits``, ``charged_amount`` ...) are read-only views for display.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +26,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
+
+from prefect_spotgpu.market.money import from_micros
 
 # SQLite only auto-increments INTEGER PRIMARY KEY; PostgreSQL gets BIGINT.
 BigId = BigInteger().with_variant(Integer, "sqlite")
@@ -51,14 +59,30 @@ class Tenant(Base):
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     name: Mapped[str] = mapped_column(String(100), unique=True)
-    credits: Mapped[float] = mapped_column(Float, default=0.0)  # starting credit + credits
-    spent: Mapped[float] = mapped_column(Float, default=0.0)  # charges written so far
+    credits_micros: Mapped[int] = mapped_column(BigInteger, default=0)  # all its ledger entries
+    spent_micros: Mapped[int] = mapped_column(BigInteger, default=0)  # charges written so far
     webhook_url: Mapped[str | None] = mapped_column(String(2000))
     webhook_secret: Mapped[str | None] = mapped_column(String(200))
     provider: Mapped[bool] = mapped_column(
         Boolean, default=False, server_default=false()
     )  # the operator allowed it to register nodes (supply is vetted; anyone may buy)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+    @property
+    def credits(self) -> float:
+        return from_micros(self.credits_micros)
+
+    @property
+    def spent(self) -> float:
+        return from_micros(self.spent_micros)
+
+    @property
+    def balance_micros(self) -> int:
+        return self.credits_micros - self.spent_micros
+
+    @property
+    def balance(self) -> float:
+        return from_micros(self.balance_micros)
 
 
 class ApiKey(Base):
@@ -138,15 +162,22 @@ class AllocationRow(Base):
     price: Mapped[float] = mapped_column(Float, default=0.0)
     deadline: Mapped[float | None] = mapped_column(Float)
     notice_reason: Mapped[str | None] = mapped_column(String(30))
-    charged_amount: Mapped[float] = mapped_column(Float, default=0.0)
+    charged_micros: Mapped[int] = mapped_column(BigInteger, default=0)
+    charge_carry: Mapped[int] = mapped_column(
+        BigInteger, default=0, server_default="0"
+    )  # owed below one micro, with charged_until (market/money.py)
     charged_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     last_checkpoint_at: Mapped[float | None] = mapped_column(Float)
-    paid_at_checkpoint: Mapped[float] = mapped_column(
-        Float, default=0.0, server_default="0"
-    )  # charged_amount when the last durable checkpoint was reported
+    paid_at_checkpoint_micros: Mapped[int] = mapped_column(
+        BigInteger, default=0, server_default="0"
+    )  # charged_micros when the last durable checkpoint was reported
     final_save: Mapped[str | None] = mapped_column(String(20))  # ok, failed
     ended_at: Mapped[float | None] = mapped_column(Float)
     end_reason: Mapped[str | None] = mapped_column(String(200))
+
+    @property
+    def charged_amount(self) -> float:
+        return from_micros(self.charged_micros)
 
 
 class LedgerEntry(Base):
@@ -157,10 +188,14 @@ class LedgerEntry(Base):
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
     kind: Mapped[str] = mapped_column(String(20))  # starting_credit, credit, compensation
-    amount: Mapped[float] = mapped_column(Float)
+    amount_micros: Mapped[int] = mapped_column(BigInteger)
     allocation_id: Mapped[int | None] = mapped_column(BigId)
     reason: Mapped[str] = mapped_column(String(500))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+    @property
+    def amount(self) -> float:
+        return from_micros(self.amount_micros)
 
 
 class NodeReport(Base):

@@ -45,8 +45,25 @@ Region = Annotated[
 NodeRegion = Annotated[
     str, Field(min_length=1, max_length=63, examples=["eu-west"]), AfterValidator(_node_region)
 ]
+
+
+def _whole_micros(price: float) -> float:
+    """Prices are whole micros per GPU-hour (market/money.py): six decimals at most."""
+    quantized = round(price, 6)
+    if quantized <= 0:
+        raise ValueError("must be at least 0.000001 (one micro per GPU-hour)")
+    return quantized
+
+
 Price = Annotated[
-    float, Field(gt=0, le=1000, allow_inf_nan=False, description="Per GPU-hour, one currency unit.")
+    float,
+    Field(
+        gt=0,
+        le=1000,
+        allow_inf_nan=False,
+        description="Per GPU-hour, one currency unit, at most six decimals (rounded to them).",
+    ),
+    AfterValidator(_whole_micros),
 ]
 GpuCount = Annotated[int, Field(ge=1, le=MAX_GPUS_PER_NODE)]
 CapacityKind = Annotated[
@@ -101,7 +118,7 @@ def tenant_response(tenant) -> dict:
     return {
         "id": tenant.id,
         "name": tenant.name,
-        "balance": tenant.credits - tenant.spent,
+        "balance": tenant.balance,
         "provider": tenant.provider,
         "created_at": tenant.created_at,
     }
@@ -332,6 +349,7 @@ class AllocationResponse(BaseModel):
     deadline: float | None
     notice_reason: str | None
     charged_amount: float
+    charged_micros: int = Field(description="What it cost so far, exactly, in micros.")
     charged_seconds: float
     last_checkpoint_at: float | None
     final_save: str | None
@@ -387,6 +405,7 @@ class LedgerEntryResponse(BaseModel):
     id: int
     kind: str
     amount: float
+    amount_micros: int = Field(description="The amount, exactly, in micros (1 = 1e-6).")
     allocation_id: int | None
     reason: str
     created_at: datetime
@@ -401,10 +420,17 @@ class LedgerCursors(BaseModel):
 
 
 class LedgerResponse(BaseModel):
+    """Money as units (rounded to six decimals) and exactly, as whole micros (``*_micros``):
+    ``balance_micros == credits_micros - spent_micros``, ``credits_micros`` is the sum of every
+    entry and ``spent_micros`` the sum of every allocation's ``charged_micros``."""
+
     tenant_id: int
     credits: float
     spent: float
     balance: float
+    credits_micros: int
+    spent_micros: int
+    balance_micros: int
     entries: list[LedgerEntryResponse]
     charges: list[AllocationCharge]
     next: LedgerCursors
@@ -415,6 +441,7 @@ class AllocationCharge(BaseModel):
     bid_id: int
     gpu_count: int
     charged_amount: float
+    charged_micros: int
     charged_seconds: float
     status: str
 

@@ -51,6 +51,7 @@ from prefect_spotgpu.market import (
     PlacementKind,
 )
 from prefect_spotgpu.market.compensation import Loss, LossCause, compensation
+from prefect_spotgpu.market.money import from_micros
 from prefect_spotgpu.service import crud, gate
 from prefect_spotgpu.service.metrics import ServiceMetrics
 from prefect_spotgpu.service.models import (
@@ -183,8 +184,9 @@ class Ticker:
         self.epoch: int | None = None
         self.leading_since = 0.0  # when this replica last became the tick leader
         self.market: Market | None = None
-        self.pending: dict[int, list[float]] = {}  # allocation id -> [amount, seconds, tenant]
-        self.owed: defaultdict[int, float] = defaultdict(float)  # tenant -> pending amount
+        # allocation id -> [micros, seconds, tenant]; tenant -> micros: charged, not yet written
+        self.pending: dict[int, list] = {}
+        self.owed: defaultdict[int, int] = defaultdict(int)
         self.bars: dict[tuple[str, str, int], list[float]] = {}
         self.last_flush = 0.0
         self.last_quotes: dict[tuple[str, str, str], tuple] = {}
@@ -364,6 +366,7 @@ class Ticker:
                     status=S(a.status),
                     started_at=a.started_at,
                     charged_until=a.charged_until,
+                    charge_carry=a.charge_carry,
                     price=a.price,
                     deadline=a.deadline,
                     notice_reason=a.notice_reason,
@@ -457,7 +460,7 @@ class Ticker:
             and checkpoint_at > (alloc.last_checkpoint_at or 0.0)
         ):  # a newer durable checkpoint: what was paid up to now is no longer at risk
             alloc.last_checkpoint_at = checkpoint_at
-            alloc.paid_at_checkpoint = writes.paid(alloc)
+            alloc.paid_at_checkpoint_micros = writes.paid(alloc)
         if change.op == "saved" and status is S.NOTICED:
             alloc.final_save = "ok"
             writes.final_saves.append(change.op)
@@ -525,7 +528,7 @@ class Ticker:
             balance = credits - spent - owed[tenant_id]
             if balance > 0:
                 continue
-            reason = f"out of credit: balance {balance:.4f}"
+            reason = f"{crud.OUT_OF_CREDIT}: balance {from_micros(balance):.4f}"
             bids = writes.session.scalars(
                 select(BidRow.id).where(BidRow.tenant_id == tenant_id, BidRow.status == "open")
             ).all()
@@ -541,13 +544,13 @@ class Ticker:
 
     def _release_holds(self, writes: _Writes, tenant_id: int) -> None:
         tenant = writes.session.get(Tenant, tenant_id)
-        if tenant is None or tenant.credits - tenant.spent <= 0:
+        if tenant is None or tenant.balance_micros <= 0:
             return
         held = writes.session.scalars(
             select(BidRow).where(
                 BidRow.tenant_id == tenant_id,
                 BidRow.status == "held",
-                BidRow.hold_reason.like("out of credit%"),
+                BidRow.hold_reason.like(f"{crud.OUT_OF_CREDIT}%"),
             )
         ).all()
         for bid in held:
@@ -564,13 +567,17 @@ class Ticker:
 
     def _flush(self, session: Session, now: float) -> None:
         """Write accrued charges, the prices in force, and the price bars."""
-        ids, prices, charged = self.market.charge_state()
+        ids, prices, charged, carry = self.market.charge_state()
         in_force = dict(
-            zip(ids.tolist(), zip(prices.tolist(), charged.tolist(), strict=True), strict=True)
+            zip(
+                ids.tolist(),
+                zip(prices.tolist(), charged.tolist(), carry.tolist(), strict=True),
+                strict=True,
+            )
         )
-        rows, spent = [], defaultdict(float)
+        rows, spent = [], defaultdict(int)
         for alloc_id, (amount, seconds, tenant) in self.pending.items():
-            price, until = in_force.get(alloc_id, (None, None))
+            price, until, owed_below_a_micro = in_force.get(alloc_id, (None, None, 0))
             rows.append(
                 {
                     "b_id": alloc_id,
@@ -578,18 +585,20 @@ class Ticker:
                     "b_seconds": seconds,
                     "b_price": price,
                     "b_until": until,
+                    "b_carry": owed_below_a_micro,
                 }
             )
             spent[int(tenant)] += amount
-        for alloc_id, (price, until) in in_force.items():  # running, nothing charged yet
-            if alloc_id not in self.pending:
+        for alloc_id, (price, until, owed_below_a_micro) in in_force.items():
+            if alloc_id not in self.pending:  # running, nothing charged yet
                 rows.append(
                     {
                         "b_id": alloc_id,
-                        "b_amount": 0.0,
+                        "b_amount": 0,
                         "b_seconds": 0.0,
                         "b_price": price,
                         "b_until": until,
+                        "b_carry": owed_below_a_micro,
                     }
                 )
         _bulk_charge(session, rows)
@@ -597,7 +606,7 @@ class Ticker:
             session.execute(
                 update(Tenant)
                 .where(Tenant.id == tenant_id)
-                .values(spent=Tenant.spent + amount)
+                .values(spent_micros=Tenant.spent_micros + amount)
                 .execution_options(synchronize_session=False)
             )
         for (model, region, minute), (o, h, lo, c) in self.bars.items():
@@ -662,11 +671,19 @@ class Ticker:
         return moved
 
 
+def _sums_by(groups: np.ndarray, micros: np.ndarray, n: int) -> list[int]:
+    """Exact integer sums of ``micros`` per group (``np.bincount`` sums in floats)."""
+    sums = np.zeros(n, np.int64)
+    np.add.at(sums, groups, micros)
+    return sums.tolist()
+
+
 def _bulk_charge(session: Session, rows: list[dict]) -> None:
     """Add accrued charges to allocations (one executemany per kind of row).
 
-    Running allocations also get their price in force and ``charged_until``; those that ended
-    this tick (``b_price`` None) keep what their ending wrote.
+    Running allocations also get their price in force, ``charged_until`` and ``charge_carry``
+    (written together, so a restarted leader bills from exactly there); those that ended this
+    tick (``b_price`` None) keep what their ending wrote.
     """
     table = AllocationRow.__table__
     running = [r for r in rows if r["b_price"] is not None]
@@ -674,14 +691,19 @@ def _bulk_charge(session: Session, rows: list[dict]) -> None:
         {k: r[k] for k in ("b_id", "b_amount", "b_seconds")} for r in rows if r["b_price"] is None
     ]
     added = {
-        "charged_amount": table.c.charged_amount + bindparam("b_amount"),
+        "charged_micros": table.c.charged_micros + bindparam("b_amount"),
         "charged_seconds": table.c.charged_seconds + bindparam("b_seconds"),
     }
     if running:
         session.execute(
             table.update()
             .where(table.c.id == bindparam("b_id"))
-            .values(**added, price=bindparam("b_price"), charged_until=bindparam("b_until")),
+            .values(
+                **added,
+                price=bindparam("b_price"),
+                charged_until=bindparam("b_until"),
+                charge_carry=bindparam("b_carry"),
+            ),
             running,
         )
     if ended:
@@ -717,7 +739,8 @@ class _Writes:
         self._tenants: dict[int, tuple[float, float]] = {}
         self._bid_tenant: dict[int, int] = {}
 
-    def balances(self, tenant_ids) -> dict[int, tuple[float, float]]:
+    def balances(self, tenant_ids) -> dict[int, tuple[int, int]]:
+        """Each tenant's ``(credits, spent)`` in micros, as written."""
         out = {}
         for tenant_id in tenant_ids:
             if tenant_id not in self._tenants:
@@ -727,10 +750,12 @@ class _Writes:
 
     def refresh_tenant(self, tenant_id: int) -> None:
         row = self.session.execute(
-            select(Tenant.credits, Tenant.spent, Tenant.webhook_url).where(Tenant.id == tenant_id)
+            select(Tenant.credits_micros, Tenant.spent_micros, Tenant.webhook_url).where(
+                Tenant.id == tenant_id
+            )
         ).first()
         if row is not None:
-            self._tenants[tenant_id] = (row.credits, row.spent)
+            self._tenants[tenant_id] = (row.credits_micros, row.spent_micros)
             self._webhooks[tenant_id] = row.webhook_url
 
     def tenant_of(self, bid_id: int) -> int:
@@ -810,9 +835,11 @@ class _Writes:
                     "kind": p.kind.value,
                     "started_at": self.now,
                     "charged_until": self.now,
-                    "price": 0.0,
+                    # in force from the start: a leader killed before its next flush must
+                    # not leave a restarted one billing this interval at 0
+                    "price": self.ticker.market.price_in_force(p.allocation_id),
                     "deadline": p.expires_at,
-                    "charged_amount": 0.0,
+                    "charged_micros": 0,
                     "charged_seconds": 0.0,
                 }
                 for p in placements
@@ -861,6 +888,7 @@ class _Writes:
                 to=S.RUNNING,
                 started_at=self.now,
                 charged_until=self.now,
+                price=self.ticker.market.price_in_force(alloc_id),
                 deadline=None,
             )
             self.event(
@@ -881,7 +909,7 @@ class _Writes:
             return
         tenants, inverse = np.unique(charges.tenant_id, return_inverse=True)
         for tenant, amount in zip(
-            tenants.tolist(), np.bincount(inverse, weights=charges.amount).tolist(), strict=True
+            tenants.tolist(), _sums_by(inverse, charges.amount, len(tenants)), strict=True
         ):
             owed[tenant] += amount
         for alloc_id, amount, seconds, tenant in zip(
@@ -902,17 +930,17 @@ class _Writes:
         self.charges(settlement.charges)
         self.settlement_endings(settlement.endings, reason=reason)
 
-    def paid(self, alloc: AllocationRow) -> float:
-        """What the allocation has paid so far: written charges plus this leader's unwritten."""
+    def paid(self, alloc: AllocationRow) -> int:
+        """Micros the allocation has paid so far: written charges plus this leader's unwritten."""
         pending = self.ticker.pending.get(alloc.id)
-        return alloc.charged_amount + (pending[0] if pending else 0.0)
+        return alloc.charged_micros + (pending[0] if pending else 0)
 
     def settlement_endings(self, endings, reason: str | None = None) -> None:
         for e in endings:
             self.ended = True
             fields = {"ended_at": e.at, "end_reason": reason or e.reason}
-            if e.previous.is_charged():
-                fields["charged_until"] = e.at
+            if e.previous.is_charged():  # its last charge took any carry
+                fields["charged_until"], fields["charge_carry"] = e.at, 0
             row = gate.set_allocation_status(
                 session=self.session,
                 allocation_id=e.allocation_id,
@@ -947,7 +975,7 @@ class _Writes:
             Loss(
                 cause,
                 paid_total=self.paid(alloc),
-                paid_at_checkpoint=alloc.paid_at_checkpoint,
+                paid_at_checkpoint=alloc.paid_at_checkpoint_micros,
                 own_node=node is not None and node.owner_id == alloc.tenant_id,
                 already_compensated=already is not None,
                 reclaimed=reclaimed,
