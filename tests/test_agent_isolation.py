@@ -33,6 +33,7 @@ from prefect_spotgpu.agent.isolation import (
     JobUsers,
     job_processes,
     read_job_file,
+    uids_in_use,
     unreachable,
     write_job_file,
 )
@@ -447,6 +448,29 @@ def test_a_final_save_to_unreachable_s3_says_storage_and_a_job_bug_says_nothing(
     assert not ack.exists()
 
 
+@AS_ROOT
+def test_a_zombie_does_not_hold_its_uid():
+    """A dead job's zombie (never reaped: a PID 1 that does not wait, or a parent that has
+    not yet) must not make the next allocation with that uid fail as 'in use'."""
+    uid = UID_BASE + 99_000
+    zombie = subprocess.Popen(["/bin/true"], user=uid, group=uid, extra_groups=[])
+    wait_for(
+        lambda: Path(f"/proc/{zombie.pid}/stat").read_text().split(")")[-1].split()[0] == "Z",
+        10,
+        "the zombie",
+    )
+    try:
+        assert uid not in uids_in_use()
+        live = subprocess.Popen(["sleep", "30"], user=uid, group=uid, extra_groups=[])
+        try:
+            assert uid in uids_in_use()
+        finally:
+            live.kill()
+            live.wait()
+    finally:
+        zombie.wait()
+
+
 # ---------------------------------------------------------------- the agent's credentials
 
 
@@ -503,7 +527,8 @@ def test_an_agent_started_by_the_cli_keeps_its_key_from_argv_and_from_its_jobs(s
         nodes = wait_for(lambda: owner.get("/nodes").json(), 30, "the node registered")
         cmdline = Path(f"/proc/{agent.pid}/cmdline").read_bytes()
         assert owner_key.encode() not in cmdline and b"sgk_" not in cmdline
-        record = json.loads((state / "node.json").read_text())
+        # the agent writes node.json once the market has answered its registration
+        record = wait_for(lambda: read_job_file(state / "node.json"), 10, "node.json")
         assert record["token"].startswith("sgn_") and record["node_id"] == nodes[0]["id"]
         assert stat.S_IMODE((state / "node.json").stat().st_mode) == 0o600
         assert record["token"].encode() not in Path(f"/proc/{agent.pid}/cmdline").read_bytes()
@@ -548,6 +573,9 @@ def test_an_agent_started_by_the_cli_keeps_its_key_from_argv_and_from_its_jobs(s
         assert report["secrets_seen_in"] == []
         buyer.post(f"/bids/{bid['id']}/cancel")  # the agent stops the job: all of it
         wait_for(lambda: not running(report["escaped"]), 20, "the escaped process killed")
+    except BaseException:
+        print(Path(agent.logfile.name).read_text())  # what the agent saw, in pytest's report
+        raise
     finally:
         stop_agent(agent)
         for pid_file in state.glob("alloc-*/pid"):

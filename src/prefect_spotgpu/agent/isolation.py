@@ -288,16 +288,21 @@ def open_job_log(path: Path) -> int:
 
 
 def uids_in_use() -> set[int]:
-    """The real uids of every live process on the host."""
+    """The real uids of every live process on the host. A zombie is not live: it runs
+    nothing, holds nothing, and under a PID 1 that never reaps (a container without an init)
+    it would block its uid for good."""
     uids = set()
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         with contextlib.suppress(OSError, ValueError, IndexError):
-            for line in Path(entry.path, "status").read_text().splitlines():
-                if line.startswith("Uid:"):
-                    uids.add(int(line.split()[1]))
-                    break
+            fields = dict(
+                line.split(":", 1)
+                for line in Path(entry.path, "status").read_text().splitlines()
+                if ":" in line
+            )
+            if fields["State"].split()[0] != "Z":
+                uids.add(int(fields["Uid"].split()[0]))
     return uids
 
 
