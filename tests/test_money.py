@@ -172,3 +172,36 @@ def test_sigkill_of_the_tick_leader_neither_creates_nor_loses_a_micro(db_url, tm
     finally:
         server.stop()
         engine.dispose()
+
+
+@pytest.mark.parametrize(
+    "path, body, field",
+    [
+        ("credits", {"amount": 0.0000004, "reason": "r"}, "amount"),  # rounds to 0 micros
+        ("bid", {"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1e-9}, "max_price"),
+    ],
+)
+def test_amounts_below_one_micro_are_422_and_write_nothing(service, path, body, field):
+    alice = service.tenant()
+    if path == "credits":
+        response = service.admin.post(f"/tenants/{alice.tenant_id}/credits", json=body)
+    else:
+        response = alice.post("/bids", json=body)
+    assert response.status_code == 422 and field in response.text, response.text
+    assert "one micro" in response.text
+    ledger = alice.get("/ledger").json()
+    assert [e["kind"] for e in ledger["entries"]] == ["starting_credit"]
+    assert alice.get("/bids").json() == []
+
+
+def test_prices_and_credits_keep_six_decimals(service):
+    alice = service.tenant(credit=0)
+    response = service.admin.post(
+        f"/tenants/{alice.tenant_id}/credits", json={"amount": 0.1234567, "reason": "r"}
+    )
+    assert response.json()["amount_micros"] == 123_457
+    bid = alice.post(
+        "/bids", json={"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0000004}
+    ).json()
+    assert bid["max_price"] == 1.0
+    assert alice.get("/ledger").json()["balance_micros"] == 123_457

@@ -47,11 +47,11 @@ NodeRegion = Annotated[
 ]
 
 
-def _whole_micros(price: float) -> float:
-    """Prices are whole micros per GPU-hour (market/money.py): six decimals at most."""
-    quantized = round(price, 6)
+def _whole_micros(value: float) -> float:
+    """Prices (per GPU-hour) and credits are whole micros (market/money.py): six decimals."""
+    quantized = round(value, 6)
     if quantized <= 0:
-        raise ValueError("must be at least 0.000001 (one micro per GPU-hour)")
+        raise ValueError("must be at least 0.000001 (one micro)")
     return quantized
 
 
@@ -145,7 +145,11 @@ class TenantCreated(TenantResponse):
 
 
 class CreditCreate(Strict):
-    amount: float = Field(gt=0, le=1e9, allow_inf_nan=False)
+    amount: Annotated[
+        float,
+        Field(gt=0, le=1e9, allow_inf_nan=False, description="Units, six decimals at most."),
+        AfterValidator(_whole_micros),
+    ]
     reason: str = Field(min_length=1, max_length=500)
 
 
