@@ -31,6 +31,7 @@ from prefect_spotgpu.agent.credentials import (
 from prefect_spotgpu.agent.isolation import (
     UID_BASE,
     JobUsers,
+    job_marker,
     job_processes,
     read_job_file,
     uids_in_use,
@@ -212,7 +213,7 @@ def test_a_hostile_process_job_sees_no_secret_and_cannot_escape_its_stop(sandbox
         runner.stop(hostile, grace=0.5)
         assert hostile.poll() is not None
         wait_for(lambda: not running(report["escaped"]), 5, "the escaped process killed")
-        assert job_processes(hostile.user, 12) == []
+        assert job_processes(hostile.user, job_marker(hostile_job.workdir)) == []
         assert hostile_job.workdir.stat().st_uid == 0  # retired: a later uid-mate reads nothing
         assert victim.poll() is None  # another tenant's job is not touched
     finally:
@@ -229,13 +230,17 @@ def test_reconciliation_kills_a_stale_job_that_left_its_group(sandbox):
     request = job(state, 21, 4, ["sh", "-c", "setsid sleep 600 & sleep 600"])
     handle = runner.start(request)
     escaped = wait_for(
-        lambda: [p for p in job_processes(handle.user, 21) if p != handle.pid and _is_leader(p)],
+        lambda: [
+            p
+            for p in job_processes(handle.user, job_marker(request.workdir))
+            if p != handle.pid and _is_leader(p)
+        ],
         10,
         "the escaped process",
     )
     # a restarted agent knows only the allocation and the recorded pid
     fresh = ProcessRunner(users=JobUsers("auto"), checkpoint_root=sandbox / "checkpoints")
-    assert fresh.kill_stale(21, handle.pid)
+    assert fresh.kill_stale(21, handle.pid, request.workdir)
     handle.process.wait(timeout=5)
     wait_for(lambda: not any(running(p) for p in escaped), 5, "every process of the job")
 
@@ -448,6 +453,28 @@ def test_a_final_save_to_unreachable_s3_says_storage_and_a_job_bug_says_nothing(
     assert not ack.exists()
 
 
+def test_stopping_a_job_never_kills_another_agents_job_of_the_same_allocation_id(sandbox):
+    """Every market counts allocations from 1: two agents on one host (two markets, or the
+    demo beside a test) may both run an allocation 1 under one shared uid. Stopping one
+    (and reconciling it) must leave the other alone."""
+    runner = ProcessRunner(users=JobUsers(str(os.getuid())))  # jobs share the agent's uid
+    jobs = []
+    for name in ("agent-a", "agent-b"):
+        state = sandbox / name
+        state.mkdir()
+        jobs.append(runner.start(job(state, 1, 3, ["sleep", "600"])))
+    mine, theirs = jobs
+    try:
+        assert job_processes(mine.user, job_marker(mine.request.workdir)) == [mine.pid]
+        runner.stop(mine, grace=0.2)
+        assert mine.poll() is not None
+        assert not runner.kill_stale(1, theirs.pid, mine.request.workdir)  # a stale pid of mine
+        time.sleep(0.2)
+        assert theirs.poll() is None, "another agent's allocation 1 was killed"
+    finally:
+        runner.stop(theirs, grace=0)
+
+
 @AS_ROOT
 def test_a_zombie_does_not_hold_its_uid():
     """A dead job's zombie (never reaped: a PID 1 that does not wait, or a parent that has
@@ -580,7 +607,9 @@ def test_an_agent_started_by_the_cli_keeps_its_key_from_argv_and_from_its_jobs(s
         stop_agent(agent)
         for pid_file in state.glob("alloc-*/pid"):
             ProcessRunner(users=JobUsers("auto")).kill_stale(
-                int(pid_file.parent.name.removeprefix("alloc-")), int(pid_file.read_text())
+                int(pid_file.parent.name.removeprefix("alloc-")),
+                int(pid_file.read_text()),
+                pid_file.parent,
             )
 
 

@@ -496,14 +496,15 @@ class Agent:
             pid = read_pid(workdir / "pid")
             if alloc_id in active or pid is None:
                 continue
-            if self.runner.kill_stale(alloc_id, pid):
+            if self.runner.kill_stale(alloc_id, pid, workdir):
                 logger.warning(
                     "reconcile: killed the job of allocation %s, no longer ours", alloc_id
                 )
             (workdir / "pid").unlink(missing_ok=True)
         for alloc_id, assignment in active.items():
             if assignment["status"] == "running":
-                pid = read_pid(self.state_dir / f"alloc-{alloc_id}" / "pid")
+                workdir = self.state_dir / f"alloc-{alloc_id}"
+                pid = read_pid(workdir / "pid")
                 if pid is not None:  # our previous run's job: stop it, start it cleanly
-                    self.runner.kill_stale(alloc_id, pid)
+                    self.runner.kill_stale(alloc_id, pid, workdir)
                 self.start(alloc_id, assignment)

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+from prefect_spotgpu.checkpoint.checkpointer import NOTICE_FILE_ENV
+
 logger = logging.getLogger("prefect_spotgpu.agent")
 
 UID_BASE = 200_000
@@ -306,11 +308,21 @@ def uids_in_use() -> set[int]:
     return uids
 
 
-def job_processes(user: JobUser, allocation_id: int) -> list[int]:
+NOTICE_NAME = "notice.json"
+"""The notice file in a job's directory (its path is in the job's environment)."""
+
+
+def job_marker(workdir: Path) -> bytes:
+    """What names one job in its processes' environments: its notice file's path, which is
+    under this agent's own state directory. Not the allocation id: every market counts from
+    1, and another agent on the host (another market's, a test's) may run an allocation 1."""
+    return f"{NOTICE_FILE_ENV}={workdir / NOTICE_NAME}".encode()
+
+
+def job_processes(user: JobUser, marker: bytes) -> list[int]:
     """Live processes of a job: every process of its uid when the uid is the job's own,
-    otherwise those of its uid whose environment names the allocation (a process that left
-    the group keeps its environment unless it replaced it)."""
-    marker = f"SPOTGPU_ALLOCATION_ID={allocation_id}".encode()
+    otherwise those of its uid whose environment holds the job's ``marker`` (a process that
+    left the group keeps its environment unless it replaced it)."""
     me = os.getpid()
     found = []
     for entry in os.scandir("/proc"):
@@ -333,12 +345,12 @@ def job_processes(user: JobUser, allocation_id: int) -> list[int]:
     return found
 
 
-def kill_job_processes(user: JobUser, allocation_id: int, rounds: int = 50) -> int:
-    """SIGKILL every process of the job, again until none is left (one forking as we go is
-    found in the next round); returns how many were killed."""
+def kill_job_processes(user: JobUser, workdir: Path, rounds: int = 50) -> int:
+    """SIGKILL every process of the job of ``workdir``, again until none is left (one forking
+    as we go is found in the next round); returns how many were killed."""
     killed = 0
     for _ in range(rounds):
-        pids = job_processes(user, allocation_id)
+        pids = job_processes(user, job_marker(workdir))
         if not pids:
             break
         for pid in pids:
@@ -347,5 +359,5 @@ def kill_job_processes(user: JobUser, allocation_id: int, rounds: int = 50) -> i
                 killed += 1
         time.sleep(0.01)
     else:
-        logger.error("allocation %s: processes of uid %s survive", allocation_id, user.uid)
+        logger.error("%s: processes of uid %s survive", workdir.name, user.uid)
     return killed

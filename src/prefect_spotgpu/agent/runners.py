@@ -29,9 +29,11 @@ from typing import Protocol
 
 from prefect_spotgpu.agent.isolation import (
     CONTAINER_CHECKPOINTS,
+    NOTICE_NAME,
     JobUser,
     JobUsers,
     is_local_url,
+    job_marker,
     kill_job_processes,
     open_job_log,
     prepare_job_dirs,
@@ -66,7 +68,7 @@ class JobRequest:
 
     @property
     def notice_file(self) -> Path:
-        return self.workdir / "notice.json"
+        return self.workdir / NOTICE_NAME
 
     @property
     def ack_file(self) -> Path:
@@ -121,7 +123,7 @@ class Runner(Protocol):
 
     def stop(self, handle: JobHandle, grace: float = 10.0) -> None: ...
 
-    def kill_stale(self, allocation_id: int, pid: int) -> bool: ...
+    def kill_stale(self, allocation_id: int, pid: int, workdir: Path) -> bool: ...
 
 
 def write_notice(request: JobRequest, deadline: float) -> None:
@@ -239,19 +241,20 @@ class ProcessRunner:
             time.sleep(0.02)
         _signal_group(handle.pid, signal.SIGKILL)
         if handle.user is not None:
-            kill_job_processes(handle.user, handle.request.allocation_id)
+            kill_job_processes(handle.user, handle.request.workdir)
         if handle.process is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 handle.process.wait(timeout=5)
         if self.users.isolated:
             retire_workdir(handle.request.workdir)
 
-    def kill_stale(self, allocation_id: int, pid: int) -> bool:
-        """SIGKILL what is left of an earlier run's job: its group (if ``pid`` still is
-        that job) and every other process of it (the uid depends on the allocation only)."""
-        killed = _kill_group_if_job(pid, allocation_id)
+    def kill_stale(self, allocation_id: int, pid: int, workdir: Path) -> bool:
+        """SIGKILL what is left of an earlier run's job in ``workdir``: its group (if ``pid``
+        still is that job) and every other process of it (the uid depends on the allocation
+        only)."""
+        killed = _kill_group_if_job(pid, workdir)
         user = self.users.for_job(allocation_id=allocation_id, tenant_id=None)
-        return kill_job_processes(user, allocation_id) > 0 or killed
+        return kill_job_processes(user, workdir) > 0 or killed
 
 
 class DockerRunner:
@@ -380,7 +383,7 @@ class DockerRunner:
         if self.users.euid == 0:
             retire_workdir(handle.request.workdir)
 
-    def kill_stale(self, allocation_id: int, pid: int) -> bool:
+    def kill_stale(self, allocation_id: int, pid: int, workdir: Path) -> bool:
         """Remove an earlier run's container of this allocation, if there is one."""
         import docker
 
@@ -392,17 +395,17 @@ class DockerRunner:
         return True
 
 
-def _kill_group_if_job(pid: int, allocation_id: int) -> bool:
-    """SIGKILL the process group of ``pid`` if it still is this allocation's job.
+def _kill_group_if_job(pid: int, workdir: Path) -> bool:
+    """SIGKILL the process group of ``pid`` if it still is the job of ``workdir``.
 
     A recorded pid may have been reused by an unrelated process after a reboot or a long
-    outage: the job's environment (``SPOTGPU_ALLOCATION_ID``) must match before we kill.
+    outage: the job's environment (:func:`job_marker`) must match before we kill.
     """
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
         return False  # gone (or not ours to read)
-    if f"SPOTGPU_ALLOCATION_ID={allocation_id}".encode() not in environ:
+    if job_marker(workdir) not in environ:
         return False
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
