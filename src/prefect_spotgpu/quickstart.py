@@ -190,13 +190,28 @@ def _pretrain_with_a_reclaim(console: Console, stack: LocalStack, ui: str, steps
         states = prefect.read_flow_run_states(run.id)
         logs = _logs(prefect, run.id)
         bid_id = flow_run.labels["spotgpu.bid"]
+    allocations = _ended_allocations(market, bid_id)
     bid = market.get(f"/bids/{bid_id}").json()
     events = market.get(f"/bids/{bid_id}/events", params={"after": 0, "timeout": 0}).json()
-    allocations = market.get(f"/bids/{bid_id}/allocations").json()
     moments += _timeline(bid, events["events"], states, logs, nodes, allocations)
     summary = _cost(allocations, bid)
     _print(console, sorted(moments, key=lambda m: m.at), summary, url, run.created.timestamp())
     return {"flow_run": str(run.id), "state": state.name, **summary}
+
+
+def _ended_allocations(market, bid_id, seconds: float = 30.0) -> list[dict]:
+    """The bid's allocations once none holds GPUs: the run is Completed a moment before its
+    job exits and its allocation stops paying. Then the cost printed is the one the worker's
+    cost artifact shows in the Prefect UI (published when the allocation has ended)."""
+    from prefect_spotgpu.market import AllocationStatus
+
+    deadline = time.monotonic() + seconds
+    while True:
+        allocations = market.get(f"/bids/{bid_id}/allocations").json()
+        held = [a for a in allocations if AllocationStatus(a["status"]).holds_gpus()]
+        if not held or time.monotonic() > deadline:
+            return allocations
+        time.sleep(0.2)
 
 
 def _logs(prefect, run_id) -> list:
