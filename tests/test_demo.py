@@ -46,6 +46,18 @@ def start_demo(tmp_path: Path, home: Path, *options: str) -> subprocess.Popen:
     )
 
 
+def stop_demo(demo: subprocess.Popen) -> None:
+    """After a failure too: Ctrl-C, which stops the stack it started (a SIGKILL would leave
+    its Prefect server, market and agents running for the tests after it)."""
+    if demo.poll() is None:
+        demo.send_signal(signal.SIGINT)
+        try:
+            demo.communicate(timeout=60)  # (drains its output: a full pipe would block it)
+        except subprocess.TimeoutExpired:
+            demo.kill()
+            demo.communicate()
+
+
 def assert_all_stopped(home: Path, seconds: float = 20) -> None:
     deadline = time.monotonic() + seconds
     while processes_mentioning(str(home)):
@@ -89,8 +101,7 @@ def test_demo_runs_the_stack_through_a_reclaim_and_ctrl_c_stops_everything(tmp_p
         rest = demo.communicate(timeout=60)[0]
         assert "stopping every process" in rest
     finally:
-        if demo.poll() is None:
-            demo.kill()
+        stop_demo(demo)
     assert_all_stopped(home)
 
 
@@ -109,6 +120,5 @@ def test_sigterm_or_sighup_stops_the_demos_whole_stack_like_ctrl_c(tmp_path, sto
         rest = demo.communicate(timeout=60)[0]
         assert "stopping every process" in rest, "".join(lines) + rest
     finally:
-        if demo.poll() is None:
-            demo.kill()
+        stop_demo(demo)
     assert_all_stopped(home)
