@@ -185,17 +185,17 @@ def fill(url: str, bids: int) -> None:
             "tenants",
             sa.column("id"),
             sa.column("name"),
-            sa.column("credits"),
-            sa.column("spent"),
+            sa.column("credits_micros"),
+            sa.column("spent_micros"),
             sa.column("created_at"),
         )
         buyer, owner = (
             c.execute(
                 sa.insert(tenants)
-                .values(name=name, credits=credits, spent=0, created_at=now)
+                .values(name=name, credits_micros=credits, spent_micros=0, created_at=now)
                 .returning(tenants.c.id)
             ).scalar()
-            for name, credits in (("load", 1e6), ("owner", 0))
+            for name, credits in (("load", 10**12), ("owner", 0))  # micros
         )
         nodes = [
             {

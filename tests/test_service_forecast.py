@@ -102,9 +102,13 @@ def test_the_prices_and_estimate_commands(tmp_path):
         assert "2.10" in table and "8/8" in table
         ahead = spotgpu("prices", "--forecast", "--hours", "24")
         assert "0.90 / " in ahead and "(0.90)" in ahead and "naive" in ahead
-        deadline = _iso(time.time() + 2 * 86400)
+        # from the next 18:00 UTC at least an hour away: the live tick's bar of the current
+        # hour (0.90, the reserve) must not move the forecast of an hour the estimate uses
+        start = (time.time() // 86400) * 86400 + 18 * 3600
+        while start < time.time() + 3600:
+            start += 86400
         text = spotgpu("estimate", "--model", "A100-80G", "--gpu-hours", "6", "--cap", "1.2",
-                       "--deadline", deadline)  # fmt: skip
+                       "--start", _iso(start), "--deadline", _iso(start + 2 * 86400))  # fmt: skip
         assert "expected cost   5.40 (on-demand 12.60, saving 57%)" in text
     finally:
         service.stop()

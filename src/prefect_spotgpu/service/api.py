@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import math
 import threading
@@ -33,6 +34,7 @@ from prefect_spotgpu.service.deps import (
 from prefect_spotgpu.service.errors import Forbidden, Invalid, ServiceError
 from prefect_spotgpu.service.limits import BodyLimit
 from prefect_spotgpu.service.models import AllocationRow, BidRow, NodeRow, PoolQuoteRow, Tenant
+from prefect_spotgpu.service.public_cache import PublicCache
 from prefect_spotgpu.service.roles import authorize, check_route_table
 from prefect_spotgpu.service.sealing import Sealer, SealError
 from prefect_spotgpu.service.settings import ServiceSettings
@@ -788,7 +790,13 @@ def create_app(
         if background and settings.run_ticker:
             ticker = Ticker(settings, engine, sessions, notifier, metrics)
             app.state.ticker = ticker
-            sender = WebhookSender(settings, sessions, metrics)
+            sender = WebhookSender(
+                settings, sessions, metrics, reads=make_reading_sessionmaker(engine)
+            )
+            # what start-up allocated lives for good: out of the collector's full passes,
+            # which otherwise stall the tick thread (holding the GIL) under many readers
+            gc.collect()
+            gc.freeze()
             for target, name in ((ticker.run, "spotgpu-ticker"), (sender.run, "spotgpu-webhooks")):
                 thread = threading.Thread(target=target, args=(stop,), name=name, daemon=True)
                 thread.start()
@@ -829,6 +837,11 @@ def create_app(
     app.state.sealer = sealer
     app.add_exception_handler(ServiceError, _error_response)
     app.add_exception_handler(RequestValidationError, _validation_response)
+    app.add_middleware(  # inside the timer: hits are counted and timed too
+        PublicCache,
+        seconds=settings.public_cache_seconds,
+        versions=lambda: (notifier.version, notifier.market_version),
+    )
     app.add_middleware(service_metrics.RequestTimer, metrics=metrics)
     app.include_router(router)
     app.include_router(access.router)

@@ -60,6 +60,14 @@ class ServiceSettings(BaseSettings):
         "stacks and tests); otherwise only public destinations are accepted and reached.",
     )
     run_ticker: bool = Field(True, description="Run the tick loop (one leader among replicas).")
+    public_cache_seconds: float = Field(
+        1.0,
+        ge=0,
+        le=60,
+        description="How long an anonymous market view (nodes, prices, depth, history, "
+        "forecast) is answered from memory, unless this replica's tick changes the market "
+        "first; 0: never (service/public_cache.py).",
+    )
 
     @field_validator("db_url")
     @classmethod

@@ -363,9 +363,11 @@ class WebhookSender:
         metrics: ServiceMetrics | None = None,
         *,
         resolve: Resolver = socket.getaddrinfo,
+        reads: sessionmaker[Session] | None = None,
     ) -> None:
         self.settings = settings
         self.sessions = sessions
+        self.reads = reads or sessions  # the poll is a read: never SQLite's write lock
         self.metrics = metrics or ServiceMetrics()
         self.resolve = resolve
         self.ssl_context = httpx.create_ssl_context()
@@ -408,7 +410,7 @@ class WebhookSender:
         """``{tenant id: [(delivery id, attempts), ...]}``: among the ``scan`` longest-waiting
         due deliveries of tenants outside ``busy``, those of up to ``tenants`` tenants, each
         tenant's in id (event) order. One range scan of the ``next_attempt_at`` index."""
-        with self.sessions.begin() as session:
+        with self.reads.begin() as session:
             rows = session.execute(
                 select(WebhookDelivery.id, WebhookDelivery.tenant_id, WebhookDelivery.attempts)
                 .where(

@@ -1,0 +1,67 @@
+"""The anonymous market views are answered once per tick (service/public_cache.py): from memory
+while the market has not moved, afresh as soon as this replica's tick changes it; never for a
+request with a key, never an error."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import start_service
+
+
+@pytest.fixture
+def cached(db_url, tmp_path):
+    service = start_service(db_url, tmp_path / "home", public_cache_seconds=30)
+    yield service
+    service.stop()
+
+
+def beat(agent, node, utilization: int) -> None:
+    gpus = [{"index": 0, "utilization": utilization, "memory_used_mb": 1}]
+    response = agent.post(f"/nodes/{node['id']}/heartbeat", json={"telemetry": {"gpus": gpus}})
+    assert response.status_code == 200, response.text
+
+
+def utilization(client, node) -> int | None:
+    nodes = client.get("/market/nodes").json()
+    gpus = next(n for n in nodes if n["id"] == node["id"])["gpus"]
+    return gpus[0]["utilization"] if gpus else None
+
+
+def test_a_view_is_read_once_until_the_market_moves(cached):
+    owner = cached.tenant()
+    node, agent = cached.node(owner, gpus=1, reserve=0.5)
+    beat(agent, node, 10)
+    anonymous = cached.client()
+    cached.wait_for(lambda: utilization(anonymous, node) == 10)
+    beat(agent, node, 90)  # telemetry is not a market move: the cached view stands
+    assert utilization(anonymous, node) == 10
+    # a key is never served from the cache (nor cached)
+    assert utilization(owner, node) == 90
+    # a bid that wins moves the market: the next anonymous read is fresh
+    buyer = cached.tenant()
+    bid = buyer.post("/bids", json={"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0})
+    assert bid.status_code == 201
+    cached.wait_for(lambda: utilization(anonymous, node) == 90)
+    assert (
+        next(n for n in anonymous.get("/market/nodes").json() if n["id"] == node["id"])["gpus_busy"]
+        == 1
+    )
+
+
+def test_errors_and_other_queries_are_not_answered_from_the_cache(cached):
+    anonymous = cached.client()
+    assert anonymous.get("/market/depth/nope/eu-west").status_code == 422
+    owner = cached.tenant()
+    cached.node(owner, gpus=2, reserve=0.5)
+    cached.wait_for(lambda: anonymous.get("/prices").json())  # the first quote, once written
+    for hours in (1, 2, 3):  # each query string is its own answer
+        response = anonymous.get("/prices/A100-80G/eu-west/history", params={"hours": hours})
+        assert response.status_code == 200
+    assert anonymous.get("/market/depth/nope/eu-west").status_code == 422
+    bad = anonymous.get("/prices/A100-80G/eu-west/history", params={"hours": -1})
+    assert bad.status_code == 422
+    # the hardening headers are on a cached answer too
+    first, again = anonymous.get("/prices"), anonymous.get("/prices")
+    assert first.json() == again.json()
+    assert "frame-ancestors 'none'" in again.headers["content-security-policy"]
