@@ -522,3 +522,26 @@ def test_the_api_docs_get_their_own_policy_and_still_start(browser, market):
     until(page, "window.__redoc === '/openapi.json'", timeout=10)
     assert problems == []
     context.close()
+
+
+def test_the_reads_benchmark_reports_the_tick_with_and_without_readers():
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "reads.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    for kind in ("sqlite", "postgresql"):
+        figures = report[kind]
+        assert figures["idle"]["ticks"] > 0 and figures["readers"]["ticks"] > 0
+        assert figures["readers"]["reads"]["errors"] == 0
+        assert figures["readers"]["reads"]["achieved_reads_per_second"] > 10
+        check = figures["service_metric_check"]
+        assert abs(check["ticks_probed"] - check["ticks_in_histogram"]) <= 1
