@@ -448,7 +448,8 @@ def test_a_spot_run_that_falls_behind_saves_and_finishes_on_demand(stack, prefec
     def bids_of_run():
         listed = market.get("/bids", params={"limit": 1000}).json()
         mine = [b for b in listed if b["labels"].get("prefect.flow-run-id") == str(run_id)]
-        return mine if mine[-1]["status"] == "finished" else None  # its job has ended
+        mine.sort(key=lambda b: b["id"])  # (listed newest first)
+        return mine if mine and mine[-1]["status"] == "finished" else None  # its job has ended
 
     bids = wait_for(bids_of_run, 30, "the on-demand bid finished")
     assert [(b["capacity"], b["status"]) for b in bids] == [

@@ -25,6 +25,10 @@ FLOW_RUN_LABEL = "prefect.flow-run-id"
 REPLACES_LABEL = "spotgpu.replaces"
 """On a bid that replaced an earlier bid of the same run (spot -> on-demand): that bid's id."""
 POOL_LABEL = "prefect.work-pool"
+RELEASED_LABEL = "spotgpu.released-by"
+"""On a flow run: the worker that stopped while following it. While it still names the run's
+owner (label ``prefect.worker.name``), the next worker adopts the run at once instead of
+waiting for the owner's heartbeats to age."""
 
 
 @dataclass

@@ -23,17 +23,20 @@ A run with ``gpu_hours`` and a deadline is paced by a bidding policy (``placemen
 meet the deadline. Beyond ``max_preemptions`` the run is Failed and the bid cancelled.
 Cancelling the flow run cancels the bid; the market stops the job. A worker that restarts
 adopts the runs whose bids it finds open and whose worker is gone (no duplicate bid, no
-orphaned job).
+orphaned job). A worker told to stop (SIGTERM, SIGINT) leaves its runs to the next worker and
+exits within a few seconds (see ``SpotGPUWorker``).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
 import time
 from datetime import UTC, datetime
 from typing import Any
+from uuid import UUID
 
 import anyio
 import httpx
@@ -71,6 +74,7 @@ from prefect_spotgpu.pacing import PACE_SECONDS
 from prefect_spotgpu.placement import (
     FLOW_RUN_LABEL,
     POOL_LABEL,
+    RELEASED_LABEL,
     REPLACES_LABEL,
     Attempt,
     BidPlacement,
@@ -91,9 +95,13 @@ QUERY_SECONDS = 1.0
 """How often the worker asks for scheduled runs, unless PREFECT_WORKER_QUERY_SECONDS is set:
 Prefect's default of 10 s would make every resume wait up to 10 s."""
 POLL_SECONDS = 2.0
+"""Long-poll window on the bid's events; the flow run's state is checked between windows."""
 ENGINE_EXIT_SECONDS = 10.0
 """How long a preempted run's engine may take to report its own end before we reschedule."""
-"""Long-poll window on the bid's events; the flow run's state is checked between windows."""
+RELEASE_SECONDS = 1.0
+"""How long a stopping worker may take to mark the runs it follows as released."""
+FLUSH_SECONDS = 1.5
+"""How long a stopping worker may take to hand Prefect the logs and events it still holds."""
 
 
 class SpotGPUWorkerResult(BaseWorkerResult):
@@ -103,7 +111,23 @@ class SpotGPUWorkerResult(BaseWorkerResult):
 class SpotGPUWorker(
     BidPlacement, BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGPUWorkerResult]
 ):
-    """Runs each flow run on spot GPUs bought from a prefect-spotgpu market."""
+    """Runs each flow run on spot GPUs bought from a prefect-spotgpu market.
+
+    **Stopping.** On SIGTERM or SIGINT (``prefect worker start`` turns both into a
+    cancellation of the worker) the worker stops asking for runs and stops following the
+    ones it follows, and it leaves them as they are: their bids stay open, their jobs keep
+    running on their nodes, their flow runs keep their states. Nothing is cancelled. Each
+    such run is labelled ``spotgpu.released-by`` = this worker's name (within
+    ``RELEASE_SECONDS``), so the next worker of the pool adopts it on its first pass, at
+    its start, whatever its name; a run that could not be labelled (Prefect unreachable)
+    is adopted once this worker's last heartbeat is three heartbeat intervals old. A
+    preemption that completes meanwhile is caught up by the adopting worker.
+    Then the logs and events still queued for Prefect get ``FLUSH_SECONDS``; what an
+    unreachable API has not taken by then is dropped (Prefect would retry each event for
+    ~7 s and each batch of logs for ~1 min at exit, and drop it after). So the process
+    exits within a few seconds, with status 0. A second SIGTERM or SIGINT kills it at once
+    (Prefect's handler): its runs are then adopted as after a crash, by heartbeat age.
+    """
 
     type = "spot-gpu"
     job_configuration = SpotGPUJobConfiguration
@@ -122,11 +146,53 @@ class SpotGPUWorker(
         self._following: set[str] = set()
 
     async def start(self, *args: Any, **kwargs: Any) -> None:
-        """Prefect's worker loop, asking for scheduled runs every second (see QUERY_SECONDS)."""
-        if "PREFECT_WORKER_QUERY_SECONDS" in os.environ:
-            return await super().start(*args, **kwargs)
-        with temporary_settings({PREFECT_WORKER_QUERY_SECONDS: QUERY_SECONDS}):
-            return await super().start(*args, **kwargs)
+        """Prefect's worker loop, asking for scheduled runs every second (see QUERY_SECONDS);
+        when it ends, a bounded flush of Prefect's logs and events (see the class docstring)."""
+        try:
+            if "PREFECT_WORKER_QUERY_SECONDS" in os.environ:
+                return await super().start(*args, **kwargs)
+            with temporary_settings({PREFECT_WORKER_QUERY_SECONDS: QUERY_SECONDS}):
+                return await super().start(*args, **kwargs)
+        finally:
+            local = getattr(self._logger, "logger", self._logger)  # no worker id: never queued
+            with anyio.CancelScope(shield=True):
+                await flush_prefect_queues(FLUSH_SECONDS, local)
+
+    async def teardown(self, *exc_info: Any) -> None:
+        """Prefect's teardown; a worker stopped while following runs first releases them."""
+        if exc_info and exc_info[0] is not None:
+            await self._release_runs()
+        await super().teardown(*exc_info)
+
+    async def _release_runs(self) -> None:
+        """Label the runs this worker follows ``spotgpu.released-by`` (bounded, best effort):
+        the next worker adopts them at once (``_adopt_orphans``)."""
+        runs = sorted(self._following)
+        if not runs or self._client is None:
+            return
+
+        async def release(run_id: str) -> None:
+            try:
+                await self.client.update_flow_run_labels(UUID(run_id), {RELEASED_LABEL: self.name})
+            except Exception as exc:
+                self._logger.debug("could not release flow run %s: %s", run_id, exc)
+
+        with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_SECONDS) as bounded:
+            async with anyio.create_task_group() as group:
+                for run_id in runs:
+                    group.start_soon(release, run_id)
+        if bounded.cancelled_caught:
+            self._logger.warning(
+                "Stopping: could not release flow run(s) %s in %.1f s; the next worker "
+                "adopts them once this worker's last heartbeat is 3 intervals old",
+                ", ".join(runs),
+                RELEASE_SECONDS,
+            )
+        else:
+            self._logger.info(
+                "Stopping: flow run(s) %s left to the next worker (bids open, jobs running)",
+                ", ".join(runs),
+            )
 
     # ---------------------------------------------------------------- one attempt
 
@@ -137,11 +203,15 @@ class SpotGPUWorker(
         task_status: anyio.abc.TaskStatus | None = None,
     ) -> SpotGPUWorkerResult:
         market = market_of(configuration)
-        async with market_client(market) as http:
-            bid = await self._bid_for(http, flow_run, configuration)
-            if task_status is not None:
-                task_status.started(infrastructure_id(bid))
-            return await self._follow_bids(http, flow_run, configuration, bid)
+        self._following.add(str(flow_run.id))  # from its first step: no adoption pass takes it
+        try:
+            async with market_client(market) as http:
+                bid = await self._bid_for(http, flow_run, configuration)
+                if task_status is not None:
+                    task_status.started(infrastructure_id(bid))
+                return await self._follow_bids(http, flow_run, configuration, bid)
+        finally:
+            self._following.discard(str(flow_run.id))
 
     async def _follow_bids(self, http, flow_run, configuration, bid: dict) -> SpotGPUWorkerResult:
         """Follow the run's bid; when pacing moves a waiting run to on-demand capacity,
@@ -211,51 +281,47 @@ class SpotGPUWorker(
         attempt = Attempt(http, flow_run, configuration, bid, track)
         cursor = history["cursor"]
         logger.info("Following bid %s after its event %s", bid_id, cursor)
-        self._following.add(str(flow_run.id))
         pace, paced_at = configuration.pace(flow_run), time.monotonic()
-        try:
-            missed = await self._missed_preemption(flow_run, history["events"])
-            if missed is not None:  # while no worker followed the run (an adoption)
-                return await self._preempted(attempt, missed)
-            if track.live is not None:
-                await self._retry(flow_run, "start the job", lambda: self._go(attempt))
-            while True:
+        missed = await self._missed_preemption(flow_run, history["events"])
+        if missed is not None:  # while no worker followed the run (an adoption)
+            return await self._preempted(attempt, missed)
+        if track.live is not None:
+            await self._retry(flow_run, "start the job", lambda: self._go(attempt))
+        while True:
+            outcome = await self._retry(
+                flow_run, "check for a cancellation", lambda: self._check_cancelled(attempt)
+            )
+            if outcome is not None:
+                return outcome
+            if pace is not None and time.monotonic() - paced_at >= PACE_SECONDS:
+                paced_at = time.monotonic()
+                switch = await self._retry(
+                    flow_run, "pace the run", lambda: self._pace_running(attempt, pace)
+                )
+                if switch is not None:
+                    return switch
+            page = await self._retry_checked(
+                flow_run,
+                "follow the bid",
+                lambda after=cursor: http.get(
+                    f"/bids/{bid_id}/events",
+                    params={"after": after, "timeout": POLL_SECONDS},
+                    timeout=POLL_SECONDS + 30,
+                ),
+            )
+            for event in page["events"]:
+                cursor = event["id"]
+                ended = track.apply(event)
                 outcome = await self._retry(
-                    flow_run, "check for a cancellation", lambda: self._check_cancelled(attempt)
+                    flow_run,
+                    f"handle the {event['kind']} event",
+                    lambda e=event, ended=ended: self._on_event(attempt, e, ended),
                 )
                 if outcome is not None:
+                    await self._publish_summary(http, flow_run, bid)
+                    logger.debug("attempt over after event %s", event["kind"])
                     return outcome
-                if pace is not None and time.monotonic() - paced_at >= PACE_SECONDS:
-                    paced_at = time.monotonic()
-                    switch = await self._retry(
-                        flow_run, "pace the run", lambda: self._pace_running(attempt, pace)
-                    )
-                    if switch is not None:
-                        return switch
-                page = await self._retry_checked(
-                    flow_run,
-                    "follow the bid",
-                    lambda after=cursor: http.get(
-                        f"/bids/{bid_id}/events",
-                        params={"after": after, "timeout": POLL_SECONDS},
-                        timeout=POLL_SECONDS + 30,
-                    ),
-                )
-                for event in page["events"]:
-                    cursor = event["id"]
-                    ended = track.apply(event)
-                    outcome = await self._retry(
-                        flow_run,
-                        f"handle the {event['kind']} event",
-                        lambda e=event, ended=ended: self._on_event(attempt, e, ended),
-                    )
-                    if outcome is not None:
-                        await self._publish_summary(http, flow_run, bid)
-                        logger.debug("attempt over after event %s", event["kind"])
-                        return outcome
-                cursor = max(cursor, page["cursor"])
-        finally:
-            self._following.discard(str(flow_run.id))
+            cursor = max(cursor, page["cursor"])
 
     async def _missed_preemption(self, flow_run, events: list[dict]) -> dict | None:
         """The ``preempted`` event of the allocation the run last ran on, when the run has not
@@ -508,10 +574,13 @@ class SpotGPUWorker(
         }
         async with market_client(pool_config.market) as http:
             bids = []
-            for status in ("open", "held"):
-                bids += checked(
-                    await http.get("/bids", params={"status": status, "limit": 1000}), "list bids"
-                )
+            for status in ("open", "held"):  # every page (newest first, by the Link header)
+                response = await http.get("/bids", params={"status": status, "limit": 1000})
+                while True:
+                    bids += checked(response, "list bids")
+                    if "next" not in response.links:
+                        break
+                    response = await http.get(response.links["next"]["url"])
         for bid in bids:
             labels = bid.get("labels") or {}
             if (
@@ -526,11 +595,12 @@ class SpotGPUWorker(
                 continue
             state = flow_run.state
             owner = (flow_run.labels or {}).get("prefect.worker.name")
+            released = owner is not None and (flow_run.labels or {}).get(RELEASED_LABEL) == owner
             if (
                 state is None
                 or not (state.is_running() or state.is_pending() or state.is_crashed())
-                or owner in live_workers
-            ):
+                or (owner in live_workers and not released)
+            ):  # released: its owner stopped and said so (see the class docstring)
                 continue  # Crashed: its engine was stopped by a preemption no one followed
             self._logger.info(
                 "Adopting flow run %s (bid %s) left by worker %s", flow_run.id, bid["id"], owner
@@ -553,8 +623,9 @@ class SpotGPUWorker(
                     flow_run, "The spot-gpu job ended without a final state"
                 )
         except Exception:  # never take the worker down; a later pass adopts it again
-            self._following.discard(str(flow_run.id))
             self._logger.exception("following adopted flow run %s failed", flow_run.id)
+        finally:
+            self._following.discard(str(flow_run.id))
 
     # ---------------------------------------------------------------- UI: states, events, artifacts
 
@@ -622,3 +693,37 @@ class SpotGPUWorker(
             )
         except Exception:
             self.get_flow_run_logger(flow_run).exception("could not publish the cost summary")
+
+
+async def flush_prefect_queues(seconds: float, logger) -> None:
+    """Let Prefect's log and event services send what they hold for at most ``seconds``, then
+    stop those still trying, dropping what they hold.
+
+    Prefect drains them at interpreter exit with no time limit, and with its API unreachable
+    it retries each queued event for ~7 s and each batch of logs for ~1 min: a stopping worker
+    would hang that long. This reaches into Prefect 3.9's service registry
+    (``prefect._internal.concurrency.services``); where that differs, it only waits.
+    """
+    from prefect._internal.concurrency import services
+
+    base = getattr(services, "_QueueServiceBase", None)
+    instances = tuple(getattr(base, "_instances", {}).values())
+    busy = [
+        (s._loop, s._task)
+        for s in instances
+        if getattr(s, "_task", None) is not None and getattr(s, "_loop", None) is not None
+    ]  # taken first: draining forgets the task
+    drained = services.QueueService.drain_all(timeout=seconds, at_exit=False)
+    if inspect.isawaitable(drained):
+        await drained
+    stuck = [(loop, task) for loop, task in busy if not task.done()]
+    if not stuck:
+        return
+    logger.warning(
+        "Prefect's API did not take the last logs and events in %.1f s: dropped", seconds
+    )
+    for loop, task in stuck:
+        loop.call_soon_threadsafe(task.cancel)
+    deadline = time.monotonic() + 0.5
+    while any(not task.done() for _, task in stuck) and time.monotonic() < deadline:
+        await anyio.sleep(0.05)
