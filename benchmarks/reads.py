@@ -260,8 +260,11 @@ from api import ADMIN_KEY, fill, free_port, new_database, stop  # noqa: E402
 # ---------------------------------------------------------------- the benchmark process
 
 
-def start(db_url: str, home: Path, tick_log: Path, gc_mode: str) -> tuple[subprocess.Popen, str]:
-    """``api.start``'s service, through this file's probe, billing every tick."""
+def start(
+    db_url: str, home: Path, tick_log: Path, gc_mode: str, *, leader: bool = True
+) -> tuple[subprocess.Popen, str]:
+    """``api.start``'s service, through this file's probe, billing every tick; with ``leader``
+    false an API replica that never ticks (``SPOTGPU_RUN_TICKER=false``)."""
     port = free_port()
     env = {
         **os.environ,
@@ -271,6 +274,7 @@ def start(db_url: str, home: Path, tick_log: Path, gc_mode: str) -> tuple[subpro
         "SPOTGPU_HEARTBEAT_TIMEOUT_SECONDS": "86400",  # declared nodes send no heartbeats
         TICK_LOG_ENV: str(tick_log),
         GC_ENV: gc_mode,
+        "SPOTGPU_RUN_TICKER": "true" if leader else "false",
     }
     args = ["--db", db_url, "--port", str(port), "--tick-seconds", "1", "--log-level", "warning"]
     proc = subprocess.Popen(
@@ -283,7 +287,8 @@ def start(db_url: str, home: Path, tick_log: Path, gc_mode: str) -> tuple[subpro
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         try:
-            if httpx.get(root + "/api/v1/health", timeout=2).json().get("leader"):
+            health = httpx.get(root + "/api/v1/health", timeout=2)
+            if health.status_code == 200 and (health.json().get("leader") or not leader):
                 return proc, root
         except (httpx.HTTPError, ValueError):
             pass
@@ -564,6 +569,10 @@ def bench(kind: str, cfg: argparse.Namespace, rate: float | None) -> tuple[dict,
         fill(url, cfg.bids)
         bars = seed_history(url, cfg.history_days)
         proc, root = start(url, home, tick_log, cfg.service_gc)
+        replica = None
+        if cfg.split:  # the readers ask an API replica; the leader process only ticks
+            replica = start(url, home, home / "replica.jsonl", cfg.service_gc, leader=False)
+        read_root, read_proc = (replica[1], replica[0]) if replica else (root, proc)
         try:
             wait_for_ticks(root, tick_log, 3)  # the cold load, the tick that places all, a flush
             engine = sa.create_engine(url)
@@ -573,10 +582,12 @@ def bench(kind: str, cfg: argparse.Namespace, rate: float | None) -> tuple[dict,
                             "WHERE status = 'running'")
                 ).one()  # fmt: skip
             engine.dispose()
-            with Readers(root, cfg.readers, think=cfg.readers / (rate or TRIAL_RATE)) as readers:
+            with Readers(
+                read_root, cfg.readers, think=cfg.readers / (rate or TRIAL_RATE)
+            ) as readers:
                 how: dict = {}
                 if rate is None:
-                    rate, how = calibrate(proc, readers, cfg.calibrate, cfg.cpu_target)
+                    rate, how = calibrate(read_proc, readers, cfg.calibrate, cfg.cpu_target)
                     readers.think = cfg.readers / rate
                     time.sleep(readers.think)  # every reader on the new think time, spread
                 hist0, since = tick_histogram(root), time.time()
@@ -595,6 +606,8 @@ def bench(kind: str, cfg: argparse.Namespace, rate: float | None) -> tuple[dict,
                 until, hist1 = time.time(), tick_histogram(root)
         finally:
             stop(proc)
+            if replica:
+                stop(replica[0])
         ticks, holds = load_log(tick_log)
         out: dict = {
             "book": {
@@ -671,6 +684,12 @@ def main() -> None:
     parser.add_argument("--history-days", type=float, default=None)
     parser.add_argument("--databases", default="sqlite,postgresql")
     parser.add_argument(
+        "--split",
+        action="store_true",
+        help="readers on an API replica (SPOTGPU_RUN_TICKER=false), the leader in a process "
+        "of its own: DESIGN's deployment at scale",
+    )
+    parser.add_argument(
         "--public-cache",
         type=float,
         default=None,
@@ -709,6 +728,7 @@ def main() -> None:
             "history_days": cfg.history_days,
             "cpu_target_cores": cfg.cpu_target,
             "service_gc": cfg.service_gc,
+            "split": cfg.split,
             "public_cache_seconds": os.environ.get("SPOTGPU_PUBLIC_CACHE_SECONDS", "1 (default)"),
             "cores": os.cpu_count(),
             "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
