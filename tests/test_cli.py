@@ -262,3 +262,30 @@ def test_a_bad_key_is_the_services_401_and_a_dead_market_one_line(service):
         lines = out.stdout.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"cannot reach the market at {dead}: ")
         assert "Traceback" not in out.stderr
+
+
+def test_server_start_names_a_missing_postgresql_database_and_how_to_create_it(tmp_path):
+    """Issue 16 (9): one line, not a 490-line traceback; and postgresql:// means psycopg."""
+    env = {**os.environ, "SPOTGPU_HOME": str(tmp_path)}
+    missing = "postgresql://postgres@127.0.0.1:5432/spotgpu_no_such_db"
+    started = subprocess.run(
+        [sys.executable, "-m", "prefect_spotgpu.cli", "server", "start", "--db", missing],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    out = started.stdout + started.stderr
+    assert started.returncode == 1, out
+    assert 'no database "spotgpu_no_such_db"' in out and "createdb -h 127.0.0.1" in out, out
+    assert "Traceback" not in out and "psycopg2" not in out
+    assert len(out.strip().splitlines()) <= 4, out
+
+
+def test_a_plain_postgresql_url_uses_psycopg():
+    from prefect_spotgpu.service.settings import ServiceSettings
+
+    for url in ("postgresql://u@h/db", "postgres://u@h/db"):
+        assert ServiceSettings(db_url=url).db_url == "postgresql+psycopg://u@h/db"
+    with pytest.raises(ValueError, match="db_url"):
+        ServiceSettings(db_url="mysql://u@h/db")

@@ -179,7 +179,13 @@ def server_start(
         f"(database: {settings.database_url().split('@')[-1]}); "
         f"API docs at /docs"
     )
-    serve(settings, log_level=log_level)
+    from prefect_spotgpu.service.db import DatabaseUnavailable
+
+    try:
+        serve(settings, log_level=log_level)
+    except DatabaseUnavailable as exc:
+        console.print(str(exc), style="red", soft_wrap=True, markup=False)
+        raise typer.Exit(1) from None
 
 
 def _admin_client(market: str):

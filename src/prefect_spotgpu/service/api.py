@@ -773,7 +773,7 @@ def create_app(
     """The service as an ASGI app. With ``background``, the app's lifespan runs the tick loop
     (one leader among replicas) and the webhook sender."""
     from prefect_spotgpu.service import metrics as service_metrics
-    from prefect_spotgpu.service.db import make_engine, migrate
+    from prefect_spotgpu.service.db import check_database, make_engine, migrate
 
     settings = settings or ServiceSettings()
     sealer = Sealer(settings.resolved_secret_key())
@@ -808,6 +808,7 @@ def create_app(
         if own_engine:
             engine.dispose()
 
+    check_database(engine)  # one line naming the database and the fix, not a traceback
     migrate(engine)
     with sessions.begin() as session:
         try:

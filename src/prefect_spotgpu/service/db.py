@@ -7,6 +7,7 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS = Path(__file__).parent / "migrations"
@@ -59,6 +60,33 @@ def make_reading_sessionmaker(engine: Engine) -> sessionmaker[Session]:
     if engine.dialect.name == "postgresql":
         options["postgresql_readonly"] = True
     return sessionmaker(engine.execution_options(**options), expire_on_commit=False)
+
+
+class DatabaseUnavailable(RuntimeError):
+    """The service's database cannot be reached or does not exist: one line saying what to do."""
+
+
+def check_database(engine: Engine) -> None:
+    """Connect once, or raise :class:`DatabaseUnavailable` naming the database and the fix."""
+    url = engine.url
+    try:
+        with engine.connect():
+            pass
+    except OperationalError as exc:
+        where = f"{url.host or 'localhost'}:{url.port or 5432}"
+        text = str(exc.orig or exc)
+        if url.get_backend_name() == "postgresql" and "does not exist" in text:
+            user = f" -U {url.username}" if url.username else ""
+            raise DatabaseUnavailable(
+                f'PostgreSQL at {where} has no database "{url.database}": create it with '
+                f"`createdb -h {url.host or 'localhost'} -p {url.port or 5432}{user} "
+                f"{url.database}`, or name another in --db / SPOTGPU_DB_URL"
+            ) from None
+        first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+        raise DatabaseUnavailable(
+            f"cannot open the market's database {url.render_as_string(hide_password=True)}: "
+            f"{first}"
+        ) from None
 
 
 def migrate(engine: Engine) -> None:

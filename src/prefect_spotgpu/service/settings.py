@@ -72,7 +72,14 @@ class ServiceSettings(BaseSettings):
     @field_validator("db_url")
     @classmethod
     def _check_url(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("sqlite", "postgresql")):
+        """``postgresql://`` and ``postgres://`` (no driver named) mean psycopg 3, the driver
+        installed with the service (SQLAlchemy alone would pick psycopg2, which is not)."""
+        if value is None:
+            return value
+        for plain in ("postgresql://", "postgres://"):
+            if value.startswith(plain):
+                return "postgresql+psycopg://" + value.removeprefix(plain)
+        if not value.startswith(("sqlite", "postgresql+psycopg")):
             raise ValueError("db_url must be a sqlite:// or postgresql+psycopg:// URL")
         return value
 
