@@ -10,12 +10,12 @@ import prefect_spotgpu.market
 
 MODULES = [
     m.name for m in pkgutil.iter_modules(prefect_spotgpu.market.__path__, "prefect_spotgpu.market.")
-] + ["prefect_spotgpu.schedules"]
+] + ["prefect_spotgpu.schedules", "prefect_spotgpu.bidding"]
 
 
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples(name):
     result = doctest.testmod(importlib.import_module(name))
     assert result.failed == 0
-    if name == "prefect_spotgpu.schedules":
+    if name in ("prefect_spotgpu.schedules", "prefect_spotgpu.bidding"):
         assert result.attempted > 0

@@ -204,25 +204,52 @@ async def set_webhook(http: httpx.AsyncClient, url: str) -> None:
     checked(await http.put("/webhook", json={"url": url}), "set the notice webhook")
 
 
-async def quote_text(http: httpx.AsyncClient, bid: dict) -> str:
+async def quote_text(http: httpx.AsyncClient, bid: dict) -> tuple[str, bool]:
+    """What the market offers this bid now (``quote_summary``), from ``GET /prices``."""
     response = await http.get("/prices")
     if response.status_code != 200:
-        return "no quote"
+        return "no quote", False
+    return quote_summary(bid, response.json())
+
+
+def quote_summary(bid: dict, quotes: list[dict]) -> tuple[str, bool]:
+    """A line on the pools a bid can run in, and whether none of them accepts its price (its
+    maximum is below every node's reserve: it would wait for ever).
+
+        >>> pool = {"gpu_model": "A100-80G", "region": "eu-west", "capacity": "spot",
+        ...         "gpus_free": 1, "clearing_price": None, "reserve_price": 0.9}
+        >>> bid = {"gpu_model": "A100-80G", "region": "any", "max_price": 0.4}
+        >>> text, refused = quote_summary(bid, [pool])
+        >>> refused, text.split(": ")[0]
+        (True, 'no A100-80G node in any region accepts 0.40 per GPU-hour')
+        >>> text.split(": ")[1]
+        'the lowest reserve is 0.90; raise max_price to at least 0.90'
+        >>> quote_summary({**bid, "max_price": 1.2}, [pool])
+        ('market from 0.90 per GPU-hour, 1 GPU free', False)
+    """
     pools = [
         q
-        for q in response.json()
+        for q in quotes
         if q["gpu_model"] == bid["gpu_model"]
         and bid["region"] in ("any", q["region"])
         and q.get("capacity", "spot") == bid.get("capacity", "spot")
     ]
     if not pools:
         kind = "on-demand " if bid.get("capacity") == "on_demand" else ""
-        return f"no {kind}{bid['gpu_model']} nodes in {bid['region']} yet"
+        return f"no {kind}{bid['gpu_model']} nodes in {bid['region']} yet", False
+    reserves = [q["reserve_price"] for q in pools if q.get("reserve_price") is not None]
+    if reserves and bid.get("capacity", "spot") == "spot" and bid["max_price"] < min(reserves):
+        where = "any region" if bid["region"] == "any" else bid["region"]
+        return (
+            f"no {bid['gpu_model']} node in {where} accepts {bid['max_price']:.2f} per "
+            f"GPU-hour: the lowest reserve is {min(reserves):.2f}; raise max_price to at "
+            f"least {min(reserves):.2f}"
+        ), True
     free = sum(q["gpus_free"] for q in pools)
     prices = [q["clearing_price"] or q["reserve_price"] for q in pools]
     prices = [p for p in prices if p is not None]
     price = f"from {min(prices):.2f}" if prices else "no price yet"
-    return f"market {price} per GPU-hour, {free} GPUs free"
+    return f"market {price} per GPU-hour, {free} GPU{'' if free == 1 else 's'} free", False
 
 
 def describe(bid: dict) -> str:

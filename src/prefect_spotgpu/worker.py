@@ -249,7 +249,9 @@ class SpotGPUWorker(
             )
         if bid is None:
             bid = await self._place_bid(http, flow_run, configuration, course, replaced)
-        quote = await quote_text(http, bid)
+        quote, refused = await quote_text(http, bid)
+        if refused:  # it would wait for ever: say so at once, in the run's logs too
+            self.get_flow_run_logger(flow_run).warning("Bid %s: %s", bid["id"], quote)
         if bid.get("window_start"):
             quote += f"; runs in the cheap window {bid['window_start']} to {bid['window_end']}"
         await self._set_state(
