@@ -153,7 +153,7 @@ class Service:
         self.thread.join(timeout=15)
 
 
-def start_service(db_url: str, home, **overrides) -> Service:
+def start_service(db_url: str, home, port: int | None = None, **overrides) -> Service:
     from prefect_spotgpu.service.api import create_app
     from prefect_spotgpu.service.settings import ServiceSettings
 
@@ -170,7 +170,7 @@ def start_service(db_url: str, home, **overrides) -> Service:
         **overrides,
     )
     app = create_app(settings)
-    port = free_port()
+    port = port or free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     )

@@ -374,6 +374,8 @@ def agent_start(
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if log_level.lower() != "debug":  # a line per request (one a second, at least): noise
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     name = name or socket.gethostname()
     state = Path(state_dir).absolute() if state_dir else default_state_dir(name)
     options = RunnerOptions(

@@ -165,8 +165,29 @@ class Agent:
 
     # ---------------------------------------------------------------- the loop
 
+    def register_when_reachable(self, most_seconds: float = 30.0) -> bool:
+        """:meth:`register`, waiting out a market that is down (or not up yet): one line
+        naming its URL per try, backing off to ``most_seconds``. False if stopped first."""
+        wait = 1.0
+        while not self.stop_event.is_set():
+            try:
+                self.register()
+                return True
+            except httpx.TransportError as exc:
+                logger.warning(
+                    "market %s unreachable (%s: %s); retrying in %.0f s",
+                    self.market,
+                    type(exc).__name__,
+                    exc,
+                    wait,
+                )
+            self.stop_event.wait(wait)
+            wait = min(most_seconds, wait * 2)
+        return False
+
     def run(self) -> None:
-        self.register()
+        if not self.register_when_reachable():
+            return
         self.heartbeat()
         self.reconcile()
         beat = threading.Thread(target=self._heartbeats, name="spotgpu-heartbeat", daemon=True)
