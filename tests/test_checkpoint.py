@@ -280,3 +280,25 @@ def test_the_flow_helper_takes_storage_from_the_environment(tmp_path, monkeypatc
     ckpt.save({"x": 1}, 1)
     assert checkpointer_for_run(key="flow-run-abc").restore().state == {"x": 1}
     signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+
+
+def test_a_numpy_only_checkpoint_never_imports_torch(tmp_path):
+    """torch installed but unused: saving and restoring NumPy state must not import it (its
+    import cost a NumPy-only flow 1.5 s a save; issue 16)."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+import numpy as np
+from pathlib import Path
+from prefect_spotgpu.checkpoint import Checkpointer, LocalStorage
+ckpt = Checkpointer(LocalStorage(Path({str(tmp_path)!r})), "numpy-only")
+ckpt.save({{"w": np.arange(4.0), "step": 3}}, 3)
+restored = ckpt.restore()
+assert restored.step == 3 and restored.state["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+print("torch" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

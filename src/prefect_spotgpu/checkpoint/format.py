@@ -24,6 +24,7 @@ import hashlib
 import hmac
 import json
 import pickle
+import sys
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,6 +60,12 @@ def signature(key: bytes, name: str, step: int, body: bytes) -> str:
 
 def _canonical(manifest: dict) -> bytes:
     return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _torch_if_imported():
+    """torch, if the process has imported it (a state can hold a tensor only then); never
+    imports it: a NumPy-only flow would pay seconds for an import it does not need."""
+    return sys.modules.get("torch")
 
 
 def _torch():
@@ -137,7 +144,7 @@ class _Encoder:
         return node
 
     def encode(self, value):
-        torch = _torch()
+        torch = _torch_if_imported()
         if value is None or isinstance(value, bool | int | str):
             return {"t": "v", "v": value}
         if isinstance(value, float):
@@ -280,7 +287,7 @@ def decode(manifest: dict, blob) -> object:
 
 
 def _build(manifest: dict, view: memoryview) -> object:
-    torch = _torch()
+    torch = None  # imported at the first tensor: a NumPy-only checkpoint never imports it
 
     def leaf(node):
         return view[node["offset"] : node["offset"] + node["length"]]
@@ -303,6 +310,8 @@ def _build(manifest: dict, view: memoryview) -> object:
             part = leaf(node)
             if node["lib"] == "numpy":
                 return np.frombuffer(part, dtype=np.dtype(node["dtype"])).reshape(node["shape"])
+            nonlocal torch
+            torch = torch or _torch()
             if torch is None:
                 raise CorruptCheckpoint("this checkpoint holds torch tensors: install torch")
             dtype = getattr(torch, node["dtype"])
