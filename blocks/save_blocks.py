@@ -8,7 +8,8 @@
 Saves two documents, overwriting earlier ones of the same names:
   Spot Market "spot-market"               the market's URL and your tenant API key
   Spot Checkpoint Storage "spot-checkpoints"   a shared directory, or an S3 bucket/prefix
-Run it against the Prefect API the worker uses (PREFECT_API_URL).
+Run it against the Prefect API the worker uses (PREFECT_API_URL). The installed package has the
+same as a command (the key from SPOTGPU_API_KEY or a file, never argv): spotgpu blocks save.
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from pydantic import SecretStr
-
-from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
+from prefect_spotgpu.pool_cli import save_blocks
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -41,22 +40,16 @@ def main(argv: list[str] | None = None) -> None:
     if (args.checkpoints is None) == (args.bucket is None):
         parser.error("give --checkpoints DIR or --bucket NAME")
 
-    SpotMarket(url=args.market_url, api_key=SecretStr(args.api_key)).save(
-        args.market_name, overwrite=True
+    save_blocks(
+        market_url=args.market_url,
+        api_key=args.api_key,
+        checkpoints=args.checkpoints,
+        bucket=args.bucket,
+        prefix=args.prefix,
+        endpoint_url=args.endpoint_url,
+        market_name=args.market_name,
+        storage_name=args.storage_name,
     )
-    if args.bucket:
-        secret = os.environ.get("AWS_SECRET_ACCESS_KEY")
-        storage = CheckpointStorage(
-            bucket=args.bucket,
-            prefix=args.prefix,
-            endpoint_url=args.endpoint_url,
-            region_name=os.environ.get("AWS_DEFAULT_REGION"),
-            aws_access_key_id=os.environ.get("AWS_ACCESS_KEY_ID"),
-            aws_secret_access_key=SecretStr(secret) if secret else None,
-        )
-    else:
-        storage = CheckpointStorage(path=os.path.abspath(args.checkpoints))
-    storage.save(args.storage_name, overwrite=True)
     print(
         f"saved Spot Market {args.market_name!r} and Spot Checkpoint Storage {args.storage_name!r}"
     )

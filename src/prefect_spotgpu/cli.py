@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 import prefect_spotgpu
-from prefect_spotgpu import access_cli, node_cli
+from prefect_spotgpu import access_cli, node_cli, pool_cli
 
 if TYPE_CHECKING:
     import httpx
@@ -31,6 +31,8 @@ app.add_typer(server_app, name="server")
 app.add_typer(admin_app, name="admin")
 app.add_typer(access_cli.keys_app, name="keys")
 app.add_typer(node_cli.node_app, name="node")
+app.add_typer(pool_cli.pool_app, name="pool")
+app.add_typer(pool_cli.blocks_app, name="blocks")
 access_cli.register(admin_app)  # grant-provider, revoke-keys, revoke-node, ...
 
 DEFAULT_MARKET = "http://127.0.0.1:4300"

@@ -1,0 +1,256 @@
+"""``spotgpu blocks save`` and ``spotgpu pool setup|check``: the Prefect side of the manual path.
+
+``blocks save`` saves the two block documents a spot-gpu pool needs (the market's URL with your
+key; where checkpoints go). ``pool setup`` makes the pool of type ``spot-gpu`` (creating it if
+missing) and links those blocks as its ``market`` and ``checkpoint_storage`` defaults — what the
+UI's form does by hand — keeping the pool's other defaults. ``pool check`` says what is wrong
+with a pool, one line each: a pool of another type (a ``process`` pool, made by starting a
+worker before the pool existed, runs spot runs on the worker's own host, outside the market),
+blocks not linked, a market that does not answer. Both talk to the Prefect API of
+``PREFECT_API_URL``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import typer
+
+from prefect_spotgpu.access_cli import API_KEY_FILE
+
+blocks_app = typer.Typer(help="Save the Prefect blocks a spot-gpu pool uses.", no_args_is_help=True)
+pool_app = typer.Typer(help="Set up or check a spot-gpu work pool.", no_args_is_help=True)
+
+POOL = typer.Argument("spot", help="The work pool's name.")
+MARKET_BLOCK = typer.Option("spot-market", help="The Spot Market block document's name.")
+STORAGE_BLOCK = typer.Option("spot-checkpoints", help="The checkpoint storage block's name.")
+CHECKPOINTS = typer.Option(None, help="A directory every node reaches.")
+BUCKET = typer.Option(None, help="An S3 bucket instead of a directory.")
+PREFIX = typer.Option("", help="Key prefix in the bucket.")
+LINKED = ("market", "checkpoint_storage")
+
+
+@blocks_app.command("save")
+def blocks_save(
+    market_url: str = typer.Option(
+        "http://127.0.0.1:4300", envvar="SPOTGPU_MARKET_URL", help="URL of the market service."
+    ),
+    api_key_file: Path | None = API_KEY_FILE,
+    checkpoints: Path | None = CHECKPOINTS,
+    bucket: str | None = BUCKET,
+    prefix: str = PREFIX,
+    endpoint_url: str | None = typer.Option(
+        None, envvar="AWS_ENDPOINT_URL_S3", help="S3 endpoint (MinIO, moto...)."
+    ),
+    market_name: str = MARKET_BLOCK,
+    storage_name: str = STORAGE_BLOCK,
+) -> None:
+    """Save the Spot Market block (URL and key) and the checkpoint storage block (a directory,
+    or an S3 bucket with credentials from the AWS_* variables), overwriting same-named ones."""
+    from prefect_spotgpu.access_cli import _tenant_key
+    from prefect_spotgpu.cli import console
+
+    if (checkpoints is None) == (bucket is None):
+        console.print("[red]give --checkpoints DIR or --bucket NAME[/red]")
+        raise typer.Exit(2)
+    save_blocks(
+        market_url=market_url,
+        api_key=_tenant_key(api_key_file),
+        checkpoints=checkpoints,
+        bucket=bucket,
+        prefix=prefix,
+        endpoint_url=endpoint_url,
+        market_name=market_name,
+        storage_name=storage_name,
+    )
+    console.print(
+        f"saved Spot Market {market_name!r} and Spot Checkpoint Storage {storage_name!r}",
+        markup=False,
+    )
+
+
+def save_blocks(
+    *,
+    market_url: str,
+    api_key: str,
+    checkpoints: Path | str | None,
+    bucket: str | None,
+    prefix: str = "",
+    endpoint_url: str | None = None,
+    market_name: str = "spot-market",
+    storage_name: str = "spot-checkpoints",
+) -> None:
+    """Save the two block documents (S3 credentials from the AWS_* variables)."""
+    from pydantic import SecretStr
+
+    from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
+
+    SpotMarket(url=market_url, api_key=SecretStr(api_key)).save(market_name, overwrite=True)
+    if bucket:
+        secret = os.environ.get("AWS_SECRET_ACCESS_KEY")
+        storage = CheckpointStorage(
+            bucket=bucket,
+            prefix=prefix,
+            endpoint_url=endpoint_url,
+            region_name=os.environ.get("AWS_DEFAULT_REGION"),
+            aws_access_key_id=os.environ.get("AWS_ACCESS_KEY_ID"),
+            aws_secret_access_key=SecretStr(secret) if secret else None,
+        )
+    else:
+        storage = CheckpointStorage(path=str(Path(checkpoints).absolute()))
+    storage.save(storage_name, overwrite=True)
+
+
+@pool_app.command("setup")
+def pool_setup(
+    pool: str = POOL,
+    market_block: str = MARKET_BLOCK,
+    storage_block: str = STORAGE_BLOCK,
+    replace: bool = typer.Option(
+        False, help="Delete and recreate a pool of another type (its queued runs stay)."
+    ),
+) -> None:
+    """Make POOL a spot-gpu pool whose runs use the named blocks (created if missing)."""
+    from prefect_spotgpu.cli import console
+
+    for line in asyncio.run(_setup(pool, market_block, storage_block, replace)):
+        console.print(line, markup=False, soft_wrap=True)
+
+
+@pool_app.command("check")
+def pool_check(pool: str = POOL) -> None:
+    """Say what stands between POOL and a run on spot GPUs (exit 1 if anything does)."""
+    from prefect_spotgpu.cli import console
+
+    problems, fine = asyncio.run(_check(pool))
+    for line in fine:
+        console.print(f"ok    {line}", markup=False, soft_wrap=True)
+    for line in problems:
+        console.print(f"FIX   {line}", style="red", markup=False, soft_wrap=True)
+    if problems:
+        raise typer.Exit(1)
+
+
+async def _block_id(client, slug: str, name: str) -> str:
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        document = await client.read_block_document_by_name(name, block_type_slug=slug)
+    except ObjectNotFound:
+        raise _Refused(
+            f"no {slug} block named {name!r}: save it first with `spotgpu blocks save ...`"
+        ) from None
+    return str(document.id)
+
+
+class _Refused(Exception):
+    pass
+
+
+async def _setup(pool: str, market_block: str, storage_block: str, replace: bool) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
+    from prefect.exceptions import ObjectNotFound
+
+    from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
+    from prefect_spotgpu.worker import SpotGPUWorker
+
+    out = []
+    async with get_client() as client:
+        try:
+            market_id = await _block_id(client, SpotMarket.get_block_type_slug(), market_block)
+            storage_id = await _block_id(
+                client, CheckpointStorage.get_block_type_slug(), storage_block
+            )
+        except _Refused as exc:
+            raise typer.BadParameter(str(exc)) from None
+        try:
+            existing = await client.read_work_pool(pool)
+        except ObjectNotFound:
+            existing = None
+        if existing is not None and existing.type != "spot-gpu":
+            if not replace:
+                raise typer.BadParameter(
+                    f"work pool {pool!r} is of type {existing.type!r}: its workers would run "
+                    f"spot runs outside the market. Run again with --replace to recreate it "
+                    f"as spot-gpu"
+                )
+            await client.delete_work_pool(pool)
+            out.append(f"deleted work pool {pool!r} of type {existing.type!r}")
+            existing = None
+        template = (
+            existing.base_job_template
+            if existing is not None
+            else SpotGPUWorker.get_default_base_job_template()
+        )
+        properties = template["variables"]["properties"]
+        properties["market"]["default"] = {"$ref": {"block_document_id": market_id}}
+        properties["checkpoint_storage"]["default"] = {"$ref": {"block_document_id": storage_id}}
+        if existing is None:
+            await client.create_work_pool(
+                WorkPoolCreate(name=pool, type="spot-gpu", base_job_template=template)
+            )
+            out.append(f"created work pool {pool!r} of type spot-gpu")
+        else:
+            await client.update_work_pool(pool, WorkPoolUpdate(base_job_template=template))
+        out.append(
+            f"{pool!r} runs bid through {market_block!r} and checkpoint to {storage_block!r}; "
+            f"start its worker with: prefect worker start --pool {pool} --type spot-gpu"
+        )
+    return out
+
+
+async def _check(pool: str) -> tuple[list[str], list[str]]:
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    from prefect_spotgpu.blocks import SpotMarket
+
+    problems, fine = [], []
+    async with get_client() as client:
+        try:
+            found = await client.read_work_pool(pool)
+        except ObjectNotFound:
+            return [f"no work pool {pool!r}: spotgpu pool setup {pool}"], fine
+        if found.type != "spot-gpu":
+            problems.append(
+                f"work pool {pool!r} is of type {found.type!r}: its workers run spot runs on "
+                f"their own host, outside the market; recreate it: spotgpu pool setup {pool} "
+                f"--replace"
+            )
+            return problems, fine
+        fine.append(f"work pool {pool!r} is of type spot-gpu")
+        properties = found.base_job_template.get("variables", {}).get("properties", {})
+        refs = {}
+        for name in LINKED:
+            ref = (properties.get(name, {}).get("default") or {}).get("$ref", {})
+            refs[name] = ref.get("block_document_id")
+            if refs[name] is None:
+                problems.append(
+                    f"its {name} variable names no block: spotgpu pool setup {pool} "
+                    f"(or give it per deployment in job_variables)"
+                )
+        if refs["market"]:
+            document = await client.read_block_document(refs["market"])
+            fine.append(f"its market block is {document.name!r}")
+            answer = await _market_answers(await SpotMarket.aload(document.name))
+            (fine if answer.startswith("market") else problems).append(answer)
+    return problems, fine
+
+
+async def _market_answers(market) -> str:
+    import httpx
+
+    from prefect_spotgpu.bidding import market_client
+
+    try:
+        async with market_client(market) as http:
+            me = await http.get("/me")
+    except httpx.HTTPError as exc:
+        return f"the market at {market.url} does not answer ({type(exc).__name__})"
+    if me.status_code != 200:
+        return f"the market at {market.url} refuses the block's key (HTTP {me.status_code})"
+    body = me.json()
+    return f"market at {market.url} answers: tenant {body['name']}, balance {body['balance']:.2f}"
