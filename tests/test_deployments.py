@@ -104,3 +104,25 @@ def test_prefect_deploy_all_creates_them(prefect_api_url):
             assert deployment.pull_steps[0]["prefect.deployments.steps.set_working_directory"][
                 "directory"
             ] == str(ROOT)
+
+
+def test_the_readmes_example_agents_offer_what_the_example_deployments_ask_for():
+    """A newcomer who starts the README's agents and deploys prefect.yaml gets GPUs (issue 16,
+    5): every deployment's model is offered by an example agent at a reserve it accepts."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    offers = [
+        (m["model"], float(m["reserve"]))
+        for m in re.finditer(
+            r"--gpus (?P<model>[\w-]+):\d+ [^\n]*--reserve-price (?P<reserve>[\d.]+)", readme
+        )
+    ]
+    assert offers, "no example agent in the README"
+    config = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
+    for deployment in config["deployments"]:
+        wanted = deployment["work_pool"]["job_variables"]
+        assert any(
+            model == wanted["gpu_model"] and reserve <= wanted["max_price"]
+            for model, reserve in offers
+        ), (deployment["name"], wanted, offers)
