@@ -244,3 +244,25 @@ def test_the_launcher_waits_through_crashed_and_acknowledges_an_early_notice(
         client.set_flow_run_state(run.id, Completed(), force=True)
         over = launch()
         assert over.returncode == 0 and "already Completed" in over.stdout
+
+
+def test_a_run_without_checkpoint_storage_is_refused_before_any_bid(service):
+    """Issue 16 (7): it would bid, start a billed job and fail on the node; now it fails at
+    once, naming the variable, and the market never hears of it."""
+    from prefect.client.schemas.objects import FlowRun
+    from pydantic import SecretStr
+
+    from prefect_spotgpu.blocks import SpotMarket
+
+    buyer = service.tenant()
+    key = buyer.headers["Authorization"].removeprefix("Bearer ")
+    config = SpotGPUJobConfiguration(
+        market=SpotMarket(url=service.base_url, api_key=SecretStr(key))
+    )
+    flow_run = FlowRun(id=uuid.uuid4(), name="no-storage", flow_id=uuid.uuid4())
+    config.prepare_for_flow_run(flow_run)
+    worker = SpotGPUWorker(work_pool_name="spot")
+    with pytest.raises(ValueError, match="'checkpoint_storage' variable") as refused:
+        asyncio.run(worker.run(flow_run, config))
+    assert "spotgpu pool setup" in str(refused.value) and "nothing was bid" in str(refused.value)
+    assert buyer.get("/bids").json() == []

@@ -170,6 +170,17 @@ def market_of(configuration: SpotGPUJobConfiguration) -> SpotMarket:
     return configuration.market
 
 
+def check_storage(configuration: SpotGPUJobConfiguration) -> None:
+    """Refuse, before any bid (and so any charge), a run with nowhere to keep checkpoints: its
+    job would start, be billed, and fail on the node asking for its checkpoint location."""
+    if configuration.checkpoint_storage is None:
+        raise ValueError(
+            "no checkpoint storage: set the work pool's or deployment's 'checkpoint_storage' "
+            "variable to a Spot Checkpoint Storage block (spotgpu blocks save, then spotgpu "
+            "pool setup POOL); nothing was bid"
+        )
+
+
 def market_client(market: SpotMarket) -> httpx.AsyncClient:
     return httpx.AsyncClient(
         base_url=market.url.rstrip("/") + "/api/v1",

@@ -56,6 +56,7 @@ from prefect_spotgpu.bidding import (
     Track,
     allocation_report,
     cancel_bid,
+    check_storage,
     checked,
     describe,
     infrastructure_id,
@@ -203,6 +204,7 @@ class SpotGPUWorker(
         task_status: anyio.abc.TaskStatus | None = None,
     ) -> SpotGPUWorkerResult:
         market = market_of(configuration)
+        check_storage(configuration)
         self._following.add(str(flow_run.id))  # from its first step: no adoption pass takes it
         try:
             async with market_client(market) as http:
