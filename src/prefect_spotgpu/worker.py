@@ -463,13 +463,18 @@ class SpotGPUWorker(
         when = resume_time(datetime.now(UTC), configuration)
         if when > datetime.now(UTC):
             message += f"; the cheap window reopens at {when.isoformat(timespec='minutes')}"
-        await self._reschedule(flow_run, message, when, job_stopped=reason == SAVED_AND_STOPPED)
+        rescheduled = await self._reschedule(
+            flow_run, message, when, job_stopped=reason == SAVED_AND_STOPPED
+        )
+        if not rescheduled:  # the run is over: its bid must not go on (and bill) without it
+            await cancel_bid(http, bid["id"])
         return SpotGPUWorkerResult(identifier=infrastructure_id(bid), status_code=0)
 
     async def _reschedule(
         self, flow_run, message: str, when: datetime, job_stopped: bool = False
-    ) -> None:
-        """``Scheduled("Preempted")``, after the engine's own last word.
+    ) -> bool:
+        """``Scheduled("Preempted")``, after the engine's own last word; False when the run
+        turned out to be over (Completed or Failed by its engine), and was left so.
 
         A stopped engine reports Crashed itself, forcibly; that must not land after our
         Scheduled, or the run would never be picked up again. After an acknowledged final
@@ -478,8 +483,10 @@ class SpotGPUWorker(
         """
         state = await self._engine_done(flow_run, 0 if job_stopped else ENGINE_EXIT_SECONDS)
         if state is not None and state.is_final() and not state.is_crashed():
-            self.get_flow_run_logger(flow_run).info("Not rescheduled: the run is %s", state.name)
-            return
+            self.get_flow_run_logger(flow_run).info(
+                "Not rescheduled: the run is %s; its bid is cancelled", state.name
+            )
+            return False
         engine_may_still_report = not job_stopped and state is not None and state.is_running()
         await self._insist(
             flow_run,
@@ -487,6 +494,7 @@ class SpotGPUWorker(
             force=False,
             check=engine_may_still_report,
         )
+        return True
 
     async def _engine_done(self, flow_run, seconds: float):
         """The run's state once it has left Running (its engine's last word), or after
