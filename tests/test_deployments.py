@@ -126,3 +126,43 @@ def test_the_readmes_example_agents_offer_what_the_example_deployments_ask_for()
             model == wanted["gpu_model"] and reserve <= wanted["max_price"]
             for model, reserve in offers
         ), (deployment["name"], wanted, offers)
+
+
+@pytest.mark.slow
+def test_a_python_deployment_from_source_with_checked_job_variables(prefect_api_url, tmp_path):
+    """Issue 16 (4): ``flow.from_source(...).deploy(...)`` on a spot-gpu pool, its job variables
+    from ``spot_job_variables``: a spelling the market accepts is normalised, so the pool's
+    schema takes it; a typo fails at deploy time, naming it."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+
+    from prefect_spotgpu.deploy import spot_job_variables
+    from prefect_spotgpu.worker import SpotGPUWorker
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_work_pool("spot-py")
+        except Exception:
+            client.create_work_pool(
+                WorkPoolCreate(
+                    name="spot-py",
+                    type="spot-gpu",
+                    base_job_template=SpotGPUWorker.get_default_base_job_template(),
+                )
+            )
+    (tmp_path / "train.py").write_text(
+        "from prefect import flow\n\n@flow\ndef train(steps: int = 3):\n    return steps\n"
+    )
+    variables = spot_job_variables(gpu_model="nvidia a100 80gb", max_price=1.1, gpu_count=2)
+    deployment_id = flow.from_source(source=str(tmp_path), entrypoint="train.py:train").deploy(
+        name="train-py", work_pool_name="spot-py", job_variables=variables, print_next_steps=False
+    )
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment(deployment_id)
+    assert deployment.work_pool_name == "spot-py"
+    assert deployment.job_variables == {"gpu_model": "A100-80G", "max_price": 1.1, "gpu_count": 2}
+    with pytest.raises(ValueError, match="unknown job variable 'gpu_modle'"):
+        spot_job_variables(gpu_modle="A100-80G")
+    with pytest.raises(ValueError, match="gpu_count"):
+        spot_job_variables(gpu_count=0)
