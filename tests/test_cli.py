@@ -86,10 +86,12 @@ def test_clearing_benchmark_runs_and_reports_one_json_object():
 # ---------------------------------------------------------------- prices, bids and nodes views
 
 
-def spotgpu_at(service, *args: str, key: str | None = None) -> subprocess.CompletedProcess:
+def spotgpu_at(
+    service, *args: str, key: str | None = None, columns: str = "200"
+) -> subprocess.CompletedProcess:
     """``spotgpu`` against the test's market, on a terminal wide enough for whole rows."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGPU_")}
-    env.update(COLUMNS="200", SPOTGPU_MARKET_URL=service.base_url)
+    env.update(COLUMNS=columns, SPOTGPU_MARKET_URL=service.base_url)
     if key is not None:
         env["SPOTGPU_API_KEY"] = key
     return spotgpu(*args, env=env)
@@ -289,3 +291,18 @@ def test_a_plain_postgresql_url_uses_psycopg():
         assert ServiceSettings(db_url=url).db_url == "postgresql+psycopg://u@h/db"
     with pytest.raises(ValueError, match="db_url"):
         ServiceSettings(db_url="mysql://u@h/db")
+
+
+def test_bids_and_nodes_fit_80_columns_without_cutting_values(service):
+    """Issue 16 (small): at 80 columns the tables wrapped their values to stubs ("…")."""
+    alice, owner = service.tenant(), service.tenant()
+    service.node(owner, reserve=0.9, name="a-rather-long-node-name")
+    alice.post(
+        "/bids",
+        json={"gpu_model": "A100-80G", "gpu_count": 4, "max_price": 1.2, "region": "eu-west"},
+    )
+    for command, key in (("bids", key_of(alice)), ("nodes", key_of(owner))):
+        out = spotgpu_at(service, command, key=key, columns="80")
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "…" not in out.stdout, out.stdout
+        assert max(len(line) for line in out.stdout.splitlines()) <= 80, out.stdout

@@ -134,7 +134,7 @@ def bids_table(bids: Sequence[dict], allocations: dict[int, list[dict]], *, tena
         ("price", "right"),
         ("cost so far", "right"),
     ):
-        table.add_column(name, justify=justify)
+        table.add_column(name, justify=justify, overflow="fold")  # wrap, never cut (80 columns)
     for bid in bids:
         allocs = allocations.get(bid["id"], [])
         now = current_allocation(allocs)
@@ -212,7 +212,7 @@ def nodes_table(nodes: Sequence[dict], busy: dict[int, int], *, now: float) -> T
         ("reserve", "right"),
         ("heartbeat", "right"),
     ):
-        table.add_column(name, justify=justify)
+        table.add_column(name, justify=justify, overflow="fold")  # wrap, never cut (80 columns)
     for node in nodes:
         jobs = (node.get("telemetry") or {}).get("jobs")
         table.add_row(
