@@ -60,8 +60,8 @@ def test_the_schedules_start_runs_as_the_cheap_window_opens(start, expected):
             assert cheap_window(x, "Europe/Berlin")[0] == x
 
 
-@pytest.mark.slow
-def test_prefect_deploy_all_creates_them(prefect_api_url):
+def ensure_spot_pool(name: str) -> None:
+    """A spot-gpu work pool of that name, with the worker's default base job template."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
 
@@ -69,15 +69,22 @@ def test_prefect_deploy_all_creates_them(prefect_api_url):
 
     with get_client(sync_client=True) as client:
         try:
-            client.read_work_pool("spot")
+            client.read_work_pool(name)
         except Exception:
             client.create_work_pool(
                 WorkPoolCreate(
-                    name="spot",
+                    name=name,
                     type="spot-gpu",
                     base_job_template=SpotGPUWorker.get_default_base_job_template(),
                 )
             )
+
+
+@pytest.mark.slow
+def test_prefect_deploy_all_creates_them(prefect_api_url):
+    from prefect.client.orchestration import get_client
+
+    ensure_spot_pool("spot")
     env = {**os.environ, "PREFECT_API_URL": prefect_api_url, "PWD": str(ROOT)}
     result = subprocess.run(
         [
@@ -135,22 +142,10 @@ def test_a_python_deployment_from_source_with_checked_job_variables(prefect_api_
     schema takes it; a typo fails at deploy time, naming it."""
     from prefect import flow
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
 
     from prefect_spotgpu.deploy import spot_job_variables
-    from prefect_spotgpu.worker import SpotGPUWorker
 
-    with get_client(sync_client=True) as client:
-        try:
-            client.read_work_pool("spot-py")
-        except Exception:
-            client.create_work_pool(
-                WorkPoolCreate(
-                    name="spot-py",
-                    type="spot-gpu",
-                    base_job_template=SpotGPUWorker.get_default_base_job_template(),
-                )
-            )
+    ensure_spot_pool("spot-py")
     (tmp_path / "train.py").write_text(
         "from prefect import flow\n\n@flow\ndef train(steps: int = 3):\n    return steps\n"
     )
