@@ -209,7 +209,7 @@ def assert_completed_once(stack, prefect, name, run_id, progress, allocation) ->
     assert len(bids) == 1  # no duplicate bid
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM], ids=["SIGTERM"])  # SIGINT: the test below
 def test_a_signalled_worker_exits_within_seconds_and_the_next_worker_adopts_its_run(
     stack, prefect, tmp_path, sig
 ):
@@ -245,7 +245,7 @@ def test_a_worker_that_prefect_does_not_answer_still_exits_within_seconds(
     gate.cut()
     try:
         time.sleep(3)  # its calls to Prefect hang now
-        seconds, code = stop(stack, "cut-off", signal.SIGTERM)
+        seconds, code = stop(stack, "cut-off", signal.SIGINT)  # Ctrl-C, where SIGTERM is above
     finally:
         gate.restore()
     assert code == 0 and seconds < EXIT_SECONDS, (seconds, code, stack.log("cut-off"))
