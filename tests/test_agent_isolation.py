@@ -642,7 +642,8 @@ def test_the_agents_key_comes_from_a_file_or_the_environment_never_argv(service,
     try:
         wait_for(lambda: owner.get("/nodes").json(), 30, "the node registered")
         assert owner_key.encode() not in Path(f"/proc/{agent.pid}/cmdline").read_bytes()
-        assert json.loads((state / "node.json").read_text())["token"].startswith("sgn_")
+        record = wait_for(lambda: read_job_file(state / "node.json"), 10, "node.json")
+        assert record["token"].startswith("sgn_")
     finally:
         agent.send_signal(signal.SIGTERM)
         agent.wait(timeout=15)

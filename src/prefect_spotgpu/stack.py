@@ -50,6 +50,10 @@ def wait_for(predicate, timeout: float = 10.0, what: str = "the condition", inte
         time.sleep(interval)
 
 
+STACK_ENV = "SPOTGPU_STACK_HOME"
+"""In the environment of every process a stack starts: how its stop finds one it missed."""
+
+
 class LocalStack:
     """Processes of a local stack; see the module docstring."""
 
@@ -89,7 +93,7 @@ class LocalStack:
         try:
             process = subprocess.Popen(
                 args,
-                env={**os.environ, **(env or {})},
+                env={**os.environ, **(env or {}), STACK_ENV: str(self.home)},
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -276,6 +280,26 @@ class LocalStack:
         for process in self.processes.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=5)
+        for pid in self._strays():  # started as the stop came (a Ctrl-C mid-spawn): unrecorded
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+    def _strays(self) -> list[int]:
+        """Live processes this stack started (``STACK_ENV`` names its home in their environment)
+        that ``processes`` may have missed."""
+        mark, me, found = f"{STACK_ENV}={self.home}".encode(), os.getpid(), []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == me:
+                continue
+            try:
+                if (entry / "stat").read_text().split(")")[-1].split()[0] == "Z":
+                    continue
+                environ = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if mark in environ:
+                found.append(int(entry.name))
+        return found
 
     # ---------------------------------------------------------------- Prefect side
 
