@@ -46,6 +46,20 @@ def start_demo(tmp_path: Path, home: Path, *options: str) -> subprocess.Popen:
     )
 
 
+def demo_until_it_idles(demo, seconds: float = 400) -> str:
+    """The demo's output up to its "Ctrl-C stops everything" line (the stack is still up)."""
+    lines = []
+    deadline = time.monotonic() + seconds
+    for line in demo.stdout:
+        lines.append(line)
+        if "Ctrl-C" in line and "stops everything" in line:
+            break
+        assert time.monotonic() < deadline, "".join(lines)
+    out = "".join(lines)
+    assert demo.poll() is None, out
+    return out
+
+
 def stop_demo(demo: subprocess.Popen) -> None:
     """After a failure too: Ctrl-C, which stops the stack it started (a SIGKILL would leave
     its Prefect server, market and agents running for the tests after it)."""
@@ -68,16 +82,8 @@ def assert_all_stopped(home: Path, seconds: float = 20) -> None:
 def test_demo_runs_the_stack_through_a_reclaim_and_ctrl_c_stops_everything(tmp_path):
     home = tmp_path / "demo"
     demo = start_demo(tmp_path, home, "--steps", "150")
-    lines = []
-    deadline = time.monotonic() + 400
     try:
-        for line in demo.stdout:
-            lines.append(line)
-            if "Ctrl-C" in line and "stops everything" in line:
-                break
-            assert time.monotonic() < deadline, "".join(lines)
-        out = "".join(lines)
-        assert demo.poll() is None, out
+        out = demo_until_it_idles(demo)
         for moment in (
             "bid placed",
             "GPUs allocated",

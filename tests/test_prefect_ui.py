@@ -19,26 +19,12 @@ from pathlib import Path
 import pytest
 
 from test_dashboard import CHROMIUM, FLAGS
-from test_demo import assert_all_stopped, start_demo
+from test_demo import assert_all_stopped, demo_until_it_idles, start_demo
 
 pytestmark = pytest.mark.slow
 
 UI_TIMEOUT_MS = 60_000  # a Vue app on 2 slow cores, next to the whole demo stack
 BID_EVENTS = ("created", "allocated", "noticed", "preempted", "resumed")  # worker.py / placement.py
-
-
-def demo_until_it_idles(demo, seconds: float = 400) -> str:
-    """The demo's output up to its "Ctrl-C stops everything" line (the stack is still up)."""
-    lines = []
-    deadline = time.monotonic() + seconds
-    for line in demo.stdout:
-        lines.append(line)
-        if "Ctrl-C" in line and "stops everything" in line:
-            break
-        assert time.monotonic() < deadline, "".join(lines)
-    out = "".join(lines)
-    assert demo.poll() is None, out
-    return out
 
 
 def state_at(page, x: float) -> str | None:
