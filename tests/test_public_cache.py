@@ -31,8 +31,11 @@ def utilization(client, node) -> int | None:
 def test_a_view_is_read_once_until_the_market_moves(cached):
     owner = cached.tenant()
     node, agent = cached.node(owner, gpus=1, reserve=0.5)
-    beat(agent, node, 10)
     anonymous = cached.client()
+    # the tick that takes the new node in moves the market (and writes its first quote):
+    # wait for it, or it would refresh the view between the two beats
+    cached.wait_for(lambda: anonymous.get("/prices").json())
+    beat(agent, node, 10)
     cached.wait_for(lambda: utilization(anonymous, node) == 10)
     beat(agent, node, 90)  # telemetry is not a market move: the cached view stands
     assert utilization(anonymous, node) == 10
