@@ -29,6 +29,16 @@ WRITE_KEY = typer.Option(
 )
 
 
+def write_key(path: Path, key: str) -> None:
+    """Write a key to ``path``, mode 0600 (also when the file existed with a wider mode)."""
+    import os
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        os.fchmod(out.fileno(), 0o600)
+        out.write(key + "\n")
+
+
 def _tenant_key(path: Path | None) -> str:
     import os
 
@@ -145,8 +155,6 @@ def rotate(
     write: Path | None = WRITE_KEY,
 ) -> None:
     """Rotate your API key: prints (or writes) a new one; the old one is refused at once."""
-    import os
-
     from prefect_spotgpu.cli import _market_client, console
 
     with _market_client(market, _tenant_key(api_key_file)) as client:
@@ -154,10 +162,7 @@ def rotate(
     if write is None:
         console.print(f"new API key (the old one no longer works): {key}")
         return
-    fd = os.open(write, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        os.fchmod(out.fileno(), 0o600)  # also when the file existed with a wider mode
-        out.write(key + "\n")
+    write_key(write, key)
     console.print(f"new API key written to {write}; the old one no longer works")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import typer
@@ -236,8 +237,9 @@ def admin_create_tenant(
     market: str = typer.Option(
         DEFAULT_MARKET, envvar="SPOTGPU_MARKET_URL", help="URL of the market service."
     ),
+    key_file: Path | None = access_cli.WRITE_KEY,
 ) -> None:
-    """Create a tenant and print its API key (shown once)."""
+    """Create a tenant and print its API key (shown once), or write it to --key-file."""
     import httpx
 
     body = {"name": name}
@@ -255,7 +257,13 @@ def admin_create_tenant(
     console.print(
         f"tenant [bold]{tenant['name']}[/bold] (id {tenant['id']}), balance {tenant['balance']:.2f}"
     )
-    console.print(f"API key: {tenant['api_key']}")
+    if key_file is None:
+        console.print(f"API key: {tenant['api_key']}")
+        return
+    from prefect_spotgpu.access_cli import write_key
+
+    write_key(key_file, tenant["api_key"])
+    console.print(f"API key written to {key_file}")
 
 
 @admin_app.command("tenants")

@@ -192,12 +192,11 @@ def telemetry_cells(telemetry: dict | None) -> tuple[str, str, str]:
 
 
 def nodes_table(nodes: Sequence[dict], busy: dict[int, int], *, now: float) -> Table:
-    """Nodes (``GET /nodes``) with their state, GPUs in use, telemetry and heartbeat age."""
-    table = Table(
-        title="Nodes",
-        title_justify="left",
-    )
-    for name, justify in (
+    """Nodes (``GET /nodes``) with their state, GPUs in use, telemetry and heartbeat age.
+
+    Telemetry columns that say nothing for any node (declared GPUs report none) are left out,
+    so such a table fits 80 columns; what does not fit wraps, never cut."""
+    columns = (
         ("id", "right"),
         ("name", "left"),
         ("model", "left"),
@@ -211,21 +210,36 @@ def nodes_table(nodes: Sequence[dict], busy: dict[int, int], *, now: float) -> T
         ("memory", "right"),
         ("reserve", "right"),
         ("heartbeat", "right"),
-    ):
-        table.add_column(name, justify=justify, overflow="fold")  # wrap, never cut (80 columns)
+    )
+    rows = []
     for node in nodes:
         jobs = (node.get("telemetry") or {}).get("jobs")
-        table.add_row(
-            str(node["id"]),
-            escape(node["name"]),
-            node["gpu_model"],
-            node["region"],
-            node["capacity"],
-            colored(node["state"], NODE_COLORS),
-            gpus_used(node, busy),
-            str(jobs) if isinstance(jobs, int) else "-",
-            *telemetry_cells(node.get("telemetry")),
-            f"{node['reserve_price']:.2f}",
-            age(now - parse_time(node["last_heartbeat_at"])) + " ago",
+        rows.append(
+            (
+                str(node["id"]),
+                escape(node["name"]),
+                node["gpu_model"],
+                node["region"],
+                node["capacity"],
+                colored(node["state"], NODE_COLORS),
+                gpus_used(node, busy),
+                str(jobs) if isinstance(jobs, int) else "-",
+                *telemetry_cells(node.get("telemetry")),
+                f"{node['reserve_price']:.2f}",
+                age(now - parse_time(node["last_heartbeat_at"])) + " ago",
+            )
         )
+    silent = {"util", "temp", "memory"}
+    shown = [
+        i
+        for i, (name, _) in enumerate(columns)
+        if not rows
+        or not (name in silent and all(row[i] == "-" for row in rows))
+    ]
+    table = Table(title="Nodes", title_justify="left")
+    for i in shown:
+        name, justify = columns[i]
+        table.add_column(name, justify=justify, overflow="fold")
+    for row in rows:
+        table.add_row(*(row[i] for i in shown))
     return table
