@@ -18,8 +18,17 @@ from prefect import flow
 from prefect_spotgpu.checkpoint import Checkpointer
 
 
-def count(ckpt: Checkpointer, steps: int, step_seconds: float, progress: Path | None) -> dict:
-    """The work: resumes from ``ckpt``, returns the result. Deterministic given ``steps``."""
+def count(
+    ckpt: Checkpointer,
+    steps: int,
+    step_seconds: float,
+    progress: Path | None,
+    finish_on_notice: bool = False,
+) -> dict:
+    """The work: resumes from ``ckpt``, returns the result. Deterministic given ``steps``.
+
+    ``finish_on_notice``: a job that answers a notice by finishing its work at once, with no
+    final save (the race of a run that is over while its node is taken back)."""
     restored = ckpt.restore()
     if restored is None:
         start, state = 0, {"total": 0, "walk": 0, "rng": random.Random(7).getstate()}
@@ -33,6 +42,8 @@ def count(ckpt: Checkpointer, steps: int, step_seconds: float, progress: Path | 
         state["total"] += step * state["walk"]
         state["rng"] = rng.getstate()
         _log(progress, {"step": step})
+        if finish_on_notice and ckpt.notice_pending():
+            continue  # the rest at once, never acknowledged: the job exits 0 in its notice
         ckpt.maybe_save(state, step)
         if ckpt.notice_received:  # saved and acknowledged: the agent stops this process
             _log(progress, {"saved": step})
@@ -44,10 +55,13 @@ def count(ckpt: Checkpointer, steps: int, step_seconds: float, progress: Path | 
 
 
 @flow(name="spot-count")
-def spot_count(steps: int = 60, step_seconds: float = 0.1, progress: str = "") -> dict:
+def spot_count(
+    steps: int = 60, step_seconds: float = 0.1, progress: str = "", finish_on_notice: bool = False
+) -> dict:
     from prefect_spotgpu.checkpoint.flow import checkpointer_for_run
 
-    return count(checkpointer_for_run(every=0.3), steps, step_seconds, Path(progress) or None)
+    ckpt = checkpointer_for_run(every=0.3)
+    return count(ckpt, steps, step_seconds, Path(progress) or None, finish_on_notice)
 
 
 def _as_rng_state(value):

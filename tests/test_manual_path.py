@@ -233,7 +233,8 @@ def test_the_readme_manual_path_runs_as_written_in_a_fresh_home():
             wait_for(lambda: alice.get(f"/bids/{bid['id']}").json()["status"] == "finished", 30)
             allocations = alice.get(f"/bids/{bid['id']}/allocations").json()
             assert all(a["status"] not in ("running", "noticed") for a in allocations)
-            where = [(nodes[a["node_id"]], a["status"]) for a in sorted(allocations, key=lambda a: a["id"])]
+            in_order = sorted(allocations, key=lambda a: a["id"])
+            where = [(nodes[a["node_id"]], a["status"]) for a in in_order]
             assert where[0] == ("dev-1", "preempted") and where[-1][0] == "dev-2", where
     finally:
         terminals.stop()

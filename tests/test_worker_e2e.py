@@ -198,6 +198,49 @@ def test_a_reclaim_mid_run_resumes_on_the_other_node_with_the_same_result(stack,
     assert "| Preemptions | 1 |" in summary and "On-demand cost" in summary
 
 
+def test_a_run_that_finishes_during_its_notice_leaves_no_open_bid(stack, prefect, tmp_path):
+    """Issue 16 (1), end to end: the owner takes the node back and the job, instead of saving,
+    finishes its work and exits 0 within the notice. The run is Completed and not rescheduled;
+    its bid ends, the GPUs reserved for it on the other node are let go, and nothing bills."""
+    run = prefect.create_flow_run_from_deployment(
+        UUID(stack.deployment),
+        parameters={
+            **{"steps": 40, "step_seconds": 0.1, "finish_on_notice": True},
+            "progress": str(tmp_path / "progress.jsonl"),
+        },
+    )
+    first = running_allocation(prefect, run.id)
+    wait_for(lambda: steps_done(tmp_path / "progress.jsonl") >= 5, 60, "progress")
+    reclaim(stack, node_of(stack, first))
+
+    wait_state(prefect, run.id, lambda s: s.is_completed(), 120, "Completed")
+    assert "Preempted" not in state_names(prefect, run.id)
+    bid = wait_for(
+        lambda: (b := bid_of(stack, prefect, run.id))["status"] in ("finished", "cancelled") and b,
+        30,
+        "the bid over",
+    )
+    market = stack.market()
+    wait_for(
+        lambda: all(
+            a["status"] not in ("running", "noticed", "reserved")
+            for a in market.get(f"/bids/{bid['id']}/allocations").json()
+        ),
+        30,
+        "no allocation of the bid left",
+    )
+    allocations = market.get(f"/bids/{bid['id']}/allocations").json()
+    assert allocations[0]["id"] == first, allocations
+
+    def charged() -> list[int]:
+        return [a["charged_micros"] for a in market.get(f"/bids/{bid['id']}/allocations").json()]
+
+    before = charged()
+    time.sleep(2)  # a flush later (0.5 s in the stack): nothing more is charged
+    assert charged() == before
+    assert prefect.read_flow_run(run.id).run_count == 1
+
+
 def _spot_events(prefect, run_id) -> list[str]:
     page = prefect.read_events(
         EventFilter(
