@@ -1,15 +1,16 @@
 """Save the block documents the example deployments use (deployments/prefect.yaml).
 
-    python blocks/save_blocks.py --market-url http://127.0.0.1:4300 --api-key sgk_... \
+    python blocks/save_blocks.py --market-url http://127.0.0.1:4300 --api-key-file ~/alice.key \
         --checkpoints /mnt/shared/checkpoints
-    python blocks/save_blocks.py --api-key sgk_... --bucket my-ckpts --prefix runs \
+    SPOTGPU_API_KEY=sgk_... python blocks/save_blocks.py --bucket my-ckpts --prefix runs \
         --endpoint-url http://minio:9000          # S3 credentials from AWS_* variables
 
 Saves two documents, overwriting earlier ones of the same names:
   Spot Market "spot-market"               the market's URL and your tenant API key
   Spot Checkpoint Storage "spot-checkpoints"   a shared directory, or an S3 bucket/prefix
 Run it against the Prefect API the worker uses (PREFECT_API_URL). The installed package has the
-same as a command (the key from SPOTGPU_API_KEY or a file, never argv): spotgpu blocks save.
+same as a command: spotgpu blocks save. The key comes from a file or SPOTGPU_API_KEY, never
+argv (every user of the host can read a command line).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
         "--market-url", default=os.environ.get("SPOTGPU_MARKET_URL", "http://127.0.0.1:4300")
     )
     parser.add_argument(
-        "--api-key", default=os.environ.get("SPOTGPU_API_KEY"), help="tenant key (sgk_...)"
+        "--api-key-file", help="a file holding your tenant key (default: SPOTGPU_API_KEY)"
     )
     parser.add_argument("--checkpoints", help="a directory every node reaches")
     parser.add_argument("--bucket", help="an S3 bucket instead of a directory")
@@ -35,14 +36,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--market-name", default="spot-market")
     parser.add_argument("--storage-name", default="spot-checkpoints")
     args = parser.parse_args(argv)
-    if not args.api_key:
-        parser.error("--api-key (or SPOTGPU_API_KEY) is required")
+    if args.api_key_file:
+        with open(args.api_key_file) as f:
+            api_key = f.read().strip()
+    else:
+        api_key = os.environ.get("SPOTGPU_API_KEY", "")
+    if not api_key:
+        parser.error("no API key: set SPOTGPU_API_KEY or pass --api-key-file")
     if (args.checkpoints is None) == (args.bucket is None):
         parser.error("give --checkpoints DIR or --bucket NAME")
 
     save_blocks(
         market_url=args.market_url,
-        api_key=args.api_key,
+        api_key=api_key,
         checkpoints=args.checkpoints,
         bucket=args.bucket,
         prefix=args.prefix,

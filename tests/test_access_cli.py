@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from typer.testing import CliRunner
+
 from conftest import ADMIN_KEY
 from test_cli import spotgpu
 
@@ -77,3 +79,21 @@ def test_new_secret_key_prints_a_usable_key():
     out = spotgpu("admin", "new-secret-key")
     assert out.returncode == 0
     Sealer(out.stdout.strip()).seal({"A": "b"})
+
+
+def test_no_command_takes_a_key_on_its_command_line():
+    """Every user of a host can read a process's argv (``ps``): keys come from a file or the
+    environment. Each of these options is refused (typer's usage error, exit 2)."""
+    from prefect_spotgpu.cli import app
+
+    for args in (
+        ["bids", "--api-key", "sgk_x"],
+        ["nodes", "--api-key", "sgk_x"],
+        ["node", "reclaim", "1", "--api-key", "sgk_x"],
+        ["blocks", "save", "--api-key", "sgk_x", "--checkpoints", "/tmp"],
+        ["agent", "start", "--token", "sgk_x", "--gpus", "A100-80G:1"],
+        ["keys", "rotate", "--api-key", "sgk_x"],
+    ):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2, (args, result.output)
+        assert "No such option" in result.output, (args, result.output)

@@ -10,7 +10,12 @@ import prefect_spotgpu.market
 
 MODULES = [
     m.name for m in pkgutil.iter_modules(prefect_spotgpu.market.__path__, "prefect_spotgpu.market.")
-] + ["prefect_spotgpu.schedules", "prefect_spotgpu.bidding", "prefect_spotgpu.deploy"]
+] + [
+    "prefect_spotgpu.schedules",
+    "prefect_spotgpu.bidding",
+    "prefect_spotgpu.deploy",
+    "prefect_spotgpu.service.sealing",
+]
 
 
 @pytest.mark.parametrize("name", MODULES)

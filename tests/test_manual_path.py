@@ -174,7 +174,7 @@ def test_the_readme_manual_path_runs_as_written_in_a_fresh_home():
 
     def before(command: str) -> None:
         """What a user waits for before typing the next line."""
-        if command.endswith("spotgpu nodes"):
+        if command.startswith("spotgpu nodes"):
             with market_as("alice") as alice, market_as("owner") as owner:
                 names = {n["id"]: n["name"] for n in owner.get("/nodes").json()}
 
@@ -217,7 +217,7 @@ def test_the_readme_manual_path_runs_as_written_in_a_fresh_home():
                     f"{command!r} exited {done.returncode}:\n{done.stdout}\n{done.stderr}\n"
                     f"{terminals.logs()}"
                 )
-                if command.endswith("spotgpu nodes"):  # dev-1 runs it: 1 of its 2 GPUs
+                if command.startswith("spotgpu nodes"):  # dev-1 runs it: 1 of its 2 GPUs
                     assert re.search(r"dev-1 .* 1/2 ", done.stdout), done.stdout
             timings.append((line, time.monotonic() - t0))
 

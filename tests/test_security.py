@@ -228,6 +228,43 @@ def test_a_job_that_dies_on_its_notice_is_not_compensated_and_stops_paying_at_on
     assert ledger_compensation(alice) == []
 
 
+def test_a_job_that_ignores_its_notice_is_not_compensated(db_url, tmp_path):
+    """A job still running, unsaved, at its deadline is its own loss, reported so by the agent
+    (``cause: deadline``) or not reported at all: the market ends it at the deadline, no credit."""
+    svc = start_service(db_url, tmp_path / "home", notice_seconds=2)
+    try:
+        alice, provider = svc.tenant(), svc.tenant()
+        node, agent, first, alloc = _running(svc, alice, provider)
+        epoch = _notice(svc, provider, agent, node)
+        late = agent.post(
+            f"/allocations/{alloc}/report",
+            json={"epoch": epoch, "outcome": "save_failed", "cause": "deadline"},
+        )
+        assert late.status_code == 200
+        svc.wait_for(lambda: alice_status(alice, alloc) == "preempted")
+        alice.post(f"/bids/{first['id']}/cancel")
+        # the agent never reports: the deadline ends it
+        provider.patch(f"/nodes/{node['id']}", json={"state": "live"})
+        carol = svc.tenant()
+        silent = wait_event(
+            carol,
+            f"/bids/{bid(carol, gpu_count=8, max_price=1.0)['id']}/events",
+            "allocated",
+        )["allocation_id"]
+        _notice(svc, provider, agent, node)
+        ended = svc.wait_for(
+            lambda: (
+                (a := carol.get(f"/allocations/{silent}").json())["status"] == "preempted" and a
+            ),
+            timeout=15,
+        )
+        assert ended["ended_at"] >= ended["deadline"] - 0.5
+        time.sleep(0.5)
+        assert ledger_compensation(alice) == [] and ledger_compensation(carol) == []
+    finally:
+        svc.stop()
+
+
 def test_no_compensation_for_a_bid_on_ones_own_node(service):
     """The 10 -> 61.73 attack: a provider bids on its own node, raises its price and the
     reserve, reclaims, and says the storage failed. Nothing is credited."""

@@ -175,12 +175,14 @@ def test_a_cheap_window_run_resumes_when_the_next_window_opens():
 
 def test_the_block_script_saves_what_the_deployments_use(prefect_api_url, tmp_path):
     root = __import__("pathlib").Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PREFECT_API_URL": prefect_api_url}
+    env = {k: v for k, v in os.environ.items() if k != "SPOTGPU_API_KEY"}
+    env["PREFECT_API_URL"] = prefect_api_url
     script = [sys.executable, str(root / "blocks" / "save_blocks.py")]
     missing = subprocess.run(script, env=env, capture_output=True, text=True, timeout=120)
-    assert missing.returncode != 0 and "--api-key" in missing.stderr
+    assert missing.returncode != 0 and "--api-key-file" in missing.stderr
+    (tmp_path / "key").write_text("sgk_test\n")
     saved = subprocess.run(
-        [*script, "--api-key", "sgk_test", "--checkpoints", str(tmp_path)],
+        [*script, "--api-key-file", str(tmp_path / "key"), "--checkpoints", str(tmp_path)],
         env=env,
         capture_output=True,
         text=True,

@@ -39,7 +39,9 @@ def write_key(path: Path, key: str) -> None:
         out.write(key + "\n")
 
 
-def _tenant_key(path: Path | None) -> str:
+def tenant_key(path: Path | None) -> str:
+    """The caller's API key from ``--api-key-file``, else ``SPOTGPU_API_KEY`` (never argv:
+    every user of the host can read a command line)."""
     import os
 
     from prefect_spotgpu.cli import console
@@ -157,7 +159,7 @@ def rotate(
     """Rotate your API key: prints (or writes) a new one; the old one is refused at once."""
     from prefect_spotgpu.cli import _market_client, console
 
-    with _market_client(market, _tenant_key(api_key_file)) as client:
+    with _market_client(market, tenant_key(api_key_file)) as client:
         key = _call(client, "POST", "/me/key", 201)["api_key"]
     if write is None:
         console.print(f"new API key (the old one no longer works): {key}")
@@ -176,6 +178,6 @@ def node_token(
     (give it to the agent with --token-file or SPOTGPU_AGENT_TOKEN)."""
     from prefect_spotgpu.cli import _market_client, console
 
-    with _market_client(market, _tenant_key(api_key_file)) as client:
+    with _market_client(market, tenant_key(api_key_file)) as client:
         token = _call(client, "POST", f"/nodes/{node_id}/token", 201)["token"]
     console.print(f"agent token of node {node_id}: {token}")

@@ -546,7 +546,6 @@ def estimate(
 
 # ---------------------------------------------------------------- bids and nodes
 
-API_KEY = typer.Option(..., envvar="SPOTGPU_API_KEY", help="Your API key (sgk_...).")
 MARKET = typer.Option(
     DEFAULT_MARKET, envvar="SPOTGPU_MARKET_URL", help="URL of the market service."
 )
@@ -558,13 +557,13 @@ def bids(
         None, help="Only bids in this status."
     ),
     limit: int = typer.Option(50, min=1, max=10_000, help="Show the latest N bids."),
-    api_key: str = API_KEY,
+    api_key_file: Path | None = access_cli.API_KEY_FILE,
     market: str = MARKET,
 ) -> None:
     """Your bids: each one's current allocation, price and cost so far, and your balance."""
     from prefect_spotgpu.views import bids_table, parse_time
 
-    with _market_client(market, api_key) as client:
+    with _market_client(market, access_cli.tenant_key(api_key_file)) as client:
         me = _get(client, "/me")
         params = {"limit": min(limit, PAGE_SIZE), **({"status": status} if status else {})}
         shown = _get_pages(client, "/bids", params, up_to=limit)  # newest first
@@ -583,14 +582,14 @@ def bids(
 
 
 @app.command()
-def nodes(api_key: str = API_KEY, market: str = MARKET) -> None:
+def nodes(api_key_file: Path | None = access_cli.API_KEY_FILE, market: str = MARKET) -> None:
     """Your nodes (every node, with the admin key): state, GPUs in use, the agent's last
     telemetry, reserve price and the age of the last heartbeat."""
     import time
 
     from prefect_spotgpu.views import nodes_table
 
-    with _market_client(market, api_key) as client:
+    with _market_client(market, access_cli.tenant_key(api_key_file)) as client:
         listed = _get(client, "/nodes")
         busy = {n["id"]: n["gpus_busy"] for n in _get(client, "/market/nodes")}
     console.print(nodes_table(listed, busy, now=time.time()))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import typer
 
-from prefect_spotgpu.access_cli import API_KEY_FILE, MARKET, _call, _tenant_key
+from prefect_spotgpu.access_cli import API_KEY_FILE, MARKET, _call, tenant_key
 
 node_app = typer.Typer(
     help="Take your node back (reclaim), drain it, or offer it again (live).",
@@ -43,7 +43,7 @@ def _node(client, node: str) -> dict:
 def _set_state(node: str, state: str, api_key_file: Path | None, market: str) -> None:
     from prefect_spotgpu.cli import _market_client, console
 
-    with _market_client(market, _tenant_key(api_key_file)) as client:
+    with _market_client(market, tenant_key(api_key_file)) as client:
         row = _node(client, node)
         busy = {n["id"]: n["gpus_busy"] for n in _call(client, "GET", "/market/nodes", 200)}
         changed = _call(client, "PATCH", f"/nodes/{row['id']}", 200, json={"state": state})

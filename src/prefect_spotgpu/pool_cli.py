@@ -49,7 +49,7 @@ def blocks_save(
 ) -> None:
     """Save the Spot Market block (URL and key) and the checkpoint storage block (a directory,
     or an S3 bucket with credentials from the AWS_* variables), overwriting same-named ones."""
-    from prefect_spotgpu.access_cli import _tenant_key
+    from prefect_spotgpu.access_cli import tenant_key
     from prefect_spotgpu.cli import console
 
     if (checkpoints is None) == (bucket is None):
@@ -57,7 +57,7 @@ def blocks_save(
         raise typer.Exit(2)
     save_blocks(
         market_url=market_url,
-        api_key=_tenant_key(api_key_file),
+        api_key=tenant_key(api_key_file),
         checkpoints=checkpoints,
         bucket=bucket,
         prefix=prefix,

@@ -29,6 +29,8 @@ nothing::
     True
     >>> compensation(Loss(LossCause.JOB, paid_total=500_000)) is None
     True
+    >>> compensation(Loss(LossCause.DEADLINE, paid_total=500_000, reclaimed=True)) is None
+    True
 
 A failed save in storage is compensated under an owner's reclaim only::
 
