@@ -18,7 +18,7 @@ import sqlalchemy as sa
 
 from conftest import start_service, wait_for
 from prefect_spotgpu.service import dashboard
-from prefect_spotgpu.service.models import NodeRow, PriceBar
+from prefect_spotgpu.service.models import NodeRow, PriceBar, Tenant
 
 CHROMIUM = os.environ.get("SPOTGPU_CHROMIUM", "/usr/bin/chromium")
 FLAGS = [
@@ -392,6 +392,15 @@ def hostile(tmp_path_factory):
         connection.execute(
             sa.update(NodeRow).where(NodeRow.id == nodes[1]["id"]).values(telemetry=legacy)
         )
+        # and names from before their patterns: markup where the API now refuses it
+        connection.execute(
+            sa.update(NodeRow)
+            .where(NodeRow.id == nodes[0]["id"])
+            .values(name=HOSTILE[0], region=HOSTILE[1])
+        )
+        connection.execute(
+            sa.update(Tenant).where(Tenant.id == mallory.tenant_id).values(name=HOSTILE[3])
+        )
     engine.dispose()
     credit = admin.post(
         f"/tenants/{mallory.tenant_id}/credits", json={"amount": 5, "reason": HOSTILE[3]}
@@ -411,6 +420,7 @@ def hostile(tmp_path_factory):
         assert response.status_code == 201, response.text
         bids.append(response.json())
     service.mallory, service.hostile_bids, service.legacy_node = mallory, bids, nodes[1]
+    service.named_node = nodes[0]
     yield service
     service.stop()
 
@@ -442,6 +452,9 @@ def test_hostile_strings_render_as_text_and_nothing_runs(browser, hostile, tmp_p
         chips = row.locator(".chip").all_inner_texts()
         assert sorted(chips) == sorted(f"{k}={v}" for k, v in bid["labels"].items())
     assert HOSTILE[3] in page.inner_text("#ledger")
+    assert page.inner_text("#who") == f"Signed in as {HOSTILE[3]}"
+    named = page.locator(f"#nodes .node[data-node='{hostile.named_node['id']}']").inner_text()
+    assert HOSTILE[1] in named and HOSTILE[0] not in named, named  # (names are not public)
     assert page.locator("#nodes .gpu").count() == 12
     # the legacy node: only its one valid reading is drawn, its height set through the CSSOM
     legacy = page.locator(f"#nodes .node[data-node='{hostile.legacy_node['id']}']")
@@ -531,17 +544,17 @@ def test_the_reads_benchmark_reports_the_tick_with_and_without_readers():
 
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "reads.py"), "--quick"],
+        # one database: the benchmark's code is the same for both, and each costs ~25 s of CI
+        [sys.executable, str(root / "benchmarks" / "reads.py"), "--quick", "--databases", "sqlite"],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout)
-    for kind in ("sqlite", "postgresql"):
-        figures = report[kind]
-        assert figures["idle"]["ticks"] > 0 and figures["readers"]["ticks"] > 0
-        assert figures["readers"]["reads"]["errors"] == 0
-        assert figures["readers"]["reads"]["achieved_reads_per_second"] > 10
-        check = figures["service_metric_check"]
-        assert abs(check["ticks_probed"] - check["ticks_in_histogram"]) <= 1
+    figures = report["sqlite"]
+    assert figures["idle"]["ticks"] > 0 and figures["readers"]["ticks"] > 0
+    assert figures["readers"]["reads"]["errors"] == 0
+    assert figures["readers"]["reads"]["achieved_reads_per_second"] > 10
+    check = figures["service_metric_check"]
+    assert abs(check["ticks_probed"] - check["ticks_in_histogram"]) <= 1

@@ -1,4 +1,5 @@
-"""What ``spotgpu demo`` promises to show in the Prefect UI, read off the real UI in a headless
+"""``spotgpu demo`` run as a user would (its output: ``test_demo.check_the_demo_output``), and
+what it promises to show in the Prefect UI, read off the real UI in a headless
 Chromium (Debian's ``chromium``, driven by Playwright): the flow-run page the demo prints shows
 the run Completed, a ``Preempted`` state on its timeline, the ``spotgpu.bid.*`` events of its bid
 (the Event Feed, filtered on the run) and the cost artifact the worker publishes for it.
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from test_dashboard import CHROMIUM, FLAGS
-from test_demo import assert_all_stopped, demo_until_it_idles, start_demo
+from test_demo import assert_all_stopped, check_the_demo_output, demo_until_it_idles, start_demo
 
 pytestmark = pytest.mark.slow
 
@@ -150,7 +151,7 @@ def check_the_ui(page, out: str) -> None:
     assert "Flow run" in body and run_name in body, body  # related to this run
 
 
-def test_the_prefect_ui_shows_the_demos_preempted_run(tmp_path):
+def test_the_demo_runs_through_a_reclaim_the_prefect_ui_shows_it_and_ctrl_c_stops_all(tmp_path):
     if not Path(CHROMIUM).exists():
         pytest.fail(
             f"no Chromium at {CHROMIUM}: install Debian's package (apt-get install -y chromium) "
@@ -164,6 +165,7 @@ def test_the_prefect_ui_shows_the_demos_preempted_run(tmp_path):
     stopped = False
     try:
         out = demo_until_it_idles(demo)
+        check_the_demo_output(out, home)
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(
                 executable_path=CHROMIUM, headless=True, args=FLAGS
