@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import start_service
+from prefect_spotgpu.service.public_cache import MAX_ENTRIES, PublicCache
 
 
 @pytest.fixture
@@ -68,3 +69,38 @@ def test_errors_and_other_queries_are_not_answered_from_the_cache(cached):
     first, again = anonymous.get("/prices"), anonymous.get("/prices")
     assert first.json() == again.json()
     assert "frame-ancestors 'none'" in again.headers["content-security-policy"]
+
+
+def test_made_up_query_parameters_neither_cache_nor_evict(cached):
+    """The attack: an anonymous caller varies a parameter no route declares (``?x=1``, ``?x=2``,
+    ...) to fill the cache and evict everyone's answers. Such a read is answered from the
+    database, uncached; the view everyone reads stays cached."""
+    owner = cached.tenant()
+    node, agent = cached.node(owner, gpus=1, reserve=0.5)
+    anonymous = cached.client()
+    cached.wait_for(lambda: anonymous.get("/prices").json())
+    beat(agent, node, 10)
+    cached.wait_for(lambda: utilization(anonymous, node) == 10)
+    beat(agent, node, 90)
+    for i in range(MAX_ENTRIES + 44):
+        junk = anonymous.get("/market/nodes", params={"x": i})
+        assert junk.status_code == 200
+        assert next(n for n in junk.json() if n["id"] == node["id"])["gpus"][0]["utilization"] == 90
+    assert utilization(anonymous, node) == 10  # still the cached answer: nothing evicted it
+    declared = anonymous.get("/prices/A100-80G/eu-west/history", params={"hours": 2})
+    assert declared.status_code == 200
+
+
+def test_only_declared_parameters_are_cached():
+    cache = PublicCache(None, 1.0, lambda: 0, lambda: frozenset({"hours", "capacity"}))
+
+    def scope(query: bytes, headers=()):
+        path = "/api/v1/prices/A100-80G/eu-west/history"
+        return {"type": "http", "method": "GET", "path": path, "query_string": query,
+                "headers": list(headers)}  # fmt: skip
+
+    assert cache._cacheable(scope(b""))
+    assert cache._cacheable(scope(b"hours=2&capacity=spot"))
+    assert not cache._cacheable(scope(b"hours=2&x=1"))
+    assert not cache._cacheable(scope(b"x"))
+    assert not cache._cacheable(scope(b"hours=2", [(b"authorization", b"Bearer k")]))

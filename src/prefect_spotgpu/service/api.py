@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import math
@@ -34,8 +35,8 @@ from prefect_spotgpu.service.deps import (
 from prefect_spotgpu.service.errors import Forbidden, Invalid, ServiceError
 from prefect_spotgpu.service.limits import BodyLimit
 from prefect_spotgpu.service.models import AllocationRow, BidRow, NodeRow, PoolQuoteRow, Tenant
-from prefect_spotgpu.service.public_cache import PublicCache
-from prefect_spotgpu.service.roles import authorize, check_route_table
+from prefect_spotgpu.service.public_cache import PublicCache, declared_query_names
+from prefect_spotgpu.service.roles import api_route_contexts, authorize, check_route_table
 from prefect_spotgpu.service.sealing import Sealer, SealError
 from prefect_spotgpu.service.settings import ServiceSettings
 from prefect_spotgpu.service.ticker import Notifier, Ticker
@@ -842,6 +843,7 @@ def create_app(
         PublicCache,
         seconds=settings.public_cache_seconds,
         versions=lambda: (notifier.version, notifier.market_version),
+        query_names=functools.cache(lambda: declared_query_names(api_route_contexts(app))),
     )
     app.add_middleware(service_metrics.RequestTimer, metrics=metrics)
     app.include_router(router)

@@ -9,7 +9,9 @@ of the key): so an event on the stream is never followed by a stale page, and N 
 one database read per view per tick instead of N. A request with an ``Authorization`` header
 is never cached nor served from the cache; nor is anything but a complete ``200``. Writes
 that only another replica saw (a heartbeat's telemetry) show within ``public_cache_seconds``.
-At most :data:`MAX_ENTRIES` answers are kept (distinct query strings cannot fill memory).
+At most :data:`MAX_ENTRIES` answers are kept, and only for query strings made of the parameters
+these routes declare: a caller who varies a made-up parameter (``/prices?x=1``, ``?x=2``, ...)
+is answered from the database like any uncached read, and cannot evict the others' answers.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from urllib.parse import parse_qsl
 
 CACHED = (
     "/api/v1/market/nodes",
@@ -30,10 +34,13 @@ MAX_ENTRIES = 256
 class PublicCache:
     """ASGI middleware (see the module docstring)."""
 
-    def __init__(self, app, seconds: float, versions) -> None:
+    def __init__(
+        self, app, seconds: float, versions, query_names: Callable[[], frozenset[str]]
+    ) -> None:
         self.app = app
         self.seconds = seconds
         self.versions = versions  # () -> a value that changes when the market does
+        self.query_names = query_names  # () -> the query parameters the cached routes declare
         self.entries: OrderedDict[tuple, tuple[float, dict, bytes]] = OrderedDict()
         self.locks: dict[tuple, asyncio.Lock] = {}
 
@@ -61,7 +68,11 @@ class PublicCache:
             return False
         if not scope["path"].startswith(CACHED):
             return False
-        return not any(name == b"authorization" for name, _ in scope.get("headers", ()))
+        if any(name == b"authorization" for name, _ in scope.get("headers", ())):
+            return False
+        query = scope.get("query_string", b"").decode("latin-1")
+        declared = self.query_names()
+        return all(name in declared for name, _ in parse_qsl(query, keep_blank_values=True))
 
     def _fresh(self, key) -> tuple[dict, bytes] | None:
         entry = self.entries.get(key)
@@ -94,3 +105,19 @@ class PublicCache:
         while len(self.entries) > MAX_ENTRIES:
             self.entries.popitem(last=False)
         return start, body
+
+
+def declared_query_names(routes: Iterable) -> frozenset[str]:
+    """The query parameters the cached routes among ``routes`` declare (their dependencies'
+    too: a FastAPI ``Dependant`` tree)."""
+    names: set[str] = set()
+    for route in routes:
+        dependant = getattr(route, "dependant", None)
+        if dependant is None or not getattr(route, "path", "").startswith(CACHED):
+            continue
+        todo = [dependant]
+        while todo:
+            current = todo.pop()
+            names.update(p.alias for p in current.query_params)
+            todo.extend(current.dependencies)
+    return frozenset(names)

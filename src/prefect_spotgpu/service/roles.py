@@ -194,14 +194,19 @@ def _describe(roles: frozenset[Role]) -> str:
     return " or ".join(names[r] for r in sorted(roles, key=list(Role).index))
 
 
-def api_routes(app: FastAPI) -> set[tuple[str, str]]:
-    """Every (method, path) the app's API routes answer, included routers flattened."""
+def api_route_contexts(app: FastAPI) -> list:
+    """The app's API routes, included routers flattened: each with its full ``path``,
+    ``methods`` and ``dependant``."""
     try:  # FastAPI >= 0.130 includes routers lazily
         from fastapi.routing import iter_route_contexts
     except ImportError:  # pragma: no cover - older FastAPI: the routes are flat
-        contexts = [r for r in app.routes if isinstance(r, APIRoute)]
-    else:
-        contexts = [c for c in iter_route_contexts(app.routes) if isinstance(c.route, APIRoute)]
+        return [r for r in app.routes if isinstance(r, APIRoute)]
+    return [c for c in iter_route_contexts(app.routes) if isinstance(c.route, APIRoute)]
+
+
+def api_routes(app: FastAPI) -> set[tuple[str, str]]:
+    """Every (method, path) the app's API routes answer."""
+    contexts = api_route_contexts(app)
     return {(method, c.path) for c in contexts for method in c.methods if method != "HEAD"}
 
 
