@@ -2,7 +2,10 @@
 checkpoints, and answers a notice with a final save. Its result is a pure function of ``steps``.
 
 Progress goes to ``progress`` (JSON lines, one file shared by every attempt) so a test can see
-where each attempt started and on which allocation it ran.
+where each attempt started and on which allocation it ran. Once a file ``hurry`` exists beside
+it, the remaining steps run without their pause: a test that has seen what it waits for (an
+adoption, a resume) lets the run finish at once instead of waiting out a margin for slow
+machines. The result does not depend on it.
 """
 
 from __future__ import annotations
@@ -36,19 +39,27 @@ def count(
         start, state = restored.step + 1, restored.state
     rng = random.Random()
     rng.setstate(_as_rng_state(state["rng"]))
+    hurry = None if progress is None or str(progress) in ("", ".") else progress.parent / "hurry"
     _log(progress, {"start": start, "alloc": os.environ.get("SPOTGPU_ALLOCATION_ID")})
     for step in range(start, steps):
         state["walk"] += rng.choice((-1, 1))
         state["total"] += step * state["walk"]
         state["rng"] = rng.getstate()
         _log(progress, {"step": step})
-        if finish_on_notice and ckpt.notice_pending():
-            continue  # the rest at once, never acknowledged: the job exits 0 in its notice
-        ckpt.maybe_save(state, step)
-        if ckpt.notice_received:  # saved and acknowledged: the agent stops this process
+        if not ckpt.notice_received and ckpt.notice_pending():
+            if finish_on_notice:
+                continue  # the rest at once, never acknowledged: the job exits 0 in its notice
+            # this step's save is the final one: said first, as the agent stops the job as soon
+            # as the save is acknowledged (a SIGTERM that can land before any line after it)
             _log(progress, {"saved": step})
+            ckpt.maybe_save(state, step)
+        else:
+            ckpt.maybe_save(state, step)
+            if ckpt.notice_received:  # (a notice that came during the call: saved now)
+                _log(progress, {"saved": step})
+        if ckpt.notice_received:  # saved and acknowledged: the agent stops this process
             time.sleep(max(0.0, (ckpt.notice_deadline or time.time() + 60) - time.time()))
-        time.sleep(step_seconds)
+        time.sleep(0.0 if hurry is not None and hurry.exists() else step_seconds)
     result = {"total": state["total"], "walk": state["walk"]}
     _log(progress, {"done": result})
     return result

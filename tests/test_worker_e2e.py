@@ -96,6 +96,12 @@ def progress_of(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def hurry(progress: Path) -> None:
+    """The run's remaining steps without their pause (spot_flow): the test has seen what the
+    run's length was a margin for."""
+    (progress.parent / "hurry").touch()
+
+
 def steps_done(path: Path) -> int:
     return sum("step" in e for e in progress_of(path))
 
@@ -317,6 +323,8 @@ def test_a_worker_restarted_mid_run_adopts_it(stack, prefect, tmp_path):
         "worker", 100_000), 60, "the new worker following the run")  # fmt: skip
     assert steps_done(progress) < steps, "the run finished before the reclaim"
     reclaim(stack, node_of(stack, first))
+    wait_for(lambda: len([e for e in progress_of(progress) if "start" in e]) == 2, 120, "resumed")
+    hurry(progress)  # (not before: the job would finish within its notice instead of saving)
     final = wait_state(prefect, run_id, lambda s: s.is_completed(), 120, "Completed")
     assert final.is_completed()
     assert "Preempted" in state_names(prefect, run_id)
@@ -348,6 +356,7 @@ def test_a_preemption_while_no_worker_follows_is_caught_up_by_the_next_worker(
         "the preemption, with no worker",
     )
     assert steps_done(progress) < steps
+    hurry(progress)
     stack.worker = stack.start_worker(
         "spot-e2e", name="worker", env={"SPOTGPU_PACE_SECONDS": str(PACE)}
     )
@@ -483,6 +492,16 @@ def test_a_spot_run_that_falls_behind_saves_and_finishes_on_demand(stack, prefec
         deadline_hours=1.0 + 135 / 3600,
         restart_minutes=1.5,
     )
+    try:
+        wait_for(
+            lambda: len([e for e in progress_of(progress) if "start" in e]) == 2,
+            240,
+            "the run resumed on on-demand capacity",
+        )
+    except TimeoutError:
+        print([e for e in progress_of(progress) if "step" not in e], stack.log("worker", 5000))
+        raise
+    hurry(progress)
     final = wait_state(prefect, run_id, lambda s: s.is_completed(), 300, "Completed")
     assert final.is_completed() and prefect.read_flow_run(run_id).run_count == 2
 
