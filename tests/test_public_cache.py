@@ -29,7 +29,9 @@ def utilization(client, node) -> int | None:
     return gpus[0]["utilization"] if gpus else None
 
 
-def test_a_view_is_read_once_until_the_market_moves(cached):
+def a_cached_view(cached):
+    """A node whose view anonymous readers have cached at 10 % while it now reports 90 %
+    (telemetry is not a market move: the cached view stands); (owner, node, anonymous)."""
     owner = cached.tenant()
     node, agent = cached.node(owner, gpus=1, reserve=0.5)
     anonymous = cached.client()
@@ -38,7 +40,12 @@ def test_a_view_is_read_once_until_the_market_moves(cached):
     cached.wait_for(lambda: anonymous.get("/prices").json())
     beat(agent, node, 10)
     cached.wait_for(lambda: utilization(anonymous, node) == 10)
-    beat(agent, node, 90)  # telemetry is not a market move: the cached view stands
+    beat(agent, node, 90)
+    return owner, node, anonymous
+
+
+def test_a_view_is_read_once_until_the_market_moves(cached):
+    owner, node, anonymous = a_cached_view(cached)
     assert utilization(anonymous, node) == 10
     # a key is never served from the cache (nor cached)
     assert utilization(owner, node) == 90
@@ -75,13 +82,7 @@ def test_made_up_query_parameters_neither_cache_nor_evict(cached):
     """The attack: an anonymous caller varies a parameter no route declares (``?x=1``, ``?x=2``,
     ...) to fill the cache and evict everyone's answers. Such a read is answered from the
     database, uncached; the view everyone reads stays cached."""
-    owner = cached.tenant()
-    node, agent = cached.node(owner, gpus=1, reserve=0.5)
-    anonymous = cached.client()
-    cached.wait_for(lambda: anonymous.get("/prices").json())
-    beat(agent, node, 10)
-    cached.wait_for(lambda: utilization(anonymous, node) == 10)
-    beat(agent, node, 90)
+    _, node, anonymous = a_cached_view(cached)
     for i in range(MAX_ENTRIES + 44):
         junk = anonymous.get("/market/nodes", params={"x": i})
         assert junk.status_code == 200
