@@ -190,14 +190,9 @@ def assert_left_running(stack, prefect, run_id, progress, allocation) -> None:
 def assert_completed_once(stack, prefect, name, run_id, progress, allocation) -> None:
     """The run, adopted by the worker ``name``, completes on its first allocation, with the
     uninterrupted result, and that worker follows it to its end."""
-    bid = bid_of(stack, prefect, run_id)["id"]
-
-    def following() -> bool:  # since its adoption (a restarted worker's log goes on)
-        log = stack.log(name, 100_000)
-        return f"Following bid {bid}" in log[log.rfind(f"Adopting flow run {run_id}") :]
-
-    wait_for(following, 30, "the adopting worker following the run")
-    hurry(progress)  # adopted: the rest of the run need not pace
+    # adopted: the rest of the run need not pace. At once, so the run often ends while the
+    # worker takes it over (a worker that then proposed Pending knocked it back from Completed)
+    hurry(progress)
     wait_for(lambda: prefect.read_flow_run(run_id).state.is_completed(), 120, "Completed", 0.2)
     ended = f"Flow run ended Completed on allocation {allocation}"
     wait_for(lambda: ended in stack.log(name, 100_000), 30, "the worker seeing the run end")

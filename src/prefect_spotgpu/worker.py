@@ -418,11 +418,23 @@ class SpotGPUWorker(
         return SpotGPUWorkerResult(identifier=infrastructure_id(bid), status_code=1)
 
     async def _go(self, attempt: Attempt) -> None:
-        """Hand the flow run to the running allocation: the launcher there waits for this."""
+        """Hand the flow run to the running allocation: the launcher there waits for this.
+
+        A run adopted while its job runs is past its launcher: its engine has it Running, or
+        has just finished it. Proposing Pending then would knock a finished run back to
+        Pending (Prefect refuses Pending only from Pending, Running and Cancel*): the worker
+        proposes nothing and follows the job."""
         flow_run, bid, track = attempt.flow_run, attempt.bid, attempt.track
         alloc = track.live
         await self.client.update_flow_run_labels(flow_run.id, {ALLOCATION_LABEL: str(alloc)})
         node = track.nodes.get(alloc)
+        state = (await self.client.read_flow_run(flow_run.id)).state
+        if state is not None and (state.is_running() or state.is_final()):
+            self.get_flow_run_logger(flow_run).info(
+                "Following the job on node %s (allocation %s): the run is %s",
+                *(node, alloc, state.name),
+            )
+            return
         resumed = track.preemptions > 0
         await self._set_state(
             flow_run,
