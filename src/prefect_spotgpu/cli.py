@@ -260,9 +260,7 @@ def admin_create_tenant(
     if key_file is None:
         console.print(f"API key: {tenant['api_key']}")
         return
-    from prefect_spotgpu.access_cli import write_key
-
-    write_key(key_file, tenant["api_key"])
+    access_cli.write_key(key_file, tenant["api_key"])
     console.print(f"API key written to {key_file}")
 
 
