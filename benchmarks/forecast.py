@@ -3,7 +3,8 @@
     python benchmarks/forecast.py [--holdout-days 7]
 
 Price history comes from the real market replaying the long (45-day) availability traces of
-benchmarks/traces with the competing demand of ``prefect_spotgpu.replay`` (a daily cycle). The
+benchmarks/traces with the competing demand of ``prefect_spotgpu.economics.replay``
+(a daily cycle). The
 forecast learns on all but the last ``--holdout-days`` and is scored on them, side by side with
 the naive forecast (the last price, held flat) and the unweighted profile (no recency).
 """
@@ -17,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from prefect_spotgpu.economics.replay import MarketReplay, load_traces, prospect
 from prefect_spotgpu.market.forecast import holdout_error
-from prefect_spotgpu.replay import MarketReplay, load_traces, prospect
 
 TRACES = Path(__file__).resolve().parent / "traces"
 

@@ -244,7 +244,7 @@ class TickProbe:
 def serve_probed(argv: list[str]) -> None:
     """The service's own ``spotgpu server start``, with the tick probe installed first."""
     TickProbe(open(os.environ[TICK_LOG_ENV], "a", buffering=1)).install()  # noqa: SIM115
-    from prefect_spotgpu.cli import app
+    from prefect_spotgpu.cli.app import app
 
     app(args=["server", "start", *argv], prog_name="spotgpu")
 

@@ -40,7 +40,7 @@ def main() -> None:
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
-    from prefect_spotgpu.stack import LocalStack
+    from prefect_spotgpu.cli.stack import LocalStack
 
     home = Path(tempfile.mkdtemp(prefix="spotgpu-bench-recovery-"))
     results = {}
@@ -85,7 +85,7 @@ def trial(stack, deployment: str, progress: Path, label: str, i: int) -> dict:
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
 
-    from prefect_spotgpu.stack import wait_for as wait_for_every_50ms
+    from prefect_spotgpu.cli.stack import wait_for as wait_for_every_50ms
 
     def wait_for(predicate, timeout):  # polls as the earlier runs did: 10 times a second
         return wait_for_every_50ms(predicate, timeout, interval=0.1)

@@ -3,7 +3,7 @@
     python benchmarks/replay.py [--traces ../shared/traces] [--starts 3] [--work 24 --deadline 48]
 
 Each trace of ../shared/traces becomes the idle supply of one A100-80G pool of the real market
-(prefect_spotgpu.replay); competing demand follows a daily cycle. From ``--starts`` start
+(prefect_spotgpu.economics.replay); competing demand follows a daily cycle. From ``--starts`` start
 points spread over each trace, one job (``--work`` GPU-hours per GPU of its node, finish within
 ``--deadline`` hours, spot cap 1.40 per GPU-hour, restart overhead ``--restart`` hours) runs
 under each policy: always-on-demand, greedy-spot, uniform-progress (ours), and the omniscient
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from prefect_spotgpu.economics.replay import MODEL, RESERVE, Job, load_traces, optimum, replay
 from prefect_spotgpu.market import DEFAULT_CATALOG
-from prefect_spotgpu.replay import MODEL, RESERVE, Job, load_traces, optimum, replay
 
 POLICIES = ("always-on-demand", "greedy-spot", "uniform-progress")
 DEFAULT_TRACES = Path(__file__).resolve().parent / "traces"  # a copy of ../shared/traces

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from prefect_spotgpu.pool_cli import save_blocks
+from prefect_spotgpu.cli.pool import save_blocks
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,7 +17,7 @@ import pytest
 import sqlalchemy as sa
 import uvicorn
 
-from prefect_spotgpu.stack import free_port, wait_for
+from prefect_spotgpu.cli.stack import free_port, wait_for
 
 # Prefect, before anything imports it: a private home, no analytics, and time for the test
 # server to start on a 2-core machine.

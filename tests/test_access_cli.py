@@ -84,7 +84,7 @@ def test_new_secret_key_prints_a_usable_key():
 def test_no_command_takes_a_key_on_its_command_line():
     """Every user of a host can read a process's argv (``ps``): keys come from a file or the
     environment. Each of these options is refused (typer's usage error, exit 2)."""
-    from prefect_spotgpu.cli import app
+    from prefect_spotgpu.cli.app import app
 
     for args in (
         ["bids", "--api-key", "sgk_x"],

@@ -10,7 +10,7 @@ import sys
 import time
 
 from conftest import start_service, wait_for
-from prefect_spotgpu.stack import free_port
+from prefect_spotgpu.cli.stack import free_port
 
 
 def test_an_agent_waits_for_a_market_that_is_down_and_registers_when_it_is_up(db_url, tmp_path):

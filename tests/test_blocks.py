@@ -10,8 +10,8 @@ from pydantic import ValidationError
 
 from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
 from prefect_spotgpu.checkpoint import LocalStorage, S3Storage
-from prefect_spotgpu.job import SpotGPUJobConfiguration, SpotGPUVariables
 from prefect_spotgpu.market import DEFAULT_CATALOG
+from prefect_spotgpu.worker.config import SpotGPUJobConfiguration, SpotGPUVariables
 
 
 @pytest.mark.parametrize("block", [SpotMarket, CheckpointStorage])

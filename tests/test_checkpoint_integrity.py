@@ -283,7 +283,7 @@ def test_the_worker_gives_each_flow_run_a_stable_signing_key(tmp_path):
     from prefect.client.schemas.objects import FlowRun
 
     from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
-    from prefect_spotgpu.job import SpotGPUJobConfiguration
+    from prefect_spotgpu.worker.config import SpotGPUJobConfiguration
 
     def job_env(flow_run, market):
         config = SpotGPUJobConfiguration(

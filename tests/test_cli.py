@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from prefect_spotgpu.stack import free_port
+from prefect_spotgpu.cli.stack import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,7 +49,7 @@ def test_models_lists_the_catalog():
 
 def test_console_script_and_prefect_collection_are_registered():
     scripts = {e.name: e.value for e in importlib.metadata.entry_points(group="console_scripts")}
-    assert scripts.get("spotgpu") == "prefect_spotgpu.cli:app"
+    assert scripts.get("spotgpu") == "prefect_spotgpu.cli.app:app"
     collections = {
         e.name: e.value for e in importlib.metadata.entry_points(group="prefect.collections")
     }
@@ -121,7 +121,7 @@ def row(out: str, *cells: str) -> str:
     ],
 )
 def test_sparkline_scales_between_the_series_min_and_max(values, line):
-    from prefect_spotgpu.views import sparkline
+    from prefect_spotgpu.cli.views import sparkline
 
     assert sparkline(values) == line
 
@@ -129,7 +129,7 @@ def test_sparkline_scales_between_the_series_min_and_max(values, line):
 def test_views_docstring_examples_and_hourly_slots():
     import doctest
 
-    from prefect_spotgpu import views
+    from prefect_spotgpu.cli import views
 
     assert doctest.testmod(views).failed == 0
     now = 1_800_000_000.0  # 2027-01-15 08:00 UTC
@@ -147,7 +147,7 @@ def test_views_docstring_examples_and_hourly_slots():
 
 
 def test_telemetry_cells_show_what_the_agent_reported_and_dashes_otherwise():
-    from prefect_spotgpu.views import telemetry_cells
+    from prefect_spotgpu.cli.views import telemetry_cells
 
     gpus = [
         {"index": 0, "utilization": 80, "memory_used_mb": 2048, "temperature": 71},

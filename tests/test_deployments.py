@@ -15,7 +15,7 @@ import pytest
 import yaml
 from prefect.server.schemas.schedules import CronSchedule
 
-from prefect_spotgpu.schedules import cheap_window
+from prefect_spotgpu.economics.schedules import cheap_window
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFECT_YAML = ROOT / "deployments" / "prefect.yaml"

@@ -11,8 +11,8 @@ import prefect_spotgpu.market
 MODULES = [
     m.name for m in pkgutil.iter_modules(prefect_spotgpu.market.__path__, "prefect_spotgpu.market.")
 ] + [
-    "prefect_spotgpu.schedules",
-    "prefect_spotgpu.bidding",
+    "prefect_spotgpu.economics.schedules",
+    "prefect_spotgpu.worker.market_api",
     "prefect_spotgpu.deploy",
     "prefect_spotgpu.service.sealing",
 ]

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prefect_spotgpu.stack import free_port, wait_for
+from prefect_spotgpu.cli.stack import free_port, wait_for
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 MARKER = "<!-- manual-path:"

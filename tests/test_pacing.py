@@ -1,5 +1,6 @@
 """Deadline pacing: what the worker bids for a run with ``gpu_hours`` and a deadline, on
-tabled cases (``prefect_spotgpu.pacing``, over the policies of ``prefect_spotgpu.deadline``)."""
+tabled cases (``prefect_spotgpu.worker.pacing``, over the policies of
+``prefect_spotgpu.economics.deadline``)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from prefect_spotgpu.deadline import POLICIES
-from prefect_spotgpu.job import PolicyChoice, SpotGPUJobConfiguration
-from prefect_spotgpu.pacing import Pace, done_hours, plan
+from prefect_spotgpu.economics.deadline import POLICIES
+from prefect_spotgpu.worker.config import PolicyChoice, SpotGPUJobConfiguration
+from prefect_spotgpu.worker.pacing import Pace, done_hours, plan
 
 T0 = datetime(2026, 12, 1, 18, 0, tzinfo=UTC)
 H = 3600.0

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prefect_spotgpu.deadline import Action, JobView, get_policy
-from prefect_spotgpu.replay import Job, Trace, load_traces, optimum, replay
+from prefect_spotgpu.economics.deadline import Action, JobView, get_policy
+from prefect_spotgpu.economics.replay import Job, Trace, load_traces, optimum, replay
 
 TRACES = Path(__file__).resolve().parent.parent / "benchmarks" / "traces"
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefect_spotgpu.schedules import cheap_window, is_cheap
+from prefect_spotgpu.economics.schedules import cheap_window, is_cheap
 
 BERLIN = ZoneInfo("Europe/Berlin")
 
@@ -81,7 +81,7 @@ def test_prefect_schedules_start_runs_as_each_window_opens(make):
 
     from prefect.server.schemas.schedules import CronSchedule, RRuleSchedule
 
-    from prefect_spotgpu.schedules import night_rrule, night_schedule
+    from prefect_spotgpu.economics.schedules import night_rrule, night_schedule
 
     client_side = (
         night_schedule("Europe/Berlin") if make == "cron" else night_rrule("Europe/Berlin")

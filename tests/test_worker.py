@@ -12,10 +12,10 @@ import uuid
 import pytest
 from prefect.exceptions import InfrastructureNotFound
 
-from prefect_spotgpu.bidding import Track, allocation_report
 from prefect_spotgpu.blocks import CheckpointStorage
-from prefect_spotgpu.job import LAUNCH_COMMAND, SpotGPUJobConfiguration
 from prefect_spotgpu.worker import SpotGPUWorker
+from prefect_spotgpu.worker.config import LAUNCH_COMMAND, SpotGPUJobConfiguration
+from prefect_spotgpu.worker.market_api import Track, allocation_report
 
 
 def ev(kind, alloc, node=1, **payload):
@@ -160,7 +160,7 @@ def test_prefect_creates_a_complete_spot_gpu_pool(prefect_api_url):
 def test_a_cheap_window_run_resumes_when_the_next_window_opens():
     from datetime import UTC, datetime
 
-    from prefect_spotgpu.bidding import resume_time
+    from prefect_spotgpu.worker.market_api import resume_time
 
     config = SpotGPUJobConfiguration(cheap_window_only=True, timezone="Europe/Berlin")
     closing = datetime(2026, 12, 3, 7, 58, tzinfo=UTC)  # Thursday 08:58 in Berlin
@@ -198,7 +198,7 @@ def test_the_block_script_saves_what_the_deployments_use(prefect_api_url, tmp_pa
 def test_which_failures_the_worker_retries():
     import httpx
 
-    from prefect_spotgpu.bidding import MarketError, is_transient
+    from prefect_spotgpu.worker.market_api import MarketError, is_transient
 
     assert is_transient(httpx.ConnectError("refused"))
     assert is_transient(MarketError("busy", 503)) and is_transient(MarketError("slow", 429))

@@ -22,8 +22,8 @@ from prefect.states import Cancelling
 
 from conftest import wait_for
 from prefect_spotgpu.checkpoint import Checkpointer, LocalStorage
-from prefect_spotgpu.pacing import RELEASE_PRICE
-from prefect_spotgpu.stack import LocalStack
+from prefect_spotgpu.cli.stack import LocalStack
+from prefect_spotgpu.worker.pacing import RELEASE_PRICE
 from spot_flow import count
 
 HERE = Path(__file__).parent
@@ -390,7 +390,7 @@ def test_a_cheap_window_only_run_bids_for_its_window(stack, prefect, tmp_path):
     Pending, for tonight's window; where the window is open it runs at once."""
     from datetime import UTC, datetime, timedelta
 
-    from prefect_spotgpu.schedules import cheap_window
+    from prefect_spotgpu.economics.schedules import cheap_window
 
     now = datetime.now(UTC)
     zones = [f"Etc/GMT{offset:+d}" if offset else "UTC" for offset in range(-14, 13)]

@@ -25,7 +25,7 @@ from prefect.client.orchestration import get_client
 
 from conftest import wait_for
 from prefect_spotgpu.checkpoint import Checkpointer, LocalStorage
-from prefect_spotgpu.stack import LocalStack
+from prefect_spotgpu.cli.stack import LocalStack
 from spot_flow import count
 from test_worker_e2e import bid_of, hurry, progress_of, running_allocation, steps_done
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect_spotgpu.job import SpotGPUVariables
 from prefect_spotgpu.market.gpus import DEFAULT_CATALOG
+from prefect_spotgpu.worker.config import SpotGPUVariables
 
 BLOCK_VARIABLES = ("market", "checkpoint_storage")
 """Set on the pool (``spotgpu pool setup``) rather than per deployment."""
@@ -28,12 +28,12 @@ BLOCK_VARIABLES = ("market", "checkpoint_storage")
 def spot_job_variables(**variables: Any) -> dict[str, Any]:
     """The ``job_variables`` of a deployment on a spot-gpu pool, validated now.
 
-        >>> spot_job_variables(gpu_model="nvidia a100 80gb", max_price=1.2)
-        {'gpu_model': 'A100-80G', 'max_price': 1.2}
-        >>> spot_job_variables(max_prize=1.2)
-        Traceback (most recent call last):
-        ...
-        ValueError: unknown job variable 'max_prize'; a spot-gpu pool has: bidding_policy, cheap_window_only, command, deadline, deadline_hours, env, gpu_count, gpu_hours, gpu_model, image, labels, max_preemptions, max_price, name, notice_webhook, on_demand_fallback, region, restart_minutes, timezone
+    >>> spot_job_variables(gpu_model="nvidia a100 80gb", max_price=1.2)
+    {'gpu_model': 'A100-80G', 'max_price': 1.2}
+    >>> spot_job_variables(max_prize=1.2)
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown job variable 'max_prize'; a spot-gpu pool has: bidding_policy, cheap_window_only, command, deadline, deadline_hours, env, gpu_count, gpu_hours, gpu_model, image, labels, max_preemptions, max_price, name, notice_webhook, on_demand_fallback, region, restart_minutes, timezone
     """  # noqa: E501
     known = sorted(set(SpotGPUVariables.model_fields) - set(BLOCK_VARIABLES))
     for name in variables:

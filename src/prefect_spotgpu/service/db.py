@@ -84,8 +84,7 @@ def check_database(engine: Engine) -> None:
             ) from None
         first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
         raise DatabaseUnavailable(
-            f"cannot open the market's database {url.render_as_string(hide_password=True)}: "
-            f"{first}"
+            f"cannot open the market's database {url.render_as_string(hide_password=True)}: {first}"
         ) from None
 
 

@@ -21,13 +21,14 @@ from pydantic import Field, model_validator
 
 from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
 from prefect_spotgpu.checkpoint.checkpointer import SIGNING_KEY_ENV
-from prefect_spotgpu.deadline import get_policy
+from prefect_spotgpu.economics.deadline import get_policy
+from prefect_spotgpu.economics.schedules import aware, zone
 from prefect_spotgpu.market import DEFAULT_CATALOG
-from prefect_spotgpu.pacing import Pace
-from prefect_spotgpu.schedules import aware, zone
+from prefect_spotgpu.worker.pacing import Pace
 
 PolicyChoice = Literal["uniform-progress", "greedy-spot", "always-on-demand"]
-"""The bidding policies of ``prefect_spotgpu.deadline`` (``tests/test_worker.py`` checks)."""
+"""The bidding policies of ``prefect_spotgpu.economics.deadline``
+(``tests/test_worker.py`` checks)."""
 
 GpuModelChoice = Literal["RTX-4090", "RTX-3090Ti", "A100-80G", "H100-80G", "H200"]
 """The catalogue's models, as the UI's choices (``tests/test_worker.py`` keeps them in step)."""

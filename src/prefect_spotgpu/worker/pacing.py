@@ -1,7 +1,8 @@
 """Deadline pacing for the worker: what a flow run with a deadline should bid for, now.
 
 A run that states its work (``gpu_hours``) and a deadline is steered by a named bidding policy
-of ``prefect_spotgpu.deadline``. The worker asks :func:`plan` when it places the run's bid and
+of ``prefect_spotgpu.economics.deadline``. The worker asks :func:`plan` when it places the
+run's bid and
 every ``PACE_SECONDS`` while it follows it; the answer is one :class:`Plan`:
 
 - ``spot`` at a price: keep (or reprice) the spot bid to that maximum;
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
 
-from prefect_spotgpu.deadline import JobView, get_policy
+from prefect_spotgpu.economics.deadline import JobView, get_policy
 from prefect_spotgpu.market import DEFAULT_CATALOG
 
 PACE_SECONDS = float(os.environ.get("SPOTGPU_PACE_SECONDS", "60"))

@@ -12,7 +12,9 @@ from rich.console import Console
 from rich.table import Table
 
 import prefect_spotgpu
-from prefect_spotgpu import access_cli, node_cli, pool_cli
+from prefect_spotgpu.cli import access as access_cli
+from prefect_spotgpu.cli import nodes as node_cli
+from prefect_spotgpu.cli import pool as pool_cli
 
 if TYPE_CHECKING:
     import httpx
@@ -85,7 +87,7 @@ def demo(
     import tempfile
     from pathlib import Path
 
-    from prefect_spotgpu.quickstart import DemoError, run_demo
+    from prefect_spotgpu.cli.demo import DemoError, run_demo
 
     directory = Path(home) if home else Path(tempfile.mkdtemp(prefix="spotgpu-demo-"))
     try:
@@ -105,10 +107,10 @@ def simulate(
     Bids arrive every round, the market clears, and in round 3 an owner reclaims a node:
     its jobs get a 5-minute notice and, where a free node exists, a migration reservation.
     """
-    from prefect_spotgpu.demo import run_demo
+    from prefect_spotgpu.cli.simulate import simulate
     from prefect_spotgpu.market import DEFAULT_CATALOG
 
-    for rnd in run_demo(rounds=rounds, seed=seed):
+    for rnd in simulate(rounds=rounds, seed=seed):
         table = Table(title=f"round {rnd.number}", title_justify="left")
         for column, justify in (
             ("pool", "left"),
@@ -478,7 +480,7 @@ def prices(
 def _sparkline_cell(client, gpu_model: str, region: str) -> str:
     import time
 
-    from prefect_spotgpu.views import hourly_closes, sparkline, squeeze
+    from prefect_spotgpu.cli.views import hourly_closes, sparkline, squeeze
 
     response = client.get(f"/prices/{gpu_model}/{region}/hourly", params={"days": 1})
     if response.status_code == 409:
@@ -559,7 +561,7 @@ def bids(
     market: str = MARKET,
 ) -> None:
     """Your bids: each one's current allocation, price and cost so far, and your balance."""
-    from prefect_spotgpu.views import bids_table, parse_time
+    from prefect_spotgpu.cli.views import bids_table, parse_time
 
     with _market_client(market, access_cli.tenant_key(api_key_file)) as client:
         me = _get(client, "/me")
@@ -585,7 +587,7 @@ def nodes(api_key_file: Path | None = access_cli.API_KEY_FILE, market: str = MAR
     telemetry, reserve price and the age of the last heartbeat."""
     import time
 
-    from prefect_spotgpu.views import nodes_table
+    from prefect_spotgpu.cli.views import nodes_table
 
     with _market_client(market, access_cli.tenant_key(api_key_file)) as client:
         listed = _get(client, "/nodes")

@@ -10,9 +10,9 @@ from typing import Any
 import httpx
 
 from prefect_spotgpu.blocks import SpotMarket
-from prefect_spotgpu.job import SpotGPUJobConfiguration
+from prefect_spotgpu.economics.schedules import aware, cheap_window
 from prefect_spotgpu.market import DEFAULT_CATALOG
-from prefect_spotgpu.schedules import aware, cheap_window
+from prefect_spotgpu.worker.config import SpotGPUJobConfiguration
 
 NOTICE_SECONDS = 300
 """The market's notice: a window closing sooner than this cannot start a run."""

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from prefect_spotgpu.deadline import JobView, get_policy
+from prefect_spotgpu.economics.deadline import JobView, get_policy
 from prefect_spotgpu.market import (
     DEFAULT_CATALOG,
     AllocationStatus,

@@ -37,7 +37,7 @@ class Round:
     events: tuple[str, ...]
 
 
-def run_demo(rounds: int = 6, seed: int = 2026, tick_seconds: float = 60.0) -> Iterator[Round]:
+def simulate(rounds: int = 6, seed: int = 2026, tick_seconds: float = 60.0) -> Iterator[Round]:
     """Yield each clearing round of a small simulated market."""
     rng = random.Random(seed)
     market = Market(MarketConfig(notice_seconds=300))

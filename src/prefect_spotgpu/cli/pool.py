@@ -18,7 +18,7 @@ from pathlib import Path
 
 import typer
 
-from prefect_spotgpu.access_cli import API_KEY_FILE
+from prefect_spotgpu.cli.access import API_KEY_FILE
 
 blocks_app = typer.Typer(help="Save the Prefect blocks a spot-gpu pool uses.", no_args_is_help=True)
 pool_app = typer.Typer(help="Set up or check a spot-gpu work pool.", no_args_is_help=True)
@@ -49,8 +49,8 @@ def blocks_save(
 ) -> None:
     """Save the Spot Market block (URL and key) and the checkpoint storage block (a directory,
     or an S3 bucket with credentials from the AWS_* variables), overwriting same-named ones."""
-    from prefect_spotgpu.access_cli import tenant_key
-    from prefect_spotgpu.cli import console
+    from prefect_spotgpu.cli.access import tenant_key
+    from prefect_spotgpu.cli.app import console
 
     if (checkpoints is None) == (bucket is None):
         console.print("[red]give --checkpoints DIR or --bucket NAME[/red]")
@@ -113,7 +113,7 @@ def pool_setup(
     ),
 ) -> None:
     """Make POOL a spot-gpu pool whose runs use the named blocks (created if missing)."""
-    from prefect_spotgpu.cli import console
+    from prefect_spotgpu.cli.app import console
 
     for line in asyncio.run(_setup(pool, market_block, storage_block, replace)):
         console.print(line, markup=False, soft_wrap=True)
@@ -122,7 +122,7 @@ def pool_setup(
 @pool_app.command("check")
 def pool_check(pool: str = POOL) -> None:
     """Say what stands between POOL and a run on spot GPUs (exit 1 if anything does)."""
-    from prefect_spotgpu.cli import console
+    from prefect_spotgpu.cli.app import console
 
     problems, fine = asyncio.run(_check(pool))
     for line in fine:
@@ -243,7 +243,7 @@ async def _check(pool: str) -> tuple[list[str], list[str]]:
 async def _market_answers(market) -> str:
     import httpx
 
-    from prefect_spotgpu.bidding import market_client
+    from prefect_spotgpu.worker.market_api import market_client
 
     try:
         async with market_client(market) as http:

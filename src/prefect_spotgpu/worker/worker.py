@@ -48,7 +48,15 @@ from prefect.states import Cancelled, Failed, Pending, Scheduled
 from prefect.utilities.engine import propose_state
 from prefect.workers.base import BaseWorker, BaseWorkerResult
 
-from prefect_spotgpu.bidding import (
+from prefect_spotgpu.blocks import DOCS, LOGO
+from prefect_spotgpu.launch import ALLOCATION_LABEL, BID_LABEL
+from prefect_spotgpu.worker.config import (
+    IMAGES,
+    LAUNCH_COMMAND,
+    SpotGPUJobConfiguration,
+    SpotGPUVariables,
+)
+from prefect_spotgpu.worker.market_api import (
     JOB_FAILED,
     PID_PREFIX,
     SAVED_AND_STOPPED,
@@ -68,11 +76,8 @@ from prefect_spotgpu.bidding import (
     resume_time,
     window_over,
 )
-from prefect_spotgpu.blocks import DOCS, LOGO
-from prefect_spotgpu.job import IMAGES, LAUNCH_COMMAND, SpotGPUJobConfiguration, SpotGPUVariables
-from prefect_spotgpu.launch import ALLOCATION_LABEL, BID_LABEL
-from prefect_spotgpu.pacing import PACE_SECONDS
-from prefect_spotgpu.placement import (
+from prefect_spotgpu.worker.pacing import PACE_SECONDS
+from prefect_spotgpu.worker.placement import (
     FLOW_RUN_LABEL,
     POOL_LABEL,
     RELEASED_LABEL,

@@ -44,7 +44,7 @@ def tenant_key(path: Path | None) -> str:
     every user of the host can read a command line)."""
     import os
 
-    from prefect_spotgpu.cli import console
+    from prefect_spotgpu.cli.app import console
 
     key = path.read_text().strip() if path else os.environ.get("SPOTGPU_API_KEY", "")
     if not key:
@@ -54,7 +54,7 @@ def tenant_key(path: Path | None) -> str:
 
 
 def _call(client, method: str, path: str, ok: int, **kwargs) -> dict:
-    from prefect_spotgpu.cli import _fail
+    from prefect_spotgpu.cli.app import _fail
 
     response = client.request(method, path, **kwargs)
     if response.status_code != ok:
@@ -63,7 +63,7 @@ def _call(client, method: str, path: str, ok: int, **kwargs) -> dict:
 
 
 def _tenant_id(client, name: str) -> int:
-    from prefect_spotgpu.cli import console
+    from prefect_spotgpu.cli.app import console
 
     for tenant in _call(client, "GET", "/tenants", 200):
         if tenant["name"] == name:
@@ -97,7 +97,7 @@ def register(admin_app: typer.Typer) -> None:
         market: str = MARKET,
     ) -> None:
         """Revoke every API key of a tenant (refused at once); issue-key gives it a new one."""
-        from prefect_spotgpu.cli import _admin_client, console
+        from prefect_spotgpu.cli.app import _admin_client, console
 
         with _admin_client(market) as client:
             tenant_id = _tenant_id(client, name)
@@ -110,7 +110,7 @@ def register(admin_app: typer.Typer) -> None:
         market: str = MARKET,
     ) -> None:
         """Issue a tenant a new API key (printed once); its older keys are revoked."""
-        from prefect_spotgpu.cli import _admin_client, console
+        from prefect_spotgpu.cli.app import _admin_client, console
 
         with _admin_client(market) as client:
             tenant_id = _tenant_id(client, name)
@@ -124,7 +124,7 @@ def register(admin_app: typer.Typer) -> None:
     ) -> None:
         """Revoke a node's agent token: the agent can no longer act; the node is lost after
         the heartbeat timeout (its jobs' tenants are compensated as for any lost node)."""
-        from prefect_spotgpu.cli import _admin_client, console
+        from prefect_spotgpu.cli.app import _admin_client, console
 
         with _admin_client(market) as client:
             node = _call(client, "POST", f"/nodes/{node_id}/token/revoke", 200)
@@ -141,7 +141,7 @@ def register(admin_app: typer.Typer) -> None:
 
 
 def _set_provider(name: str, provider: bool, market: str) -> None:
-    from prefect_spotgpu.cli import _admin_client, console
+    from prefect_spotgpu.cli.app import _admin_client, console
 
     with _admin_client(market) as client:
         tenant_id = _tenant_id(client, name)
@@ -157,7 +157,7 @@ def rotate(
     write: Path | None = WRITE_KEY,
 ) -> None:
     """Rotate your API key: prints (or writes) a new one; the old one is refused at once."""
-    from prefect_spotgpu.cli import _market_client, console
+    from prefect_spotgpu.cli.app import _market_client, console
 
     with _market_client(market, tenant_key(api_key_file)) as client:
         key = _call(client, "POST", "/me/key", 201)["api_key"]
@@ -176,7 +176,7 @@ def node_token(
 ) -> None:
     """Print a new agent token for one of your nodes; the old token is refused at once
     (give it to the agent with --token-file or SPOTGPU_AGENT_TOKEN)."""
-    from prefect_spotgpu.cli import _market_client, console
+    from prefect_spotgpu.cli.app import _market_client, console
 
     with _market_client(market, tenant_key(api_key_file)) as client:
         token = _call(client, "POST", f"/nodes/{node_id}/token", 201)["token"]

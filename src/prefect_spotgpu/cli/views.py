@@ -233,8 +233,7 @@ def nodes_table(nodes: Sequence[dict], busy: dict[int, int], *, now: float) -> T
     shown = [
         i
         for i, (name, _) in enumerate(columns)
-        if not rows
-        or not (name in silent and all(row[i] == "-" for row in rows))
+        if not rows or not (name in silent and all(row[i] == "-" for row in rows))
     ]
     table = Table(title="Nodes", title_justify="left")
     for i in shown:

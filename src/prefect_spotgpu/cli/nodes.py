@@ -12,7 +12,7 @@ from pathlib import Path
 
 import typer
 
-from prefect_spotgpu.access_cli import API_KEY_FILE, MARKET, _call, tenant_key
+from prefect_spotgpu.cli.access import API_KEY_FILE, MARKET, _call, tenant_key
 
 node_app = typer.Typer(
     help="Take your node back (reclaim), drain it, or offer it again (live).",
@@ -29,7 +29,7 @@ WHAT_HAPPENS = {
 
 
 def _node(client, node: str) -> dict:
-    from prefect_spotgpu.cli import console
+    from prefect_spotgpu.cli.app import console
 
     mine = _call(client, "GET", "/nodes", 200)
     for row in mine:
@@ -41,7 +41,7 @@ def _node(client, node: str) -> dict:
 
 
 def _set_state(node: str, state: str, api_key_file: Path | None, market: str) -> None:
-    from prefect_spotgpu.cli import _market_client, console
+    from prefect_spotgpu.cli.app import _market_client, console
 
     with _market_client(market, tenant_key(api_key_file)) as client:
         row = _node(client, node)

@@ -1,7 +1,7 @@
 """How the ``spot-gpu`` worker places a flow run's bid and, for a run with a deadline, paces it.
 
 A mixin of ``prefect_spotgpu.worker.SpotGPUWorker`` (it uses the worker's Prefect client,
-logger, retries and events). The decisions themselves are ``prefect_spotgpu.pacing.plan``'s;
+logger, retries and events). The decisions themselves are ``prefect_spotgpu.worker.pacing.plan``'s;
 this module carries them out against the market: a new bid (spot at the plan's price, or
 on-demand), a reprice, a cancel, or a running spot job's release through the usual notice.
 """
@@ -15,11 +15,11 @@ from typing import Any
 import httpx
 from prefect.client.schemas.objects import FlowRun
 
-from prefect_spotgpu.bidding import Track, cancel_bid, checked, describe, set_webhook
-from prefect_spotgpu.job import SpotGPUJobConfiguration
+from prefect_spotgpu.economics.schedules import cheap_window
 from prefect_spotgpu.launch import BID_LABEL
-from prefect_spotgpu.pacing import RELEASE_PRICE, Pace, Plan, plan
-from prefect_spotgpu.schedules import cheap_window
+from prefect_spotgpu.worker.config import SpotGPUJobConfiguration
+from prefect_spotgpu.worker.market_api import Track, cancel_bid, checked, describe, set_webhook
+from prefect_spotgpu.worker.pacing import RELEASE_PRICE, Pace, Plan, plan
 
 FLOW_RUN_LABEL = "prefect.flow-run-id"
 REPLACES_LABEL = "spotgpu.replaces"

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from prefect_spotgpu.stack import LocalStack
+from prefect_spotgpu.cli.stack import LocalStack
 
 GPU_MODEL = "A100-80G"
 STEP_LOG = re.compile(r"step (\d+)/(\d+) loss ([0-9.]+)")
@@ -277,7 +277,7 @@ def _timeline(bid, events, states, logs, nodes, allocations) -> list[Moment]:
 
 
 def _cost(allocations: list[dict], bid: dict) -> dict:
-    from prefect_spotgpu.bidding import bid_costs
+    from prefect_spotgpu.worker.market_api import bid_costs
 
     c = bid_costs(bid, allocations)
     return {
