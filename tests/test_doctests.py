@@ -14,6 +14,7 @@ MODULES = [
     "prefect_spotgpu.economics.schedules",
     "prefect_spotgpu.worker.market_api",
     "prefect_spotgpu.deploy",
+    "prefect_spotgpu.protocol",
     "prefect_spotgpu.service.sealing",
 ]
 

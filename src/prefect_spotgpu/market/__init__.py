@@ -36,6 +36,7 @@ from prefect_spotgpu.market.types import (
     MarketState,
     Node,
     NodeState,
+    EndReason,
     NoticeReason,
 )
 
@@ -61,6 +62,7 @@ __all__ = [
     "Node",
     "NodeState",
     "Notice",
+    "EndReason",
     "NoticeReason",
     "Placement",
     "PlacementKind",

@@ -112,6 +112,31 @@ class NoticeReason(StrEnum):
     or the user lowered the bid)."""
 
 
+class EndReason(StrEnum):
+    """Why an allocation ended: its ``end_reason`` and the ``reason`` of its ending event.
+
+    The market writes the first group; the service names the end of a job its agent reported
+    (the second group). The worker reads them (``prefect_spotgpu.protocol`` re-exports this)."""
+
+    NODE_LOST = "node lost"
+    NODE_DRAINING = "node draining"
+    NODE_RECLAIMED = "node reclaimed"
+    BELOW_RESERVE = "below reserve"
+    NOTICE_DEADLINE_PASSED = "notice deadline passed"
+    RESERVATION_EXPIRED = "reservation expired"
+    BID_CANCELLED = "bid cancelled"
+    BID_FINISHED = "bid finished"
+    ENDED_PREEMPTED = "ended: preempted"
+    ENDED_FINISHED = "ended: finished"
+    ENDED_RELEASED = "ended: released"
+
+    SAVED_AND_STOPPED = "final save acknowledged"
+    """After a final save: the agent stopped the job before reporting it."""
+    JOB_FINISHED = "job finished"
+    JOB_FAILED = "job failed on the node"
+    """The job exited non-zero: the run's own end, not a preemption."""
+
+
 def check_price(field_name: str, value: object) -> float:
     """A finite, positive price, or ``ValueError`` naming the field."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -1,0 +1,163 @@
+"""The wire vocabulary shared by the market service, the node agent, the worker and the job.
+
+Every string one process writes and another reads is named here once, so a typo fails at
+import time instead of end to end: the bid statuses, the kinds of a bid's events, the outcomes
+an agent reports, why an allocation ended, the labels on flow runs and bids, and the
+``SPOTGPU_*`` variables a job gets. Pure: nothing but the standard library and ``market``'s
+own enums (``AllocationStatus``, ``NoticeReason``, ``EndReason``), which it re-exports.
+
+    >>> EventKind("preempted") is EventKind.PREEMPTED
+    True
+    >>> EventKind.PREEMPTED in ENDING_EVENTS, EventKind.NOTICED in ENDING_EVENTS
+    (True, False)
+    >>> f"{LABELS.BID}={7}"
+    'spotgpu.bid=7'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from prefect_spotgpu.market.types import AllocationStatus, Capacity, EndReason, NoticeReason
+
+__all__ = [
+    "ENDING_EVENTS",
+    "HELD_FOR_CREDIT",
+    "HOLDING_STATUSES",
+    "JOB_ENV",
+    "LABELS",
+    "LIVE_BID_STATUSES",
+    "PID_PREFIX",
+    "AllocationStatus",
+    "BidStatus",
+    "Capacity",
+    "EndReason",
+    "EventKind",
+    "NoticeReason",
+    "ReportOutcome",
+    "WorkerEvent",
+]
+
+
+class BidStatus(StrEnum):
+    """A bid's status on the market (``GET /bids/{id}``)."""
+
+    OPEN = "open"
+    """Waiting for GPUs, or running on them."""
+    HELD = "held"
+    """Kept, but not placed: its tenant's balance ran out (``hold_reason`` says)."""
+    CANCELLED = "cancelled"
+    FINISHED = "finished"
+    """Its job ended by itself (exit 0, or non-zero)."""
+
+
+LIVE_BID_STATUSES = (BidStatus.OPEN, BidStatus.HELD)
+"""The bids that may still run: a worker follows and adopts only these."""
+
+HELD_FOR_CREDIT = "out of credit"
+"""How the ``hold_reason`` of a bid held for its tenant's balance begins."""
+
+
+class EventKind(StrEnum):
+    """The kind of one event of a bid (``GET /bids/{id}/events``, webhooks, the agent's feed)."""
+
+    ALLOCATED = "allocated"
+    """An allocation runs (new, or a reservation promoted): its job may start."""
+    RESERVED = "reserved"
+    """GPUs are held for the bid's next allocation (a migration target)."""
+    NOTICED = "noticed"
+    """The running allocation got its notice: a final save is due by ``payload.deadline``."""
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+    RELEASED = "released"
+
+
+ENDING_EVENTS = frozenset({EventKind.PREEMPTED, EventKind.FINISHED, EventKind.RELEASED})
+"""The events that end an allocation (its ``payload.reason`` is an ``EndReason``)."""
+
+HOLDING_STATUSES = (AllocationStatus.RUNNING, AllocationStatus.NOTICED)
+"""Allocation statuses whose job holds GPUs (and is billed)."""
+
+
+class ReportOutcome(StrEnum):
+    """What an agent reports of a job (``POST /nodes/{id}/allocations/{a}/report``)."""
+
+    CHECKPOINT = "checkpoint"
+    """A durable checkpoint was written (``checkpoint_at``)."""
+    SAVED = "saved"
+    """The final save after a notice is durable: the agent stops the job."""
+    SAVE_FAILED = "save_failed"
+    FINISHED = "finished"
+    """The job exited 0."""
+    FAILED = "failed"
+    """The job exited non-zero."""
+
+
+class WorkerEvent(StrEnum):
+    """The Prefect events the worker emits, as ``spotgpu.bid.<value>`` on the bid's resource."""
+
+    CREATED = "created"
+    ALLOCATED = "allocated"
+    RESUMED = "resumed"
+    NOTICED = "noticed"
+    PREEMPTED = "preempted"
+    ON_DEMAND = "on-demand"
+
+    @property
+    def event(self) -> str:
+        return f"spotgpu.bid.{self.value}"
+
+
+@dataclass(frozen=True)
+class _Labels:
+    """Labels on Prefect flow runs (``spotgpu.*``, ``prefect.worker.name``) and on market bids
+    (``prefect.*``, ``spotgpu.replaces``)."""
+
+    BID: str = "spotgpu.bid"
+    """On a flow run: the market bid serving it."""
+    ALLOCATION: str = "spotgpu.allocation"
+    """On a flow run: the allocation whose launcher may start the engine."""
+    RELEASED_BY: str = "spotgpu.released-by"
+    """On a flow run: the worker that stopped while following it. While it still names the
+    run's owner (``WORKER``), the next worker adopts the run at once instead of waiting for the
+    owner's heartbeats to age."""
+    WORKER: str = "prefect.worker.name"
+    """On a flow run (Prefect's own): the worker that owns it."""
+    FLOW_RUN: str = "prefect.flow-run-id"
+    """On a bid: the flow run it serves."""
+    FLOW_RUN_NAME: str = "prefect.flow-run-name"
+    POOL: str = "prefect.work-pool"
+    """On a bid: the work pool of its flow run (adoption looks only at its own pool's)."""
+    REPLACES: str = "spotgpu.replaces"
+    """On a bid that replaced an earlier bid of the same run (spot -> on-demand): that id."""
+
+
+LABELS = _Labels()
+
+PID_PREFIX = "spotgpu-bid-"
+"""A flow run's infrastructure id: ``spotgpu-bid-<the bid serving it>``."""
+
+
+@dataclass(frozen=True)
+class _JobEnv:
+    """The ``SPOTGPU_*`` variables the agent gives a job (and its launcher and checkpointer
+    read). Paths are as the job sees them (inside a container: under its workdir)."""
+
+    ALLOCATION_ID: str = "SPOTGPU_ALLOCATION_ID"
+    ALLOCATION_EPOCH: str = "SPOTGPU_ALLOCATION_EPOCH"
+    BID_ID: str = "SPOTGPU_BID_ID"
+    NOTICE_FILE: str = "SPOTGPU_NOTICE_FILE"
+    """Written by the agent at a notice (then SIGUSR1): the deadline of the final save."""
+    ACK_FILE: str = "SPOTGPU_ACK_FILE"
+    """Written by the job once its final save is durable."""
+    SAVED_FILE: str = "SPOTGPU_SAVED_FILE"
+    """Written by the job after each durable checkpoint (the agent reports it)."""
+    CHECKPOINT_KEY: str = "SPOTGPU_CHECKPOINT_KEY"
+    CHECKPOINT_URL: str = "SPOTGPU_CHECKPOINT_URL"
+    CHECKPOINT_SIGNING_KEY: str = "SPOTGPU_CHECKPOINT_SIGNING_KEY"
+    LAUNCH_TIMEOUT: str = "SPOTGPU_LAUNCH_TIMEOUT"
+    """How long the launcher waits for the worker's go (seconds, default 600)."""
+
+
+JOB_ENV = _JobEnv()
