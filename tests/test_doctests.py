@@ -15,6 +15,7 @@ MODULES = [
     "prefect_spotgpu.worker.market_api",
     "prefect_spotgpu.deploy",
     "prefect_spotgpu.protocol",
+    "prefect_spotgpu.api_client",
     "prefect_spotgpu.service.sealing",
 ]
 

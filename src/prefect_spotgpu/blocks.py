@@ -10,6 +10,8 @@ import httpx
 from prefect.blocks.core import Block
 from pydantic import Field, SecretStr, model_validator
 
+from prefect_spotgpu.api_client import DEFAULT_TIMEOUT, api_client, async_api_client
+
 LOGO = "https://raw.githubusercontent.com/prefect-spotgpu/prefect-spotgpu/main/src/prefect_spotgpu/logo.png"
 """The packaged ``logo.png`` (64x64), where the project publishes it."""
 DOCS = "https://pypi.org/project/prefect-spotgpu/"
@@ -41,11 +43,11 @@ class SpotMarket(Block):
 
     def get_client(self, timeout: float = 60.0) -> httpx.Client:
         """An HTTP client for the market's ``/api/v1``, authenticated as the tenant."""
-        return httpx.Client(
-            base_url=self.url.rstrip("/") + "/api/v1",
-            timeout=timeout,
-            headers={"Authorization": f"Bearer {self.api_key.get_secret_value()}"},
-        )
+        return api_client(self.url, self.api_key.get_secret_value(), timeout)
+
+    def get_async_client(self, timeout: float = DEFAULT_TIMEOUT) -> httpx.AsyncClient:
+        """``get_client``, for asyncio callers (the worker)."""
+        return async_api_client(self.url, self.api_key.get_secret_value(), timeout)
 
 
 class CheckpointStorage(Block):

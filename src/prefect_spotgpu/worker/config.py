@@ -20,10 +20,10 @@ from prefect.workers.base import BaseJobConfiguration, BaseVariables
 from pydantic import Field, model_validator
 
 from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
-from prefect_spotgpu.checkpoint.checkpointer import SIGNING_KEY_ENV
 from prefect_spotgpu.economics.deadline import get_policy
 from prefect_spotgpu.economics.schedules import aware, zone
 from prefect_spotgpu.market import DEFAULT_CATALOG
+from prefect_spotgpu.protocol import JOB_ENV
 from prefect_spotgpu.worker.pacing import Pace
 
 PolicyChoice = Literal["uniform-progress", "greedy-spot", "always-on-demand"]
@@ -169,7 +169,7 @@ class SpotGPUJobConfiguration(BaseJobConfiguration):
             extra.update(self.checkpoint_storage.job_env())
         api_key = self.market.api_key.get_secret_value() if self.market is not None else ""
         if api_key:
-            extra[SIGNING_KEY_ENV] = checkpoint_signing_key(api_key, flow_run.id)
+            extra[JOB_ENV.CHECKPOINT_SIGNING_KEY] = checkpoint_signing_key(api_key, flow_run.id)
         self.env = {**extra, **self.env}
 
     def job_spec(self) -> dict:

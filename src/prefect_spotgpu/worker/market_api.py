@@ -182,11 +182,7 @@ def check_storage(configuration: SpotGPUJobConfiguration) -> None:
 
 
 def market_client(market: SpotMarket) -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        base_url=market.url.rstrip("/") + "/api/v1",
-        timeout=30,
-        headers={"Authorization": f"Bearer {market.api_key.get_secret_value()}"},
-    )
+    return market.get_async_client()
 
 
 def checked(response: httpx.Response, doing: str) -> Any:

@@ -1,0 +1,37 @@
+"""The one way to talk to a market's ``/api/v1``: an httpx client with its bearer credential.
+
+A tenant API key (the worker, the CLI, the ``SpotMarket`` block), a node token (the agent)
+or the admin key: every caller builds its client here, so the base path, the header and the
+timeout are written once. Light on purpose (httpx only): the CLI and the agent start fast.
+
+    >>> with api_client("http://127.0.0.1:4300/", "sgk_x") as client:
+    ...     str(client.base_url), client.headers["Authorization"]
+    ('http://127.0.0.1:4300/api/v1/', 'Bearer sgk_x')
+"""
+
+from __future__ import annotations
+
+import httpx
+
+API_PATH = "/api/v1"
+DEFAULT_TIMEOUT = 30.0
+
+
+def api_client(url: str, credential: str | None, timeout: float = DEFAULT_TIMEOUT) -> httpx.Client:
+    """A client of the market at ``url``, sending ``credential`` as its bearer (None: none)."""
+    return httpx.Client(base_url=api_base(url), timeout=timeout, headers=_headers(credential))
+
+
+def async_api_client(
+    url: str, credential: str | None, timeout: float = DEFAULT_TIMEOUT
+) -> httpx.AsyncClient:
+    """``api_client``, for asyncio callers (the worker)."""
+    return httpx.AsyncClient(base_url=api_base(url), timeout=timeout, headers=_headers(credential))
+
+
+def api_base(url: str) -> str:
+    return url.rstrip("/") + API_PATH
+
+
+def _headers(credential: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {credential}"} if credential else {}
