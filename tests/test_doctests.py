@@ -12,7 +12,8 @@ MODULES = [
     m.name for m in pkgutil.iter_modules(prefect_spotgpu.market.__path__, "prefect_spotgpu.market.")
 ] + [
     "prefect_spotgpu.economics.schedules",
-    "prefect_spotgpu.worker.market_api",
+    "prefect_spotgpu.worker.report",
+    "prefect_spotgpu.worker.reactions",
     "prefect_spotgpu.deploy",
     "prefect_spotgpu.protocol",
     "prefect_spotgpu.api_client",

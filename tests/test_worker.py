@@ -15,7 +15,8 @@ from prefect.exceptions import InfrastructureNotFound
 from prefect_spotgpu.blocks import CheckpointStorage
 from prefect_spotgpu.worker import SpotGPUWorker
 from prefect_spotgpu.worker.config import LAUNCH_COMMAND, SpotGPUJobConfiguration
-from prefect_spotgpu.worker.market_api import Track, allocation_report
+from prefect_spotgpu.worker.reactions import Track
+from prefect_spotgpu.worker.report import allocation_report
 
 
 def ev(kind, alloc, node=1, **payload):
@@ -160,7 +161,7 @@ def test_prefect_creates_a_complete_spot_gpu_pool(prefect_api_url):
 def test_a_cheap_window_run_resumes_when_the_next_window_opens():
     from datetime import UTC, datetime
 
-    from prefect_spotgpu.worker.market_api import resume_time
+    from prefect_spotgpu.worker.reactions import resume_time
 
     config = SpotGPUJobConfiguration(cheap_window_only=True, timezone="Europe/Berlin")
     closing = datetime(2026, 12, 3, 7, 58, tzinfo=UTC)  # Thursday 08:58 in Berlin

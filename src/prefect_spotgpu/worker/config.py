@@ -295,3 +295,24 @@ class SpotGPUVariables(BaseVariables):
         title="Notice webhook",
         description="A URL that also receives the market's signed notices.",
     )
+
+
+def market_of(configuration: SpotGPUJobConfiguration) -> SpotMarket:
+    """The run's market block, or a clear error saying where to set one."""
+    if configuration.market is None:
+        raise ValueError(
+            "no market: set the work pool's or deployment's 'market' variable to a Spot Market "
+            "block (prefect block register -m prefect_spotgpu.blocks, then save one)"
+        )
+    return configuration.market
+
+
+def check_storage(configuration: SpotGPUJobConfiguration) -> None:
+    """Refuse, before any bid (and so any charge), a run with nowhere to keep checkpoints: its
+    job would start, be billed, and fail on the node asking for its checkpoint location."""
+    if configuration.checkpoint_storage is None:
+        raise ValueError(
+            "no checkpoint storage: set the work pool's or deployment's 'checkpoint_storage' "
+            "variable to a Spot Checkpoint Storage block (spotgpu blocks save, then spotgpu "
+            "pool setup POOL); nothing was bid"
+        )

@@ -1,27 +1,29 @@
-"""The spot-gpu worker's view of a market bid: its events folded into a track, its cost
-report, and the HTTP calls to the market (one place for the market's error messages)."""
+"""The worker's calls to the market: one class per tenant connection, the market's refusals as
+``MarketError`` (one place for its error messages), and the rule for what is retried.
+
+``MarketApi`` wraps the tenant's authenticated client (``SpotMarket.get_async_client``). Its
+calls are not retried themselves: the attempt wraps each step in :func:`retry`, which retries
+a *transient* failure (no answer at all, or a 5xx, 408 or 429, from the market or Prefect)
+with backoff and raises any other.
+"""
 
 from __future__ import annotations
 
-import time
-from datetime import UTC, datetime, timedelta
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
+import anyio
 import httpx
 
-from prefect_spotgpu.blocks import SpotMarket
-from prefect_spotgpu.economics.schedules import aware, cheap_window
-from prefect_spotgpu.market import DEFAULT_CATALOG
-from prefect_spotgpu.worker.config import SpotGPUJobConfiguration
+from prefect_spotgpu.protocol import LIVE_BID_STATUSES
+from prefect_spotgpu.worker.report import quote_summary
 
-NOTICE_SECONDS = 300
-"""The market's notice: a window closing sooner than this cannot start a run."""
-PID_PREFIX = "spotgpu-bid-"
-"""A flow run's infrastructure id: the bid serving it."""
-JOB_FAILED = "job failed on the node"
-"""The market's reason when a job exited non-zero: the run's own end, not a preemption."""
-SAVED_AND_STOPPED = "final save acknowledged"
-"""The market's reason after a final save: the agent stopped the job before reporting it."""
+T = TypeVar("T")
+
+RETRY_FIRST_SECONDS = 1.0
+RETRY_MAX_SECONDS = 30.0
+POLL_SECONDS = 2.0
+"""Long-poll window on the bid's events; the flow run's state is checked between windows."""
 
 
 class MarketError(RuntimeError):
@@ -44,148 +46,23 @@ def is_transient(exc: Exception) -> bool:
     return status >= 500 or status in (408, 429)
 
 
-class Track:
-    """What a bid's events say: its running allocations, the ended ones, the preemptions.
-
-    Normally one allocation runs at a time; when a node is lost the market may place the bid
-    anew in the same tick, and that placement's event comes *before* the lost allocation's
-    end. So running allocations queue in order, and the first one is the current one."""
-
-    def __init__(self) -> None:
-        self.running: list[int] = []
-        self.ended: set[int] = set()
-        self.nodes: dict[int, int] = {}
-        self.preemptions = 0
-
-    @property
-    def live(self) -> int | None:
-        return self.running[0] if self.running else None
-
-    @classmethod
-    def from_events(cls, events: list[dict]) -> Track:
-        track = cls()
-        for event in events:
-            track.apply(event)
-        return track
-
-    def apply(self, event: dict) -> bool:
-        """Fold one event in; True when it ended the current allocation."""
-        kind, alloc = event["kind"], event["allocation_id"]
-        self.nodes[alloc] = event["node_id"]
-        if kind == "allocated" and alloc not in self.ended and alloc not in self.running:
-            self.running.append(alloc)
-        elif kind in ("preempted", "finished", "released"):
-            self.ended.add(alloc)
-            if kind == "preempted" and event["payload"].get("reason") != JOB_FAILED:
-                self.preemptions += 1
-            if alloc in self.running:
-                current = alloc == self.running[0]
-                self.running.remove(alloc)
-                return current
-        return False
-
-
-def bid_costs(bid: dict, allocations: list[dict]) -> dict:
-    """A bid's spot cost against the same GPU-hours on-demand, its preemptions, final saves
-    and the work lost (seconds since the last checkpoint of preemptions without a final save).
-    """
-    on_demand_price = DEFAULT_CATALOG.get(bid["gpu_model"]).on_demand_price
-    spot = sum(a["charged_amount"] for a in allocations)
-    gpu_hours = sum(a["charged_seconds"] * a["gpu_count"] for a in allocations) / 3600
-    preempted = [a for a in allocations if a["status"] == "preempted"]
-    lost = sum(
-        a["ended_at"] - max(a["last_checkpoint_at"] or a["started_at"], a["started_at"])
-        for a in preempted
-        if a["final_save"] != "ok" and a["ended_at"] is not None
-    )
-    on_demand = gpu_hours * on_demand_price
-    return {
-        "gpu_hours": gpu_hours,
-        "spot_cost": spot,
-        "on_demand_cost": on_demand,
-        "on_demand_price": on_demand_price,
-        "saving": 1 - spot / on_demand if on_demand > 0 else None,
-        "preemptions": len(preempted),
-        "final_saves_ok": sum(a["final_save"] == "ok" for a in allocations),
-        "work_lost_seconds": lost,
-    }
-
-
-def _bids(allocations: list[dict], bid: dict) -> str:
-    ids = sorted({a["bid_id"] for a in allocations} | {bid["id"]})
-    return f"bid {ids[0]}" if len(ids) == 1 else "bids " + ", ".join(map(str, ids))
-
-
-def allocation_report(bid: dict, allocations: list[dict]) -> tuple[list[dict], str]:
-    """Rows for the allocations table and the markdown summary of the cost of a run's bid (and
-    of the bids it replaced, whose allocations come with it): what was paid, on spot or
-    on-demand, against the same GPU-hours all on-demand."""
-    rows = []
-    for a in sorted(allocations, key=lambda a: a["id"]):
-        if a["status"] in ("reserved", "released"):
-            continue
-        end = a["ended_at"]
-        rows.append(
-            {
-                "allocation": a["id"],
-                "bid": a["bid_id"],
-                "node": a["node_id"],
-                "gpu": f"{a['gpu_count']} x {bid['gpu_model']}",
-                "start": iso(a["started_at"]),
-                "end": iso(end) if end else "running",
-                "status": a["status"],
-                "price": round(a["price"], 4),
-                "cost": round(a["charged_amount"], 6),
-            }
-        )
-    c = bid_costs(bid, allocations)
-    saving = "n/a" if c["saving"] is None else f"{c['saving']:.0%}"
-    summary = "\n".join(
-        [
-            f"### GPU cost of {_bids(allocations, bid)}",
-            "",
-            "| | |",
-            "|---|---|",
-            f"| GPUs | {describe(bid)} |",
-            f"| GPU-hours | {c['gpu_hours']:.4f} |",
-            f"| Cost paid | {c['spot_cost']:.6f} |",
-            f"| On-demand cost | {c['on_demand_cost']:.6f} (at {c['on_demand_price']:.2f}/GPU-h) |",
-            f"| Saving | {saving} |",
-            f"| Preemptions | {c['preemptions']} |",
-            f"| Work lost | {c['work_lost_seconds']:.1f} s (preemptions without a final save) |",
-        ]
-    )
-    return rows, summary
-
-
-# ---------------------------------------------------------------- market helpers
-
-
-def market_of(configuration: SpotGPUJobConfiguration) -> SpotMarket:
-    if configuration.market is None:
-        raise ValueError(
-            "no market: set the work pool's or deployment's 'market' variable to a Spot Market "
-            "block (prefect block register -m prefect_spotgpu.blocks, then save one)"
-        )
-    return configuration.market
-
-
-def check_storage(configuration: SpotGPUJobConfiguration) -> None:
-    """Refuse, before any bid (and so any charge), a run with nowhere to keep checkpoints: its
-    job would start, be billed, and fail on the node asking for its checkpoint location."""
-    if configuration.checkpoint_storage is None:
-        raise ValueError(
-            "no checkpoint storage: set the work pool's or deployment's 'checkpoint_storage' "
-            "variable to a Spot Checkpoint Storage block (spotgpu blocks save, then spotgpu "
-            "pool setup POOL); nothing was bid"
-        )
-
-
-def market_client(market: SpotMarket) -> httpx.AsyncClient:
-    return market.get_async_client()
+async def retry(doing: str, call: Callable[[], Awaitable[T]], warn: Callable[[str], None]) -> T:
+    """``await call()``, retried with backoff (1 s doubling to 30 s) while the failure is
+    transient (``is_transient``); ``warn`` gets one line per retry. Others are raised."""
+    delay = RETRY_FIRST_SECONDS
+    while True:
+        try:
+            return await call()
+        except (httpx.HTTPError, MarketError) as exc:
+            if not is_transient(exc):
+                raise
+            warn(f"Could not {doing} ({exc}); retrying in {delay:.0f} s")
+            await anyio.sleep(delay)
+            delay = min(RETRY_MAX_SECONDS, delay * 2)
 
 
 def checked(response: httpx.Response, doing: str) -> Any:
+    """The response's JSON, or ``MarketError`` with the market's reason."""
     if response.status_code >= 400:
         try:
             detail = response.json().get("detail", response.text)
@@ -198,105 +75,81 @@ def checked(response: httpx.Response, doing: str) -> Any:
     return response.json()
 
 
-async def cancel_bid(http: httpx.AsyncClient, bid_id: int) -> None:
-    response = await http.post(f"/bids/{bid_id}/cancel")
-    if response.status_code not in (200, 409):
-        checked(response, "cancel the bid")
+class MarketApi:
+    """A tenant's view of the market: its bids, their events and allocations, the quotes."""
 
+    def __init__(self, http: httpx.AsyncClient) -> None:
+        self.http = http
 
-async def set_webhook(http: httpx.AsyncClient, url: str) -> None:
-    current = await http.get("/webhook")
-    if current.status_code == 200 and current.json().get("url") == url:
-        return
-    checked(await http.put("/webhook", json={"url": url}), "set the notice webhook")
+    async def bid(self, bid_id: int | str) -> dict:
+        return checked(await self.http.get(f"/bids/{bid_id}"), "read the bid")
 
+    async def bid_or_none(self, bid_id: int | str) -> dict | None:
+        """The bid, or None when the market does not know it (404)."""
+        try:
+            return await self.bid(bid_id)
+        except MarketError as exc:
+            if exc.status != 404:
+                raise
+            return None
 
-async def quote_text(http: httpx.AsyncClient, bid: dict) -> tuple[str, bool]:
-    """What the market offers this bid now (``quote_summary``), from ``GET /prices``."""
-    response = await http.get("/prices")
-    if response.status_code != 200:
-        return "no quote", False
-    return quote_summary(bid, response.json())
-
-
-def quote_summary(bid: dict, quotes: list[dict]) -> tuple[str, bool]:
-    """A line on the pools a bid can run in, and whether none of them accepts its price (its
-    maximum is below every node's reserve: it would wait for ever).
-
-        >>> pool = {"gpu_model": "A100-80G", "region": "eu-west", "capacity": "spot",
-        ...         "gpus_free": 1, "clearing_price": None, "reserve_price": 0.9}
-        >>> bid = {"gpu_model": "A100-80G", "region": "any", "max_price": 0.4}
-        >>> text, refused = quote_summary(bid, [pool])
-        >>> refused, text.split(": ")[0]
-        (True, 'no A100-80G node in any region accepts 0.40 per GPU-hour')
-        >>> text.split(": ")[1]
-        'the lowest reserve is 0.90; raise max_price to at least 0.90'
-        >>> quote_summary({**bid, "max_price": 1.2}, [pool])
-        ('market from 0.90 per GPU-hour, 1 GPU free', False)
-    """
-    pools = [
-        q
-        for q in quotes
-        if q["gpu_model"] == bid["gpu_model"]
-        and bid["region"] in ("any", q["region"])
-        and q.get("capacity", "spot") == bid.get("capacity", "spot")
-    ]
-    if not pools:
-        kind = "on-demand " if bid.get("capacity") == "on_demand" else ""
-        return f"no {kind}{bid['gpu_model']} nodes in {bid['region']} yet", False
-    reserves = [q["reserve_price"] for q in pools if q.get("reserve_price") is not None]
-    if reserves and bid.get("capacity", "spot") == "spot" and bid["max_price"] < min(reserves):
-        where = "any region" if bid["region"] == "any" else bid["region"]
-        return (
-            f"no {bid['gpu_model']} node in {where} accepts {bid['max_price']:.2f} per "
-            f"GPU-hour: the lowest reserve is {min(reserves):.2f}; raise max_price to at "
-            f"least {min(reserves):.2f}"
-        ), True
-    free = sum(q["gpus_free"] for q in pools)
-    prices = [q["clearing_price"] or q["reserve_price"] for q in pools]
-    prices = [p for p in prices if p is not None]
-    price = f"from {min(prices):.2f}" if prices else "no price yet"
-    return f"market {price} per GPU-hour, {free} GPU{'' if free == 1 else 's'} free", False
-
-
-def describe(bid: dict) -> str:
-    if bid.get("capacity") == "on_demand":
-        return (
-            f"{bid['gpu_count']} x {bid['gpu_model']} in {bid['region']}, on-demand at "
-            f"{bid['max_price']:.2f} per GPU-hour"
+    async def events(self, bid_id: int, after: int, timeout: float = 0) -> dict:
+        """The bid's events after ``after``, waiting up to ``timeout`` s for one (long poll)."""
+        return checked(
+            await self.http.get(
+                f"/bids/{bid_id}/events",
+                params={"after": after, "timeout": timeout},
+                timeout=timeout + 30,
+            ),
+            "follow the bid" if timeout else "read the bid's events",
         )
-    return (
-        f"{bid['gpu_count']} x {bid['gpu_model']} in {bid['region']}, "
-        f"at most {bid['max_price']:.2f} per GPU-hour"
-    )
 
+    async def allocations(self, bid_id: int) -> list[dict]:
+        return checked(
+            await self.http.get(f"/bids/{bid_id}/allocations"), "list the bid's allocations"
+        )
 
-def infrastructure_id(bid: dict) -> str:
-    return f"{PID_PREFIX}{bid['id']}"
+    async def place(self, body: dict) -> dict:
+        return checked(await self.http.post("/bids", json=body), "place the bid")
 
+    async def reprice(self, bid_id: int, price: float, doing: str = "reprice the bid") -> dict:
+        return checked(await self.http.patch(f"/bids/{bid_id}", json={"max_price": price}), doing)
 
-def resume_time(now: datetime, configuration: SpotGPUJobConfiguration) -> datetime:
-    """When a preempted run should be picked up again: now, or for a cheap-window run whose
-    window closed, when the next window opens."""
-    if not configuration.cheap_window_only:
-        return now
-    start, _ = cheap_window(now + timedelta(seconds=NOTICE_SECONDS), configuration.timezone)
-    return max(now, start)
+    async def cancel(self, bid_id: int) -> None:
+        """Cancel the bid; one already over (409) is fine."""
+        response = await self.http.post(f"/bids/{bid_id}/cancel")
+        if response.status_code not in (200, 409):
+            checked(response, "cancel the bid")
 
+    async def cancel_known(self, bid_id: int | str) -> bool:
+        """Cancel the bid; False when the market does not know it (404)."""
+        response = await self.http.post(f"/bids/{bid_id}/cancel")
+        if response.status_code == 404:
+            return False
+        checked(response, "cancel the bid")
+        return True
 
-def window_over(bid: dict) -> bool:
-    """Whether a bid's cheap window has closed (or closes within a notice's length)."""
-    end = bid.get("window_end")
-    if not end:
-        return False
-    return aware(datetime.fromisoformat(end)).timestamp() <= time.time() + NOTICE_SECONDS
+    async def set_webhook(self, url: str) -> None:
+        current = await self.http.get("/webhook")
+        if current.status_code == 200 and current.json().get("url") == url:
+            return
+        checked(await self.http.put("/webhook", json={"url": url}), "set the notice webhook")
 
+    async def quote(self, bid: dict) -> tuple[str, bool]:
+        """What the market offers this bid now (``report.quote_summary``), from ``/prices``."""
+        response = await self.http.get("/prices")
+        if response.status_code != 200:
+            return "no quote", False
+        return quote_summary(bid, response.json())
 
-def iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds")
-
-
-def plain(payload: dict) -> dict:
-    return {
-        k: v for k, v in payload.items() if isinstance(v, str | int | float | bool) or v is None
-    }
+    async def live_bids(self) -> list[dict]:
+        """Every open or held bid of the tenant (every page, newest first, by the Link header)."""
+        bids: list[dict] = []
+        for status in LIVE_BID_STATUSES:
+            response = await self.http.get("/bids", params={"status": status, "limit": 1000})
+            while True:
+                bids += checked(response, "list bids")
+                if "next" not in response.links:
+                    break
+                response = await self.http.get(response.links["next"]["url"])
+        return bids

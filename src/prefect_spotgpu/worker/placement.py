@@ -1,45 +1,40 @@
 """How the ``spot-gpu`` worker places a flow run's bid and, for a run with a deadline, paces it.
 
-A mixin of ``prefect_spotgpu.worker.SpotGPUWorker`` (it uses the worker's Prefect client,
-logger, retries and events). The decisions themselves are ``prefect_spotgpu.worker.pacing.plan``'s;
-this module carries them out against the market: a new bid (spot at the plan's price, or
-on-demand), a reprice, a cancel, or a running spot job's release through the usual notice.
+``Placement`` is given the market (``MarketApi``) and the flow run's side in Prefect
+(``RunSide``: its labels, logger, events and retries; ``attempt.PrefectRun``). The decisions
+themselves are ``pacing.plan``'s; this class carries them out against the market: a new bid
+(spot at the plan's price, or on-demand), a reprice, a cancel, or a running spot job's release
+through the usual notice.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
-
-import httpx
-from prefect.client.schemas.objects import FlowRun
+from typing import Any, Protocol, TypeVar
 
 from prefect_spotgpu.economics.schedules import cheap_window
-from prefect_spotgpu.launch import BID_LABEL
+from prefect_spotgpu.protocol import LABELS, Capacity, WorkerEvent
 from prefect_spotgpu.worker.config import SpotGPUJobConfiguration
-from prefect_spotgpu.worker.market_api import Track, cancel_bid, checked, describe, set_webhook
+from prefect_spotgpu.worker.market_api import MarketApi
 from prefect_spotgpu.worker.pacing import RELEASE_PRICE, Pace, Plan, plan
+from prefect_spotgpu.worker.report import describe
 
-FLOW_RUN_LABEL = "prefect.flow-run-id"
-REPLACES_LABEL = "spotgpu.replaces"
-"""On a bid that replaced an earlier bid of the same run (spot -> on-demand): that bid's id."""
-POOL_LABEL = "prefect.work-pool"
-RELEASED_LABEL = "spotgpu.released-by"
-"""On a flow run: the worker that stopped while following it. While it still names the run's
-owner (label ``prefect.worker.name``), the next worker adopts the run at once instead of
-waiting for the owner's heartbeats to age."""
+T = TypeVar("T")
 
 
-@dataclass
-class Attempt:
-    """One attempt of a flow run: what every step of following its bid needs."""
+class RunSide(Protocol):
+    """What placing a bid needs of the flow run in Prefect (``attempt.PrefectRun``)."""
 
-    http: httpx.AsyncClient
-    flow_run: FlowRun
-    configuration: SpotGPUJobConfiguration
-    bid: dict
-    track: Track
+    flow_run: Any
+    logger: Any
+
+    async def label(self, labels: dict[str, str]) -> None: ...
+
+    def emit(self, what: WorkerEvent, bid: dict, **payload: Any) -> None: ...
+
+    async def retry(self, doing: str, call: Callable[[], Awaitable[T]]) -> T: ...
 
 
 @dataclass(frozen=True)
@@ -49,91 +44,80 @@ class SwitchBid:
     bid: dict
 
 
-class BidPlacement:
-    """Placing, steering and pacing a flow run's bid (see the module docstring)."""
+class Placement:
+    """Placing, steering and pacing one flow run's bid (see the module docstring)."""
 
-    async def _place_bid(
+    def __init__(
         self,
-        http,
-        flow_run,
+        market: MarketApi,
+        run: RunSide,
         configuration: SpotGPUJobConfiguration,
-        course: Plan | None,
-        replaces: dict | None = None,
-    ) -> dict:
+        pool_name: str,
+    ) -> None:
+        self.market = market
+        self.run = run
+        self.configuration = configuration
+        self.pool_name = pool_name
+
+    async def place(self, course: Plan | None, replaces: dict | None = None) -> dict:
         """A new bid for the run (idempotent: retries are safe), named on the run; a bid that
         ``replaces`` another names it (label ``spotgpu.replaces``) for the run's cost report."""
+        configuration = self.configuration
         if configuration.notice_webhook:
-            await set_webhook(http, configuration.notice_webhook)
-        body = self._bid_body(flow_run, configuration, course)
+            await self.market.set_webhook(configuration.notice_webhook)
+        body = self.bid_body(course)
         if replaces is not None:
-            body["labels"][REPLACES_LABEL] = str(replaces["id"])
-        bid = await self._retry_checked(
-            flow_run, "place the bid", lambda: http.post("/bids", json=body)
-        )
-        await self.client.update_flow_run_labels(flow_run.id, {BID_LABEL: str(bid["id"])})
+            body["labels"][LABELS.REPLACES] = str(replaces["id"])
+        bid = await self.run.retry("place the bid", lambda: self.market.place(body))
+        await self.run.label({LABELS.BID: str(bid["id"])})
         why = f" ({course.describe()})" if course else ""
-        logger = self.get_flow_run_logger(flow_run)
-        logger.info("Bid %s placed: %s%s", bid["id"], describe(bid), why)
-        self._event("created", flow_run, bid)
+        self.run.logger.info("Bid %s placed: %s%s", bid["id"], describe(bid), why)
+        self.run.emit(WorkerEvent.CREATED, bid)
         return bid
 
-    async def _steer(self, http, flow_run, pace: Pace, bid: dict | None):
+    async def steer(self, pace: Pace, bid: dict | None):
         """Ask the run's bidding policy (``pacing.plan``); returns the bid to keep (None:
         place a new one), the plan, and the bid it cancelled. A waiting spot bid is repriced
         to the plan's price, or cancelled when the plan moves the run to on-demand capacity."""
-        allocations = []
-        if bid is not None:
-            allocations = checked(
-                await http.get(f"/bids/{bid['id']}/allocations"), "list the bid's allocations"
-            )
+        allocations = [] if bid is None else await self.market.allocations(bid["id"])
         course = plan(pace, datetime.now(UTC), bid, allocations)
         if bid is None:
             return None, course, None
-        logger = self.get_flow_run_logger(flow_run)
-        if course.mode == "on_demand" and bid.get("capacity") != "on_demand":
-            logger.warning("Moving to on-demand capacity: %s", course.describe())
-            await cancel_bid(http, bid["id"])
-            self._event("on-demand", flow_run, bid, plan=course.describe())
+        if course.mode == "on_demand" and bid.get("capacity") != Capacity.ON_DEMAND:
+            self.run.logger.warning("Moving to on-demand capacity: %s", course.describe())
+            await self.market.cancel(bid["id"])
+            self.run.emit(WorkerEvent.ON_DEMAND, bid, plan=course.describe())
             return None, course, bid
         if course.mode == "spot" and bid["max_price"] != course.price:
-            bid = checked(
-                await http.patch(f"/bids/{bid['id']}", json={"max_price": course.price}),
-                "reprice the bid",
-            )
-            logger.info("Bid %s repriced: %s", bid["id"], course.describe())
+            bid = await self.market.reprice(bid["id"], course.price)
+            self.run.logger.info("Bid %s repriced: %s", bid["id"], course.describe())
         return bid, course, None
 
-    async def _pace_running(self, attempt: Attempt, pace: Pace) -> SwitchBid | None:
+    async def pace(self, pace: Pace, bid: dict, running: bool) -> SwitchBid | dict:
         """Every ``PACE_SECONDS`` of a paced attempt: a waiting bid is steered (repriced, or
-        replaced by an on-demand bid); a running spot job that must move to on-demand gets
-        the usual notice, through its bid lowered below every reserve, and saves first."""
-        http, flow_run, bid = attempt.http, attempt.flow_run, attempt.bid
-        if attempt.track.live is None:
-            kept, course, replaced = await self._steer(http, flow_run, pace, bid)
+        replaced by an on-demand bid: ``SwitchBid``); a ``running`` spot job that must move to
+        on-demand gets the usual notice, through its bid lowered below every reserve, and
+        saves first. Returns the bid to follow from now on."""
+        if not running:
+            kept, course, replaced = await self.steer(pace, bid)
             if kept is None:
-                configuration = attempt.configuration
-                return SwitchBid(
-                    await self._place_bid(http, flow_run, configuration, course, replaced)
-                )
-            attempt.bid = kept
-            return None
-        if bid.get("capacity") == "on_demand" or bid["max_price"] == RELEASE_PRICE:
-            return None
-        allocations = checked(await http.get(f"/bids/{bid['id']}/allocations"), "list")
+                return SwitchBid(await self.place(course, replaced))
+            return kept
+        if bid.get("capacity") == Capacity.ON_DEMAND or bid["max_price"] == RELEASE_PRICE:
+            return bid
+        allocations = await self.market.allocations(bid["id"])
         course = plan(pace, datetime.now(UTC), bid, allocations)
-        if course.mode == "on_demand":
-            self.get_flow_run_logger(flow_run).warning(
-                "Moving to on-demand capacity after a final save: %s", course.describe()
-            )
-            attempt.bid = checked(
-                await http.patch(f"/bids/{bid['id']}", json={"max_price": RELEASE_PRICE}),
-                "release the spot GPUs",
-            )
-        return None
+        if course.mode != "on_demand":
+            return bid
+        self.run.logger.warning(
+            "Moving to on-demand capacity after a final save: %s", course.describe()
+        )
+        return await self.market.reprice(bid["id"], RELEASE_PRICE, "release the spot GPUs")
 
-    def _bid_body(
-        self, flow_run, configuration: SpotGPUJobConfiguration, course: Plan | None = None
-    ) -> dict:
+    def bid_body(self, course: Plan | None = None) -> dict:
+        """The ``POST /bids`` body: the run's GPUs, price, job and labels; its idempotency key
+        names the run's attempt (and the capacity or cheap window it bids for)."""
+        configuration, flow_run = self.configuration, self.run.flow_run
         on_demand = course is not None and course.mode == "on_demand"
         body: dict[str, Any] = {
             "gpu_model": configuration.gpu_model,
@@ -142,9 +126,9 @@ class BidPlacement:
             "region": configuration.region,
             "idempotency_key": f"prefect-flow-run-{flow_run.id}-{flow_run.run_count}",
             "labels": {
-                FLOW_RUN_LABEL: str(flow_run.id),
-                "prefect.flow-run-name": flow_run.name,
-                POOL_LABEL: self._work_pool_name,
+                LABELS.FLOW_RUN: str(flow_run.id),
+                LABELS.FLOW_RUN_NAME: flow_run.name,
+                LABELS.POOL: self.pool_name,
             },
             "job": configuration.job_spec(),
         }
@@ -152,7 +136,7 @@ class BidPlacement:
         if finish_by is not None:
             body["deadline"] = finish_by.isoformat()
         if on_demand:  # the deadline beats the cheap window
-            body["capacity"] = "on_demand"
+            body["capacity"] = Capacity.ON_DEMAND.value
             body["idempotency_key"] += "-on-demand"
         elif configuration.cheap_window_only:
             start, end = cheap_window(datetime.now(UTC), configuration.timezone)

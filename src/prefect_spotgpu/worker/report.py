@@ -1,0 +1,146 @@
+"""PURE: the texts and figures the worker shows of a run's bids — the cost report (its
+allocations table and markdown summary), the quote line, a bid described in words.
+
+No Prefect, no HTTP: ``attempt.py`` publishes the report as the run's artifacts, and the
+rules (``reactions.py``) and placement (``placement.py``) use the words.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from prefect_spotgpu.market import DEFAULT_CATALOG
+from prefect_spotgpu.protocol import AllocationStatus, Capacity
+
+
+def bid_costs(bid: dict, allocations: list[dict]) -> dict:
+    """A bid's spot cost against the same GPU-hours on-demand, its preemptions, final saves
+    and the work lost (seconds since the last checkpoint of preemptions without a final save).
+    """
+    on_demand_price = DEFAULT_CATALOG.get(bid["gpu_model"]).on_demand_price
+    spot = sum(a["charged_amount"] for a in allocations)
+    gpu_hours = sum(a["charged_seconds"] * a["gpu_count"] for a in allocations) / 3600
+    preempted = [a for a in allocations if a["status"] == AllocationStatus.PREEMPTED]
+    lost = sum(
+        a["ended_at"] - max(a["last_checkpoint_at"] or a["started_at"], a["started_at"])
+        for a in preempted
+        if a["final_save"] != "ok" and a["ended_at"] is not None
+    )
+    on_demand = gpu_hours * on_demand_price
+    return {
+        "gpu_hours": gpu_hours,
+        "spot_cost": spot,
+        "on_demand_cost": on_demand,
+        "on_demand_price": on_demand_price,
+        "saving": 1 - spot / on_demand if on_demand > 0 else None,
+        "preemptions": len(preempted),
+        "final_saves_ok": sum(a["final_save"] == "ok" for a in allocations),
+        "work_lost_seconds": lost,
+    }
+
+
+def _bids(allocations: list[dict], bid: dict) -> str:
+    ids = sorted({a["bid_id"] for a in allocations} | {bid["id"]})
+    return f"bid {ids[0]}" if len(ids) == 1 else "bids " + ", ".join(map(str, ids))
+
+
+def allocation_report(bid: dict, allocations: list[dict]) -> tuple[list[dict], str]:
+    """Rows for the allocations table and the markdown summary of the cost of a run's bid (and
+    of the bids it replaced, whose allocations come with it): what was paid, on spot or
+    on-demand, against the same GPU-hours all on-demand."""
+    rows = []
+    for a in sorted(allocations, key=lambda a: a["id"]):
+        if a["status"] in (AllocationStatus.RESERVED, AllocationStatus.RELEASED):
+            continue
+        end = a["ended_at"]
+        rows.append(
+            {
+                "allocation": a["id"],
+                "bid": a["bid_id"],
+                "node": a["node_id"],
+                "gpu": f"{a['gpu_count']} x {bid['gpu_model']}",
+                "start": iso(a["started_at"]),
+                "end": iso(end) if end else "running",
+                "status": a["status"],
+                "price": round(a["price"], 4),
+                "cost": round(a["charged_amount"], 6),
+            }
+        )
+    c = bid_costs(bid, allocations)
+    saving = "n/a" if c["saving"] is None else f"{c['saving']:.0%}"
+    summary = "\n".join(
+        [
+            f"### GPU cost of {_bids(allocations, bid)}",
+            "",
+            "| | |",
+            "|---|---|",
+            f"| GPUs | {describe(bid)} |",
+            f"| GPU-hours | {c['gpu_hours']:.4f} |",
+            f"| Cost paid | {c['spot_cost']:.6f} |",
+            f"| On-demand cost | {c['on_demand_cost']:.6f} (at {c['on_demand_price']:.2f}/GPU-h) |",
+            f"| Saving | {saving} |",
+            f"| Preemptions | {c['preemptions']} |",
+            f"| Work lost | {c['work_lost_seconds']:.1f} s (preemptions without a final save) |",
+        ]
+    )
+    return rows, summary
+
+
+def quote_summary(bid: dict, quotes: list[dict]) -> tuple[str, bool]:
+    """A line on the pools a bid can run in, and whether none of them accepts its price (its
+    maximum is below every node's reserve: it would wait for ever).
+
+        >>> pool = {"gpu_model": "A100-80G", "region": "eu-west", "capacity": "spot",
+        ...         "gpus_free": 1, "clearing_price": None, "reserve_price": 0.9}
+        >>> bid = {"gpu_model": "A100-80G", "region": "any", "max_price": 0.4}
+        >>> text, refused = quote_summary(bid, [pool])
+        >>> refused, text.split(": ")[0]
+        (True, 'no A100-80G node in any region accepts 0.40 per GPU-hour')
+        >>> text.split(": ")[1]
+        'the lowest reserve is 0.90; raise max_price to at least 0.90'
+        >>> quote_summary({**bid, "max_price": 1.2}, [pool])
+        ('market from 0.90 per GPU-hour, 1 GPU free', False)
+    """
+    pools = [
+        q
+        for q in quotes
+        if q["gpu_model"] == bid["gpu_model"]
+        and bid["region"] in ("any", q["region"])
+        and q.get("capacity", Capacity.SPOT) == bid.get("capacity", Capacity.SPOT)
+    ]
+    if not pools:
+        kind = "on-demand " if bid.get("capacity") == Capacity.ON_DEMAND else ""
+        return f"no {kind}{bid['gpu_model']} nodes in {bid['region']} yet", False
+    reserves = [q["reserve_price"] for q in pools if q.get("reserve_price") is not None]
+    if (
+        reserves
+        and bid.get("capacity", Capacity.SPOT) == Capacity.SPOT
+        and bid["max_price"] < min(reserves)
+    ):
+        where = "any region" if bid["region"] == "any" else bid["region"]
+        return (
+            f"no {bid['gpu_model']} node in {where} accepts {bid['max_price']:.2f} per "
+            f"GPU-hour: the lowest reserve is {min(reserves):.2f}; raise max_price to at "
+            f"least {min(reserves):.2f}"
+        ), True
+    free = sum(q["gpus_free"] for q in pools)
+    prices = [q["clearing_price"] or q["reserve_price"] for q in pools]
+    prices = [p for p in prices if p is not None]
+    price = f"from {min(prices):.2f}" if prices else "no price yet"
+    return f"market {price} per GPU-hour, {free} GPU{'' if free == 1 else 's'} free", False
+
+
+def describe(bid: dict) -> str:
+    if bid.get("capacity") == Capacity.ON_DEMAND:
+        return (
+            f"{bid['gpu_count']} x {bid['gpu_model']} in {bid['region']}, on-demand at "
+            f"{bid['max_price']:.2f} per GPU-hour"
+        )
+    return (
+        f"{bid['gpu_count']} x {bid['gpu_model']} in {bid['region']}, "
+        f"at most {bid['max_price']:.2f} per GPU-hour"
+    )
+
+
+def iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds")
