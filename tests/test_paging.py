@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from prefect_spotgpu.cli.app import PAGE_SIZE
+from prefect_spotgpu.cli.market_cmds import PAGE_SIZE
 
 
 def post_bid(client, **fields) -> dict:

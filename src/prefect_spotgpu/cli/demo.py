@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 
 from rich.console import Console
@@ -24,6 +24,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from prefect_spotgpu.cli.stack import LocalStack
+from prefect_spotgpu.economics.schedules import aware
+from prefect_spotgpu.market import NodeState
+from prefect_spotgpu.protocol import LABELS, AllocationStatus, EventKind
 
 GPU_MODEL = "A100-80G"
 STEP_LOG = re.compile(r"step (\d+)/(\d+) loss ([0-9.]+)")
@@ -163,10 +166,10 @@ def _pretrain_with_a_reclaim(console: Console, stack: LocalStack, ui: str, steps
                     description=f"{state.name:<12}",
                     info=f"loss {loss:.3f}" if loss else "",
                 )
-                allocation = flow_run.labels.get("spotgpu.allocation")
+                allocation = flow_run.labels.get(LABELS.ALLOCATION)
                 if reclaimed is None and state.is_running() and step >= steps * 0.4:
                     node = market.get(f"/allocations/{allocation}").json()["node_id"]
-                    owner.patch(f"/nodes/{node}", json={"state": "reclaimed"})
+                    owner.patch(f"/nodes/{node}", json={"state": NodeState.RECLAIMED})
                     reclaimed = time.time()
                     moments.append(
                         Moment(
@@ -189,7 +192,7 @@ def _pretrain_with_a_reclaim(console: Console, stack: LocalStack, ui: str, steps
             raise DemoError(f"the run ended {state.name}: {state.message}\n{url}")
         states = prefect.read_flow_run_states(run.id)
         logs = _logs(prefect, run.id)
-        bid_id = flow_run.labels["spotgpu.bid"]
+        bid_id = flow_run.labels[LABELS.BID]
     allocations = _ended_allocations(market, bid_id)
     bid = market.get(f"/bids/{bid_id}").json()
     events = market.get(f"/bids/{bid_id}/events", params={"after": 0, "timeout": 0}).json()
@@ -203,8 +206,6 @@ def _ended_allocations(market, bid_id, seconds: float = 30.0) -> list[dict]:
     """The bid's allocations once none holds GPUs: the run is Completed a moment before its
     job exits and its allocation stops paying. Then the cost printed is the one the worker's
     cost artifact shows in the Prefect UI (published when the allocation has ended)."""
-    from prefect_spotgpu.market import AllocationStatus
-
     deadline = time.monotonic() + seconds
     while True:
         allocations = market.get(f"/bids/{bid_id}/allocations").json()
@@ -238,18 +239,18 @@ def _timeline(bid, events, states, logs, nodes, allocations) -> list[Moment]:
     for e in events:
         node = nodes.get(e["node_id"], e["node_id"])
         what = {
-            "allocated": "GPUs allocated"
+            EventKind.ALLOCATED: "GPUs allocated"
             if e["payload"].get("placement") == "new"
             else "resumes on the reserved node",
-            "reserved": "migration target reserved",
-            "noticed": "notice (SIGUSR1, webhook, Prefect event)",
-            "preempted": "job stopped",
-            "finished": "job finished",
+            EventKind.RESERVED: "migration target reserved",
+            EventKind.NOTICED: "notice (SIGUSR1, webhook, Prefect event)",
+            EventKind.PREEMPTED: "job stopped",
+            EventKind.FINISHED: "job finished",
         }.get(e["kind"], e["kind"])
         detail = f"{node}, allocation {e['allocation_id']}"
-        if e["kind"] == "noticed":
+        if e["kind"] == EventKind.NOTICED:
             detail += f", deadline in {e['payload']['deadline'] - e['payload']['at']:.0f} s"
-        if e["kind"] == "preempted":
+        if e["kind"] == EventKind.PREEMPTED:
             detail += f" ({e['payload'].get('reason')})"
         moments.append(Moment(_ts(e["created_at"]), what, detail))
     running = 0
@@ -264,7 +265,9 @@ def _timeline(bid, events, states, logs, nodes, allocations) -> list[Moment]:
             moments.append(Moment(s.timestamp.timestamp(), s.name, message))
     saves = [FINAL_SAVE_LOG.search(log.message) for log in logs]
     saves = [m for m in saves if m]  # the checkpoint library's own log lines, when they arrived
-    notices = {e["allocation_id"]: e["payload"]["at"] for e in events if e["kind"] == "noticed"}
+    notices = {
+        e["allocation_id"]: e["payload"]["at"] for e in events if e["kind"] == EventKind.NOTICED
+    }
     for a in allocations:  # the market's record of each acknowledged final save
         if a["final_save"] == "ok" and a["last_checkpoint_at"]:
             detail = f"{a['last_checkpoint_at'] - notices.get(a['id'], a['started_at']):.2f} s "
@@ -277,7 +280,7 @@ def _timeline(bid, events, states, logs, nodes, allocations) -> list[Moment]:
 
 
 def _cost(allocations: list[dict], bid: dict) -> dict:
-    from prefect_spotgpu.worker.market_api import bid_costs
+    from prefect_spotgpu.worker.report import bid_costs
 
     c = bid_costs(bid, allocations)
     return {
@@ -313,5 +316,4 @@ def _bid_text(bid: dict) -> str:
 
 
 def _ts(value: str) -> float:
-    parsed = datetime.fromisoformat(value)
-    return (parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)).timestamp()
+    return aware(datetime.fromisoformat(value)).timestamp()

@@ -12,7 +12,14 @@ from pathlib import Path
 
 import typer
 
-from prefect_spotgpu.cli.access import API_KEY_FILE, MARKET, _call, tenant_key
+from prefect_spotgpu.cli.common import (
+    API_KEY_FILE,
+    MARKET,
+    call,
+    console,
+    market_client,
+    tenant_key,
+)
 
 node_app = typer.Typer(
     help="Take your node back (reclaim), drain it, or offer it again (live).",
@@ -29,9 +36,7 @@ WHAT_HAPPENS = {
 
 
 def _node(client, node: str) -> dict:
-    from prefect_spotgpu.cli.app import console
-
-    mine = _call(client, "GET", "/nodes", 200)
+    mine = call(client, "GET", "/nodes", 200)
     for row in mine:
         if str(row["id"]) == node or row["name"] == node:
             return row
@@ -41,12 +46,10 @@ def _node(client, node: str) -> dict:
 
 
 def _set_state(node: str, state: str, api_key_file: Path | None, market: str) -> None:
-    from prefect_spotgpu.cli.app import _market_client, console
-
-    with _market_client(market, tenant_key(api_key_file)) as client:
+    with market_client(market, tenant_key(api_key_file)) as client:
         row = _node(client, node)
-        busy = {n["id"]: n["gpus_busy"] for n in _call(client, "GET", "/market/nodes", 200)}
-        changed = _call(client, "PATCH", f"/nodes/{row['id']}", 200, json={"state": state})
+        busy = {n["id"]: n["gpus_busy"] for n in call(client, "GET", "/market/nodes", 200)}
+        changed = call(client, "PATCH", f"/nodes/{row['id']}", 200, json={"state": state})
     used = busy.get(row["id"], 0)
     console.print(
         f"node {row['id']} ({row['name']}): {row['state']} -> {changed['state']}; "

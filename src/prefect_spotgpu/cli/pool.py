@@ -18,7 +18,7 @@ from pathlib import Path
 
 import typer
 
-from prefect_spotgpu.cli.access import API_KEY_FILE
+from prefect_spotgpu.cli.common import API_KEY_FILE, MARKET, console, tenant_key
 
 blocks_app = typer.Typer(help="Save the Prefect blocks a spot-gpu pool uses.", no_args_is_help=True)
 pool_app = typer.Typer(help="Set up or check a spot-gpu work pool.", no_args_is_help=True)
@@ -34,9 +34,7 @@ LINKED = ("market", "checkpoint_storage")
 
 @blocks_app.command("save")
 def blocks_save(
-    market_url: str = typer.Option(
-        "http://127.0.0.1:4300", envvar="SPOTGPU_MARKET_URL", help="URL of the market service."
-    ),
+    market_url: str = MARKET,
     api_key_file: Path | None = API_KEY_FILE,
     checkpoints: Path | None = CHECKPOINTS,
     bucket: str | None = BUCKET,
@@ -49,9 +47,6 @@ def blocks_save(
 ) -> None:
     """Save the Spot Market block (URL and key) and the checkpoint storage block (a directory,
     or an S3 bucket with credentials from the AWS_* variables), overwriting same-named ones."""
-    from prefect_spotgpu.cli.access import tenant_key
-    from prefect_spotgpu.cli.app import console
-
     if (checkpoints is None) == (bucket is None):
         console.print("[red]give --checkpoints DIR or --bucket NAME[/red]")
         raise typer.Exit(2)
@@ -113,8 +108,6 @@ def pool_setup(
     ),
 ) -> None:
     """Make POOL a spot-gpu pool whose runs use the named blocks (created if missing)."""
-    from prefect_spotgpu.cli.app import console
-
     for line in asyncio.run(_setup(pool, market_block, storage_block, replace)):
         console.print(line, markup=False, soft_wrap=True)
 
@@ -122,8 +115,6 @@ def pool_setup(
 @pool_app.command("check")
 def pool_check(pool: str = POOL) -> None:
     """Say what stands between POOL and a run on spot GPUs (exit 1 if anything does)."""
-    from prefect_spotgpu.cli.app import console
-
     problems, fine = asyncio.run(_check(pool))
     for line in fine:
         console.print(f"ok    {line}", markup=False, soft_wrap=True)
@@ -243,10 +234,8 @@ async def _check(pool: str) -> tuple[list[str], list[str]]:
 async def _market_answers(market) -> str:
     import httpx
 
-    from prefect_spotgpu.worker.market_api import market_client
-
     try:
-        async with market_client(market) as http:
+        async with market.get_async_client() as http:
             me = await http.get("/me")
     except httpx.HTTPError as exc:
         return f"the market at {market.url} does not answer ({type(exc).__name__})"

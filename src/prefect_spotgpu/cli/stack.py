@@ -27,6 +27,9 @@ from typing import Any
 
 import httpx
 
+from prefect_spotgpu.api_client import api_base, api_client
+from prefect_spotgpu.protocol import JOB_ENV
+
 
 class StackError(RuntimeError):
     """A part of the stack did not come up; the message names it and its log."""
@@ -181,15 +184,11 @@ class LocalStack:
                 "SPOTGPU_HEARTBEAT_TIMEOUT_SECONDS": str(self.heartbeat_timeout_seconds),
             },
         )
-        self._wait("market", lambda: _healthy(self.market_url + "/api/v1/health"), 60)
+        self._wait("market", lambda: _healthy(api_base(self.market_url) + "/health"), 60)
 
     def market(self, key: str | None = None) -> httpx.Client:
         """A client for the market's API as ``key`` (default: the buyer)."""
-        return httpx.Client(
-            base_url=self.market_url + "/api/v1",
-            headers={"Authorization": f"Bearer {key or self.buyer_key}"},
-            timeout=30,
-        )
+        return api_client(self.market_url, key or self.buyer_key)
 
     def start_agent(
         self, name: str, gpus: int = 2, reserve_price: float = 0.9, capacity: str = "spot"
@@ -258,7 +257,7 @@ class LocalStack:
             with contextlib.suppress(ValueError, OSError):
                 pid = int(pid_file.read_text())
                 environ = Path(f"/proc/{pid}/environ").read_bytes()
-                if f"SPOTGPU_ALLOCATION_ID={alloc}".encode() in environ.split(b"\0"):
+                if f"{JOB_ENV.ALLOCATION_ID}={alloc}".encode() in environ.split(b"\0"):
                     pids.append(pid)
         return pids
 

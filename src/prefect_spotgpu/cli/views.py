@@ -1,6 +1,7 @@
 """What ``spotgpu prices``, ``spotgpu bids`` and ``spotgpu nodes`` show: pure functions from the
 market's JSON bodies (and ``now``, in UNIX seconds) to strings and rich tables. No I/O and no
-clock here, so every view is tested on tabled inputs; the commands in ``cli.py`` fetch and print.
+clock here, so every view is tested on tabled inputs; the commands in ``market_cmds`` fetch and
+print.
 """
 
 from __future__ import annotations
@@ -12,18 +13,32 @@ from datetime import UTC, datetime
 from rich.markup import escape
 from rich.table import Table
 
+from prefect_spotgpu.economics.schedules import aware
+from prefect_spotgpu.market import NodeState
+from prefect_spotgpu.protocol import HOLDING_STATUSES, AllocationStatus, BidStatus
+
 BLOCKS = "▁▂▃▄▅▆▇█"
 
-BID_COLORS = {"open": "green", "held": "yellow", "cancelled": "dim", "finished": "blue"}
-ALLOCATION_COLORS = {
-    "reserved": "cyan",
-    "running": "green",
-    "noticed": "yellow",
-    "preempted": "red",
-    "finished": "blue",
-    "released": "dim",
+BID_COLORS = {
+    BidStatus.OPEN: "green",
+    BidStatus.HELD: "yellow",
+    BidStatus.CANCELLED: "dim",
+    BidStatus.FINISHED: "blue",
 }
-NODE_COLORS = {"live": "green", "draining": "yellow", "reclaimed": "magenta", "lost": "red"}
+ALLOCATION_COLORS = {
+    AllocationStatus.RESERVED: "cyan",
+    AllocationStatus.RUNNING: "green",
+    AllocationStatus.NOTICED: "yellow",
+    AllocationStatus.PREEMPTED: "red",
+    AllocationStatus.FINISHED: "blue",
+    AllocationStatus.RELEASED: "dim",
+}
+NODE_COLORS = {
+    NodeState.LIVE: "green",
+    NodeState.DRAINING: "yellow",
+    NodeState.RECLAIMED: "magenta",
+    NodeState.LOST: "red",
+}
 
 
 def sparkline(values: Sequence[float | None], gap: str = " ") -> str:
@@ -81,10 +96,7 @@ def squeeze(values: Sequence[float | None], width: int) -> list[float | None]:
 
 def parse_time(value: str) -> float:
     """UNIX seconds of an ISO 8601 time from the API (naive means UTC)."""
-    parsed = datetime.fromisoformat(value)
-    if parsed.tzinfo is None:
-        parsed = parsed.replace(tzinfo=UTC)
-    return parsed.timestamp()
+    return aware(datetime.fromisoformat(value)).timestamp()
 
 
 def age(seconds: float) -> str:
@@ -109,7 +121,7 @@ def current_allocation(allocations: Sequence[dict]) -> dict | None:
     the latest one (ended)."""
     if not allocations:
         return None
-    rank = {"running": 2, "noticed": 2, "reserved": 1}
+    rank = {**dict.fromkeys(HOLDING_STATUSES, 2), AllocationStatus.RESERVED: 1}
     return max(allocations, key=lambda a: (rank.get(a["status"], 0), a["id"]))
 
 

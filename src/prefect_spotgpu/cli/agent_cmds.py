@@ -1,0 +1,154 @@
+"""``spotgpu agent start``: the node agent of a GPU host, in this process, until it is stopped.
+
+The command only reads its options, builds the runner and the inventory and hands them to
+``agent.Agent``; what the agent does is in ``prefect_spotgpu.agent``.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from prefect_spotgpu.cli.common import MARKET, console
+
+agent_app = typer.Typer(help="Run the node agent on a GPU host.", no_args_is_help=True)
+
+
+@agent_app.command("start")
+def agent_start(
+    market: str = MARKET,
+    token_file: str = typer.Option(
+        None,
+        help="File holding the node's agent token (sgn_...), or the owner's API key (sgk_...) "
+        "to register this host as a node (or to issue a new token to the owner's node of this "
+        "name). Default: the SPOTGPU_AGENT_TOKEN environment variable. Never on the command "
+        "line, which every user of the host can read. The node's token is then kept in the "
+        "state directory, and neither is needed again.",
+    ),
+    runner: str = typer.Option(
+        "process",
+        help="process (default: local processes; the single-tenant choice) or docker "
+        "(containers: the multi-tenant runner).",
+    ),
+    gpus: str = typer.Option(
+        None,
+        help="Declare an inventory instead of NVML discovery, "
+        "e.g. A100-80G:2 (machines without NVIDIA GPUs).",
+    ),
+    name: str = typer.Option(None, help="Node name when registering (default: hostname)."),
+    region: str = typer.Option(None, help="Region when registering, e.g. eu-west."),
+    reserve_price: float = typer.Option(None, help="Reserve price per GPU-hour when registering."),
+    capacity: str = typer.Option(
+        "spot",
+        help="spot (default: idle GPUs, auctioned, preemptible) or on_demand (sold at the "
+        "model's on-demand price, never outbid) when registering.",
+    ),
+    state_dir: str = typer.Option(
+        None,
+        help="Agent state: the node token, the jobs' directories (default "
+        "$SPOTGPU_HOME/agent-NAME; SPOTGPU_HOME is ~/.spotgpu, or /var/lib/spotgpu for root).",
+    ),
+    checkpoint_root: str = typer.Option(
+        None,
+        help="Where jobs' local checkpoints go: one directory per tenant (tenant-ID), which "
+        "containers see at /spotgpu/checkpoints; a job's own local path is never used. Point "
+        "it at storage every node shares, or a run resumes elsewhere without its local "
+        "checkpoints. Default: STATE_DIR/checkpoints for the docker runner and for process "
+        "jobs isolated under root; otherwise process jobs keep their own checkpoint path.",
+    ),
+    job_user: str = typer.Option(
+        "auto",
+        help="Who jobs run as when the agent runs as root. auto: each job its own uid "
+        "(--job-uid-base + allocation id mod 100000) and one group per tenant (base + tenant "
+        "id). A user name or uid: every job as that user (weaker: jobs share a uid, so one "
+        "may read another's environment). Not as root, jobs run as the agent's user and are "
+        "not isolated.",
+    ),
+    job_uid_base: int = typer.Option(
+        200_000,
+        help="First uid of --job-user auto, also the base of the tenant gids; "
+        "uids BASE..BASE+99999 and gids BASE+TENANT must be unused on the host.",
+    ),
+    job_pids_limit: int = typer.Option(
+        4096, min=16, help="Docker runner: the most processes (and threads) per container."
+    ),
+    job_memory: str = typer.Option(
+        None,
+        help="Docker runner: memory limit per container, e.g. 64g (default: none; a GPU "
+        "job's host memory varies too much for one default).",
+    ),
+    heartbeat_seconds: float = typer.Option(5.0, min=0.1, help="Seconds between heartbeats."),
+    grace_seconds: float = typer.Option(
+        5.0, min=0.0, help="SIGTERM-to-SIGKILL grace when stopping a job."
+    ),
+    log_level: str = typer.Option("info", help="debug, info, warning or error."),
+) -> None:
+    """Run the node agent: discover GPUs, register, heartbeat, run assigned jobs.
+
+    On a notice it sends SIGUSR1 to the job's main process and writes the notice file; after
+    the job's final save (or at the deadline) it stops the job and reports the outcome. Run as
+    root, it runs each job as an unprivileged user of its own (see --job-user).
+    """
+    import logging
+    import signal as signals
+    import socket
+    from pathlib import Path
+
+    from prefect_spotgpu.agent.agent import Agent, AgentError
+    from prefect_spotgpu.agent.configure import (
+        RunnerOptions,
+        agent_token,
+        build_runner,
+        default_state_dir,
+    )
+    from prefect_spotgpu.agent.discovery import (
+        DiscoveryError,
+        discover_nvml,
+        parse_declared,
+        telemetry_nvml,
+    )
+
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if log_level.lower() != "debug":  # a line per request (one a second, at least): noise
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+    name = name or socket.gethostname()
+    state = Path(state_dir).absolute() if state_dir else default_state_dir(name)
+    options = RunnerOptions(
+        kind=runner,
+        checkpoint_root=Path(checkpoint_root) if checkpoint_root else None,
+        job_user=job_user,
+        job_uid_base=job_uid_base,
+        pids_limit=job_pids_limit,
+        memory=job_memory,
+    )
+    try:
+        token = agent_token(token_file)
+        inventory = parse_declared(gpus) if gpus else discover_nvml()
+        job_runner = build_runner(options, state)
+    except (DiscoveryError, ValueError) as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+    agent = Agent(
+        market=market,
+        token=token,
+        runner=job_runner,
+        gpus=inventory,
+        declared=bool(gpus),
+        state_dir=state,
+        name=name,
+        region=region,
+        reserve_price=reserve_price,
+        capacity=capacity.replace("-", "_"),
+        heartbeat_seconds=heartbeat_seconds,
+        grace_seconds=grace_seconds,
+        telemetry=None if gpus else telemetry_nvml,
+    )
+    signals.signal(signals.SIGTERM, lambda *_: agent.shutdown())
+    try:
+        agent.run()
+    except AgentError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        agent.shutdown()

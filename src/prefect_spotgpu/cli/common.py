@@ -1,0 +1,102 @@
+"""What every ``spotgpu`` command module shares: the console, the one-line failure, the market
+and admin clients, the common options and where a key comes from.
+
+A command talks to the market only through ``market_client`` (a tenant's key) or
+``admin_client`` (the admin key), both built by ``api_client``; a refused request ends the
+command with ``fail`` (one red line, exit 1). Keys are read from the environment or a file,
+never from the command line (``ps`` shows argv to every user). Light on purpose (typer and
+rich only at import): the CLI starts fast, and each command imports what it needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+from rich.console import Console
+
+if TYPE_CHECKING:
+    import httpx
+
+console = Console()
+
+DEFAULT_MARKET = "http://127.0.0.1:4300"
+
+MARKET = typer.Option(
+    DEFAULT_MARKET, envvar="SPOTGPU_MARKET_URL", help="URL of the market service."
+)
+API_KEY_FILE = typer.Option(
+    None,
+    "--api-key-file",
+    help="A file holding your API key (default: the SPOTGPU_API_KEY environment variable).",
+)
+WRITE_KEY = typer.Option(
+    None, help="Write the new key to this file (mode 0600) instead of printing it."
+)
+
+
+@contextlib.contextmanager
+def market_client(market: str, api_key: str | None = None) -> Iterator[httpx.Client]:
+    """A client of the market's API; an unreachable market is a one-line error naming it."""
+    import httpx
+
+    from prefect_spotgpu.api_client import api_client
+
+    try:
+        with api_client(market, api_key) as client:
+            yield client
+    except httpx.TransportError as exc:
+        console.print(f"[red]cannot reach the market at {market}[/red]: {exc}", soft_wrap=True)
+        raise typer.Exit(1) from None
+
+
+def admin_client(market: str) -> httpx.Client:
+    """A client of the market's API as its admin (``SPOTGPU_ADMIN_KEY``, or the key file the
+    service generated)."""
+    from prefect_spotgpu.api_client import api_client
+    from prefect_spotgpu.service.settings import ServiceSettings
+
+    return api_client(market, ServiceSettings().resolved_admin_key())
+
+
+def fail(response: httpx.Response) -> None:
+    """End the command: the market refused (its status and ``detail``, exit 1)."""
+    try:
+        detail = response.json().get("detail")
+    except ValueError:
+        detail = response.text
+    console.print(f"[red]error {response.status_code}[/red]: {detail}")
+    raise typer.Exit(1)
+
+
+def call(client: httpx.Client, method: str, path: str, ok: int = 200, **kwargs):
+    """The JSON body of one request, or ``fail`` when its status is not ``ok``."""
+    response = client.request(method, path, **kwargs)
+    if response.status_code != ok:
+        fail(response)
+    return response.json()
+
+
+def tenant_key(path: Path | None) -> str:
+    """The caller's API key from ``--api-key-file``, else ``SPOTGPU_API_KEY`` (never argv:
+    every user of the host can read a command line)."""
+    import os
+
+    key = path.read_text().strip() if path else os.environ.get("SPOTGPU_API_KEY", "")
+    if not key:
+        console.print("[red]no API key[/red]: set SPOTGPU_API_KEY or pass --api-key-file")
+        raise typer.Exit(2)
+    return key
+
+
+def write_key(path: Path, key: str) -> None:
+    """Write a key to ``path``, mode 0600 (also when the file existed with a wider mode)."""
+    import os
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        os.fchmod(out.fileno(), 0o600)
+        out.write(key + "\n")
