@@ -267,7 +267,10 @@ def test_checkpoint_benchmark_reports_one_json_object():
 
 
 def test_the_flow_helper_takes_storage_from_the_environment(tmp_path, monkeypatch):
-    from prefect_spotgpu.checkpoint.flow import CHECKPOINT_URL_ENV, checkpointer_for_run
+    from prefect_spotgpu.checkpoint.flow import checkpointer_for_run
+    from prefect_spotgpu.protocol import JOB_ENV
+
+    CHECKPOINT_URL_ENV = JOB_ENV.CHECKPOINT_URL
 
     monkeypatch.delenv(CHECKPOINT_URL_ENV, raising=False)
     with pytest.raises(ValueError, match=CHECKPOINT_URL_ENV):

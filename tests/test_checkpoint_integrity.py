@@ -20,12 +20,14 @@ import torch
 
 import prefect_spotgpu.checkpoint.checkpointer as checkpointer_module
 from prefect_spotgpu.checkpoint import (
-    SIGNING_KEY_ENV,
     Checkpointer,
     LocalStorage,
     UnreadableCheckpoint,
 )
 from prefect_spotgpu.checkpoint.storage import step_name
+from prefect_spotgpu.protocol import JOB_ENV
+
+SIGNING_KEY_ENV = JOB_ENV.CHECKPOINT_SIGNING_KEY
 
 
 @pytest.fixture(autouse=True)

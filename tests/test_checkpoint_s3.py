@@ -15,13 +15,15 @@ from moto.server import ThreadedMotoServer
 
 from conftest import free_port
 from prefect_spotgpu.checkpoint import (
-    SIGNING_KEY_ENV,
     Checkpointer,
     S3Storage,
     UnreadableCheckpoint,
     storage_from_url,
 )
 from prefect_spotgpu.checkpoint.format import encode
+from prefect_spotgpu.protocol import JOB_ENV
+
+SIGNING_KEY_ENV = JOB_ENV.CHECKPOINT_SIGNING_KEY
 
 SECRET = "s3cr3t-key-that-must-never-be-logged"
 

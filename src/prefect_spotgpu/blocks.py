@@ -11,6 +11,7 @@ from prefect.blocks.core import Block
 from pydantic import Field, SecretStr, model_validator
 
 from prefect_spotgpu.api_client import DEFAULT_TIMEOUT, api_client, async_api_client
+from prefect_spotgpu.protocol import JOB_ENV
 
 LOGO = "https://raw.githubusercontent.com/prefect-spotgpu/prefect-spotgpu/main/src/prefect_spotgpu/logo.png"
 """The packaged ``logo.png`` (64x64), where the project publishes it."""
@@ -112,7 +113,7 @@ class CheckpointStorage(Block):
 
     def job_env(self) -> dict[str, str]:
         """Environment for a job on a node: ``SPOTGPU_CHECKPOINT_URL`` and S3 credentials."""
-        env = {"SPOTGPU_CHECKPOINT_URL": self.url()}
+        env = {JOB_ENV.CHECKPOINT_URL: self.url()}
         if self.bucket is not None:
             for name, value in (
                 ("AWS_ACCESS_KEY_ID", self.aws_access_key_id),

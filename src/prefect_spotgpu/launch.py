@@ -30,20 +30,15 @@ import sys
 import time
 from pathlib import Path
 
-from prefect_spotgpu.checkpoint.checkpointer import NOTICE_FILE_ENV
-
-ALLOCATION_LABEL = "spotgpu.allocation"
-"""The flow-run label the worker sets to the allocation that may start the engine."""
-BID_LABEL = "spotgpu.bid"
-"""The flow-run label that names the market bid serving the run."""
+from prefect_spotgpu.protocol import JOB_ENV, LABELS
 
 
 def main() -> int:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     flow_run_id = os.environ["PREFECT__FLOW_RUN_ID"]
-    allocation = os.environ.get("SPOTGPU_ALLOCATION_ID", "")
-    notice_file = Path(os.environ.get(NOTICE_FILE_ENV, "/nonexistent/notice"))
-    timeout = float(os.environ.get("SPOTGPU_LAUNCH_TIMEOUT", "600"))
+    allocation = os.environ.get(JOB_ENV.ALLOCATION_ID, "")
+    notice_file = Path(os.environ.get(JOB_ENV.NOTICE_FILE, "/nonexistent/notice"))
+    timeout = float(os.environ.get(JOB_ENV.LAUNCH_TIMEOUT, "600"))
 
     from prefect.client.orchestration import get_client
 
@@ -63,7 +58,7 @@ def main() -> int:
             if (
                 state is not None
                 and state.is_pending()
-                and (flow_run.labels or {}).get(ALLOCATION_LABEL) == allocation
+                and (flow_run.labels or {}).get(LABELS.ALLOCATION) == allocation
             ):
                 break
             time.sleep(0.1 if time.monotonic() - started < 10 else 1.0)  # then ease off
@@ -77,9 +72,9 @@ def main() -> int:
 
 def _acknowledge(notice_file: Path) -> None:
     """Nothing ran, so nothing to save: acknowledge at once (as the checkpointer would)."""
-    from prefect_spotgpu.checkpoint import ACK_FILE_ENV, write_ack
+    from prefect_spotgpu.checkpoint import write_ack
 
-    write_ack(os.environ.get(ACK_FILE_ENV) or f"{notice_file}.ack", step=None, started=False)
+    write_ack(os.environ.get(JOB_ENV.ACK_FILE) or f"{notice_file}.ack", step=None, started=False)
 
 
 if __name__ == "__main__":

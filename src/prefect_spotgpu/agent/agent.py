@@ -5,11 +5,12 @@ telemetry), and a long-poll on its node's events. On ``allocated`` it starts the
 GPUs; on ``noticed`` it writes the notice file and sends SIGUSR1 to the job's main process,
 waits for the checkpoint library's acknowledgement (or the deadline), stops the job, then
 reports the outcome with the allocation's epoch (the fencing token; see ``reports`` for the
-outcomes and their causes); on ``preempted``/``finished``/``released`` it stops whatever still
-runs. A job that exits by itself is reported ``finished`` (exit 0) or ``failed``. Every durable
-save a job's checkpointer records in its saved file is reported as a ``checkpoint`` within about
-a second. On start it reconciles: local jobs the market no longer assigns to this node are
-killed.
+outcomes and their causes, ``reporter`` for their delivery); on an ending event
+(``preempted``/``finished``/``released``) it stops whatever still runs. A job that exits by
+itself is reported ``finished`` (exit 0) or ``failed``. Every durable save a job's checkpointer
+records in its saved file is reported as a ``checkpoint`` within about a second. On start it
+reconciles: local jobs the market no longer assigns to this node are killed (each runner finds
+its own earlier jobs: ``Runner.reconcile``).
 
 Its credential is the node's token (``credentials``); the runner isolates the jobs
 (``runners``, ``isolation``).
@@ -34,9 +35,12 @@ from prefect_spotgpu.agent.credentials import (
     save_record,
 )
 from prefect_spotgpu.agent.discovery import GpuInfo
-from prefect_spotgpu.agent.isolation import read_job_file, read_pid, write_job_file
-from prefect_spotgpu.agent.reports import checkpoint_report, notice_report, save_marker
+from prefect_spotgpu.agent.isolation import read_job_file
+from prefect_spotgpu.agent.reporter import Reporter
+from prefect_spotgpu.agent.reports import notice_report
 from prefect_spotgpu.agent.runners import JobHandle, JobRequest, Runner
+from prefect_spotgpu.api_client import api_client
+from prefect_spotgpu.protocol import ENDING_EVENTS, AllocationStatus, EventKind, ReportOutcome
 
 logger = logging.getLogger("prefect_spotgpu.agent")
 
@@ -85,15 +89,12 @@ class Agent:
         self.stop_event = threading.Event()
         self.cursor = 0
         self.client: httpx.Client | None = None
+        self.reporter: Reporter | None = None
 
     # ---------------------------------------------------------------- registration
 
     def _http(self, token: str) -> httpx.Client:
-        return httpx.Client(
-            base_url=self.market + "/api/v1",
-            timeout=60,
-            headers={"Authorization": f"Bearer {token}"},
-        )
+        return api_client(self.market, token, timeout=60)
 
     def register(self) -> None:
         """Find this node's token (given, or kept in ``node.json``), or obtain one with the
@@ -117,6 +118,7 @@ class Agent:
         if me.status_code != 200:
             raise AgentError(f"the market refused this node's token: {me.status_code} {me.text}")
         self.client = self._http(token)
+        self.reporter = Reporter(self.client, self.stop_event)
         node = me.json()
         if node["gpu_count"] != len(self.gpus) or node["gpu_model"] != self.gpus[0].model:
             raise AgentError(
@@ -266,11 +268,11 @@ class Agent:
         payload = event["payload"]
         if "epoch" in payload:
             self.epochs[alloc_id] = payload["epoch"]
-        if kind == "allocated":
+        if kind == EventKind.ALLOCATED:
             self.start(alloc_id)
-        elif kind == "noticed":
+        elif kind == EventKind.NOTICED:
             self.notice(alloc_id, payload["deadline"], payload.get("epoch"))
-        elif kind in ("preempted", "finished", "released"):
+        elif kind in ENDING_EVENTS:
             self.stop(alloc_id, reason=kind)
 
     def assignments(self) -> dict[int, dict]:
@@ -284,7 +286,7 @@ class Agent:
                 return
             if assignment is None:
                 assignment = self.assignments().get(alloc_id)
-            if assignment is None or assignment["status"] != "running":
+            if assignment is None or assignment["status"] != AllocationStatus.RUNNING:
                 self.waiting_for_gpus.pop(alloc_id, None)
                 return  # ended meanwhile
             job = assignment.get("job")
@@ -301,7 +303,7 @@ class Agent:
                 logger.error(
                     "allocation %s needs %s GPUs, %s free", alloc_id, count, len(self.free)
                 )
-                self._report_later(alloc_id, {"epoch": assignment["epoch"], "outcome": "failed"})
+                self._report_failed(alloc_id, assignment["epoch"])
                 return
             self.waiting_for_gpus.pop(alloc_id, None)
             indices = sorted(self.free)[:count]
@@ -324,12 +326,20 @@ class Agent:
             except Exception as exc:  # e.g. the command does not exist: give the GPUs back
                 self.free |= set(indices)
                 logger.error("allocation %s: the job could not start: %s", alloc_id, exc)
-                self._report_later(alloc_id, {"epoch": assignment["epoch"], "outcome": "failed"})
+                self._report_failed(alloc_id, assignment["epoch"])
                 return
             self.jobs[alloc_id] = handle
             self.epochs[alloc_id] = assignment["epoch"]
-            write_job_file(request.workdir / "pid", str(handle.pid))
-            logger.info("allocation %s: started pid %s on GPUs %s", alloc_id, handle.pid, indices)
+            logger.info(
+                "allocation %s: started %s %s on GPUs %s",
+                alloc_id,
+                self.runner.name,
+                handle.ref,
+                indices,
+            )
+
+    def _report_failed(self, alloc_id: int, epoch: int) -> None:
+        self.reporter.report_later(alloc_id, {"epoch": epoch, "outcome": ReportOutcome.FAILED})
 
     def notice(self, alloc_id: int, deadline: float, epoch: int | None) -> None:
         with self.lock:
@@ -359,10 +369,10 @@ class Agent:
         engine writes its own Crashed state on SIGTERM, which must not land after the worker
         has rescheduled the run)."""
         ack_file = handle.request.ack_file
-        while time.time() < deadline and not ack_file.exists() and handle.poll() is None:
+        while time.time() < deadline and not ack_file.exists() and self.runner.poll(handle) is None:
             time.sleep(0.02)
         ack = read_job_file(ack_file)
-        exit_code = handle.poll()
+        exit_code = self.runner.poll(handle)
         self._report_save(alloc_id, handle)  # a periodic save not reported yet
         self.stop(alloc_id, reason="notice")
         body = notice_report(
@@ -371,17 +381,17 @@ class Agent:
             exit_code=exit_code,
             now=time.time(),
         )
-        response = self.report(alloc_id, body)  # the job is gone: retried until the market has it
+        response = self.reporter.report(alloc_id, body)  # retried until the market has it
         if response is None:
             return
-        if body["outcome"] == "saved":
+        if body["outcome"] == ReportOutcome.SAVED:
             logger.info(
                 "allocation %s: final save at step %s acknowledged (%s)",
                 alloc_id,
                 body["step"],
                 response.status_code,
             )
-        elif body["outcome"] == "finished":
+        elif body["outcome"] == ReportOutcome.FINISHED:
             logger.info(
                 "allocation %s: finished during its notice (%s)", alloc_id, response.status_code
             )
@@ -404,33 +414,7 @@ class Agent:
                 logger.exception("allocation %s: reading its saved file failed", alloc_id)
 
     def _report_save(self, alloc_id: int, handle: JobHandle) -> None:
-        """Report the job's latest durable save if it is new (the final one is the notice's)."""
-        saved = read_job_file(handle.request.saved_file)
-        with self.lock:  # the loop and a notice thread may both look: one reports
-            last = handle.extra.get("reported")
-            body = checkpoint_report(
-                epoch=self.epochs.get(alloc_id, handle.request.epoch),
-                saved=saved,
-                last=last,
-                now=time.time(),
-            )
-            if body is None:
-                return
-            handle.extra["reported"] = save_marker(saved)
-        try:
-            response = self.client.post(f"/allocations/{alloc_id}/report", json=body)
-        except httpx.HTTPError as exc:
-            with self.lock:
-                handle.extra["reported"] = last  # the next look tries again
-            logger.warning("allocation %s: checkpoint report failed (%s)", alloc_id, exc)
-            return
-        logger.log(
-            logging.INFO if response.status_code == 200 else logging.WARNING,
-            "allocation %s: checkpoint at step %s reported (%s)",
-            alloc_id,
-            body["step"],
-            response.status_code,
-        )
+        self.reporter.report_save(handle, epoch=self.epochs.get(alloc_id, handle.request.epoch))
 
     def stop(self, alloc_id: int, reason: str) -> None:
         with self.lock:
@@ -445,9 +429,9 @@ class Agent:
     def _check_exits(self) -> None:
         with self.lock:  # jobs under notice are the notice thread's to report
             exited = [
-                (a, h, h.poll())
+                (a, h, self.runner.poll(h))
                 for a, h in self.jobs.items()
-                if h.signalled_at is None and h.poll() is not None
+                if h.signalled_at is None and self.runner.poll(h) is not None
             ]
         for alloc_id, handle, code in exited:
             self._report_save(alloc_id, handle)
@@ -458,74 +442,27 @@ class Agent:
             self.runner.stop(handle, grace=0)  # what it left running: its processes, container
             with self.lock:
                 self.free |= set(handle.request.gpu_indices)
-            outcome = "finished" if code == 0 else "failed"
+            outcome = ReportOutcome.FINISHED if code == 0 else ReportOutcome.FAILED
             logger.info("allocation %s: job exited %s -> %s", alloc_id, code, outcome)
-            self._report_later(
+            self.reporter.report_later(
                 alloc_id, {"epoch": self.epochs.get(alloc_id, 1), "outcome": outcome}
             )
 
-    # ---------------------------------------------------------------- reports
-
-    def report(self, alloc_id: int, body: dict) -> httpx.Response | None:
-        """POST a report until the market answers it: a lost ``saved`` or ``finished`` would
-        leave the run waiting for the notice's deadline. Transport errors, 5xx and 429 are
-        retried with backoff (0.5 s doubling to 5 s); any other answer is final. None when the
-        agent stops first."""
-        delay = 0.5
-        while True:
-            try:
-                response = self.client.post(f"/allocations/{alloc_id}/report", json=body)
-            except httpx.HTTPError as exc:
-                problem = type(exc).__name__
-            else:
-                if response.status_code < 500 and response.status_code != 429:
-                    if response.status_code >= 400:
-                        logger.warning(
-                            "allocation %s: report %s refused: %s %s",
-                            alloc_id,
-                            body["outcome"],
-                            response.status_code,
-                            response.text[:200],
-                        )
-                    return response
-                problem = str(response.status_code)
-            logger.warning(
-                "allocation %s: report %s not delivered (%s); again in %.1f s",
-                alloc_id,
-                body["outcome"],
-                problem,
-                delay,
-            )
-            if self.stop_event.wait(delay):
-                return None
-            delay = min(delay * 2, 5.0)
-
-    def _report_later(self, alloc_id: int, body: dict) -> None:
-        """``report`` in a thread of its own: the loop (and the lock) never wait on the market."""
-        threading.Thread(
-            target=self.report,
-            args=(alloc_id, body),
-            name=f"spotgpu-report-{alloc_id}",
-            daemon=True,
-        ).start()
+    # ---------------------------------------------------------------- restart
 
     def reconcile(self) -> None:
         """Kill local work the market no longer assigns here; start what it does."""
         active = self.assignments()
         for workdir in sorted(self.state_dir.glob("alloc-*")):
             alloc_id = int(workdir.name.removeprefix("alloc-"))
-            pid = read_pid(workdir / "pid")
-            if alloc_id in active or pid is None:
+            if alloc_id in active:
                 continue
-            if self.runner.kill_stale(alloc_id, pid, workdir):
+            if self.runner.reconcile(alloc_id, workdir):
                 logger.warning(
                     "reconcile: killed the job of allocation %s, no longer ours", alloc_id
                 )
-            (workdir / "pid").unlink(missing_ok=True)
         for alloc_id, assignment in active.items():
-            if assignment["status"] == "running":
-                workdir = self.state_dir / f"alloc-{alloc_id}"
-                pid = read_pid(workdir / "pid")
-                if pid is not None:  # our previous run's job: stop it, start it cleanly
-                    self.runner.kill_stale(alloc_id, pid, workdir)
+            if assignment["status"] == AllocationStatus.RUNNING:
+                # our previous run's job, if any: stop it, start it cleanly
+                self.runner.reconcile(alloc_id, self.state_dir / f"alloc-{alloc_id}")
                 self.start(alloc_id, assignment)

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from prefect_spotgpu.checkpoint.checkpointer import NOTICE_FILE_ENV
+from prefect_spotgpu.protocol import JOB_ENV
 
 logger = logging.getLogger("prefect_spotgpu.agent")
 
@@ -54,6 +54,15 @@ uid only if their allocation ids differ by a multiple of this."""
 CONTAINER_CHECKPOINTS = "/spotgpu/checkpoints"
 """Where a container sees its tenant's checkpoint directory."""
 JOB_FILE_LIMIT = 64 << 10
+
+NOTICE_NAME = "notice.json"
+"""The notice file in a job's directory (its path is in the job's environment)."""
+ACK_NAME = "notice.json.ack"
+"""The job's acknowledgement of the notice: its final save is durable (or failed)."""
+SAVED_NAME = "saved.json"
+"""The job's record of its latest durable save (the agent reports each new one)."""
+PID_NAME = "pid"
+"""Where a runner records its job's host pid: an agent restart finds the job again by it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,15 +317,11 @@ def uids_in_use() -> set[int]:
     return uids
 
 
-NOTICE_NAME = "notice.json"
-"""The notice file in a job's directory (its path is in the job's environment)."""
-
-
 def job_marker(workdir: Path) -> bytes:
     """What names one job in its processes' environments: its notice file's path, which is
     under this agent's own state directory. Not the allocation id: every market counts from
     1, and another agent on the host (another market's, a test's) may run an allocation 1."""
-    return f"{NOTICE_FILE_ENV}={workdir / NOTICE_NAME}".encode()
+    return f"{JOB_ENV.NOTICE_FILE}={workdir / NOTICE_NAME}".encode()
 
 
 def job_processes(user: JobUser, marker: bytes) -> list[int]:

@@ -7,18 +7,21 @@ it said so in its acknowledgement), ``job`` (the job exited without acknowledgin
 ``deadline`` (the job still ran at the deadline).
 
     >>> notice_report(epoch=2, ack={"step": 40, "saved_at": 1700.0}, exit_code=None, now=1701)
-    {'epoch': 2, 'outcome': 'saved', 'checkpoint_at': 1700.0, 'step': 40}
+    {'epoch': 2, 'outcome': <ReportOutcome.SAVED: 'saved'>, 'checkpoint_at': 1700.0, 'step': 40}
     >>> notice_report(epoch=2, ack={"failed": True, "cause": "storage"}, exit_code=1, now=1701)
-    {'epoch': 2, 'outcome': 'save_failed', 'cause': 'storage'}
+    {'epoch': 2, 'outcome': <ReportOutcome.SAVE_FAILED: 'save_failed'>, 'cause': 'storage'}
     >>> notice_report(epoch=2, ack=None, exit_code=0, now=1701)
-    {'epoch': 2, 'outcome': 'finished'}
+    {'epoch': 2, 'outcome': <ReportOutcome.FINISHED: 'finished'>}
     >>> notice_report(epoch=2, ack=None, exit_code=-9, now=1701)
-    {'epoch': 2, 'outcome': 'save_failed', 'cause': 'job'}
+    {'epoch': 2, 'outcome': <ReportOutcome.SAVE_FAILED: 'save_failed'>, 'cause': 'job'}
     >>> notice_report(epoch=2, ack=None, exit_code=None, now=1701)
-    {'epoch': 2, 'outcome': 'save_failed', 'cause': 'deadline'}
+    {'epoch': 2, 'outcome': <ReportOutcome.SAVE_FAILED: 'save_failed'>, 'cause': 'deadline'}
     >>> saved = {"step": 9, "saved_at": 1600.5, "final": False}
-    >>> checkpoint_report(epoch=1, saved=saved, last=None, now=1601)
-    {'epoch': 1, 'outcome': 'checkpoint', 'checkpoint_at': 1600.5, 'step': 9}
+    >>> checkpoint_report(  # doctest: +NORMALIZE_WHITESPACE
+    ...     epoch=1, saved=saved, last=None, now=1601
+    ... )
+    {'epoch': 1, 'outcome': <ReportOutcome.CHECKPOINT: 'checkpoint'>,
+     'checkpoint_at': 1600.5, 'step': 9}
     >>> checkpoint_report(epoch=1, saved=saved, last=(1600.5, 9), now=1601) is None
     True
 """
@@ -27,6 +30,8 @@ from __future__ import annotations
 
 import math
 from typing import Literal
+
+from prefect_spotgpu.protocol import ReportOutcome
 
 Cause = Literal["storage", "job", "deadline"]
 
@@ -62,7 +67,12 @@ def checkpoint_report(
     if marker is None or marker == last or saved.get("final"):
         return None
     at, step = marker
-    return {"epoch": epoch, "outcome": "checkpoint", "checkpoint_at": min(at, now), "step": step}
+    return {
+        "epoch": epoch,
+        "outcome": ReportOutcome.CHECKPOINT,
+        "checkpoint_at": min(at, now),
+        "step": step,
+    }
 
 
 def notice_report(*, epoch: int, ack: dict | None, exit_code: int | None, now: float) -> dict:
@@ -70,16 +80,20 @@ def notice_report(*, epoch: int, ack: dict | None, exit_code: int | None, now: f
     ``exit_code`` the job's (None: it still runs, at the deadline)."""
     if ack is not None and not ack.get("invalid"):
         if ack.get("failed"):
-            return {"epoch": epoch, "outcome": "save_failed", "cause": _cause(ack)}
+            return {"epoch": epoch, "outcome": ReportOutcome.SAVE_FAILED, "cause": _cause(ack)}
         at = _time(ack.get("saved_at"))
         at = now if at is None else min(at, now)
         step = _step(ack.get("step"))
-        return {"epoch": epoch, "outcome": "saved", "checkpoint_at": at, "step": step}
+        return {"epoch": epoch, "outcome": ReportOutcome.SAVED, "checkpoint_at": at, "step": step}
     if ack is None and exit_code == 0:  # it finished its work during the notice
-        return {"epoch": epoch, "outcome": "finished"}
+        return {"epoch": epoch, "outcome": ReportOutcome.FINISHED}
     if ack is None and exit_code is None:
-        return {"epoch": epoch, "outcome": "save_failed", "cause": "deadline"}
-    return {"epoch": epoch, "outcome": "save_failed", "cause": "job"}  # crashed, or garbage
+        return {"epoch": epoch, "outcome": ReportOutcome.SAVE_FAILED, "cause": "deadline"}
+    return {
+        "epoch": epoch,
+        "outcome": ReportOutcome.SAVE_FAILED,
+        "cause": "job",
+    }  # crashed, or garbage
 
 
 def _cause(ack: dict) -> Cause:

@@ -5,10 +5,6 @@ The core (``Checkpointer``, the format, local and S3 storage) imports nothing of
 """
 
 from prefect_spotgpu.checkpoint.checkpointer import (
-    ACK_FILE_ENV,
-    NOTICE_FILE_ENV,
-    SAVED_FILE_ENV,
-    SIGNING_KEY_ENV,
     Checkpointer,
     Restored,
     SaveResult,
@@ -29,10 +25,6 @@ from prefect_spotgpu.checkpoint.storage import (
 )
 
 __all__ = [
-    "ACK_FILE_ENV",
-    "NOTICE_FILE_ENV",
-    "SAVED_FILE_ENV",
-    "SIGNING_KEY_ENV",
     "CheckpointStorage",
     "Checkpointer",
     "CorruptCheckpoint",

@@ -59,13 +59,10 @@ from prefect_spotgpu.checkpoint.format import (
     verify,
 )
 from prefect_spotgpu.checkpoint.storage import CheckpointStorage
+from prefect_spotgpu.protocol import JOB_ENV
 
 logger = logging.getLogger("prefect_spotgpu.checkpoint")
 
-NOTICE_FILE_ENV = "SPOTGPU_NOTICE_FILE"
-ACK_FILE_ENV = "SPOTGPU_ACK_FILE"
-SAVED_FILE_ENV = "SPOTGPU_SAVED_FILE"
-SIGNING_KEY_ENV = "SPOTGPU_CHECKPOINT_SIGNING_KEY"
 ERROR_CHARS = 200
 
 
@@ -122,13 +119,13 @@ class Checkpointer:
         self.every = seconds
         self.keep = keep
         self.clock = clock
-        notice = notice_file or os.environ.get(NOTICE_FILE_ENV)
+        notice = notice_file or os.environ.get(JOB_ENV.NOTICE_FILE)
         self.notice_file = Path(notice) if notice else None
-        ack = ack_file or os.environ.get(ACK_FILE_ENV)
+        ack = ack_file or os.environ.get(JOB_ENV.ACK_FILE)
         if ack is None and self.notice_file is not None:
             ack = str(self.notice_file) + ".ack"
         self.ack_file = Path(ack) if ack else None
-        saved = saved_file or os.environ.get(SAVED_FILE_ENV)
+        saved = saved_file or os.environ.get(JOB_ENV.SAVED_FILE)
         self.saved_file = Path(saved) if saved else None
         self._signalled = threading.Event()
         self.notice_received = False
@@ -137,7 +134,7 @@ class Checkpointer:
         self._last_save_at = clock()
         self.failures = 0
         if signing_key is None:
-            signing_key = os.environ.get(SIGNING_KEY_ENV, "")
+            signing_key = os.environ.get(JOB_ENV.CHECKPOINT_SIGNING_KEY, "")
         if isinstance(signing_key, str):
             signing_key = signing_key.encode()
         self._signing_key = signing_key or None

@@ -21,8 +21,7 @@ from datetime import timedelta
 
 from prefect_spotgpu.checkpoint.checkpointer import Checkpointer
 from prefect_spotgpu.checkpoint.storage import CheckpointStorage, storage_from_url
-
-CHECKPOINT_URL_ENV = "SPOTGPU_CHECKPOINT_URL"
+from prefect_spotgpu.protocol import JOB_ENV
 
 
 def checkpointer_for_run(
@@ -37,9 +36,9 @@ def checkpointer_for_run(
     ``SPOTGPU_CHECKPOINT_URL``, its key from the argument or the flow run id, its signing key
     from the argument or ``SPOTGPU_CHECKPOINT_SIGNING_KEY`` (see ``Checkpointer``)."""
     if storage is None:
-        url = os.environ.get(CHECKPOINT_URL_ENV)
+        url = os.environ.get(JOB_ENV.CHECKPOINT_URL)
         if not url:
-            raise ValueError(f"no checkpoint storage: pass one or set {CHECKPOINT_URL_ENV}")
+            raise ValueError(f"no checkpoint storage: pass one or set {JOB_ENV.CHECKPOINT_URL}")
         storage = url
     if isinstance(storage, str):
         storage = storage_from_url(storage)

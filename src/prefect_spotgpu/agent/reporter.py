@@ -1,0 +1,104 @@
+"""Sending what the agent reports of its jobs to the market (``POST /allocations/{id}/report``).
+
+``reports`` decides what a report says (pure); this sends it. A report that ends an
+allocation (``saved``, ``save_failed``, ``finished``, ``failed``) is retried until the market
+answers it: a lost ``saved`` or ``finished`` would leave the run waiting for the notice's
+deadline. A ``checkpoint`` report is sent once per durable save the job's saved file records
+(a failed send is tried again at the next look); the last one sent is remembered per job.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from weakref import WeakKeyDictionary
+
+import httpx
+
+from prefect_spotgpu.agent.isolation import read_job_file
+from prefect_spotgpu.agent.reports import checkpoint_report, save_marker
+from prefect_spotgpu.agent.runners import JobHandle
+
+logger = logging.getLogger("prefect_spotgpu.agent")
+
+
+class Reporter:
+    """The agent's reports, over its node's ``client``; retries end when ``stopped`` is set."""
+
+    def __init__(self, client: httpx.Client, stopped: threading.Event) -> None:
+        self.client = client
+        self.stopped = stopped
+        self._lock = threading.Lock()
+        # job -> the save last reported (the agent's loop and a notice thread may both look)
+        self._reported: WeakKeyDictionary[JobHandle, tuple[float, int | None] | None] = (
+            WeakKeyDictionary()
+        )
+
+    def report(self, alloc_id: int, body: dict) -> httpx.Response | None:
+        """POST a report until the market answers it. Transport errors, 5xx and 429 are
+        retried with backoff (0.5 s doubling to 5 s); any other answer is final. None when the
+        agent stops first."""
+        delay = 0.5
+        while True:
+            try:
+                response = self.client.post(f"/allocations/{alloc_id}/report", json=body)
+            except httpx.HTTPError as exc:
+                problem = type(exc).__name__
+            else:
+                if response.status_code < 500 and response.status_code != 429:
+                    if response.status_code >= 400:
+                        logger.warning(
+                            "allocation %s: report %s refused: %s %s",
+                            alloc_id,
+                            body["outcome"],
+                            response.status_code,
+                            response.text[:200],
+                        )
+                    return response
+                problem = str(response.status_code)
+            logger.warning(
+                "allocation %s: report %s not delivered (%s); again in %.1f s",
+                alloc_id,
+                body["outcome"],
+                problem,
+                delay,
+            )
+            if self.stopped.wait(delay):
+                return None
+            delay = min(delay * 2, 5.0)
+
+    def report_later(self, alloc_id: int, body: dict) -> None:
+        """``report`` in a thread of its own: the agent's loop (and its lock) never wait on
+        the market."""
+        threading.Thread(
+            target=self.report,
+            args=(alloc_id, body),
+            name=f"spotgpu-report-{alloc_id}",
+            daemon=True,
+        ).start()
+
+    def report_save(self, handle: JobHandle, *, epoch: int) -> None:
+        """Report the job's latest durable save if it is new (the final one is the notice's)."""
+        alloc_id = handle.request.allocation_id
+        saved = read_job_file(handle.request.saved_file)
+        with self._lock:  # one look reports it
+            last = self._reported.get(handle)
+            body = checkpoint_report(epoch=epoch, saved=saved, last=last, now=time.time())
+            if body is None:
+                return
+            self._reported[handle] = save_marker(saved)
+        try:
+            response = self.client.post(f"/allocations/{alloc_id}/report", json=body)
+        except httpx.HTTPError as exc:
+            with self._lock:
+                self._reported[handle] = last  # the next look tries again
+            logger.warning("allocation %s: checkpoint report failed (%s)", alloc_id, exc)
+            return
+        logger.log(
+            logging.INFO if response.status_code == 200 else logging.WARNING,
+            "allocation %s: checkpoint at step %s reported (%s)",
+            alloc_id,
+            body["step"],
+            response.status_code,
+        )

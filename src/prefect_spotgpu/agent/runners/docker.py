@@ -1,0 +1,203 @@
+"""The Docker runner: each job a container, built the way prefect-docker builds them (docker
+SDK); the multi-tenant runner.
+
+Jobs are hostile (DESIGN §7). A container gets no host path a tenant chose: only the
+allocation's directory (``/spotgpu``) and its tenant's checkpoint directory under the operator's
+checkpoint root (``/spotgpu/checkpoints``); no new privileges, no capabilities, a non-root user,
+a pids limit and optionally a memory limit. The job is the container's PID 1 (no init), so the
+notice's SIGUSR1 reaches it and no other process of the container. A container is named after
+its allocation (:func:`container_name`): ``reconcile`` finds an earlier run's by that name.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefect_spotgpu.agent.isolation import (
+    CONTAINER_CHECKPOINTS,
+    PID_NAME,
+    JobUsers,
+    is_local_url,
+    prepare_job_dirs,
+    read_pid,
+    retire_workdir,
+)
+from prefect_spotgpu.agent.runners.runner import (
+    JobHandle,
+    JobRequest,
+    checkpoint_location,
+    clear_job_files,
+    record_pid,
+    write_notice,
+)
+from prefect_spotgpu.protocol import JOB_ENV
+
+WORKDIR = "/spotgpu"
+"""Where a container sees its allocation's directory (its HOME)."""
+
+
+@dataclass(eq=False, kw_only=True)
+class ContainerJob(JobHandle):
+    """A container job: its ``ref`` is the container's id; ``pid`` is its PID 1 on the host
+    (the job runs while that process lives)."""
+
+    pid: int
+
+    def poll(self) -> int | None:
+        return None if _alive(self.pid) else -1
+
+
+def container_name(allocation_id: int) -> str:
+    return f"spotgpu-alloc-{allocation_id}"
+
+
+class DockerRunner:
+    """Jobs as containers.
+
+    ``checkpoint_root``: the operator's directory for local checkpoints (one directory per
+    tenant is mounted at ``/spotgpu/checkpoints``); without one, local checkpoint URLs are
+    refused. ``pids_limit`` and ``memory`` (Docker's ``mem_limit``: ``"64g"``; None: no limit)
+    bound each container.
+    """
+
+    name = "docker"
+
+    def __init__(
+        self,
+        client=None,
+        *,
+        users: JobUsers | None = None,
+        checkpoint_root: Path | None = None,
+        pids_limit: int = 4096,
+        memory: str | None = None,
+    ) -> None:
+        self._client = client
+        self.users = users or JobUsers()
+        self.checkpoint_root = None if checkpoint_root is None else Path(checkpoint_root)
+        self.pids_limit = pids_limit
+        self.memory = memory
+
+    @property
+    def client(self):
+        if self._client is None:
+            import docker
+
+            self._client = docker.from_env()
+        return self._client
+
+    def container_spec(self, request: JobRequest) -> dict:
+        """The keyword arguments of ``client.containers.run`` for this job: mounts only the
+        allocation's directory and the tenant's checkpoint directory, whatever the job says."""
+        import docker
+
+        if not request.image:
+            raise ValueError("the Docker runner needs a job image")
+        user = self.users.for_job(allocation_id=request.allocation_id, tenant_id=request.tenant_id)
+        if user.root:
+            raise ValueError("a container never runs as root: use --job-user auto or a user")
+        if (
+            request.checkpoint_url
+            and is_local_url(request.checkpoint_url)
+            and self.checkpoint_root is None
+        ):
+            raise ValueError("local checkpoints need the agent's --checkpoint-root")
+        host_dir, url = checkpoint_location(
+            request, self.checkpoint_root, seen_at=CONTAINER_CHECKPOINTS
+        )
+        env = {
+            "HOME": WORKDIR,
+            "PREFECT_HOME": f"{WORKDIR}/.prefect",
+            **request.env,
+            **request.job_variables(workdir=WORKDIR, checkpoint_url=url),
+            # last: neither the bid nor the image's ENV widens the GPUs the device request
+            # gives (the NVIDIA toolkit may honour this variable in unprivileged containers)
+            "NVIDIA_VISIBLE_DEVICES": ",".join(str(i) for i in request.gpu_indices),
+        }
+        if not url:  # no checkpoint storage: none the job's own variables may name either
+            env.pop(JOB_ENV.CHECKPOINT_URL, None)
+        volumes = {str(request.workdir): {"bind": WORKDIR, "mode": "rw"}}
+        if host_dir is not None:
+            volumes[str(host_dir)] = {"bind": CONTAINER_CHECKPOINTS, "mode": "rw"}
+        spec = {
+            "image": request.image,
+            "command": request.command,
+            "environment": env,
+            "detach": True,
+            "init": False,  # the job is PID 1: SIGUSR1 reaches it, not a wrapper
+            "name": container_name(request.allocation_id),
+            "labels": {
+                "io.spotgpu.allocation-id": str(request.allocation_id),
+                "io.spotgpu.bid-id": str(request.bid_id),
+                "io.spotgpu.epoch": str(request.epoch),
+            },
+            "volumes": volumes,
+            "device_requests": [
+                docker.types.DeviceRequest(
+                    device_ids=[str(i) for i in request.gpu_indices], capabilities=[["gpu"]]
+                )
+            ],
+            "stop_signal": "SIGTERM",
+            "user": f"{user.uid}:{user.gid}",
+            "privileged": False,
+            "security_opt": ["no-new-privileges"],
+            "cap_drop": ["ALL"],
+            "pids_limit": self.pids_limit,
+        }
+        if self.memory:
+            spec["mem_limit"] = self.memory
+        return spec
+
+    def start(self, request: JobRequest) -> ContainerJob:
+        spec = self.container_spec(request)
+        user = self.users.for_job(allocation_id=request.allocation_id, tenant_id=request.tenant_id)
+        host_dir, _ = checkpoint_location(request, self.checkpoint_root)
+        prepare_job_dirs(request.workdir, host_dir, user, chown=self.users.euid == 0)
+        clear_job_files(request)
+        container = self.client.containers.run(**spec)
+        container.reload()
+        pid = int(container.attrs["State"]["Pid"])
+        record_pid(request, pid)  # (``reconcile`` looks for a container where one ran)
+        return ContainerJob(request, container.id, time.time(), pid=pid)
+
+    def notice(self, handle: JobHandle, deadline: float) -> None:
+        write_notice(handle.request, deadline)
+        self.client.containers.get(handle.ref).kill(signal="SIGUSR1")  # PID 1 only
+        handle.signalled_at = time.time()
+
+    def stop(self, handle: JobHandle, grace: float = 10.0) -> None:
+        container = self.client.containers.get(handle.ref)
+        container.stop(timeout=int(grace))
+        container.remove(force=True)
+        if self.users.euid == 0:
+            retire_workdir(handle.request.workdir)
+
+    def poll(self, handle: ContainerJob) -> int | None:
+        return handle.poll()
+
+    def reconcile(self, allocation_id: int, workdir: Path) -> bool:
+        """Remove an earlier run's container of this allocation, if one ran here."""
+        import docker
+
+        if read_pid(workdir / PID_NAME) is None:
+            return False
+        try:
+            container = self.client.containers.get(container_name(allocation_id))
+        except docker.errors.NotFound:
+            container = None
+        else:
+            container.remove(force=True)
+        (workdir / PID_NAME).unlink(missing_ok=True)
+        return container is not None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

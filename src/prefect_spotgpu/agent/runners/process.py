@@ -1,0 +1,201 @@
+"""The process runner: each job a local process, the leader of its own process group.
+
+Signals (DESIGN §4): the notice is SIGUSR1 to the job's *main process only* — never its group:
+SIGUSR1's default action is to terminate, so every process without a handler (DataLoader
+workers, wrappers) would die. The stop at the end of a notice is SIGTERM to the whole group, a
+grace period, then SIGKILL to the group and to every other process of the job (its own uid, see
+``isolation``): a process that left the group with ``setsid`` is stopped too.
+
+Jobs are hostile (DESIGN §7): a job gets a clean environment (:func:`process_environment`) and,
+under root, a user of its own. Its pid is recorded in its directory (``isolation.PID_NAME``);
+``reconcile`` kills by it only while the pid still is that job (its environment says so).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefect_spotgpu.agent.isolation import (
+    PID_NAME,
+    JobUser,
+    JobUsers,
+    job_marker,
+    kill_job_processes,
+    open_job_log,
+    prepare_job_dirs,
+    read_pid,
+    retire_workdir,
+    uids_in_use,
+)
+from prefect_spotgpu.agent.runners.runner import (
+    JobHandle,
+    JobRequest,
+    checkpoint_location,
+    clear_job_files,
+    record_pid,
+    write_notice,
+)
+
+logger = logging.getLogger("prefect_spotgpu.agent")
+
+SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+@dataclass(eq=False, kw_only=True)
+class ProcessJob(JobHandle):
+    """A process job: its ``ref`` is its pid, the leader of its process group."""
+
+    process: subprocess.Popen
+    user: JobUser
+
+    @property
+    def pid(self) -> int:
+        return int(self.ref)
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+
+def process_environment(request: JobRequest, checkpoint_url: str | None) -> dict[str, str]:
+    """A process job's whole environment: safe defaults, the job's own variables, then the
+    GPUs and the ``SPOTGPU_*`` variables — nothing of the agent's (its token included)."""
+    workdir = str(request.workdir)
+    return {
+        "PATH": f"{Path(sys.executable).parent}:{SAFE_PATH}",
+        "HOME": workdir,
+        "LANG": os.environ.get("LANG") or "C.UTF-8",
+        "PREFECT_HOME": f"{workdir}/.prefect",
+        **request.env,
+        "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in request.gpu_indices),
+        **request.job_variables(workdir=workdir, checkpoint_url=checkpoint_url),
+    }
+
+
+def _resolve_python(command: list[str]) -> list[str]:
+    """A process job's ``python`` is the agent's own interpreter (its environment has the
+    packages the agent was installed with); any other program is taken as given."""
+    if command and command[0] in ("python", "python3"):
+        return [sys.executable, *command[1:]]
+    return command
+
+
+class ProcessRunner:
+    """Jobs as local processes (the default, and the single-tenant choice: see ``isolation``
+    for what it isolates under root).
+
+    ``checkpoint_root``: when given, local checkpoint URLs become the tenant's directory
+    under it (the agent gives one under root isolation); otherwise they are kept.
+    """
+
+    name = "process"
+
+    def __init__(
+        self, *, users: JobUsers | None = None, checkpoint_root: Path | None = None
+    ) -> None:
+        self.users = users or JobUsers()
+        self.checkpoint_root = None if checkpoint_root is None else Path(checkpoint_root)
+        if not self.users.isolated:
+            logger.warning("process runner: jobs are not isolated (%s)", self.users.describe())
+
+    def start(self, request: JobRequest) -> ProcessJob:
+        user = self.users.for_job(allocation_id=request.allocation_id, tenant_id=request.tenant_id)
+        if user.dedicated and user.uid in uids_in_use():
+            # a live job of an allocation id equal modulo the range: never share a uid (the
+            # agent reports this allocation failed; the market places the bid again)
+            raise ValueError(f"job uid {user.uid} is in use by another process")
+        host_dir, url = checkpoint_location(request, self.checkpoint_root)
+        prepare_job_dirs(request.workdir, host_dir, user, chown=self.users.isolated)
+        clear_job_files(request)
+        switch = {}
+        if self.users.isolated:
+            switch = {"user": user.uid, "group": user.gid, "extra_groups": [], "umask": 0o007}
+        log = open_job_log(request.workdir / "job.log")
+        try:
+            process = subprocess.Popen(
+                _resolve_python(request.command),
+                env=process_environment(request, url),
+                cwd=request.workdir,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                **switch,
+            )
+        finally:
+            os.close(log)
+        record_pid(request, process.pid)
+        return ProcessJob(request, str(process.pid), time.time(), process=process, user=user)
+
+    def notice(self, handle: ProcessJob, deadline: float) -> None:
+        try:
+            write_notice(handle.request, deadline)  # (fails if the job put a directory there)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(handle.pid, signal.SIGUSR1)  # the main process only
+            handle.signalled_at = time.time()
+
+    def stop(self, handle: ProcessJob, grace: float = 10.0) -> None:
+        """SIGTERM to the job's group, SIGKILL after ``grace`` seconds to the group and to
+        every other process of the job."""
+        _signal_group(handle.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and handle.poll() is None:
+            time.sleep(0.02)
+        _signal_group(handle.pid, signal.SIGKILL)
+        kill_job_processes(handle.user, handle.request.workdir)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            handle.process.wait(timeout=5)
+        if self.users.isolated:
+            retire_workdir(handle.request.workdir)
+
+    def poll(self, handle: ProcessJob) -> int | None:
+        return handle.poll()
+
+    def reconcile(self, allocation_id: int, workdir: Path) -> bool:
+        """Kill the job an earlier run recorded in ``workdir`` (:meth:`kill_stale`), if any,
+        and forget its pid."""
+        pid = read_pid(workdir / PID_NAME)
+        if pid is None:
+            return False
+        killed = self.kill_stale(allocation_id, pid, workdir)
+        (workdir / PID_NAME).unlink(missing_ok=True)
+        return killed
+
+    def kill_stale(self, allocation_id: int, pid: int, workdir: Path) -> bool:
+        """SIGKILL what is left of an earlier run's job in ``workdir``: its group (if ``pid``
+        still is that job) and every other process of it (the uid depends on the allocation
+        only)."""
+        killed = _kill_group_if_job(pid, workdir)
+        user = self.users.for_job(allocation_id=allocation_id, tenant_id=None)
+        return kill_job_processes(user, workdir) > 0 or killed
+
+
+def _kill_group_if_job(pid: int, workdir: Path) -> bool:
+    """SIGKILL the process group of ``pid`` if it still is the job of ``workdir``.
+
+    A recorded pid may have been reused by an unrelated process after a reboot or a long
+    outage: the job's environment (:func:`job_marker`) must match before we kill.
+    """
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False  # gone (or not ours to read)
+    if job_marker(workdir) not in environ:
+        return False
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+        return True
+    return False
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)

@@ -1,0 +1,164 @@
+"""The runner contract: what the agent gives a runner, what it gets back, what it may ask.
+
+The agent knows a job only as a :class:`JobRequest` (what to run, on which GPUs, in which
+directory) and the :class:`JobHandle` a runner's ``start`` returns: the allocation's request,
+an opaque ``ref`` only that runner reads (a pid, a container id) and when the notice was sent.
+Everything else a runner needs (a ``Popen``, the job's user, a container's host pid) lives in
+its own subclass of the handle; what it must find again after an agent restart it records in
+the job's directory itself (``reconcile``). A new runner is one class that implements
+:class:`Runner`, added to ``runners.RUNNERS``.
+
+Every runner gives its job the same files, at the same names in its directory: the notice
+(written here, :func:`write_notice`), the acknowledgement and the saved file (written by the
+job's checkpointer); only where the job sees the directory differs (``job_variables``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from prefect_spotgpu.agent.isolation import (
+    ACK_NAME,
+    NOTICE_NAME,
+    PID_NAME,
+    SAVED_NAME,
+    is_local_url,
+    tenant_checkpoint_dir,
+    write_job_file,
+)
+from prefect_spotgpu.protocol import JOB_ENV
+
+logger = logging.getLogger("prefect_spotgpu.agent")
+
+
+@dataclass(frozen=True, slots=True)
+class JobRequest:
+    """One allocation's job, as the agent starts it."""
+
+    allocation_id: int
+    epoch: int
+    bid_id: int
+    command: list[str]
+    env: dict[str, str]
+    gpu_indices: list[int]
+    workdir: Path  # the allocation's directory on this host (notice and ack files)
+    checkpoint_url: str | None = None
+    checkpoint_key: str = ""
+    image: str | None = None
+    tenant_id: int | None = None  # whose job: its checkpoint directory and group
+
+    @property
+    def notice_file(self) -> Path:
+        return self.workdir / NOTICE_NAME
+
+    @property
+    def ack_file(self) -> Path:
+        return self.workdir / ACK_NAME
+
+    @property
+    def saved_file(self) -> Path:
+        return self.workdir / SAVED_NAME
+
+    def job_variables(self, *, workdir: str, checkpoint_url: str | None) -> dict[str, str]:
+        """The ``SPOTGPU_*`` variables, with the paths as the job sees them."""
+        env = {
+            JOB_ENV.ALLOCATION_ID: str(self.allocation_id),
+            JOB_ENV.ALLOCATION_EPOCH: str(self.epoch),
+            JOB_ENV.BID_ID: str(self.bid_id),
+            JOB_ENV.NOTICE_FILE: f"{workdir}/{NOTICE_NAME}",
+            JOB_ENV.ACK_FILE: f"{workdir}/{ACK_NAME}",
+            JOB_ENV.SAVED_FILE: f"{workdir}/{SAVED_NAME}",
+            JOB_ENV.CHECKPOINT_KEY: self.checkpoint_key,
+        }
+        if checkpoint_url:
+            env[JOB_ENV.CHECKPOINT_URL] = checkpoint_url
+        return env
+
+
+@dataclass(eq=False)
+class JobHandle:
+    """A started job, as the agent holds it: what every runner has. One handle is one job
+    (equal only to itself). ``ref`` is the runner's own name for the job (the process runner's
+    pid, the Docker runner's container id); only the runner that made it reads it."""
+
+    request: JobRequest
+    ref: str
+    started_at: float
+    signalled_at: float | None = None
+    """When the notice was sent (set by ``Runner.notice``): the job is then the notice's."""
+
+
+class Runner(Protocol):
+    """What the agent needs of a runner (``ProcessRunner``, ``DockerRunner``)."""
+
+    name: str
+
+    def start(self, request: JobRequest) -> JobHandle:
+        """Start the job; raise (the agent reports the allocation failed) if it cannot."""
+        ...
+
+    def notice(self, handle: JobHandle, deadline: float) -> None:
+        """Write the notice file and send SIGUSR1 to the job's main process only; set
+        ``handle.signalled_at``."""
+        ...
+
+    def stop(self, handle: JobHandle, grace: float = 10.0) -> None:
+        """Stop every process of the job: SIGTERM, then after ``grace`` seconds SIGKILL."""
+        ...
+
+    def poll(self, handle: JobHandle) -> int | None:
+        """The job's exit code, or None while it runs."""
+        ...
+
+    def reconcile(self, allocation_id: int, workdir: Path) -> bool:
+        """After an agent restart: kill what is left of an earlier run's job of this
+        allocation in ``workdir`` (as recorded by ``start``) and forget it; True if something
+        was killed."""
+        ...
+
+
+def write_notice(request: JobRequest, deadline: float) -> None:
+    """The notice file, written atomically, that code in any process of the job can see."""
+    notice = {"deadline": deadline, "allocation_id": request.allocation_id}
+    write_job_file(request.notice_file, json.dumps(notice))
+
+
+def clear_job_files(request: JobRequest) -> None:
+    """Remove an earlier attempt's notice, acknowledgement and saved file before a start."""
+    for stale in (request.notice_file, request.ack_file, request.saved_file):
+        stale.unlink(missing_ok=True)
+
+
+def record_pid(request: JobRequest, pid: int) -> None:
+    """Record the job's host pid in its directory for ``reconcile``. The job runs already: a
+    failure to record is logged, never the start's."""
+    try:
+        write_job_file(request.workdir / PID_NAME, str(pid))
+    except OSError:
+        logger.exception("allocation %s: its pid could not be recorded", request.allocation_id)
+
+
+def checkpoint_location(
+    request: JobRequest, root: Path | None, *, seen_at: str | None = None
+) -> tuple[Path | None, str | None]:
+    """Where a job's checkpoints go: (host directory to prepare, URL the job is given).
+
+    With a checkpoint ``root``, a local URL (a path, ``file://``, relative or not: whatever
+    it names) becomes the tenant's directory under the root, seen by the job at ``seen_at``
+    (a container's mount point) or at its host path; ``s3://`` is passed through untouched;
+    anything else is refused. Without a root (the single-tenant process runner) the tenant's
+    URL is kept as given.
+    """
+    url = request.checkpoint_url
+    if not url or root is None:
+        return None, url
+    if url.startswith("s3://"):
+        return None, url
+    if not is_local_url(url):
+        raise ValueError(f"checkpoint URL {url!r} refused: give a path or s3://bucket/prefix")
+    host = tenant_checkpoint_dir(root, request.tenant_id, request.bid_id)
+    return host, seen_at or str(host)
