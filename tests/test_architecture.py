@@ -5,6 +5,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 import prefect_spotgpu.market
 
 FORBIDDEN = (
@@ -65,3 +67,182 @@ def test_the_checkpoint_core_does_not_import_prefect():
     code = "import sys, prefect_spotgpu.checkpoint\nprint('prefect' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------- the house's rooms (issue 17)
+
+PACKAGE = MARKET.parent
+PURE_CORES = (
+    "protocol.py",
+    "economics/deadline.py",
+    "economics/schedules.py",
+    "economics/replay.py",
+    "worker/reactions.py",
+    "worker/report.py",
+    "worker/pacing.py",
+)
+"""Modules that decide without I/O frameworks: no Prefect, no HTTP, no database."""
+IMPURE = ("prefect", "httpx", "sqlalchemy", "fastapi", "starlette", "uvicorn", "requests")
+
+
+def imported_names(path: pathlib.Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+    return names
+
+
+def module_file(name: str) -> pathlib.Path | None:
+    """The source of ``prefect_spotgpu.a.b`` (module or package), if it is ours."""
+    parts = name.split(".")[1:]
+    base = PACKAGE.joinpath(*parts)
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def our_closure(path: pathlib.Path) -> dict[pathlib.Path, list[str]]:
+    """Every module of ours that ``path`` imports, directly or through ours, with its imports
+    (a package's ``__init__`` counts only when it is imported by name)."""
+    seen: dict[pathlib.Path, list[str]] = {}
+    todo = [path]
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen[current] = imported_names(current)
+        for name in seen[current]:
+            if name.split(".")[0] == "prefect_spotgpu":
+                found = module_file(name)
+                if found is not None:
+                    todo.append(found)
+    return seen
+
+
+@pytest.mark.parametrize("core", PURE_CORES)
+def test_the_pure_cores_import_no_framework_even_through_our_modules(core):
+    for path, names in our_closure(PACKAGE / core).items():
+        for name in names:
+            assert name.split(".")[0] not in IMPURE, (
+                f"{core} reaches {name} through {path.relative_to(PACKAGE)}"
+            )
+
+
+def test_the_protocol_imports_only_the_standard_library_and_the_market():
+    for name in imported_names(PACKAGE / "protocol.py"):
+        if name.split(".")[0] == "prefect_spotgpu":
+            assert name.startswith("prefect_spotgpu.market"), name
+        else:
+            assert name.split(".")[0] in sys.stdlib_module_names or name == "__future__", name
+
+
+def test_nothing_imports_the_cli():
+    cli = PACKAGE / "cli"
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if cli in path.parents:
+            continue
+        for name in imported_names(path):
+            assert not name.startswith("prefect_spotgpu.cli"), (
+                f"{path.relative_to(PACKAGE)} imports {name}: the CLI is the outermost layer"
+            )
+
+
+def test_no_module_is_much_over_500_lines():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        lines = len(path.read_text().splitlines())
+        assert lines <= 550, f"{path.relative_to(PACKAGE)} has {lines} lines: split it"
+
+
+def test_the_worker_entry_points_keep_working():
+    code = (
+        "from prefect_spotgpu.worker import SpotGPUWorker\n"
+        "import prefect_spotgpu.launch, prefect_spotgpu.cli.app\n"
+        "print(SpotGPUWorker.type)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "spot-gpu"
+
+
+def readme_layout() -> tuple[set[str], set[str]]:
+    """The README's Layout of ``src/prefect_spotgpu/``: the paths it lists as entries, and
+    every module it names (entries, and ``name.py`` mentioned in a package's description)."""
+    text = (PACKAGE.parents[1] / "README.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    entries, named, package = set(), set(), ""
+    for line in block.splitlines():
+        if not line.startswith("  ") or not line.strip():
+            if line and not line.startswith(" "):
+                package = None if not line.startswith("src/") else ""
+            continue
+        if package is None:
+            continue
+        indent = len(line) - len(line.lstrip())
+        first = line.split()[0]
+        if indent == 2:
+            package = first if first.endswith("/") else ""
+            entry = first
+        elif indent == 4:
+            entry = package + first
+        else:
+            entry = None
+        if entry and (entry.endswith(".py") or entry.endswith("/")):
+            entries.add(entry)
+        for word in line.split():
+            word = word.strip("(),;:`")
+            if word.endswith(".py"):
+                named.add(word if "/" in word else package + word)
+    return entries, named
+
+
+def test_the_readme_layout_is_the_tree():
+    entries, named = readme_layout()
+    for entry in sorted(entries):
+        assert (PACKAGE / entry).exists(), f"README Layout lists {entry}, which is not there"
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE).as_posix()
+        if path.name in ("__init__.py", "__main__.py") or "migrations" in relative:
+            continue
+        package = relative.rsplit("/", 1)[0] + "/" if "/" in relative else ""
+        depth = relative.count("/")
+        if depth >= 2:  # a subpackage's modules: its listing is enough
+            assert package.split("/")[0] + "/" + package.split("/")[1] + "/" in entries or (
+                relative in named
+            ), f"README Layout does not list {relative}"
+            continue
+        assert relative in named, f"README Layout does not name {relative}"
+
+
+ARROWS = {
+    "market": {"market"},
+    "protocol": {"market"},
+    "api_client": set(),
+    "economics": {"market", "protocol"},
+    "checkpoint": {"protocol"},
+    "agent": {"market", "protocol", "checkpoint", "api_client"},
+    "service": {"market", "protocol", "economics"},
+    "worker": {"market", "protocol", "economics", "blocks", "api_client", "checkpoint"},
+    "blocks": {"api_client", "checkpoint", "protocol"},
+    "launch": {"protocol", "checkpoint"},
+    "deploy": {"worker", "economics", "market"},
+}
+"""What each room of ours may import of ours (DESIGN §2: the arrows point one way). The worker
+and the agent reach the service over HTTP only; ``cli`` (the outermost) may import anything."""
+
+
+@pytest.mark.parametrize("room", sorted(ARROWS))
+def test_the_arrows_point_one_way(room):
+    base = PACKAGE / room
+    paths = sorted(base.rglob("*.py")) if base.is_dir() else [base.with_suffix(".py")]
+    for path in paths:
+        for name in imported_names(path):
+            parts = name.split(".")
+            if parts[0] != "prefect_spotgpu" or len(parts) < 2 or parts[1] == room:
+                continue
+            assert parts[1] in ARROWS[room], (
+                f"{path.relative_to(PACKAGE)} imports {name}: {room} may use only "
+                f"{sorted(ARROWS[room])}"
+            )

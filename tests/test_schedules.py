@@ -81,7 +81,7 @@ def test_prefect_schedules_start_runs_as_each_window_opens(make):
 
     from prefect.server.schemas.schedules import CronSchedule, RRuleSchedule
 
-    from prefect_spotgpu.economics.schedules import night_rrule, night_schedule
+    from prefect_spotgpu.deploy import night_rrule, night_schedule
 
     client_side = (
         night_schedule("Europe/Berlin") if make == "cron" else night_rrule("Europe/Berlin")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from prefect_spotgpu.economics.schedules import NIGHT_CRON, NIGHT_RRULE, zone
 from prefect_spotgpu.market.gpus import DEFAULT_CATALOG
 from prefect_spotgpu.worker.config import SpotGPUVariables
 
@@ -49,3 +50,18 @@ def spot_job_variables(**variables: Any) -> dict[str, Any]:
         variables["gpu_model"] = DEFAULT_CATALOG.normalize(variables["gpu_model"])
     SpotGPUVariables(**variables)  # a bad value: pydantic's ValidationError, naming the field
     return variables
+
+
+def night_schedule(tz: str = "UTC"):
+    """A Prefect cron schedule that starts a run as each cheap window opens, in ``tz``; pair
+    it with the ``cheap_window_only`` job variable so the run also stops when it closes."""
+    from prefect.client.schemas.schedules import CronSchedule
+
+    return CronSchedule(cron=NIGHT_CRON, timezone=zone(tz).key)
+
+
+def night_rrule(tz: str = "UTC"):
+    """The same as :func:`night_schedule`, as a Prefect RRule schedule."""
+    from prefect.client.schemas.schedules import RRuleSchedule
+
+    return RRuleSchedule(rrule=NIGHT_RRULE, timezone=zone(tz).key)

@@ -80,18 +80,3 @@ def aware(value: datetime) -> datetime:
 NIGHT_CRON = "0 18 * * 1-5"
 """A run at each opening of the cheap window: 18:00 on weekdays (Friday's spans the weekend)."""
 NIGHT_RRULE = "FREQ=WEEKLY;BYDAY=MO,TU,WE,TH,FR;BYHOUR=18;BYMINUTE=0;BYSECOND=0"
-
-
-def night_schedule(tz: str = "UTC"):
-    """A Prefect cron schedule that starts a run as each cheap window opens, in ``tz``; pair
-    it with the ``cheap_window_only`` job variable so the run also stops when it closes."""
-    from prefect.client.schemas.schedules import CronSchedule
-
-    return CronSchedule(cron=NIGHT_CRON, timezone=zone(tz).key)
-
-
-def night_rrule(tz: str = "UTC"):
-    """The same as :func:`night_schedule`, as a Prefect RRule schedule."""
-    from prefect.client.schemas.schedules import RRuleSchedule
-
-    return RRuleSchedule(rrule=NIGHT_RRULE, timezone=zone(tz).key)
