@@ -25,6 +25,7 @@ from market_checks import (
 from prefect_spotgpu.market import (
     AllocationStatus,
     Bid,
+    EndReason,
     Interval,
     Market,
     MarketConfig,
@@ -100,6 +101,7 @@ class ExactBook:
             self.owed[c.allocation_id] = self.owed.get(c.allocation_id, Fraction(0)) + owed
             self.paid[c.allocation_id] = self.paid.get(c.allocation_id, 0) + c.amount
         self.ended.update(e.allocation_id for e in endings)
+        assert all(type(e.reason) is EndReason for e in endings), endings
         for alloc_id, owed in self.owed.items():
             paid = self.paid[alloc_id]
             if alloc_id in self.ended:

@@ -1,21 +1,22 @@
-"""Allocation bookkeeping: create, notice, migrate, end; the node and bid indexes.
+"""The life of an allocation: create, notice, migrate, promote, end (a part of ``Market``).
 
 Allocation rows change status only through ``_new_alloc``, ``_notice``, ``_try_promote`` and
 ``_end``, which keep the per-node GPU counters, the per-pool aggregates and the bid links
-consistent with the rows."""
+consistent with the rows. Every ending names its ``EndReason``. Reads and writes the state
+declared in :mod:`prefect_spotgpu.market.index`; calls ``_final_charge`` (pricing.py).
+"""
 
 from __future__ import annotations
 
 import math
 from heapq import heappop, heappush
 
-import numpy as np
-
 from prefect_spotgpu.market.decision import (
     Ending,
     Notice,
     PlacementKind,
 )
+from prefect_spotgpu.market.index import MarketIndex
 from prefect_spotgpu.market.tables import (
     ACTIVE,
     KIND_CODES,
@@ -30,13 +31,14 @@ from prefect_spotgpu.market.tables import (
 )
 from prefect_spotgpu.market.types import (
     Allocation,
+    EndReason,
     NodeState,
     NoticeReason,
 )
 
 
-class AllocationsMixin:
-    """Part of :class:`prefect_spotgpu.market.engine.Market` (split for size)."""
+class AllocationsMixin(MarketIndex):
+    """The allocation changes of :class:`prefect_spotgpu.market.engine.Market`."""
 
     # ------------------------------------------------------------------ allocations
 
@@ -116,42 +118,6 @@ class AllocationsMixin:
         self._refresh_free(nrow)
         return arow
 
-    def _alloc_row_of(self, alloc_id: int) -> int | None:
-        row = self._alloc_row.get(alloc_id)
-        if row is None:
-            for first, end, first_row in self._alloc_blocks:
-                if first <= alloc_id < end:
-                    return first_row + alloc_id - first
-        return row
-
-    def _bid_alloc_rows(self, brow: int) -> list[int]:
-        """Active allocation rows of a bid, by allocation id."""
-        rows = [int(r) for r in (self.b.run[brow], self.b.res[brow]) if r >= 0]
-        return sorted(rows, key=lambda r: int(self.a.id[r]))
-
-    def _node_allocs(self, nrow: int) -> list[int]:
-        """Active allocation rows on a node, by allocation id."""
-        a = self.a
-        if self._csr is None or self._extra_count > 65536:
-            n = a.n
-            active = np.flatnonzero(a.status[:n] < PREEMPTED)
-            rows = active[np.argsort(a.node[active], kind="stable")]
-            starts = np.searchsorted(a.node[rows], np.arange(len(self.n_id) + 1))
-            self._csr, self._node_extra, self._extra_count = (rows, starts), {}, 0
-        rows, starts = self._csr
-        found = rows[starts[nrow] : starts[nrow + 1]].tolist() if nrow + 1 < len(starts) else []
-        found.extend(self._node_extra.get(nrow, ()))
-        return sorted((r for r in found if a.status[r] < PREEMPTED), key=lambda r: int(a.id[r]))
-
-    def _track_window(self, arow: int, running: bool) -> None:
-        window = int(self.b.window[self.a.bid[arow]])
-        if window >= 0:
-            allocs = self._window_allocs.setdefault(window, set())
-            if running:
-                allocs.add(arow)
-            else:
-                allocs.discard(arow)
-
     def _place(
         self, brow: int, nrow: int, kind: PlacementKind, now: float, expires: float | None = None
     ) -> int:
@@ -215,7 +181,7 @@ class AllocationsMixin:
                 deadline + self.config.reservation_grace_seconds,
             )
 
-    def _end(self, arow: int, status: int, reason: str, at: float) -> None:
+    def _end(self, arow: int, status: int, reason: EndReason, at: float) -> None:
         a = self.a
         old = int(a.status[arow])
         nrow, gpus, brow = int(a.node[arow]), int(a.gpus[arow]), int(a.bid[arow])
@@ -271,19 +237,20 @@ class AllocationsMixin:
             for arow in self._node_allocs(nrow):
                 status = a.status[arow]
                 if state is NodeState.LOST:
-                    self._end(arow, RELEASED if status == RESERVED else PREEMPTED, "node lost", now)
+                    ended = RELEASED if status == RESERVED else PREEMPTED
+                    self._end(arow, ended, EndReason.NODE_LOST, now)
                 elif state is NodeState.DRAINING and status == RESERVED:
-                    self._end(arow, RELEASED, "node draining", now)
+                    self._end(arow, RELEASED, EndReason.NODE_DRAINING, now)
                 elif state is NodeState.RECLAIMED:
                     if status == RESERVED:
-                        self._end(arow, RELEASED, "node reclaimed", now)
+                        self._end(arow, RELEASED, EndReason.NODE_RECLAIMED, now)
                     elif status == RUNNING:
                         self._notice(arow, NoticeReason.RECLAIMED, deadline, now)
                 elif self.b.price[a.bid[arow]] < self.n_reserve[nrow]:
                     if status == RUNNING:
                         self._notice(arow, NoticeReason.BELOW_RESERVE, deadline, now)
                     elif status == RESERVED:
-                        self._end(arow, RELEASED, "below reserve", now)
+                        self._end(arow, RELEASED, EndReason.BELOW_RESERVE, now)
 
     def _deadlines_due(self, now: float) -> None:
         a = self.a
@@ -293,9 +260,9 @@ class AllocationsMixin:
             status = a.status[arow]
             if status in (NOTICED, RESERVED) and a.deadline[arow] == deadline:
                 if status == NOTICED:
-                    self._end(arow, PREEMPTED, "notice deadline passed", deadline)
+                    self._end(arow, PREEMPTED, EndReason.NOTICE_DEADLINE_PASSED, deadline)
                 elif not self._try_promote(arow, now):  # late tick: start it if it can
-                    self._end(arow, RELEASED, "reservation expired", deadline)
+                    self._end(arow, RELEASED, EndReason.RESERVATION_EXPIRED, deadline)
 
     def _windows_closing(self, now: float) -> None:
         a = self.a
@@ -306,13 +273,6 @@ class AllocationsMixin:
             deadline = max(interval.end, now) if interval.start <= now else now
             for arow in sorted(self._window_allocs[window], key=lambda r: a.id[r]):
                 self._notice(arow, NoticeReason.WINDOW_CLOSING, deadline, now)
-
-    def _window_open(self, window: int, now: float) -> bool:
-        """Whether a bid with this window may start now (not within a notice of its close)."""
-        if window < 0:
-            return True
-        interval = self._windows[window]
-        return interval.start <= now and interval.end - now > self.config.notice_seconds
 
     def _promote(self, now: float) -> None:
         for arow in sorted(self._reserved, key=lambda r: self.a.id[r]):

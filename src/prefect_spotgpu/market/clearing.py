@@ -1,4 +1,9 @@
-"""The clearing loop: free fits, bulk admission, claims on noticed GPUs, evictions (DESIGN §3)."""
+"""The clearing loop: free fits, bulk admission, claims on noticed GPUs, evictions (DESIGN §3).
+
+A part of ``Market``: reads and writes the state declared in
+:mod:`prefect_spotgpu.market.index`; places and notices through ``_place`` and ``_notice``
+(allocations.py), except the bulk admission, which writes its allocation rows at once.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +12,9 @@ from heapq import heappop, heappush
 
 import numpy as np
 
-from prefect_spotgpu.market.book import (
-    ROW_BITS,
-    ROW_MASK,
-    Book,
-    PoolCapacity,
-    priority_order,
-)
-from prefect_spotgpu.market.decision import (
-    PlacementKind,
-)
+from prefect_spotgpu.market.book import ROW_BITS, Book, priority_order
+from prefect_spotgpu.market.decision import PlacementKind
+from prefect_spotgpu.market.index import MarketIndex
 from prefect_spotgpu.market.tables import (
     ACTIVE,
     KIND_CODES,
@@ -30,8 +28,8 @@ from prefect_spotgpu.market.types import (
 )
 
 
-class ClearingMixin:
-    """Part of :class:`prefect_spotgpu.market.engine.Market` (split for size)."""
+class ClearingMixin(MarketIndex):
+    """The clearing of :class:`prefect_spotgpu.market.engine.Market`, one GPU model at a time."""
 
     # ------------------------------------------------------------------ clearing
 
@@ -42,33 +40,6 @@ class ClearingMixin:
         model, region = int(b.model[brow]), int(b.region[brow])
         pools = self._model_pools[model] if region < 0 else [self._pool_index.get((model, region))]
         return int(b.gpus[brow]), float(b.price[brow]), pools
-
-    def _free_fit(self, brow: int) -> int | None:
-        """The node row a bid would take among free GPUs now, or None."""
-        b = self.b
-        size, price, model, region = (
-            int(b.gpus[brow]),
-            float(b.price[brow]),
-            int(b.model[brow]),
-            int(b.region[brow]),
-        )
-        if region >= 0:
-            p = self._pool_index.get((model, region))
-            if p is None:
-                return None
-            found = self._fit(self._pools[p].capacity, size, price)
-            return None if found is None else found[-1] & ROW_MASK
-        best = None
-        for p in self._model_pools[model]:
-            found = self._fit(self._pools[p].capacity, size, price)
-            if found is not None and (best is None or found < best):
-                best = found
-        return None if best is None else best[-1] & ROW_MASK
-
-    def _fit(self, capacity: PoolCapacity, size: int, price: float):
-        if self._policy.name == "best-fit":
-            return capacity.best_fit(size, price, self.n_free, self.n_reserve)
-        return capacity.first_fit(size, price, self.n_free, self.n_reserve)
 
     def _clear_model(self, model: int, now: float) -> None:
         b = self.b

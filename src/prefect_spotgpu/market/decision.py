@@ -12,7 +12,7 @@ from enum import StrEnum
 
 import numpy as np
 
-from prefect_spotgpu.market.types import AllocationStatus, Capacity, NoticeReason
+from prefect_spotgpu.market.types import AllocationStatus, Capacity, EndReason, NoticeReason
 
 
 class PlacementKind(StrEnum):
@@ -96,7 +96,7 @@ class Ending:
     bid_id: int
     node_id: int
     status: AllocationStatus
-    reason: str
+    reason: EndReason
     at: float
     previous: AllocationStatus
     """The status it ended from."""

@@ -26,7 +26,10 @@ The rule, per tick and per GPU model (pools of a model share its "any region" bi
    price that was in force, and takes the new price.
 
 ``Market`` is the only mutable object in ``market/``: an in-memory index changed only through
-its methods; it reads no clock and does no I/O.
+its methods; it reads no clock and does no I/O. Its state is declared in ``index.py``
+(``MarketIndex``); the rules above live in its parts, ``allocations.py`` (step 1 and every
+allocation change), ``clearing.py`` (step 2) and ``pricing.py`` (steps 3 and 4). This module
+holds its public methods: building, nodes, bids, external endings, the tick and the views.
 """
 
 from __future__ import annotations
@@ -37,20 +40,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from prefect_spotgpu.market.allocations import AllocationsMixin
-from prefect_spotgpu.market.book import (
-    MAX_NODES,
-    ROW_BITS,
-    Book,
-    priority_order,
-)
+from prefect_spotgpu.market.book import MAX_NODES, priority_order
 from prefect_spotgpu.market.clearing import ClearingMixin
-from prefect_spotgpu.market.decision import (
-    Charges,
-    Decision,
-    Ending,
-)
+from prefect_spotgpu.market.decision import Charges, Decision, Ending
 from prefect_spotgpu.market.gpus import DEFAULT_CATALOG
-from prefect_spotgpu.market.policies import get_packing_policy
 from prefect_spotgpu.market.pricing import PricingMixin
 from prefect_spotgpu.market.tables import (
     FINISHED,
@@ -62,8 +55,6 @@ from prefect_spotgpu.market.tables import (
     RUNNING,
     STATUSES,
     WAITING,
-    Columns,
-    Pool,
     TickOut,
 )
 from prefect_spotgpu.market.types import (
@@ -73,16 +64,19 @@ from prefect_spotgpu.market.types import (
     Allocation,
     AllocationStatus,
     Bid,
-    Capacity,
-    Interval,
-    MarketConfig,
+    EndReason,
     MarketState,
     Node,
-    NodeState,
     check_price,
     check_region,
     check_time,
 )
+
+_ENDED_AS = {  # why an allocation ended from outside the tick, by the status it ends in
+    AllocationStatus.PREEMPTED: EndReason.ENDED_PREEMPTED,
+    AllocationStatus.FINISHED: EndReason.ENDED_FINISHED,
+    AllocationStatus.RELEASED: EndReason.ENDED_RELEASED,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +90,9 @@ class Settlement:
 class Market(AllocationsMixin, ClearingMixin, PricingMixin):
     """The market's order book and allocations, cleared by :meth:`tick`.
 
+    ``Market(config, next_allocation_id=1)`` is an empty market (its state is declared by
+    :class:`~prefect_spotgpu.market.index.MarketIndex`); :meth:`from_state` fills one.
+
     >>> m = Market()
     >>> m.upsert_node(Node(1, "A100-80G", "eu-west", 8, reserve_price=0.9))
     >>> m.add_bid(Bid(1, "a100 80g", 4, 1.2, region="eu-west"))
@@ -105,86 +102,6 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
     >>> d.quote("A100-80G", "eu-west").clearing_price
     0.9
     """
-
-    def __init__(self, config: MarketConfig | None = None, *, next_allocation_id: int = 1) -> None:
-        self.config = config or MarketConfig()
-        self._policy = get_packing_policy(self.config.packing)
-        self._next_alloc_id = next_allocation_id
-        self._now = -math.inf
-        self._tick = 0
-        self._out = TickOut()
-        # interning
-        self._models: list[str] = []  # a model id is one (gpu model, capacity) pair
-        self._model_capacity: list[Capacity] = []
-        self._model_index: dict[tuple[str, Capacity], int] = {}
-        self._regions: list[str] = []
-        self._region_index: dict[str, int] = {}
-        self._windows: list[Interval] = []
-        self._window_index: dict[Interval, int] = {}
-        self._pools: list[Pool] = []
-        self._pool_index: dict[tuple[int, int], int] = {}
-        self._model_pools: dict[int, list[int]] = {}  # sorted by region name
-        self._books: list[Book] = []
-        self._book_index: dict[tuple[int, int, int, int], int] = {}
-        self._model_books: dict[int, list[int]] = {}
-        # nodes (python lists: scalar access in the hot loop)
-        self._node_row: dict[int, int] = {}
-        self.n_id: list[int] = []
-        self.n_pool: list[int] = []
-        self.n_cap: list[int] = []
-        self.n_reserve: list[float] = []
-        self.n_state: list[NodeState] = []
-        self.n_running: list[int] = []
-        self.n_noticed: list[int] = []
-        self.n_reserved: list[int] = []
-        self.n_res_mig: list[int] = []  # of n_reserved: migration reservations (on free GPUs)
-        self.n_free: list[int] = []
-        self._csr: tuple[np.ndarray, np.ndarray] | None = None  # node -> alloc rows index
-        self._node_extra: dict[int, list[int]] = {}  # alloc rows added since the index
-        self._extra_count = 0
-        self._n_reserve_np: np.ndarray | None = None
-        self._suspect_nodes: set[int] = set()
-        # bids
-        self.b = Columns(
-            id=np.int64,
-            model=np.int32,
-            region=np.int32,
-            gpus=np.int32,
-            price=np.float64,
-            created=np.float64,
-            window=np.int32,
-            deadline=np.float64,
-            tenant=np.int64,
-            status=np.int8,
-            epoch=np.int64,
-            book=np.int32,
-            run=np.int64,
-            res=np.int64,
-        )
-        self._bid_row: dict[int, int] = {}
-        # allocations
-        self.a = Columns(
-            id=np.int64,
-            bid=np.int64,
-            node=np.int64,
-            pool=np.int32,
-            gpus=np.int32,
-            status=np.int8,
-            price=np.float64,
-            charged=np.float64,
-            carry=np.int64,  # below one micro, owed into the next charge (market/money.py)
-            started=np.float64,
-            deadline=np.float64,
-            reason=np.int8,
-            mig=np.int8,
-            tick=np.int64,
-        )
-        self._alloc_row: dict[int, int] = {}
-        self._alloc_blocks: list[tuple[int, int, int]] = []  # (first id, end id, first row)
-        self._deadlines: list[tuple[float, int, int]] = []
-        self._reserved: set[int] = set()
-        self._window_allocs: dict[int, set[int]] = {}
-        self._noticed_outbid: set[int] = set()
 
     # ------------------------------------------------------------------ building
 
@@ -213,42 +130,6 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
         """Re-sort every book (after a bulk rebuild; ticks compact as they go)."""
         self._compact_books(force=True)
 
-    def _intern_model(self, name: str, capacity: Capacity = Capacity.SPOT) -> int:
-        """The model id of ``name`` sold as ``capacity``: spot and on-demand GPUs of one model
-        are different models to the clearing, so neither kind is ever placed on the other."""
-        i = self._model_index.get((name, capacity))
-        if i is None:
-            i = self._model_index[(name, capacity)] = len(self._models)
-            self._models.append(name)
-            self._model_capacity.append(capacity)
-            self._model_pools[i] = []
-            self._model_books[i] = []
-        return i
-
-    def _intern_region(self, name: str) -> int:
-        i = self._region_index.get(name)
-        if i is None:
-            i = self._region_index[name] = len(self._regions)
-            self._regions.append(name)
-        return i
-
-    def _pool_for(self, model: int, region: int) -> Pool:
-        i = self._pool_index.get((model, region))
-        if i is None:
-            i = self._pool_index[(model, region)] = len(self._pools)
-            self._pools.append(Pool(i, model, region))
-            pools = self._model_pools[model]
-            pools.append(i)
-            pools.sort(key=lambda p: self._regions[self._pools[p].region])
-        return self._pools[i]
-
-    def _known_region(self, region: str) -> bool:
-        if self.config.open_regions:
-            return True
-        if self.config.regions is not None:
-            return region in self.config.regions
-        return region in self._region_index
-
     # ------------------------------------------------------------------ nodes
 
     def upsert_node(self, node: Node) -> None:
@@ -257,26 +138,7 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
         if row is None:
             if len(self.n_id) >= MAX_NODES:
                 raise ValueError(f"a market holds at most {MAX_NODES} nodes")
-            model = self._intern_model(node.gpu_model, node.capacity)
-            region = self._intern_region(node.region)
-            pool = self._pool_for(model, region)
-            row = self._node_row[node.id] = len(self.n_id)
-            self.n_id.append(node.id)
-            self.n_pool.append(pool.index)
-            self.n_cap.append(node.gpu_count)
-            self.n_reserve.append(node.reserve_price)
-            self.n_state.append(node.state)
-            self.n_running.append(0)
-            self.n_noticed.append(0)
-            self.n_reserved.append(0)
-            self.n_res_mig.append(0)
-            self.n_free.append(-1)
-            self._n_reserve_np = None
-            pool.nodes.append(row)
-            pool.live = None
-            if len(pool.nodes) > 1 and self.n_id[pool.nodes[-2]] > node.id:
-                pool.nodes.sort(key=self.n_id.__getitem__)
-            self._refresh_free(row)
+            self._add_node_row(node)
             return
         pool = self._pools[self.n_pool[row]]
         if (
@@ -296,42 +158,7 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
         self._suspect_nodes.add(row)
         self._refresh_free(row, force=True)
 
-    def _refresh_free(self, row: int, force: bool = False) -> None:
-        """Recompute a node's free GPUs: not running, not noticed, not promised.
-
-        Migration reservations sit on GPUs that were free; takeover reservations on GPUs that
-        noticed allocations will free (plus free ones when those are not enough), hence
-        ``cap - running - migrations - max(noticed, takeovers)``.
-        """
-        if self.n_state[row].offers_capacity():
-            migrating = self.n_res_mig[row]
-            free = (
-                self.n_cap[row]
-                - self.n_running[row]
-                - migrating
-                - max(self.n_noticed[row], self.n_reserved[row] - migrating)
-            )
-        else:
-            free = -1
-        old = self.n_free[row]
-        if free != old or force:
-            self.n_free[row] = free
-            self._pools[self.n_pool[row]].free += max(free, 0) - max(old, 0)
-            if free > 0:
-                self._pools[self.n_pool[row]].capacity.push(
-                    (self.n_id[row] << ROW_BITS) | row, self.n_reserve[row], free
-                )
-
     # ------------------------------------------------------------------ bids
-
-    def _book_for(self, model: int, region: int, size: int, window: int) -> Book:
-        key = (model, region, size, window)
-        i = self._book_index.get(key)
-        if i is None:
-            i = self._book_index[key] = len(self._books)
-            self._books.append(Book(i, model, region, size, window))
-            self._model_books[model].append(i)
-        return self._books[i]
 
     def add_bid(self, bid: Bid) -> None:
         """Add an open bid to the book (it waits until a tick places it)."""
@@ -440,12 +267,6 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
             order = priority_order(b.price[merged], b.created[merged], b.id[merged])
             book.reset(merged[order], b.epoch[merged[order]])
 
-    def _bid_row_of(self, bid_id: int) -> int:
-        row = self._bid_row.get(bid_id)
-        if row is None or self.b.status[row] == GONE:
-            raise KeyError(f"bid {bid_id} is not open in the market")
-        return row
-
     def reprice_bid(self, bid_id: int, max_price: float) -> None:
         """Change a bid's maximum price; it keeps its age (and its GPUs, if it runs)."""
         price = check_price("max_price", max_price)
@@ -473,7 +294,8 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
         try:
             for arow in self._bid_alloc_rows(row):
                 status = RELEASED if self.a.status[arow] == RESERVED else FINISHED
-                self._end(arow, status, "bid cancelled", max(at, float(self.a.charged[arow])))
+                ended = max(at, float(self.a.charged[arow]))
+                self._end(arow, status, EndReason.BID_CANCELLED, ended)
             self._close_bid(row)
             return self._settlement()
         finally:
@@ -506,7 +328,7 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
             self._end(
                 arow,
                 STATUSES.index(status),
-                f"ended: {status.value}",
+                _ENDED_AS[status],
                 max(at, float(self.a.charged[arow])),
             )
             if status is AllocationStatus.FINISHED:
@@ -515,7 +337,7 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
                     self._end(
                         other,
                         RELEASED if self.a.status[other] == RESERVED else FINISHED,
-                        "bid finished",
+                        EndReason.BID_FINISHED,
                         max(at, float(self.a.charged[other])),
                     )
                 self._close_bid(bid_row)
@@ -525,21 +347,6 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
 
     def _settlement(self) -> Settlement:
         return Settlement(tuple(self._out.endings), self._final_charges())
-
-    def _close_bid(self, row: int) -> None:
-        b = self.b
-        if b.status[row] == WAITING:
-            self._books[b.book[row]].count -= 1
-        b.status[row] = GONE
-        del self._bid_row[int(b.id[row])]
-
-    def _to_waiting(self, row: int) -> None:
-        b = self.b
-        b.status[row] = WAITING
-        b.epoch[row] += 1
-        self._books[b.book[row]].insert(
-            (-float(b.price[row]), float(b.created[row]), int(b.id[row])), row, int(b.epoch[row])
-        )
 
     # ------------------------------------------------------------------ the tick
 
@@ -574,22 +381,6 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
             charges,
             quotes,
         )
-
-    def _compact_books(self, force: bool = False) -> None:
-        b = self.b
-        for book in self._books:
-            if force or book.needs_compaction():
-                rows = book.live_rows(b.status, b.epoch, WAITING)
-                order = priority_order(b.price[rows], b.created[rows], b.id[rows])
-                book.reset(rows[order], b.epoch[rows[order]])
-        for pool in self._pools:
-            if pool.capacity.entries > 4 * len(pool.nodes) + 64:
-                live = [r for r in pool.nodes if self.n_free[r] > 0]
-                pool.capacity.rebuild(
-                    [(self.n_id[r] << ROW_BITS) | r for r in live],
-                    [self.n_reserve[r] for r in live],
-                    [self.n_free[r] for r in live],
-                )
 
     # ------------------------------------------------------------------ views
 

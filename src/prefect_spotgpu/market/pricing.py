@@ -1,4 +1,8 @@
-"""Pool quotes (the uniform clearing price) and per-second charges."""
+"""Pool quotes (the uniform clearing price) and per-second charges (a part of ``Market``).
+
+Reads the state declared in :mod:`prefect_spotgpu.market.index`; writes only the allocations'
+price in force, charged-until time and carry, and the tick's final charges.
+"""
 
 from __future__ import annotations
 
@@ -10,28 +14,16 @@ from prefect_spotgpu.market.decision import (
     Charges,
     PoolQuote,
 )
+from prefect_spotgpu.market.index import MarketIndex
 from prefect_spotgpu.market.money import charges as owed
 from prefect_spotgpu.market.money import elapsed_ms
-from prefect_spotgpu.market.tables import (
-    NOTICED,
-    RUNNING,
-    WAITING,
-    Pool,
-)
+from prefect_spotgpu.market.tables import NOTICED, RUNNING, WAITING
 
 
-class PricingMixin:
-    """Part of :class:`prefect_spotgpu.market.engine.Market` (split for size)."""
+class PricingMixin(MarketIndex):
+    """The prices and charges of :class:`prefect_spotgpu.market.engine.Market`."""
 
     # ------------------------------------------------------------------ prices and charges
-
-    def _live(self, pool: Pool) -> list[int]:
-        if pool.live is None:
-            live = pool.live = [r for r in pool.nodes if self.n_state[r].offers_capacity()]
-            pool.max_cap = max((self.n_cap[r] for r in live), default=0)
-            pool.total = sum(self.n_cap[r] for r in live)
-            pool.min_reserve = min((self.n_reserve[r] for r in live), default=None)
-        return pool.live
 
     def _quotes(self, now: float) -> tuple[tuple[PoolQuote, ...], np.ndarray]:
         b, a = self.b, self.a

@@ -17,7 +17,6 @@ STATUSES = tuple(AllocationStatus)
 RESERVED, RUNNING, NOTICED, PREEMPTED, FINISHED, RELEASED = range(6)
 REASONS = tuple(NoticeReason)
 KIND_CODES = {k: i for i, k in enumerate(PlacementKind)}
-SECONDS_PER_HOUR = 3600.0
 
 
 class Columns:
@@ -77,7 +76,7 @@ class TickOut:
     notices: list[Notice] = field(default_factory=list)
     endings: list[Ending] = field(default_factory=list)
     promotions: list[int] = field(default_factory=list)
-    final_charges: list[tuple[int, int, int, int, float, float]] = field(default_factory=list)
+    final_charges: list[tuple[int, int, int, int, float, int, int]] = field(default_factory=list)
     chunks: list[tuple[np.ndarray, ...]] = field(default_factory=list)
 
     def add_chunk(self, *columns: np.ndarray) -> None:

@@ -1,0 +1,359 @@
+"""The state the parts of :class:`~prefect_spotgpu.market.engine.Market` share, declared once.
+
+``MarketIndex`` holds every attribute of a market — interned names, pools and books, the node
+lists, the bid and allocation columns, the deadline heap, the tick's output — and the small
+operations that keep them consistent or read them (free GPUs of a node, a bid's row, the
+allocations on a node, the fit of a bid among free GPUs). It decides nothing.
+
+The parts of the market each subclass it and use only what it declares:
+
+- ``allocations.py`` (``AllocationsMixin``): create, notice, promote and end allocations;
+- ``clearing.py`` (``ClearingMixin``): the clearing loop, which places and evicts;
+- ``pricing.py`` (``PricingMixin``): quotes and charges.
+
+The three methods one part calls in another are declared at the end of the class, with the
+part that defines them. Rows are appended and never moved; a bid's row is ``GONE`` once it has
+left the book, an allocation's row keeps its terminal status.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from prefect_spotgpu.market.book import ROW_BITS, ROW_MASK, Book, PoolCapacity, priority_order
+from prefect_spotgpu.market.policies import get_packing_policy
+from prefect_spotgpu.market.tables import GONE, PREEMPTED, WAITING, Columns, Pool, TickOut
+from prefect_spotgpu.market.types import Capacity, Interval, MarketConfig, Node, NodeState
+
+if TYPE_CHECKING:
+    from prefect_spotgpu.market.decision import PlacementKind
+    from prefect_spotgpu.market.types import NoticeReason
+
+
+class MarketIndex:
+    """A market's in-memory state (see the module docstring for who changes what)."""
+
+    def __init__(self, config: MarketConfig | None = None, *, next_allocation_id: int = 1) -> None:
+        self.config = config or MarketConfig()
+        self._policy = get_packing_policy(self.config.packing)
+        self._next_alloc_id = next_allocation_id  # ids are never reused
+        self._now = -math.inf  # the last tick's time: ticks never go backwards
+        self._tick = 0  # the tick's number: allocations placed in it are no incumbents yet
+        self._out = TickOut()  # what this tick (or this cancel, this ack) decided so far
+        # interning: names become small ints; pools are (model, region), books are (model,
+        # region or -1 for any, GPU count, window or -1) of waiting bids
+        self._models: list[str] = []  # a model id is one (gpu model, capacity) pair
+        self._model_capacity: list[Capacity] = []
+        self._model_index: dict[tuple[str, Capacity], int] = {}
+        self._regions: list[str] = []
+        self._region_index: dict[str, int] = {}
+        self._windows: list[Interval] = []
+        self._window_index: dict[Interval, int] = {}
+        self._pools: list[Pool] = []
+        self._pool_index: dict[tuple[int, int], int] = {}
+        self._model_pools: dict[int, list[int]] = {}  # sorted by region name
+        self._books: list[Book] = []
+        self._book_index: dict[tuple[int, int, int, int], int] = {}
+        self._model_books: dict[int, list[int]] = {}
+        # nodes, one row each by registration order (python lists: scalar access in the hot
+        # loop); GPU counters are kept by the allocation changes, n_free by _refresh_free
+        self._node_row: dict[int, int] = {}  # node id -> row
+        self.n_id: list[int] = []
+        self.n_pool: list[int] = []
+        self.n_cap: list[int] = []
+        self.n_reserve: list[float] = []
+        self.n_state: list[NodeState] = []
+        self.n_running: list[int] = []
+        self.n_noticed: list[int] = []
+        self.n_reserved: list[int] = []
+        self.n_res_mig: list[int] = []  # of n_reserved: migration reservations (on free GPUs)
+        self.n_free: list[int] = []  # -1: offers no capacity (not live)
+        self._csr: tuple[np.ndarray, np.ndarray] | None = None  # node -> alloc rows index
+        self._node_extra: dict[int, list[int]] = {}  # alloc rows added since the index
+        self._extra_count = 0
+        self._n_reserve_np: np.ndarray | None = None  # n_reserve as an array (None: stale)
+        self._suspect_nodes: set[int] = set()  # rows to re-check next tick (state, reserve)
+        # bids, one row each (status GONE / WAITING / ACTIVE, from tables.py); epoch counts
+        # the bid's book entries (an older entry is stale); run and res: its allocation rows
+        self.b = Columns(
+            id=np.int64,
+            model=np.int32,
+            region=np.int32,
+            gpus=np.int32,
+            price=np.float64,
+            created=np.float64,
+            window=np.int32,
+            deadline=np.float64,
+            tenant=np.int64,
+            status=np.int8,
+            epoch=np.int64,
+            book=np.int32,
+            run=np.int64,
+            res=np.int64,
+        )
+        self._bid_row: dict[int, int] = {}  # id -> row of an open bid
+        # allocations, one row each (status: an AllocationStatus code, from tables.py); reason:
+        # the notice reason; mig: a migration reservation; tick: the tick that placed it
+        self.a = Columns(
+            id=np.int64,
+            bid=np.int64,
+            node=np.int64,
+            pool=np.int32,
+            gpus=np.int32,
+            status=np.int8,
+            price=np.float64,
+            charged=np.float64,
+            carry=np.int64,  # below one micro, owed into the next charge (market/money.py)
+            started=np.float64,
+            deadline=np.float64,
+            reason=np.int8,
+            mig=np.int8,
+            tick=np.int64,
+        )
+        self._alloc_row: dict[int, int] = {}  # id -> row, except those placed in bulk:
+        self._alloc_blocks: list[tuple[int, int, int]] = []  # (first id, end id, first row)
+        self._deadlines: list[tuple[float, int, int]] = []  # heap of (deadline, id, row)
+        self._reserved: set[int] = set()  # rows of RESERVED allocations
+        self._window_allocs: dict[int, set[int]] = {}  # window -> rows running in it
+        self._noticed_outbid: set[int] = set()  # rows NOTICED as outbid (they bid in quotes)
+
+    # ------------------------------------------------------------------ interning
+
+    def _intern_model(self, name: str, capacity: Capacity = Capacity.SPOT) -> int:
+        """The model id of ``name`` sold as ``capacity``: spot and on-demand GPUs of one model
+        are different models to the clearing, so neither kind is ever placed on the other."""
+        i = self._model_index.get((name, capacity))
+        if i is None:
+            i = self._model_index[(name, capacity)] = len(self._models)
+            self._models.append(name)
+            self._model_capacity.append(capacity)
+            self._model_pools[i] = []
+            self._model_books[i] = []
+        return i
+
+    def _intern_region(self, name: str) -> int:
+        i = self._region_index.get(name)
+        if i is None:
+            i = self._region_index[name] = len(self._regions)
+            self._regions.append(name)
+        return i
+
+    def _pool_for(self, model: int, region: int) -> Pool:
+        i = self._pool_index.get((model, region))
+        if i is None:
+            i = self._pool_index[(model, region)] = len(self._pools)
+            self._pools.append(Pool(i, model, region))
+            pools = self._model_pools[model]
+            pools.append(i)
+            pools.sort(key=lambda p: self._regions[self._pools[p].region])
+        return self._pools[i]
+
+    def _known_region(self, region: str) -> bool:
+        if self.config.open_regions:
+            return True
+        if self.config.regions is not None:
+            return region in self.config.regions
+        return region in self._region_index
+
+    def _book_for(self, model: int, region: int, size: int, window: int) -> Book:
+        key = (model, region, size, window)
+        i = self._book_index.get(key)
+        if i is None:
+            i = self._book_index[key] = len(self._books)
+            self._books.append(Book(i, model, region, size, window))
+            self._model_books[model].append(i)
+        return self._books[i]
+
+    # ------------------------------------------------------------------ nodes and capacity
+
+    def _add_node_row(self, node: Node) -> None:
+        """Register a new node: a row in every node list, in its pool (kept by node id)."""
+        model = self._intern_model(node.gpu_model, node.capacity)
+        region = self._intern_region(node.region)
+        pool = self._pool_for(model, region)
+        row = self._node_row[node.id] = len(self.n_id)
+        self.n_id.append(node.id)
+        self.n_pool.append(pool.index)
+        self.n_cap.append(node.gpu_count)
+        self.n_reserve.append(node.reserve_price)
+        self.n_state.append(node.state)
+        self.n_running.append(0)
+        self.n_noticed.append(0)
+        self.n_reserved.append(0)
+        self.n_res_mig.append(0)
+        self.n_free.append(-1)
+        self._n_reserve_np = None
+        pool.nodes.append(row)
+        pool.live = None
+        if len(pool.nodes) > 1 and self.n_id[pool.nodes[-2]] > node.id:
+            pool.nodes.sort(key=self.n_id.__getitem__)
+        self._refresh_free(row)
+
+    def _refresh_free(self, row: int, force: bool = False) -> None:
+        """Recompute a node's free GPUs: not running, not noticed, not promised.
+
+        Migration reservations sit on GPUs that were free; takeover reservations on GPUs that
+        noticed allocations will free (plus free ones when those are not enough), hence
+        ``cap - running - migrations - max(noticed, takeovers)``.
+        """
+        if self.n_state[row].offers_capacity():
+            migrating = self.n_res_mig[row]
+            free = (
+                self.n_cap[row]
+                - self.n_running[row]
+                - migrating
+                - max(self.n_noticed[row], self.n_reserved[row] - migrating)
+            )
+        else:
+            free = -1
+        old = self.n_free[row]
+        if free != old or force:
+            self.n_free[row] = free
+            self._pools[self.n_pool[row]].free += max(free, 0) - max(old, 0)
+            if free > 0:
+                self._pools[self.n_pool[row]].capacity.push(
+                    (self.n_id[row] << ROW_BITS) | row, self.n_reserve[row], free
+                )
+
+    def _live(self, pool: Pool) -> list[int]:
+        """A pool's live node rows, and its largest node, GPUs and lowest reserve among them
+        (kept until a node of the pool changes)."""
+        if pool.live is None:
+            live = pool.live = [r for r in pool.nodes if self.n_state[r].offers_capacity()]
+            pool.max_cap = max((self.n_cap[r] for r in live), default=0)
+            pool.total = sum(self.n_cap[r] for r in live)
+            pool.min_reserve = min((self.n_reserve[r] for r in live), default=None)
+        return pool.live
+
+    def _free_fit(self, brow: int) -> int | None:
+        """The node row a bid would take among free GPUs now, or None."""
+        b = self.b
+        size, price, model, region = (
+            int(b.gpus[brow]),
+            float(b.price[brow]),
+            int(b.model[brow]),
+            int(b.region[brow]),
+        )
+        if region >= 0:
+            p = self._pool_index.get((model, region))
+            if p is None:
+                return None
+            found = self._fit(self._pools[p].capacity, size, price)
+            return None if found is None else found[-1] & ROW_MASK
+        best = None
+        for p in self._model_pools[model]:
+            found = self._fit(self._pools[p].capacity, size, price)
+            if found is not None and (best is None or found < best):
+                best = found
+        return None if best is None else best[-1] & ROW_MASK
+
+    def _fit(self, capacity: PoolCapacity, size: int, price: float):
+        if self._policy.name == "best-fit":
+            return capacity.best_fit(size, price, self.n_free, self.n_reserve)
+        return capacity.first_fit(size, price, self.n_free, self.n_reserve)
+
+    # ------------------------------------------------------------------ bid and allocation rows
+
+    def _bid_row_of(self, bid_id: int) -> int:
+        row = self._bid_row.get(bid_id)
+        if row is None or self.b.status[row] == GONE:
+            raise KeyError(f"bid {bid_id} is not open in the market")
+        return row
+
+    def _close_bid(self, row: int) -> None:
+        b = self.b
+        if b.status[row] == WAITING:
+            self._books[b.book[row]].count -= 1
+        b.status[row] = GONE
+        del self._bid_row[int(b.id[row])]
+
+    def _to_waiting(self, row: int) -> None:
+        b = self.b
+        b.status[row] = WAITING
+        b.epoch[row] += 1
+        self._books[b.book[row]].insert(
+            (-float(b.price[row]), float(b.created[row]), int(b.id[row])), row, int(b.epoch[row])
+        )
+
+    def _alloc_row_of(self, alloc_id: int) -> int | None:
+        row = self._alloc_row.get(alloc_id)
+        if row is None:
+            for first, end, first_row in self._alloc_blocks:
+                if first <= alloc_id < end:
+                    return first_row + alloc_id - first
+        return row
+
+    def _bid_alloc_rows(self, brow: int) -> list[int]:
+        """Active allocation rows of a bid, by allocation id."""
+        rows = [int(r) for r in (self.b.run[brow], self.b.res[brow]) if r >= 0]
+        return sorted(rows, key=lambda r: int(self.a.id[r]))
+
+    def _node_allocs(self, nrow: int) -> list[int]:
+        """Active allocation rows on a node, by allocation id."""
+        a = self.a
+        if self._csr is None or self._extra_count > 65536:
+            n = a.n
+            active = np.flatnonzero(a.status[:n] < PREEMPTED)
+            rows = active[np.argsort(a.node[active], kind="stable")]
+            starts = np.searchsorted(a.node[rows], np.arange(len(self.n_id) + 1))
+            self._csr, self._node_extra, self._extra_count = (rows, starts), {}, 0
+        rows, starts = self._csr
+        found = rows[starts[nrow] : starts[nrow + 1]].tolist() if nrow + 1 < len(starts) else []
+        found.extend(self._node_extra.get(nrow, ()))
+        return sorted((r for r in found if a.status[r] < PREEMPTED), key=lambda r: int(a.id[r]))
+
+    def _track_window(self, arow: int, running: bool) -> None:
+        window = int(self.b.window[self.a.bid[arow]])
+        if window >= 0:
+            allocs = self._window_allocs.setdefault(window, set())
+            if running:
+                allocs.add(arow)
+            else:
+                allocs.discard(arow)
+
+    def _window_open(self, window: int, now: float) -> bool:
+        """Whether a bid with this window may start now (not within a notice of its close)."""
+        if window < 0:
+            return True
+        interval = self._windows[window]
+        return interval.start <= now and interval.end - now > self.config.notice_seconds
+
+    # ------------------------------------------------------------------ books
+
+    def _compact_books(self, force: bool = False) -> None:
+        b = self.b
+        for book in self._books:
+            if force or book.needs_compaction():
+                rows = book.live_rows(b.status, b.epoch, WAITING)
+                order = priority_order(b.price[rows], b.created[rows], b.id[rows])
+                book.reset(rows[order], b.epoch[rows[order]])
+        for pool in self._pools:
+            if pool.capacity.entries > 4 * len(pool.nodes) + 64:
+                live = [r for r in pool.nodes if self.n_free[r] > 0]
+                pool.capacity.rebuild(
+                    [(self.n_id[r] << ROW_BITS) | r for r in live],
+                    [self.n_reserve[r] for r in live],
+                    [self.n_free[r] for r in live],
+                )
+
+    # ------------------------------------------------------------------ between the parts
+
+    if TYPE_CHECKING:  # what one part calls in another (all of them make up a Market)
+
+        def _place(  # allocations.py
+            self,
+            brow: int,
+            nrow: int,
+            kind: PlacementKind,
+            now: float,
+            expires: float | None = None,
+        ) -> int: ...
+
+        def _notice(  # allocations.py
+            self, arow: int, reason: NoticeReason, deadline: float, now: float
+        ) -> None: ...
+
+        def _final_charge(self, arow: int, at: float) -> None: ...  # pricing.py
