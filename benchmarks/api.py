@@ -319,7 +319,8 @@ def profile(kind: str) -> dict:
             # the route's own work, in this thread: auth lookup, validation, insert, commit
             from fastapi import Response
 
-            from prefect_spotgpu.service import api, roles, schemas
+            from prefect_spotgpu.service import roles, schemas
+            from prefect_spotgpu.service.routes import bids
 
             sessions = app.state.sessions
             prof = cProfile.Profile()
@@ -329,7 +330,7 @@ def profile(kind: str) -> dict:
                 data = schemas.BidCreate.model_validate(
                     {"gpu_model": "A100-80G", "gpu_count": 2, "max_price": 1.5}
                 )
-                api.create_bid(
+                bids.create_bid(
                     data=data,
                     tenant_id=tenant_id,
                     db=sessions,

@@ -113,7 +113,7 @@ def bench(kind: str, bids: int, samples: int) -> dict:
             with httpx.Client(base_url=root, timeout=60) as client:
                 reads = {name: timed(client, path, samples) for name, path in READS.items()}
                 base_ms = reads["health (baseline)"]["p50_ms"]
-                for name, figures in reads.items():
+                for figures in reads.values():
                     figures["vs_baseline"] = round(figures["p50_ms"] / base_ms, 2)
                 page = {
                     name: len(client.get(f"/dashboard{suffix}").content)

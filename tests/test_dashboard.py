@@ -17,7 +17,7 @@ import pytest
 import sqlalchemy as sa
 
 from conftest import start_service, wait_for
-from prefect_spotgpu.service import dashboard
+from prefect_spotgpu.service import hardening
 from prefect_spotgpu.service.models import NodeRow, PriceBar, Tenant
 
 CHROMIUM = os.environ.get("SPOTGPU_CHROMIUM", "/usr/bin/chromium")
@@ -433,7 +433,7 @@ def test_hostile_strings_render_as_text_and_nothing_runs(browser, hostile, tmp_p
     page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
     page.on("dialog", lambda d: (problems.append(f"dialog: {d.message}"), d.dismiss()))
     response = page.goto(hostile.base_url + "/dashboard")
-    assert response.headers["content-security-policy"] == dashboard.CSP
+    assert response.headers["content-security-policy"] == hardening.CSP
     page.wait_for_selector("#live.on")
     page.wait_for_selector("#pools tbody tr.pool")
     page.wait_for_selector("#nodes .node >> nth=2")
@@ -472,12 +472,12 @@ def test_every_response_carries_the_hardening_headers(market):
     import httpx
 
     expected = {
-        "content-security-policy": dashboard.CSP,
+        "content-security-policy": hardening.CSP,
         "x-content-type-options": "nosniff",
         "x-frame-options": "DENY",
         "referrer-policy": "no-referrer",
     }
-    assert "'unsafe-inline'" not in dashboard.CSP and "script-src 'self';" in dashboard.CSP
+    assert "'unsafe-inline'" not in hardening.CSP and "script-src 'self';" in hardening.CSP
     with httpx.Client(base_url=market.base_url, timeout=10) as client:
         for path, status in (
             ("/dashboard", 200),
@@ -496,7 +496,7 @@ def test_every_response_carries_the_hardening_headers(market):
         redirect = client.get("/")
         assert redirect.status_code in (302, 307) and redirect.headers["x-frame-options"] == "DENY"
         with client.stream("GET", "/api/v1/stream") as live:  # still streamed, event by event
-            assert live.headers["content-security-policy"] == dashboard.CSP
+            assert live.headers["content-security-policy"] == hardening.CSP
             lines = live.iter_lines()
             assert next(lines) == "event: market"
 

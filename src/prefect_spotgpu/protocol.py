@@ -81,7 +81,7 @@ HOLDING_STATUSES = (AllocationStatus.RUNNING, AllocationStatus.NOTICED)
 
 
 class ReportOutcome(StrEnum):
-    """What an agent reports of a job (``POST /nodes/{id}/allocations/{a}/report``)."""
+    """What an agent reports of a job (``POST /allocations/{allocation_id}/report``)."""
 
     CHECKPOINT = "checkpoint"
     """A durable checkpoint was written (``checkpoint_at``)."""

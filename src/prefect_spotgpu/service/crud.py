@@ -1,7 +1,11 @@
 """Data functions: keyword-only ``verb_noun(*, session, ...)``; they never commit.
 
-API writes that the tick leader must see (bids, nodes, reports, credits) also write a
-``market_changes`` row in the same transaction (an outbox), so nothing accepted is lost.
+Tenants and keys, nodes, bids, and reads of allocations, events and prices. API writes that the
+tick leader must see (bids, nodes, reports, credits) also record a change in the
+``market_changes`` outbox (:func:`~prefect_spotgpu.service.outbox.record_change`) in the same
+transaction, so nothing accepted is lost. Nothing here writes an allocation row: the tick
+leader does, through ``gate``. The ledger (credits), the sealing of job environments and an
+agent's reports have modules of their own; the routes call them as ``crud.<name>`` too.
 """
 
 from __future__ import annotations
@@ -11,27 +15,33 @@ import secrets
 from datetime import UTC, datetime
 
 import httpcore
-from sqlalchemy import func, select, update
+from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from prefect_spotgpu.market import AllocationStatus
+from prefect_spotgpu.market import NodeState
+from prefect_spotgpu.protocol import LIVE_BID_STATUSES, AllocationStatus, BidStatus, Capacity
 from prefect_spotgpu.service import schemas, webhooks
 from prefect_spotgpu.service.errors import Conflict, Forbidden, Invalid, NotFound
+from prefect_spotgpu.service.ledger import CreditKind, add_credit, credit_hold_reason
+from prefect_spotgpu.service.ledger import ledger_entries as ledger_entries
 from prefect_spotgpu.service.models import (
     AllocationRow,
     ApiKey,
     BidRow,
     EventRow,
-    LedgerEntry,
-    MarketChange,
-    NodeReport,
     NodeRow,
     PriceBar,
     Tenant,
     WebhookDelivery,
 )
-from prefect_spotgpu.service.sealing import Sealer
+from prefect_spotgpu.service.outbox import Entity, record_change
+from prefect_spotgpu.service.reports import audit_report as audit_report
+from prefect_spotgpu.service.reports import report_allocation as report_allocation
+from prefect_spotgpu.service.sealing import Sealer, seal_job
+from prefect_spotgpu.service.sealing import check_sealing_key as check_sealing_key
+from prefect_spotgpu.service.sealing import job_for_node as job_for_node
+from prefect_spotgpu.service.sealing import seal_plaintext_jobs as seal_plaintext_jobs
 
 ACTIVE = tuple(s.value for s in AllocationStatus.active_statuses())
 
@@ -46,16 +56,6 @@ def hash_secret(secret: str) -> str:
 
 def new_secret(prefix: str) -> str:
     return f"{prefix}_{secrets.token_urlsafe(24)}"
-
-
-def record_change(
-    *, session: Session, entity: str, entity_id: int, op: str, data: dict | None = None
-) -> None:
-    session.add(MarketChange(entity=entity, entity_id=entity_id, op=op, data=data))
-
-
-OUT_OF_CREDIT = "out of credit"
-"""How the hold reason of a bid held for its tenant's balance begins."""
 
 
 # ---------------------------------------------------------------- tenants and keys
@@ -80,7 +80,7 @@ def create_tenant(
             session=session,
             tenant_id=tenant.id,
             amount=starting_credit,
-            kind="starting_credit",
+            kind=CreditKind.STARTING,
             reason="starting credit for a new tenant",
             now=now,
         )
@@ -120,10 +120,10 @@ def set_provider(*, session: Session, tenant: Tenant, provider: bool) -> Tenant:
     tenant.provider = provider
     if not provider:
         for node in session.scalars(
-            select(NodeRow).where(NodeRow.owner_id == tenant.id, NodeRow.state == "live")
+            select(NodeRow).where(NodeRow.owner_id == tenant.id, NodeRow.state == NodeState.LIVE)
         ):
-            node.state = "draining"
-            record_change(session=session, entity="node", entity_id=node.id, op="upsert")
+            node.state = NodeState.DRAINING.value
+            record_change(session=session, entity=Entity.NODE, entity_id=node.id, op="upsert")
     return tenant
 
 
@@ -132,33 +132,6 @@ def get_tenant(*, session: Session, tenant_id: int) -> Tenant:
     if tenant is None:
         raise NotFound(f"tenant {tenant_id} not found")
     return tenant
-
-
-def add_credit(
-    *,
-    session: Session,
-    tenant_id: int,
-    amount: int,
-    kind: str,
-    reason: str,
-    now: datetime,
-    allocation_id: int | None = None,
-) -> LedgerEntry:
-    tenant = session.get(Tenant, tenant_id, with_for_update=True)
-    if tenant is None:
-        raise NotFound(f"tenant {tenant_id} not found")
-    tenant.credits_micros += amount  # micros: exactly the sum of its entries
-    entry = LedgerEntry(
-        tenant_id=tenant_id,
-        kind=kind,
-        amount_micros=amount,
-        allocation_id=allocation_id,
-        reason=reason,
-        created_at=now,
-    )
-    session.add(entry)
-    record_change(session=session, entity="tenant", entity_id=tenant_id, op="credit")
-    return entry
 
 
 # ---------------------------------------------------------------- nodes
@@ -183,7 +156,7 @@ def register_node(
         gpu_count=data.gpu_count,
         reserve_price=data.reserve_price,
         capacity=data.capacity,
-        state="live",
+        state=NodeState.LIVE.value,
         token_hash=hash_secret(token),
         declared=data.declared,
         inventory=None
@@ -199,7 +172,7 @@ def register_node(
             session.flush()
     except IntegrityError:  # a concurrent request took the name first
         raise Conflict(f"you already have a node named {data.name!r}", field="name") from None
-    record_change(session=session, entity="node", entity_id=node.id, op="upsert")
+    record_change(session=session, entity=Entity.NODE, entity_id=node.id, op="upsert")
     return node, token
 
 
@@ -236,11 +209,12 @@ def heartbeat_node(
     node.last_heartbeat_at = now
     if telemetry is not None:
         node.telemetry = telemetry
-    if node.state == "lost":  # the agent is back: it offers its GPUs again, empty
+    if node.state == NodeState.LOST:  # the agent is back: it offers its GPUs again, empty
         owner = session.get(Tenant, node.owner_id)
         # ... unless its owner is no longer a provider: then it takes no new work
-        node.state = "live" if owner is not None and owner.provider else "draining"
-        record_change(session=session, entity="node", entity_id=node.id, op="upsert")
+        offers = owner is not None and owner.provider
+        node.state = (NodeState.LIVE if offers else NodeState.DRAINING).value
+        record_change(session=session, entity=Entity.NODE, entity_id=node.id, op="upsert")
     return node
 
 
@@ -249,11 +223,11 @@ def update_node(
 ) -> NodeRow:
     """Change a node's reserve or state. A former provider (``provider`` False) may still
     drain or reclaim its nodes, never offer them again or reprice them."""
-    if not provider and (data.reserve_price is not None or data.state == "live"):
+    if not provider and (data.reserve_price is not None or data.state == NodeState.LIVE):
         raise Forbidden(
             "only a provider may offer a node or set its reserve: the operator grants that role"
         )
-    if data.reserve_price is not None and node.capacity == "on_demand":
+    if data.reserve_price is not None and node.capacity == Capacity.ON_DEMAND:
         raise Conflict(
             f"node {node.id} sells on-demand capacity at the on-demand price: "
             "its reserve_price cannot change",
@@ -263,7 +237,7 @@ def update_node(
         node.state = data.state
     if data.reserve_price is not None:
         node.reserve_price = data.reserve_price
-    record_change(session=session, entity="node", entity_id=node.id, op="upsert")
+    record_change(session=session, entity=Entity.NODE, entity_id=node.id, op="upsert")
     return node
 
 
@@ -280,9 +254,7 @@ def create_bid(
     fields = data.model_dump(exclude={"idempotency_key"})
     job = fields.pop("job", None)
     if job is not None:
-        env = job.pop("env", None) or {}
-        fields["job"] = {**job, "env_names": sorted(env)}
-        fields["job_env_sealed"] = sealer.seal(env) if env else None
+        fields["job"], fields["job_env_sealed"] = seal_job(job, sealer)
     if data.idempotency_key is not None:
         existing = session.scalar(
             select(BidRow).where(
@@ -293,10 +265,10 @@ def create_bid(
             _same_bid_or_conflict(existing, fields)
             return existing, False
     tenant = session.get(Tenant, tenant_id)
-    status, reason = "open", None
+    status, reason = BidStatus.OPEN.value, None
     if tenant is not None and tenant.balance_micros <= 0:
-        status = "held"
-        reason = f"{OUT_OF_CREDIT}: balance {tenant.balance:.4f}"
+        status = BidStatus.HELD.value
+        reason = credit_hold_reason(tenant.balance_micros)
     bid = BidRow(
         tenant_id=tenant_id,
         idempotency_key=data.idempotency_key,
@@ -324,7 +296,7 @@ def create_bid(
                 raise
             _same_bid_or_conflict(existing, fields)
             return existing, False
-    record_change(session=session, entity="bid", entity_id=bid.id, op="create")
+    record_change(session=session, entity=Entity.BID, entity_id=bid.id, op="create")
     return bid, True
 
 
@@ -335,34 +307,6 @@ def _same_bid_or_conflict(existing: BidRow, fields: dict) -> None:
                 f"idempotency_key was used for bid {existing.id} with a different {name}",
                 field="idempotency_key",
             )
-
-
-def job_for_node(*, bid: BidRow, sealer: Sealer) -> dict | None:
-    """The bid's job with its environment opened: only for the agent of a node that holds
-    an active allocation of the bid (the caller checks that)."""
-    if bid.job is None:
-        return None
-    job = {k: v for k, v in bid.job.items() if k != "env_names"}
-    if bid.job_env_sealed:
-        job["env"] = sealer.open(bid.job_env_sealed)
-    else:  # written in the clear by a replica that predates sealing (until it is sealed)
-        job["env"] = dict(bid.job.get("env") or {})
-    return job
-
-
-def seal_plaintext_jobs(*, session: Session, sealer: Sealer) -> int:
-    """Seal the job environments written in the clear before sealing existed (once, at
-    start); how many bids were sealed."""
-    sealed = 0
-    unsealed = select(BidRow).where(BidRow.job.is_not(None), BidRow.job_env_sealed.is_(None))
-    for bid in session.scalars(unsealed.execution_options(yield_per=1000)):
-        if "env" in (bid.job or {}):
-            job = dict(bid.job)
-            env = job.pop("env") or {}
-            bid.job = {**job, "env_names": sorted(env)}
-            bid.job_env_sealed = sealer.seal(env) if env else None
-            sealed += 1
-    return sealed
 
 
 def get_bid(*, session: Session, tenant_id: int, bid_id: int) -> BidRow:
@@ -386,9 +330,9 @@ def list_bids(
 
 
 def reprice_bid(*, session: Session, bid: BidRow, max_price: float, now: datetime) -> BidRow:
-    if bid.status not in ("open", "held"):
+    if bid.status not in LIVE_BID_STATUSES:
         raise Conflict(f"bid {bid.id} is {bid.status}: it cannot be repriced")
-    if bid.capacity == "on_demand":
+    if bid.capacity == Capacity.ON_DEMAND:
         raise Conflict(
             f"bid {bid.id} buys on-demand capacity at the on-demand price: it cannot be repriced",
             field="max_price",
@@ -396,18 +340,26 @@ def reprice_bid(*, session: Session, bid: BidRow, max_price: float, now: datetim
     bid.max_price = max_price
     bid.updated_at = now
     record_change(
-        session=session, entity="bid", entity_id=bid.id, op="reprice", data={"max_price": max_price}
+        session=session,
+        entity=Entity.BID,
+        entity_id=bid.id,
+        op="reprice",
+        data={"max_price": max_price},
     )
     return bid
 
 
 def cancel_bid(*, session: Session, bid: BidRow, now: datetime) -> BidRow:
-    if bid.status in ("cancelled", "finished"):
+    if bid.status in (BidStatus.CANCELLED, BidStatus.FINISHED):
         return bid
-    bid.status = "cancelled"
+    bid.status = BidStatus.CANCELLED.value
     bid.updated_at = now
     record_change(
-        session=session, entity="bid", entity_id=bid.id, op="cancel", data={"at": now.timestamp()}
+        session=session,
+        entity=Entity.BID,
+        entity_id=bid.id,
+        op="cancel",
+        data={"at": now.timestamp()},
     )
     return bid
 
@@ -458,86 +410,7 @@ def page_allocations(
     return list(session.scalars(query.order_by(AllocationRow.id.desc()).limit(limit)))
 
 
-def report_allocation(
-    *,
-    session: Session,
-    node_id: int,
-    allocation_id: int,
-    report: schemas.AllocationReport,
-    now: datetime,
-) -> AllocationRow:
-    """Check what the node's agent says about its allocation (its own allocation, in its
-    current epoch) and pass it to the tick leader through the outbox, which records it."""
-    alloc = session.get(AllocationRow, allocation_id)
-    if alloc is None or alloc.node_id != node_id:
-        raise NotFound(f"allocation {allocation_id} is not on this node")
-    if report.epoch != alloc.epoch:
-        raise Conflict(
-            f"stale epoch {report.epoch}: allocation {allocation_id} is at epoch {alloc.epoch} "
-            f"({alloc.status})",
-            field="epoch",
-        )
-    if AllocationStatus(alloc.status).is_terminal():
-        raise Conflict(f"allocation {allocation_id} already ended ({alloc.status})")
-    if report.outcome in ("checkpoint", "saved") and report.checkpoint_at is None:
-        raise Invalid(f"outcome {report.outcome!r} needs checkpoint_at", field="checkpoint_at")
-    if report.checkpoint_at is not None and report.checkpoint_at > now.timestamp() + 60:
-        raise Invalid("checkpoint_at is in the future", field="checkpoint_at")
-    if report.checkpoint_at is not None and report.checkpoint_at < alloc.started_at - 60:
-        raise Invalid("checkpoint_at is before the allocation started", field="checkpoint_at")
-    record_change(
-        session=session,
-        entity="allocation",
-        entity_id=alloc.id,
-        op=report.outcome,
-        data={
-            "at": now.timestamp(),
-            "epoch": alloc.epoch,
-            "checkpoint_at": report.checkpoint_at,
-            "cause": report.cause,
-        },
-    )
-    return alloc
-
-
-def audit_report(
-    *,
-    session: Session,
-    node_id: int,
-    allocation_id: int,
-    report: schemas.AllocationReport,
-    status_code: int,
-    detail: str | None,
-    now: datetime,
-) -> None:
-    """Keep a node's report, whatever the API answered it."""
-    session.add(
-        NodeReport(
-            node_id=node_id,
-            allocation_id=allocation_id,
-            epoch=report.epoch,
-            outcome=report.outcome,
-            cause=report.cause,
-            checkpoint_at=report.checkpoint_at,
-            step=report.step,
-            status_code=status_code,
-            detail=None if detail is None else detail[:500],
-            created_at=now,
-        )
-    )
-
-
-def node_reports(*, session: Session, allocation_id: int) -> list[NodeReport]:
-    return list(
-        session.scalars(
-            select(NodeReport)
-            .where(NodeReport.allocation_id == allocation_id)
-            .order_by(NodeReport.id)
-        )
-    )
-
-
-# ---------------------------------------------------------------- events, prices, ledger
+# ---------------------------------------------------------------- events, prices, webhooks
 
 
 def events_after(
@@ -559,10 +432,6 @@ def events_after(
     return list(session.scalars(query))
 
 
-def last_event_id(*, session: Session) -> int:
-    return session.scalar(select(func.max(EventRow.id))) or 0
-
-
 def price_bars(
     *, session: Session, gpu_model: str, region: str, since_minute: int, until_minute: int
 ) -> list[PriceBar]:
@@ -578,16 +447,6 @@ def price_bars(
             .order_by(PriceBar.minute)
         )
     )
-
-
-def ledger_entries(
-    *, session: Session, tenant_id: int, limit: int, before_id: int | None
-) -> list[LedgerEntry]:
-    """A page of the tenant's ledger entries, newest first, older than ``before_id``."""
-    query = select(LedgerEntry).where(LedgerEntry.tenant_id == tenant_id)
-    if before_id is not None:
-        query = query.where(LedgerEntry.id < before_id)
-    return list(session.scalars(query.order_by(LedgerEntry.id.desc()).limit(limit)))
 
 
 def set_webhook(
@@ -619,19 +478,6 @@ def list_deliveries(*, session: Session, tenant_id: int, limit: int = 200) -> li
             .limit(limit)
         )
     )
-
-
-def check_sealing_key(*, session: Session, sealer: Sealer) -> None:
-    """Refuse a key that cannot open what this market has sealed (a replica started with a
-    home of its own, hence a key of its own, beside replicas that share one)."""
-    sample = session.scalar(
-        select(BidRow.job_env_sealed)
-        .where(BidRow.job_env_sealed.is_not(None))
-        .order_by(BidRow.id.desc())
-        .limit(1)
-    )
-    if sample is not None:
-        sealer.open(sample)  # SealError: the wrong key
 
 
 # ---------------------------------------------------------------- webhook helpers

@@ -1,17 +1,20 @@
-"""The one gate for allocation rows: every insert and status change goes through here.
+"""The one gate for allocation rows: every write to one goes through here, by the tick leader.
 
-Allocation status is changed only through :func:`set_allocation_status`, by the tick leader,
-as a compare-and-set (``UPDATE ... WHERE id = :id AND status = :expected``) that also bumps the
-allocation's epoch: agents and workers send ``(allocation id, epoch)`` with every report, and a
-stale epoch is refused (the fencing token). The rules are plain data, checked before any write.
+Allocation status is changed only through :func:`set_allocation_status`, as a compare-and-set
+(``UPDATE ... WHERE id = :id AND status = :expected``) that also bumps the allocation's epoch:
+agents and workers send ``(allocation id, epoch)`` with every report, and a stale epoch is
+refused (the fencing token). The rules are plain data, checked before any write. The other
+columns are written here too: new rows (:func:`create_allocations`), charges
+(:func:`add_charges`), a durable checkpoint (:func:`record_checkpoint`) and the outcome of the
+final save (:func:`record_final_save`). The API only reads allocation rows.
 """
 
 from __future__ import annotations
 
-from sqlalchemy import Row, insert, update
+from sqlalchemy import Row, bindparam, insert, update
 from sqlalchemy.orm import Session
 
-from prefect_spotgpu.market import AllocationStatus
+from prefect_spotgpu.protocol import AllocationStatus, ReportOutcome
 from prefect_spotgpu.service.errors import Conflict, TransitionRejected
 from prefect_spotgpu.service.models import AllocationRow
 
@@ -92,3 +95,55 @@ def set_allocation_status(
             f"allocation {allocation_id} is no longer {expected.value}; its status changed"
         )
     return row
+
+
+def add_charges(*, session: Session, rows: list[dict]) -> None:
+    """Add accrued charges to allocations (one executemany per kind of row).
+
+    Each row is ``b_id``, ``b_amount`` (micros), ``b_seconds``, and ``b_price``, ``b_until``,
+    ``b_carry``. Running allocations also get their price in force, ``charged_until`` and
+    ``charge_carry`` (written together, so a restarted leader bills from exactly there); those
+    that ended this tick (``b_price`` None) keep what their ending wrote.
+    """
+    table = AllocationRow.__table__
+    running = [r for r in rows if r["b_price"] is not None]
+    ended = [
+        {k: r[k] for k in ("b_id", "b_amount", "b_seconds")} for r in rows if r["b_price"] is None
+    ]
+    added = {
+        "charged_micros": table.c.charged_micros + bindparam("b_amount"),
+        "charged_seconds": table.c.charged_seconds + bindparam("b_seconds"),
+    }
+    if running:
+        session.execute(
+            table.update()
+            .where(table.c.id == bindparam("b_id"))
+            .values(
+                **added,
+                price=bindparam("b_price"),
+                charged_until=bindparam("b_until"),
+                charge_carry=bindparam("b_carry"),
+            ),
+            running,
+        )
+    if ended:
+        session.execute(
+            table.update().where(table.c.id == bindparam("b_id")).values(**added), ended
+        )
+
+
+def record_checkpoint(*, alloc: AllocationRow, checkpoint_at: float, paid_micros: int) -> None:
+    """A durable checkpoint at ``checkpoint_at``, when it is newer than the last one: what the
+    allocation had paid by now (``paid_micros``) is no longer at risk (compensation never
+    covers work that was saved). An older checkpoint changes nothing."""
+    if checkpoint_at > (alloc.last_checkpoint_at or 0.0):
+        alloc.last_checkpoint_at = checkpoint_at
+        alloc.paid_at_checkpoint_micros = paid_micros
+
+
+FINAL_SAVES = {ReportOutcome.SAVED: "ok", ReportOutcome.SAVE_FAILED: "failed"}
+"""An allocation's ``final_save`` after each final-save report of its agent."""
+
+
+def record_final_save(*, alloc: AllocationRow, outcome: ReportOutcome) -> None:
+    alloc.final_save = FINAL_SAVES[outcome]

@@ -38,16 +38,16 @@ from prometheus_client.exposition import generate_latest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from prefect_spotgpu.market import NoticeReason
+from prefect_spotgpu.protocol import LIVE_BID_STATUSES, NoticeReason
+from prefect_spotgpu.service.gate import FINAL_SAVES
 from prefect_spotgpu.service.models import BidRow, PoolQuoteRow
 
 logger = logging.getLogger("prefect_spotgpu.service.metrics")
 
 PATH = "/metrics"
 POOL_LABELS = ("gpu_model", "region", "capacity")
-LIVE_BID_STATUSES = ("open", "held")
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
-SAVE_OUTCOMES = {"saved": "ok", "save_failed": "failed"}  # report outcome -> final_save
+DELIVERY_OUTCOMES = ("ok", "failed")
 TICK_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 HTTP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -91,8 +91,9 @@ class ServiceMetrics:
         )
         for reason in NoticeReason:  # every series exists from the start, at zero
             self.notices.labels(reason=reason.value)
-        for outcome in ("ok", "failed"):
+        for outcome in FINAL_SAVES.values():
             self.final_saves.labels(outcome=outcome)
+        for outcome in DELIVERY_OUTCOMES:
             self.webhook_deliveries.labels(outcome=outcome)
         if sessions is not None:
             self.registry.register(MarketState(sessions))
@@ -103,8 +104,8 @@ class ServiceMetrics:
         for notice in notices:
             self.notices.labels(reason=notice.reason.value).inc()
         for outcome in reports:
-            if outcome in SAVE_OUTCOMES:
-                self.final_saves.labels(outcome=SAVE_OUTCOMES[outcome]).inc()
+            if outcome in FINAL_SAVES:  # the final_save it wrote
+                self.final_saves.labels(outcome=FINAL_SAVES[outcome]).inc()
 
     def observe_delivery(self, ok: bool) -> None:
         self.webhook_deliveries.labels(outcome="ok" if ok else "failed").inc()
@@ -140,7 +141,7 @@ class MarketState:
                 bids = dict(
                     session.execute(
                         select(BidRow.status, func.count())
-                        .where(BidRow.status.in_(LIVE_BID_STATUSES))
+                        .where(BidRow.status.in_([s.value for s in LIVE_BID_STATUSES]))
                         .group_by(BidRow.status)
                     ).all()
                 )
@@ -173,7 +174,7 @@ class MarketState:
         )
         if bids is not None:
             for status in LIVE_BID_STATUSES:
-                family.add_metric([status], bids.get(status, 0))
+                family.add_metric([status.value], bids.get(status.value, 0))
         yield family
 
 

@@ -27,6 +27,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
+from prefect_spotgpu.economics.schedules import aware
 from prefect_spotgpu.market.money import from_micros
 
 # SQLite only auto-increments INTEGER PRIMARY KEY; PostgreSQL gets BIGINT.
@@ -45,9 +46,7 @@ class UTCDateTime(TypeDecorator):
         return None if value is None else value.astimezone(UTC)
 
     def process_result_value(self, value, dialect):
-        if value is not None and value.tzinfo is None:
-            return value.replace(tzinfo=UTC)
-        return value
+        return None if value is None else aware(value)
 
 
 class Base(DeclarativeBase):
@@ -107,7 +106,7 @@ class NodeRow(Base):
     gpu_count: Mapped[int] = mapped_column(Integer)
     reserve_price: Mapped[float] = mapped_column(Float)
     capacity: Mapped[str] = mapped_column(String(20), default="spot", server_default="spot")
-    state: Mapped[str] = mapped_column(String(20), index=True)
+    state: Mapped[str] = mapped_column(String(20), index=True)  # a market.NodeState
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     declared: Mapped[bool] = mapped_column(Boolean, default=False)
     inventory: Mapped[dict | None] = mapped_column(JSON)
@@ -132,7 +131,7 @@ class BidRow(Base):
     window_start: Mapped[datetime | None] = mapped_column(UTCDateTime)
     window_end: Mapped[datetime | None] = mapped_column(UTCDateTime)
     deadline: Mapped[datetime | None] = mapped_column(UTCDateTime)
-    status: Mapped[str] = mapped_column(String(20), index=True)  # open, held, cancelled, finished
+    status: Mapped[str] = mapped_column(String(20), index=True)  # a protocol.BidStatus
     hold_reason: Mapped[str | None] = mapped_column(String(500))
     labels: Mapped[dict | None] = mapped_column(JSON)
     job: Mapped[dict | None] = mapped_column(JSON)  # what the node agent runs, less its env
@@ -154,7 +153,7 @@ class AllocationRow(Base):
     node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id"), index=True)
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
     gpu_count: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(20), index=True)
+    status: Mapped[str] = mapped_column(String(20), index=True)  # a protocol.AllocationStatus
     epoch: Mapped[int] = mapped_column(Integer, default=1)
     kind: Mapped[str] = mapped_column(String(20))
     started_at: Mapped[float] = mapped_column(Float)
@@ -171,9 +170,9 @@ class AllocationRow(Base):
     paid_at_checkpoint_micros: Mapped[int] = mapped_column(
         BigInteger, default=0, server_default="0"
     )  # charged_micros when the last durable checkpoint was reported
-    final_save: Mapped[str | None] = mapped_column(String(20))  # ok, failed
+    final_save: Mapped[str | None] = mapped_column(String(20))  # ok, failed: gate.FINAL_SAVES
     ended_at: Mapped[float | None] = mapped_column(Float)
-    end_reason: Mapped[str | None] = mapped_column(String(200))
+    end_reason: Mapped[str | None] = mapped_column(String(200))  # a protocol.EndReason, mostly
 
     @property
     def charged_amount(self) -> float:
@@ -187,7 +186,7 @@ class LedgerEntry(Base):
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
-    kind: Mapped[str] = mapped_column(String(20))  # starting_credit, credit, compensation
+    kind: Mapped[str] = mapped_column(String(20))  # a ledger.CreditKind
     amount_micros: Mapped[int] = mapped_column(BigInteger)
     allocation_id: Mapped[int | None] = mapped_column(BigId)
     reason: Mapped[str] = mapped_column(String(500))
@@ -226,7 +225,7 @@ class EventRow(Base):
     bid_id: Mapped[int] = mapped_column(BigId, index=True)
     node_id: Mapped[int] = mapped_column(BigId, index=True)
     allocation_id: Mapped[int] = mapped_column(BigId)
-    kind: Mapped[str] = mapped_column(String(20))
+    kind: Mapped[str] = mapped_column(String(20))  # a protocol.EventKind
     payload: Mapped[dict] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
@@ -261,12 +260,12 @@ class PriceBar(Base):
 
 
 class MarketChange(Base):
-    """Outbox: API writes the tick leader must apply to its in-memory market."""
+    """Outbox: API writes the tick leader must apply to its in-memory market (``outbox``)."""
 
     __tablename__ = "market_changes"
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
-    entity: Mapped[str] = mapped_column(String(20))  # bid, node, allocation, tenant
+    entity: Mapped[str] = mapped_column(String(20))  # an outbox.Entity
     entity_id: Mapped[int] = mapped_column(BigId)
     op: Mapped[str] = mapped_column(String(20))
     data: Mapped[dict | None] = mapped_column(JSON)

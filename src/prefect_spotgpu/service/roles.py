@@ -25,11 +25,10 @@ from typing import Annotated
 from fastapi import Depends, FastAPI, Request
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine
 
-from prefect_spotgpu.service import crud
+from prefect_spotgpu.service import crud, queries
 from prefect_spotgpu.service.errors import Forbidden, Unauthorized
-from prefect_spotgpu.service.models import ApiKey, NodeRow, Tenant
 
 
 class Role(StrEnum):
@@ -166,17 +165,15 @@ def _lookup(engine: Engine, key: str) -> Caller:
     PostgreSQL): the node of a token, or the tenant of a live key."""
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
         if key.startswith("sgn_"):
-            node_id = connection.scalar(
-                select(NodeRow.id).where(NodeRow.token_hash == crud.hash_secret(key))
+            node_id = queries.find_node_by_token(
+                connection=connection, token_hash=crud.hash_secret(key)
             )
             if node_id is not None:
                 return Caller(node_id=node_id)
         else:
-            tenant = connection.execute(
-                select(Tenant.id, Tenant.provider)
-                .join(ApiKey, ApiKey.tenant_id == Tenant.id)
-                .where(ApiKey.key_hash == crud.hash_secret(key), ApiKey.revoked_at.is_(None))
-            ).first()
+            tenant = queries.find_tenant_by_key(
+                connection=connection, key_hash=crud.hash_secret(key)
+            )
             if tenant is not None:
                 return Caller(tenant_id=tenant.id, provider=bool(tenant.provider))
     raise Unauthorized("unknown or revoked API key or token")

@@ -7,6 +7,10 @@ The key comes from ``SPOTGPU_SECRET_KEY`` (a Fernet key: 32 url-safe base64-enco
 mode 0600. Every replica of a market must share the key; losing it loses the sealed
 environments of open bids (their jobs cannot start), never anything else.
 
+A bid row keeps its job's environment names in the clear (``job.env_names``) and the values
+only in ``job_env_sealed``: :func:`seal_job` makes that pair, :func:`job_for_node` opens it for
+the node's agent.
+
 Example::
 
     >>> sealer = Sealer(Fernet.generate_key().decode())
@@ -24,6 +28,10 @@ import os
 from pathlib import Path
 
 from cryptography.fernet import Fernet, InvalidToken
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from prefect_spotgpu.service.models import BidRow
 
 
 class SealError(RuntimeError):
@@ -69,3 +77,49 @@ def key_from_home(home: Path) -> str:
         finally:
             tmp.unlink()
     return path.read_text().strip()
+
+
+def seal_job(job: dict, sealer: Sealer) -> tuple[dict, str | None]:
+    """A job as a bid row keeps it: without its ``env``, with the names of its variables
+    (``env_names``); and the environment sealed (None when it has none)."""
+    job = dict(job)
+    env = job.pop("env", None) or {}
+    return {**job, "env_names": sorted(env)}, sealer.seal(env) if env else None
+
+
+def job_for_node(*, bid: BidRow, sealer: Sealer) -> dict | None:
+    """The bid's job with its environment opened: only for the agent of a node that holds
+    an active allocation of the bid (the caller checks that)."""
+    if bid.job is None:
+        return None
+    job = {k: v for k, v in bid.job.items() if k != "env_names"}
+    if bid.job_env_sealed:
+        job["env"] = sealer.open(bid.job_env_sealed)
+    else:  # written in the clear by a replica that predates sealing (until it is sealed)
+        job["env"] = dict(bid.job.get("env") or {})
+    return job
+
+
+def seal_plaintext_jobs(*, session: Session, sealer: Sealer) -> int:
+    """Seal the job environments written in the clear before sealing existed (once, at
+    start); how many bids were sealed."""
+    sealed = 0
+    unsealed = select(BidRow).where(BidRow.job.is_not(None), BidRow.job_env_sealed.is_(None))
+    for bid in session.scalars(unsealed.execution_options(yield_per=1000)):
+        if "env" in (bid.job or {}):
+            bid.job, bid.job_env_sealed = seal_job(bid.job, sealer)
+            sealed += 1
+    return sealed
+
+
+def check_sealing_key(*, session: Session, sealer: Sealer) -> None:
+    """Refuse a key that cannot open what this market has sealed (a replica started with a
+    home of its own, hence a key of its own, beside replicas that share one)."""
+    sample = session.scalar(
+        select(BidRow.job_env_sealed)
+        .where(BidRow.job_env_sealed.is_not(None))
+        .order_by(BidRow.id.desc())
+        .limit(1)
+    )
+    if sample is not None:
+        sealer.open(sample)  # SealError: the wrong key

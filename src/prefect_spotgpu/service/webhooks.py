@@ -1,14 +1,14 @@
 """Webhook deliveries: signed JSON POSTs to public destinations, retried with exponential backoff.
 
 Deliveries are rows the tick writes in the same transaction as their event (an outbox,
-``ticker._Writes.flush_events``); ``WebhookSender`` is their only sender. Its dispatcher hands
-each of ``webhook_workers`` workers one tenant's due deliveries, never two workers the same
-tenant, so a tenant's deliveries go out one at a time in event order, and a slow or hanging
-receiver holds one worker, for one attempt's deadline (``webhook_timeout_seconds``: DNS,
-connect, TLS, sending and the answer's status line together) per attempt, and delays no other
-tenant. Every attempt is claimed with a compare-and-set on ``attempts`` (two replicas never
-send the same attempt twice); its outcome, a status code or an error class and never what the
-destination answered, is written on the row the tenant reads.
+``tick_writes.TickWrites.flush_events``); ``WebhookSender`` is their only sender. Its
+dispatcher hands each of ``webhook_workers`` workers one tenant's due deliveries, never two
+workers the same tenant, so a tenant's deliveries go out one at a time in event order, and a
+slow or hanging receiver holds one worker, for one attempt's deadline
+(``webhook_timeout_seconds``: DNS, connect, TLS, sending and the answer's status line together)
+per attempt, and delays no other tenant. Every attempt is claimed with a compare-and-set on
+``attempts`` (two replicas never send the same attempt twice); its outcome, a status code or an
+error class and never what the destination answered, is written on the row the tenant reads.
 
 **Signatures** follow the Standard Webhooks specification (https://www.standardwebhooks.com):
 ``webhook-id`` (the delivery id, the same on every retry), ``webhook-timestamp`` (unix seconds of

@@ -2,8 +2,7 @@
 
 A run that states its work (``gpu_hours``) and a deadline is steered by a named bidding policy
 of ``prefect_spotgpu.economics.deadline``. The worker asks :func:`plan` when it places the
-run's bid and
-every ``PACE_SECONDS`` while it follows it; the answer is one :class:`Plan`:
+run's bid and every ``PACE_SECONDS`` while it follows it; the answer is one :class:`Plan`:
 
 - ``spot`` at a price: keep (or reprice) the spot bid to that maximum;
 - ``on_demand``: the slack can no longer absorb a restart, so the run moves to on-demand

@@ -25,6 +25,10 @@ Cancelling the flow run cancels the bid; the market stops the job. A worker that
 adopts the runs whose bids it finds open and whose worker is gone (no duplicate bid, no
 orphaned job). A worker told to stop (SIGTERM, SIGINT) leaves its runs to the next worker and
 exits within a few seconds (see ``SpotGPUWorker``).
+
+This module is the BaseWorker glue only: start, run, kill_infrastructure, adoption. Each rule
+above is decided in ``reactions`` (pure, unit-tested on plain data) and carried out by
+``attempt``; ``placement`` places and paces the bids through ``market_api``.
 """
 
 from __future__ import annotations

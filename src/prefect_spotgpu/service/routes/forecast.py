@@ -1,8 +1,8 @@
-"""Routes for price history at an hour's resolution, the price forecast and the cost estimator.
-
-Public, like the quotes: no tenant data is involved. The forecast is learnt from the pool's
-stored minute bars (``price_bars``) at each request (``market.forecast``, pure).
-"""
+"""Forecast routes, public like the quotes (no tenant data is involved): a pool's price history
+at an hour's resolution, the expected price by hour with its band and measured error, and the
+cost estimator (the expected cost and finish of some GPU-hours by a deadline). The forecast is
+learnt from the pool's stored minute bars (``price_bars``) at each request
+(``market.forecast``, pure)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ from datetime import UTC, datetime
 from typing import Annotated
 
 import numpy as np
-from fastapi import APIRouter, Path, Query
-from pydantic import Field, model_validator
-from sqlalchemy import select
+from fastapi import APIRouter, Query
 
 from prefect_spotgpu.market import DEFAULT_CATALOG
 from prefect_spotgpu.market.forecast import (
@@ -22,39 +20,14 @@ from prefect_spotgpu.market.forecast import (
     holdout_error,
     hourly_bars,
 )
+from prefect_spotgpu.service import queries, schemas
 from prefect_spotgpu.service.deps import Db
 from prefect_spotgpu.service.errors import Conflict, Invalid
-from prefect_spotgpu.service.models import PriceBar
-from prefect_spotgpu.service.schemas import GpuCount, GpuModelName, Price, Region, Strict
+from prefect_spotgpu.service.routes.params import API, ModelPath, RegionPath
 
-router = APIRouter(prefix="/api/v1", tags=["prices"])
+router = APIRouter(prefix=API, tags=["prices"])
 
 Days = Annotated[float, Query(gt=0, le=365, description="Days of history to learn from.")]
-ModelPath = Annotated[str, Path(max_length=100, description="GPU model, e.g. A100-80G.")]
-RegionPath = Annotated[str, Path(max_length=63, description="Region, or any.")]
-
-
-class EstimateRequest(Strict):
-    gpu_model: GpuModelName
-    region: Region = "any"
-    gpu_hours: float = Field(gt=0, le=1e6, allow_inf_nan=False)
-    gpus: GpuCount = 1
-    max_price: Price
-    start: datetime | None = Field(None, description="Not before (default: now).")
-    deadline: datetime
-
-    @model_validator(mode="after")
-    def _deadline_after_start(self) -> EstimateRequest:
-        for name in ("start", "deadline"):
-            value = getattr(self, name)
-            if value is not None and value.tzinfo is None:
-                raise ValueError(f"{name} needs a timezone")
-        start = self.start or datetime.now(UTC)
-        if self.deadline <= start:
-            raise ValueError("deadline must be after the start")
-        if (self.deadline - start).total_seconds() > 90 * 86400:
-            raise ValueError("deadline must be within 90 days of the start")
-        return self
 
 
 def _history(db, gpu_model: str, region: str, days: float):
@@ -64,12 +37,13 @@ def _history(db, gpu_model: str, region: str, days: float):
     except ValueError as exc:
         raise Invalid(str(exc), field="gpu_model") from None
     since = int((time.time() - days * 86400) // 60)
-    query = select(PriceBar.minute, PriceBar.open, PriceBar.high, PriceBar.low, PriceBar.close)
-    query = query.where(PriceBar.gpu_model == model, PriceBar.minute >= since)
-    if region != "any":
-        query = query.where(PriceBar.region == region)
     with db.begin() as session:
-        rows = session.execute(query.order_by(PriceBar.minute)).all()
+        rows = queries.list_minute_bars(
+            session=session,
+            gpu_model=model,
+            region=None if region == "any" else region,
+            since_minute=since,
+        )
     if not rows:
         raise Conflict(f"no price history for {model} in {region} yet")
     cols = np.array(rows, dtype=np.float64).T
@@ -134,7 +108,7 @@ def forecast(
 
 
 @router.post("/estimate", summary="Expected cost and finish of some GPU-hours by a deadline")
-def estimate_cost(data: EstimateRequest, db: Db, days: Days = 28.0):
+def estimate_cost(data: schemas.EstimateRequest, db: Db, days: Days = 28.0):
     model, bars = _history(db, data.gpu_model, data.region, days)
     fitted = HourOfWeekForecast.fit(bars["hour"] * 3600.0, bars["close"])
     start = (data.start or datetime.now(UTC)).timestamp()

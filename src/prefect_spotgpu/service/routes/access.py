@@ -15,21 +15,13 @@ Who may call each route is in ``roles.ROUTE_ROLES``.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-from typing import Annotated
-
-from fastapi import APIRouter, Path
+from fastapi import APIRouter
 
 from prefect_spotgpu.service import crud, schemas
 from prefect_spotgpu.service.deps import Authorized, CurrentTenant, Db
+from prefect_spotgpu.service.routes.params import API, Id, now
 
-Id = Annotated[int, Path(ge=1, le=2**62, description="Numeric id.")]
-
-router = APIRouter(prefix="/api/v1")
-
-
-def _now() -> datetime:
-    return datetime.now(UTC)
+router = APIRouter(prefix=API)
 
 
 @router.put(
@@ -54,7 +46,7 @@ def set_provider(tenant_id: Id, data: schemas.ProviderUpdate, _: Authorized, db:
 )
 def rotate_key(tenant_id: CurrentTenant, db: Db):
     with db.begin() as session:
-        return {"api_key": crud.replace_keys(session=session, tenant_id=tenant_id, now=_now())}
+        return {"api_key": crud.replace_keys(session=session, tenant_id=tenant_id, now=now())}
 
 
 @router.post(
@@ -67,7 +59,7 @@ def rotate_key(tenant_id: CurrentTenant, db: Db):
 def issue_key(tenant_id: Id, _: Authorized, db: Db):
     with db.begin() as session:
         crud.get_tenant(session=session, tenant_id=tenant_id)
-        return {"api_key": crud.replace_keys(session=session, tenant_id=tenant_id, now=_now())}
+        return {"api_key": crud.replace_keys(session=session, tenant_id=tenant_id, now=now())}
 
 
 @router.post(
@@ -79,7 +71,7 @@ def issue_key(tenant_id: Id, _: Authorized, db: Db):
 def revoke_keys(tenant_id: Id, _: Authorized, db: Db):
     with db.begin() as session:
         crud.get_tenant(session=session, tenant_id=tenant_id)
-        return {"revoked": crud.revoke_keys(session=session, tenant_id=tenant_id, now=_now())}
+        return {"revoked": crud.revoke_keys(session=session, tenant_id=tenant_id, now=now())}
 
 
 @router.post(
@@ -106,4 +98,4 @@ def revoke_node_token(node_id: Id, caller: Authorized, db: Db):
         owner = None if caller.admin else caller.tenant_id
         node = crud.get_node(session=session, node_id=node_id, owner_id=owner)
         crud.revoke_node_token(session=session, node=node)
-        return schemas.NodeResponse.model_validate(node, from_attributes=True)
+        return schemas.node_response(node)

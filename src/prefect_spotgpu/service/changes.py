@@ -1,0 +1,140 @@
+"""What changes the tick leader's market between two clearings: the outbox's changes, applied
+in order, and the nodes whose heartbeats stopped.
+
+Each change names a row (``outbox.Entity``); the row, read now, says what to do, so a change
+applied twice does nothing more. An agent's report (checked by the API: its own allocation, its
+current epoch) may end the allocation at once and, when the loss was the platform's,
+compensate it. Writes go through the tick's :class:`~prefect_spotgpu.service.tick_writes.
+TickWrites` (allocations through ``gate``) and the ledger.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+
+from sqlalchemy import select
+
+from prefect_spotgpu.market import NodeState
+from prefect_spotgpu.market.compensation import LossCause
+from prefect_spotgpu.protocol import (
+    LIVE_BID_STATUSES,
+    AllocationStatus,
+    BidStatus,
+    EndReason,
+    NoticeReason,
+    ReportOutcome,
+)
+from prefect_spotgpu.service import gate, ledger
+from prefect_spotgpu.service.market_rows import market_bid, market_node
+from prefect_spotgpu.service.models import AllocationRow, BidRow, MarketChange, NodeRow
+from prefect_spotgpu.service.outbox import Entity
+from prefect_spotgpu.service.tick_writes import TickWrites
+
+logger = logging.getLogger("prefect_spotgpu.service.ticker")  # the tick loop's log
+
+S = AllocationStatus
+
+
+def apply_change(writes: TickWrites, change: MarketChange, now: float) -> None:
+    market, session = writes.market, writes.session
+    if change.entity == Entity.NODE:
+        row = session.get(NodeRow, change.entity_id)
+        if row is not None:
+            try:
+                market.upsert_node(market_node(row))
+            except ValueError:
+                logger.exception("node %s cannot change that way", row.id)
+    elif change.entity == Entity.BID:
+        row = session.get(BidRow, change.entity_id)
+        if row is None:
+            return
+        if row.status == BidStatus.OPEN and not market.has_bid(row.id):
+            try:
+                market.add_bid(market_bid(row))
+            except ValueError as exc:  # e.g. a region no node offers yet: hold it
+                row.status, row.hold_reason = BidStatus.HELD.value, str(exc)
+        elif row.status == BidStatus.OPEN and market.bid_price(row.id) != row.max_price:
+            market.reprice_bid(row.id, row.max_price)
+        elif row.status in (BidStatus.CANCELLED, BidStatus.FINISHED, BidStatus.HELD) and (
+            market.has_bid(row.id)
+        ):
+            writes.settlement(
+                market.cancel_bid(row.id, now),
+                reason=EndReason.BID_CANCELLED
+                if row.status == BidStatus.CANCELLED
+                else row.hold_reason or row.status,
+            )
+    elif change.entity == Entity.ALLOCATION:
+        apply_report(writes, change, now)
+    elif change.entity == Entity.TENANT:
+        writes.refresh_tenant(change.entity_id)
+        ledger.release_credit_holds(writes, change.entity_id)
+
+
+def apply_report(writes: TickWrites, change: MarketChange, now: float) -> None:
+    """A node's report (checked by the API: its own allocation, its current epoch).
+
+    A durable checkpoint (periodic, or the final save) records what the allocation had
+    paid by then, so compensation never covers work that was saved. A failed final save,
+    or a job that ends during its notice, ends the allocation at once: GPUs freed,
+    billing stopped."""
+    market, session = writes.market, writes.session
+    alloc = session.get(AllocationRow, change.entity_id)
+    status = market.allocation_status(change.entity_id)
+    if alloc is None or status is None or status.is_terminal():
+        return
+    data = change.data or {}
+    at = min(float(data.get("at", now)), now)
+    checkpoint_at = data.get("checkpoint_at")
+    outcome = change.op
+    if outcome in (ReportOutcome.CHECKPOINT, ReportOutcome.SAVED) and checkpoint_at is not None:
+        gate.record_checkpoint(
+            alloc=alloc, checkpoint_at=checkpoint_at, paid_micros=writes.paid(alloc)
+        )
+    if outcome == ReportOutcome.SAVED and status is S.NOTICED:
+        gate.record_final_save(alloc=alloc, outcome=ReportOutcome.SAVED)
+        writes.final_saves.append(outcome)
+        writes.settlement(
+            market.end_allocation(alloc.id, S.PREEMPTED, at), reason=EndReason.SAVED_AND_STOPPED
+        )
+    elif outcome == ReportOutcome.SAVE_FAILED and status is S.NOTICED:
+        gate.record_final_save(alloc=alloc, outcome=ReportOutcome.SAVE_FAILED)
+        writes.final_saves.append(outcome)
+        cause = LossCause(data.get("cause") or LossCause.JOB)
+        in_time = alloc.deadline is None or at <= alloc.deadline
+        writes.settlement(
+            market.end_allocation(alloc.id, S.PREEMPTED, at),
+            reason=f"final save failed ({cause.value})",
+        )
+        if cause is LossCause.STORAGE and in_time:
+            writes.compensate(alloc, cause, reclaimed=alloc.notice_reason == NoticeReason.RECLAIMED)
+    elif outcome == ReportOutcome.FINISHED and status in (S.RUNNING, S.NOTICED):
+        writes.settlement(
+            market.end_allocation(alloc.id, S.FINISHED, at), reason=EndReason.JOB_FINISHED
+        )
+        bid = session.get(BidRow, alloc.bid_id)
+        if bid is not None and bid.status in LIVE_BID_STATUSES:
+            bid.status = BidStatus.FINISHED.value
+    elif outcome == ReportOutcome.FAILED and status in (S.RUNNING, S.NOTICED):
+        writes.settlement(
+            market.end_allocation(alloc.id, S.PREEMPTED, at), reason=EndReason.JOB_FAILED
+        )
+
+
+def lose_silent_nodes(writes: TickWrites, timeout_seconds: float, now: float) -> None:
+    """Mark lost the live and draining nodes that sent no heartbeat for ``timeout_seconds``
+    (the market then ends their allocations)."""
+    cutoff = datetime.fromtimestamp(now - timeout_seconds, UTC)
+    lost = writes.session.scalars(
+        select(NodeRow)
+        .where(
+            NodeRow.state.in_((NodeState.LIVE.value, NodeState.DRAINING.value)),
+            NodeRow.last_heartbeat_at < cutoff,
+        )
+        .order_by(NodeRow.id)
+    )
+    for node in lost:
+        node.state = NodeState.LOST.value
+        writes.market.upsert_node(market_node(node))
+        logger.warning("node %s missed heartbeats for %ss: lost", node.id, timeout_seconds)

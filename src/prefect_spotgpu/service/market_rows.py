@@ -1,0 +1,148 @@
+"""Database rows as ``market`` objects, and the leader's market rebuilt cold from them.
+
+The one place a row becomes a market ``Node``, ``Bid`` or ``Allocation``: the cold rebuild
+(:func:`load_market`, when a replica becomes leader or a tick failed) and the changes the
+leader applies at each tick both build them here. Reads only; nothing here writes a row.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from prefect_spotgpu.economics.schedules import aware
+from prefect_spotgpu.market import Allocation as MarketAllocation
+from prefect_spotgpu.market import (
+    AllocationStatus,
+    Bid,
+    Interval,
+    Market,
+    MarketConfig,
+    Node,
+    NodeState,
+)
+from prefect_spotgpu.protocol import BidStatus, Capacity
+from prefect_spotgpu.service.models import AllocationRow, BidRow, NodeRow
+from prefect_spotgpu.service.settings import ServiceSettings
+
+
+def market_node(row: NodeRow) -> Node:
+    """The node as the market sees it (its state as the row has it now)."""
+    return Node(
+        row.id,
+        row.gpu_model,
+        row.region,
+        row.gpu_count,
+        row.reserve_price,
+        NodeState(row.state),
+        row.capacity,
+    )
+
+
+def market_bid(row: BidRow) -> Bid:
+    window = None
+    if row.window_start is not None and row.window_end is not None:
+        window = Interval(aware(row.window_start).timestamp(), aware(row.window_end).timestamp())
+    return Bid(
+        id=row.id,
+        gpu_model=row.gpu_model,
+        gpu_count=row.gpu_count,
+        max_price=row.max_price,
+        region=row.region,
+        created_at=aware(row.created_at).timestamp(),
+        window=window,
+        deadline=aware(row.deadline).timestamp() if row.deadline else None,
+        tenant_id=row.tenant_id,
+        capacity=row.capacity,
+    )
+
+
+def market_allocation(row: AllocationRow) -> MarketAllocation:
+    return MarketAllocation(
+        id=row.id,
+        bid_id=row.bid_id,
+        node_id=row.node_id,
+        gpu_count=row.gpu_count,
+        status=AllocationStatus(row.status),
+        started_at=row.started_at,
+        charged_until=row.charged_until,
+        charge_carry=row.charge_carry,
+        price=row.price,
+        deadline=row.deadline,
+        notice_reason=row.notice_reason,
+        kind=row.kind,
+    )
+
+
+def load_market(*, session: Session, settings: ServiceSettings) -> Market:
+    """The in-memory market as the database has it (leader start, or after a failure).
+
+    Plain bids (no window, no deadline) are read as columns and bulk-loaded per pool;
+    the rest one by one. Bids that are cancelled or held but still hold GPUs are loaded
+    too: their ``market_changes`` row (still in the outbox) ends them at this tick.
+    """
+    highest = session.scalar(select(AllocationRow.id).order_by(AllocationRow.id.desc()))
+    config = MarketConfig(
+        hysteresis=settings.hysteresis,
+        notice_seconds=settings.notice_seconds,
+        open_regions=True,
+    )
+    market = Market(config, next_allocation_id=(highest or 0) + 1)
+    for node in session.scalars(select(NodeRow).order_by(NodeRow.id)):
+        market.upsert_node(market_node(node))
+    active = tuple(s.value for s in AllocationStatus.active_statuses())
+    allocs = list(
+        session.scalars(
+            select(AllocationRow).where(AllocationRow.status.in_(active)).order_by(AllocationRow.id)
+        )
+    )
+    holding = {a.bid_id for a in allocs}
+    plain = (
+        BidRow.window_start.is_(None)
+        & BidRow.deadline.is_(None)
+        & (BidRow.capacity == Capacity.SPOT.value)
+    )
+    columns = session.execute(
+        select(
+            BidRow.id,
+            BidRow.tenant_id,
+            BidRow.gpu_model,
+            BidRow.region,
+            BidRow.gpu_count,
+            BidRow.max_price,
+            BidRow.created_at,
+        )
+        .where(BidRow.status == BidStatus.OPEN, plain)
+        .order_by(BidRow.id)
+    ).all()
+    groups: dict[tuple[str, str], list] = defaultdict(list)
+    for row in columns:
+        groups[(row.gpu_model, row.region)].append(row)
+    loaded = set()
+    for (model, region), rows in sorted(groups.items()):
+        market.add_bid_arrays(
+            gpu_model=model,
+            region=region,
+            ids=np.array([r.id for r in rows], np.int64),
+            gpu_counts=np.array([r.gpu_count for r in rows], np.int64),
+            max_prices=np.array([r.max_price for r in rows], np.float64),
+            created_at=np.array([aware(r.created_at).timestamp() for r in rows]),
+            tenant_ids=np.array([r.tenant_id for r in rows], np.int64),
+        )
+        loaded.update(r.id for r in rows)
+    others = list(
+        session.scalars(
+            select(BidRow).where((BidRow.status == BidStatus.OPEN) & ~plain).order_by(BidRow.id)
+        )
+    )
+    missing = holding - loaded - {b.id for b in others}  # cancelled or held, holding GPUs
+    others += [session.get(BidRow, bid_id) for bid_id in sorted(missing)]
+    for row in sorted(others, key=lambda b: b.id):
+        market.add_bid(market_bid(row))
+    for a in allocs:
+        market.load_allocation(market_allocation(a))
+    market.compact()
+    return market

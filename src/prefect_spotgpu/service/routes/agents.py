@@ -1,0 +1,130 @@
+"""Node agent routes: an agent, with its node's token, acts only for its own node (it reads
+the node with ``GET /nodes/me``, a ``nodes`` route). It sends heartbeats with telemetry,
+reconciles against the node's active allocations (each running one with its job, environment
+opened), long-polls the node's assignments and notices, and reports checkpoints, the final
+save and the job's end. Every report, accepted or refused, is kept in the audit table
+``node_reports``."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import APIRouter, Request
+
+from prefect_spotgpu.protocol import HOLDING_STATUSES
+from prefect_spotgpu.service import crud, queries, schemas
+from prefect_spotgpu.service.deps import CurrentNode, Db
+from prefect_spotgpu.service.errors import Forbidden, ServiceError
+from prefect_spotgpu.service.models import BidRow
+from prefect_spotgpu.service.routes.long_poll import long_poll
+from prefect_spotgpu.service.routes.params import API, Cursor, Id, Wait, now
+from prefect_spotgpu.service.sealing import Sealer, SealError
+
+router = APIRouter(prefix=API, tags=["agents"])
+logger = logging.getLogger("prefect_spotgpu.service")
+
+RUNS_A_JOB = frozenset(s.value for s in HOLDING_STATUSES)
+"""The allocations whose node is given their job: running, or noticed (saving)."""
+
+
+@router.post(
+    "/nodes/{node_id}/heartbeat",
+    response_model=schemas.NodeResponse,
+    summary="The node agent's heartbeat, with telemetry",
+)
+def heartbeat(node_id: Id, data: schemas.Heartbeat, caller_node: CurrentNode, db: Db):
+    _same_node(node_id, caller_node)
+    with db.begin() as session:
+        node = crud.get_node(session=session, node_id=node_id, owner_id=None)
+        return schemas.node_response(
+            crud.heartbeat_node(
+                session=session,
+                node=node,
+                telemetry=None
+                if data.telemetry is None
+                else data.telemetry.model_dump(mode="json", exclude_none=True),
+                now=now(),
+            )
+        )
+
+
+@router.get(
+    "/nodes/{node_id}/allocations",
+    response_model=list[schemas.Assignment],
+    summary="The node's active allocations (for reconciliation)",
+)
+def node_allocations(node_id: Id, caller_node: CurrentNode, db: Db, request: Request):
+    """A job, its environment opened, goes only to the node that holds a running (or noticed)
+    allocation of its bid, while it holds it; a reserved allocation shows no job yet."""
+    _same_node(node_id, caller_node)
+    sealer = request.app.state.sealer
+    with db.begin() as session:
+        allocations = crud.list_allocations(session=session, node_id=node_id, active_only=True)
+        bids = queries.get_bids(session=session, bid_ids={a.bid_id for a in allocations})
+        return [
+            schemas.Assignment(
+                **schemas.allocation_response(a).model_dump(),
+                tenant_id=a.tenant_id,
+                job=_job(bids[a.bid_id], sealer) if a.status in RUNS_A_JOB else None,
+                checkpoint_key=f"bid-{a.bid_id}",
+            )
+            for a in allocations
+        ]
+
+
+def _job(bid: BidRow, sealer: Sealer) -> dict | None:
+    """The bid's job for its node; one that cannot be opened is logged and left out (the
+    agent then reports the allocation failed), never a 500 for the node's every job."""
+    try:
+        return crud.job_for_node(bid=bid, sealer=sealer)
+    except SealError:
+        logger.error("bid %s: its sealed job environment does not open with this key", bid.id)
+        return None
+
+
+@router.get(
+    "/nodes/{node_id}/events",
+    response_model=schemas.EventsPage,
+    summary="Long-poll the node's assignments and notices",
+)
+async def node_events(
+    node_id: Id,
+    caller_node: CurrentNode,
+    db: Db,
+    request: Request,
+    after: Cursor = 0,
+    timeout: Wait = 25.0,
+):
+    _same_node(node_id, caller_node)
+    return await long_poll(request, db, after, timeout, node_id=node_id)
+
+
+@router.post(
+    "/allocations/{allocation_id}/report",
+    response_model=schemas.AllocationResponse,
+    summary="Report a checkpoint, the final save or the job's end",
+)
+def report(allocation_id: Id, data: schemas.AllocationReport, caller_node: CurrentNode, db: Db):
+    """Accepted only for the calling node's own allocation in its current epoch; every report,
+    accepted or refused, is kept in the audit table ``node_reports``."""
+    audit = {"node_id": caller_node, "allocation_id": allocation_id, "report": data}
+    try:
+        with db.begin() as session:
+            alloc = crud.report_allocation(session=session, **audit, now=now())
+            crud.audit_report(session=session, **audit, status_code=200, detail=None, now=now())
+            return schemas.allocation_response(alloc)
+    except ServiceError as exc:
+        with db.begin() as session:
+            crud.audit_report(
+                session=session,
+                **audit,
+                status_code=exc.status_code,
+                detail=exc.message,
+                now=now(),
+            )
+        raise
+
+
+def _same_node(node_id: int, caller_node: int) -> None:
+    if node_id != caller_node:
+        raise Forbidden(f"this token belongs to node {caller_node}, not node {node_id}")

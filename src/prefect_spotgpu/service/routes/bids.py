@@ -1,0 +1,139 @@
+"""Bid routes: a tenant places a bid (an idempotency key makes a retry return the first bid),
+lists its bids a page at a time, reads, reprices and cancels one, lists a bid's allocations,
+and long-polls the events of one bid or of all its bids. A tenant sees only its own bids."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from fastapi.concurrency import run_in_threadpool
+
+from prefect_spotgpu.protocol import BidStatus
+from prefect_spotgpu.service import crud, schemas
+from prefect_spotgpu.service.deps import CurrentTenant, Db
+from prefect_spotgpu.service.routes.long_poll import long_poll
+from prefect_spotgpu.service.routes.params import (
+    API,
+    Before,
+    Cursor,
+    Id,
+    PageSize,
+    Wait,
+    link_next,
+    next_cursor,
+    now,
+)
+
+router = APIRouter(prefix=API, tags=["bids"])
+
+
+@router.post(
+    "/bids",
+    status_code=201,
+    response_model=schemas.BidResponse,
+    summary="Place a bid (an idempotency key makes retries safe)",
+    responses={200: {"description": "The bid this idempotency key created before"}},
+)
+def create_bid(
+    data: schemas.BidCreate, tenant_id: CurrentTenant, db: Db, response: Response, request: Request
+):
+    with db.begin() as session:
+        bid, created = crud.create_bid(
+            session=session,
+            tenant_id=tenant_id,
+            data=data,
+            now=now(),
+            sealer=request.app.state.sealer,
+        )
+        if not created:
+            response.status_code = 200
+        return schemas.bid_response(bid)
+
+
+@router.get(
+    "/bids",
+    response_model=list[schemas.BidResponse],
+    summary="Your bids, newest first, a page at a time (the next page's URL: the Link header)",
+)
+def list_bids(
+    tenant_id: CurrentTenant,
+    db: Db,
+    request: Request,
+    response: Response,
+    status: BidStatus | None = None,
+    before: Before = None,
+    limit: PageSize = 100,
+):
+    with db.begin() as session:
+        bids = crud.list_bids(
+            session=session, tenant_id=tenant_id, status=status, limit=limit, before_id=before
+        )
+        link_next(request, response, before=next_cursor(bids, limit))
+        return [schemas.bid_response(b) for b in bids]
+
+
+@router.get("/bids/{bid_id}", response_model=schemas.BidResponse)
+def get_bid(bid_id: Id, tenant_id: CurrentTenant, db: Db):
+    with db.begin() as session:
+        return schemas.bid_response(
+            crud.get_bid(session=session, tenant_id=tenant_id, bid_id=bid_id)
+        )
+
+
+@router.patch(
+    "/bids/{bid_id}", response_model=schemas.BidResponse, summary="Change a bid's maximum price"
+)
+def update_bid(bid_id: Id, data: schemas.BidUpdate, tenant_id: CurrentTenant, db: Db):
+    with db.begin() as session:
+        bid = crud.get_bid(session=session, tenant_id=tenant_id, bid_id=bid_id)
+        return schemas.bid_response(
+            crud.reprice_bid(session=session, bid=bid, max_price=data.max_price, now=now())
+        )
+
+
+@router.post(
+    "/bids/{bid_id}/cancel",
+    response_model=schemas.BidResponse,
+    summary="Cancel a bid; its running job is stopped at the next tick",
+)
+def cancel_bid(bid_id: Id, tenant_id: CurrentTenant, db: Db):
+    with db.begin() as session:
+        bid = crud.get_bid(session=session, tenant_id=tenant_id, bid_id=bid_id)
+        return schemas.bid_response(crud.cancel_bid(session=session, bid=bid, now=now()))
+
+
+@router.get("/bids/{bid_id}/allocations", response_model=list[schemas.AllocationResponse])
+def bid_allocations(bid_id: Id, tenant_id: CurrentTenant, db: Db):
+    with db.begin() as session:
+        crud.get_bid(session=session, tenant_id=tenant_id, bid_id=bid_id)
+        return [
+            schemas.allocation_response(a)
+            for a in crud.list_allocations(session=session, bid_id=bid_id)
+        ]
+
+
+@router.get(
+    "/bids/{bid_id}/events",
+    response_model=schemas.EventsPage,
+    summary="Long-poll the bid's allocation and notice events",
+)
+async def bid_events(
+    bid_id: Id,
+    tenant_id: CurrentTenant,
+    db: Db,
+    request: Request,
+    after: Cursor = 0,
+    timeout: Wait = 25.0,
+):
+    def check():
+        with db.begin() as session:
+            crud.get_bid(session=session, tenant_id=tenant_id, bid_id=bid_id)
+
+    await run_in_threadpool(check)
+    return await long_poll(request, db, after, timeout, bid_id=bid_id)
+
+
+@router.get("/events", response_model=schemas.EventsPage, summary="Long-poll all your events")
+async def tenant_events(
+    tenant_id: CurrentTenant, db: Db, request: Request, after: Cursor = 0, timeout: Wait = 25.0
+):
+    return await long_poll(request, db, after, timeout, tenant_id=tenant_id)

@@ -1,0 +1,25 @@
+"""The health route, public: the service is up, its version, and whether this replica leads
+the tick loop (with its tick count and the last tick's duration). ``/metrics`` is
+``service.metrics``'s."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+import prefect_spotgpu
+from prefect_spotgpu.service.routes.params import API
+from prefect_spotgpu.service.ticker import Ticker
+
+router = APIRouter(prefix=API, tags=["service"])
+
+
+@router.get("/health", summary="Liveness, and whether this replica ticks")
+def health(request: Request):
+    ticker: Ticker | None = request.app.state.ticker
+    return {
+        "status": "ok",
+        "version": prefect_spotgpu.__version__,
+        "leader": bool(ticker and ticker.epoch is not None),
+        "ticks": ticker.ticks if ticker else 0,
+        "last_tick_seconds": ticker.tick_seconds_last if ticker else None,
+    }

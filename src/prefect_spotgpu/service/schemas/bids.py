@@ -1,0 +1,149 @@
+"""Bids: what a tenant asks for (GPUs, a price, a window, a job to run) and the events of each."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated
+
+from pydantic import BaseModel, Field, model_validator
+
+from prefect_spotgpu.service.schemas.fields import (
+    CapacityKind,
+    GpuCount,
+    GpuModelName,
+    Price,
+    Region,
+    Strict,
+    fixed_price,
+)
+
+
+class JobSpec(Strict):
+    """What the node agent runs for an allocation: a command, or an image with a command."""
+
+    command: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(
+        min_length=1, max_length=256, examples=[["python", "-m", "prefect.engine"]]
+    )
+    env: dict[
+        Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=200)],
+        Annotated[str, Field(max_length=65536)],
+    ] = Field(default_factory=dict, max_length=256)
+    image: str | None = Field(
+        None,
+        min_length=1,
+        max_length=500,
+        description="Container image (Docker runner); None: a process.",
+    )
+    checkpoint_url: str | None = Field(
+        None,
+        min_length=1,
+        max_length=2000,
+        description="Where the job checkpoints (path or s3://).",
+    )
+
+    @model_validator(mode="after")
+    def _env_fits(self) -> JobSpec:
+        size = sum(len(k) + len(v) for k, v in self.env.items())
+        if size > MAX_JOB_ENV_BYTES:
+            raise ValueError(
+                f"env holds {size} characters; at most {MAX_JOB_ENV_BYTES} in all "
+                "(put large data in the checkpoint storage, not the environment)"
+            )
+        return self
+
+
+MAX_JOB_ENV_BYTES = 64 * 1024
+"""The most a job's environment may hold, names and values together."""
+LabelKey = Annotated[
+    str, Field(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:/-]*$")
+]
+LabelValue = Annotated[str, Field(max_length=256)]
+
+
+class BidCreate(Strict):
+    gpu_model: GpuModelName
+    gpu_count: GpuCount
+    max_price: Price | None = Field(
+        None,
+        description="The most this bid pays per GPU-hour. Required for spot; an "
+        "on-demand bid pays its model's on-demand price (give at least that, or nothing).",
+    )
+    capacity: CapacityKind = "spot"
+    region: Region = "any"
+    idempotency_key: str | None = Field(None, min_length=1, max_length=200)
+    window_start: datetime | None = None
+    window_end: datetime | None = None
+    deadline: datetime | None = None
+    labels: dict[LabelKey, LabelValue] | None = Field(
+        None, max_length=32, description="Up to 32 labels: keys of 63, values of 256 characters."
+    )
+    job: JobSpec | None = None
+
+    @model_validator(mode="after")
+    def _on_demand_pays_the_on_demand_price(self) -> BidCreate:
+        self.max_price = fixed_price(self.capacity, self.max_price, self.gpu_model, "max_price")
+        return self
+
+    @model_validator(mode="after")
+    def _window_is_an_interval(self) -> BidCreate:
+        if (self.window_start is None) != (self.window_end is None):
+            raise ValueError("window_start and window_end go together")
+        if self.window_start is not None and self.window_end <= self.window_start:
+            raise ValueError("window_end must be after window_start")
+        for name in ("window_start", "window_end", "deadline"):
+            value = getattr(self, name)
+            if value is not None and value.tzinfo is None:
+                raise ValueError(f"{name} needs a timezone")
+            if value is not None:
+                try:
+                    value.astimezone(UTC).timestamp()
+                except (OverflowError, ValueError, OSError):
+                    raise ValueError(f"{name} is out of range") from None
+        return self
+
+
+class BidUpdate(Strict):
+    max_price: Price
+
+
+class BidResponse(BaseModel):
+    id: int
+    tenant_id: int
+    idempotency_key: str | None
+    gpu_model: str
+    region: str
+    gpu_count: int
+    max_price: float
+    capacity: str = "spot"
+    status: str
+    hold_reason: str | None
+    window_start: datetime | None
+    window_end: datetime | None
+    deadline: datetime | None
+    labels: dict | None
+    job: dict | None = Field(
+        None,
+        description="The job: command, image, checkpoint_url and env_names. The "
+        "environment's values are sealed: never returned, given only to the node running it.",
+    )
+    created_at: datetime
+
+
+def bid_response(bid) -> BidResponse:
+    """A bid row as its ``BidResponse`` (its job's environment values left out)."""
+    return BidResponse.model_validate(bid, from_attributes=True)
+
+
+class EventResponse(BaseModel):
+    id: int
+    kind: str
+    bid_id: int
+    node_id: int
+    allocation_id: int
+    payload: dict
+    created_at: datetime
+
+
+class EventsPage(BaseModel):
+    events: list[EventResponse]
+    cursor: int = Field(description="Pass as `after` to wait for the next events.")

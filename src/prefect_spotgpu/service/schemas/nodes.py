@@ -1,0 +1,87 @@
+"""Nodes: the GPUs a provider offers, what its agent reports with each heartbeat, and its token."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from prefect_spotgpu.market import MAX_GPUS_PER_NODE
+from prefect_spotgpu.service.schemas.fields import (
+    CapacityKind,
+    GpuCount,
+    GpuModelName,
+    Name,
+    NodeRegion,
+    Price,
+    Strict,
+    fixed_price,
+)
+from prefect_spotgpu.service.telemetry import GpuInventoryItem, Telemetry
+
+
+class NodeCreate(Strict):
+    name: Name
+    gpu_model: GpuModelName
+    region: NodeRegion
+    gpu_count: GpuCount
+    reserve_price: Price | None = Field(
+        None,
+        description="The owner's floor per GPU-hour; an on-demand node's is its "
+        "model's on-demand price.",
+    )
+    capacity: CapacityKind = "spot"
+    declared: bool = Field(False, description="Inventory declared by hand (no NVML).")
+    inventory: list[GpuInventoryItem] | None = Field(None, max_length=MAX_GPUS_PER_NODE)
+
+    @model_validator(mode="after")
+    def _on_demand_sells_at_the_on_demand_price(self) -> NodeCreate:
+        self.reserve_price = fixed_price(
+            self.capacity, self.reserve_price, self.gpu_model, "reserve_price", exact=True
+        )
+        return self
+
+
+class NodeUpdate(Strict):
+    reserve_price: Price | None = None
+    state: Literal["live", "draining", "reclaimed"] | None = None
+
+    @model_validator(mode="after")
+    def _changes_something(self) -> NodeUpdate:
+        if self.reserve_price is None and self.state is None:
+            raise ValueError("give reserve_price or state")
+        return self
+
+
+class NodeResponse(BaseModel):
+    id: int
+    owner_id: int
+    name: str
+    gpu_model: str
+    region: str
+    gpu_count: int
+    reserve_price: float
+    capacity: str = "spot"
+    state: str
+    declared: bool
+    inventory: list[dict] | None = None
+    telemetry: dict | None = None
+    last_heartbeat_at: datetime
+
+
+def node_response(node) -> NodeResponse:
+    """A node row as its ``NodeResponse``."""
+    return NodeResponse.model_validate(node, from_attributes=True)
+
+
+class NodeCreated(NodeResponse):
+    token: str = Field(description="The node agent's token. Shown once; store it.")
+
+
+class NodeToken(BaseModel):
+    token: str = Field(description="The node agent's new token. Shown once; the old one is dead.")
+
+
+class Heartbeat(Strict):
+    telemetry: Telemetry | None = None

@@ -1,0 +1,53 @@
+"""Prices: every pool's quote, its price history, and a request for the cost estimator."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from pydantic import BaseModel, Field, model_validator
+
+from prefect_spotgpu.service.schemas.fields import GpuCount, GpuModelName, Price, Region, Strict
+
+
+class QuoteResponse(BaseModel):
+    gpu_model: str
+    region: str
+    capacity: str = "spot"
+    clearing_price: float | None
+    reserve_price: float | None
+    on_demand_price: float
+    gpus_total: int
+    gpus_free: int
+    gpus_running: int
+    waiting_bids: int
+
+
+class PriceBarResponse(BaseModel):
+    minute: datetime
+    open: float
+    high: float
+    low: float
+    close: float
+
+
+class EstimateRequest(Strict):
+    gpu_model: GpuModelName
+    region: Region = "any"
+    gpu_hours: float = Field(gt=0, le=1e6, allow_inf_nan=False)
+    gpus: GpuCount = 1
+    max_price: Price
+    start: datetime | None = Field(None, description="Not before (default: now).")
+    deadline: datetime
+
+    @model_validator(mode="after")
+    def _deadline_after_start(self) -> EstimateRequest:
+        for name in ("start", "deadline"):
+            value = getattr(self, name)
+            if value is not None and value.tzinfo is None:
+                raise ValueError(f"{name} needs a timezone")
+        start = self.start or datetime.now(UTC)
+        if self.deadline <= start:
+            raise ValueError("deadline must be after the start")
+        if (self.deadline - start).total_seconds() > 90 * 86400:
+            raise ValueError("deadline must be within 90 days of the start")
+        return self
