@@ -62,8 +62,9 @@ from prefect_spotgpu.worker.placement import Placement, SwitchBid
 QUERY_SECONDS = 1.0
 """How often the worker asks for scheduled runs, unless PREFECT_WORKER_QUERY_SECONDS is set:
 Prefect's default of 10 s would make every resume wait up to 10 s."""
-RELEASE_SECONDS = 1.0
-"""How long a stopping worker may take to mark the runs it follows as released."""
+RELEASE_SECONDS = 2.0
+"""How long a stopping worker may take to mark the runs it follows as released (one label
+update per run, concurrently; 1 s proved too tight for a Prefect server under load)."""
 FLUSH_SECONDS = 1.5
 """How long a stopping worker may take to hand Prefect the logs and events it still holds."""
 
