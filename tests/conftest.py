@@ -4,6 +4,7 @@ uvicorn on a loopback port."""
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
 import threading
 import time
@@ -70,6 +71,24 @@ def prefect_api_url() -> Iterator[str]:
 
     with prefect_test_harness(server_startup_timeout=180):
         yield PREFECT_API_URL.value()
+
+
+@pytest.fixture(scope="session")
+def job_image() -> Iterator[str]:
+    """A real Docker engine (started here if none runs) and this checkout's job image; the
+    container tests fail, never skip, when there is no engine."""
+    import docker_engine
+
+    try:
+        docker_engine.ensure_engine()
+        image = docker_engine.job_image()
+    except (docker_engine.EngineUnavailable, OSError, subprocess.CalledProcessError) as exc:
+        exc = getattr(exc, "stderr", None) or exc
+        pytest.fail(f"the container tests need a Docker engine: {exc}", pytrace=False)
+    try:
+        yield image
+    finally:
+        docker_engine.stop()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -182,7 +182,7 @@ def test_the_process_runner_signals_the_main_process_only_and_stops_the_group(tm
 
 
 def test_the_docker_runner_builds_the_container_spec(tmp_path):
-    runner = DockerRunner(client=object(), checkpoint_root=tmp_path / "roots")
+    runner = DockerRunner(client=object(), checkpoint_root=tmp_path / "roots", gpu_devices=True)
     spec = runner.container_spec(
         request(tmp_path, ["python", "-m", "prefect.engine"], image="pytorch/pytorch:2.4")
     )

@@ -6,12 +6,17 @@ allocation's directory (``/spotgpu``) and its tenant's checkpoint directory unde
 checkpoint root (``/spotgpu/checkpoints``); no new privileges, no capabilities, a non-root user,
 a pids limit and optionally a memory limit. The job is the container's PID 1 (no init), so the
 notice's SIGUSR1 reaches it and no other process of the container. A container is named after
-its allocation (:func:`container_name`): ``reconcile`` finds an earlier run's by that name.
+its allocation (:func:`container_name`) and labelled with it: ``reconcile`` finds an earlier
+run's container by its label. The node's GPUs are given as a device request (``--gpus``) when
+the host has the NVIDIA container toolkit; its output goes to the agent's log, line by line.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +27,6 @@ from prefect_spotgpu.agent.isolation import (
     JobUsers,
     is_local_url,
     prepare_job_dirs,
-    read_pid,
     retire_workdir,
 )
 from prefect_spotgpu.agent.runners.runner import (
@@ -37,6 +41,13 @@ from prefect_spotgpu.protocol import JOB_ENV
 
 WORKDIR = "/spotgpu"
 """Where a container sees its allocation's directory (its HOME)."""
+ALLOCATION_LABEL = "io.spotgpu.allocation-id"
+
+logger = logging.getLogger("prefect_spotgpu.agent.jobs")
+
+
+class ImageUnavailable(RuntimeError):
+    """The job's image is neither on this node nor pullable: the message names it."""
 
 
 @dataclass(eq=False, kw_only=True)
@@ -45,9 +56,6 @@ class ContainerJob(JobHandle):
     (the job runs while that process lives)."""
 
     pid: int
-
-    def poll(self) -> int | None:
-        return None if _alive(self.pid) else -1
 
 
 def container_name(allocation_id: int) -> str:
@@ -60,7 +68,8 @@ class DockerRunner:
     ``checkpoint_root``: the operator's directory for local checkpoints (one directory per
     tenant is mounted at ``/spotgpu/checkpoints``); without one, local checkpoint URLs are
     refused. ``pids_limit`` and ``memory`` (Docker's ``mem_limit``: ``"64g"``; None: no limit)
-    bound each container.
+    bound each container. ``gpu_devices``: give the node's GPUs as a device request (None:
+    when the NVIDIA container toolkit is installed; without it Docker refuses the request).
     """
 
     name = "docker"
@@ -73,12 +82,16 @@ class DockerRunner:
         checkpoint_root: Path | None = None,
         pids_limit: int = 4096,
         memory: str | None = None,
+        gpu_devices: bool | None = None,
     ) -> None:
         self._client = client
         self.users = users or JobUsers()
         self.checkpoint_root = None if checkpoint_root is None else Path(checkpoint_root)
         self.pids_limit = pids_limit
         self.memory = memory
+        if gpu_devices is None:
+            gpu_devices = shutil.which("nvidia-container-cli") is not None
+        self.gpu_devices = gpu_devices
 
     @property
     def client(self):
@@ -129,16 +142,11 @@ class DockerRunner:
             "init": False,  # the job is PID 1: SIGUSR1 reaches it, not a wrapper
             "name": container_name(request.allocation_id),
             "labels": {
-                "io.spotgpu.allocation-id": str(request.allocation_id),
+                ALLOCATION_LABEL: str(request.allocation_id),
                 "io.spotgpu.bid-id": str(request.bid_id),
                 "io.spotgpu.epoch": str(request.epoch),
             },
             "volumes": volumes,
-            "device_requests": [
-                docker.types.DeviceRequest(
-                    device_ids=[str(i) for i in request.gpu_indices], capabilities=[["gpu"]]
-                )
-            ],
             "stop_signal": "SIGTERM",
             "user": f"{user.uid}:{user.gid}",
             "privileged": False,
@@ -148,6 +156,12 @@ class DockerRunner:
         }
         if self.memory:
             spec["mem_limit"] = self.memory
+        if self.gpu_devices and request.gpu_indices:
+            spec["device_requests"] = [
+                docker.types.DeviceRequest(
+                    device_ids=[str(i) for i in request.gpu_indices], capabilities=[["gpu"]]
+                )
+            ]
         return spec
 
     def start(self, request: JobRequest) -> ContainerJob:
@@ -156,11 +170,34 @@ class DockerRunner:
         host_dir, _ = checkpoint_location(request, self.checkpoint_root)
         prepare_job_dirs(request.workdir, host_dir, user, chown=self.users.euid == 0)
         clear_job_files(request)
-        container = self.client.containers.run(**spec)
+        self._remove(request.allocation_id)  # an earlier try's container holds the name
+        container = self._run(spec)
         container.reload()
         pid = int(container.attrs["State"]["Pid"])
         record_pid(request, pid)  # (``reconcile`` looks for a container where one ran)
+        threading.Thread(
+            target=_forward_logs, args=(container, request.allocation_id), daemon=True
+        ).start()
         return ContainerJob(request, container.id, time.time(), pid=pid)
+
+    def _run(self, spec: dict):
+        """``containers.run``, pulling a missing image first; one that is neither here nor
+        pullable is ``ImageUnavailable``, naming it (the agent reports the job failed)."""
+        import docker
+
+        image = spec["image"]
+        try:
+            self.client.images.get(image)
+        except docker.errors.ImageNotFound:
+            logger.info("pulling image %s", image)
+            try:
+                self.client.images.pull(image)
+            except docker.errors.APIError as exc:
+                raise ImageUnavailable(
+                    f"image {image!r} is not on this node and could not be pulled: "
+                    f"{getattr(exc, 'explanation', None) or exc}"
+                ) from None
+        return self.client.containers.run(**spec)
 
     def notice(self, handle: JobHandle, deadline: float) -> None:
         write_notice(handle.request, deadline)
@@ -175,22 +212,46 @@ class DockerRunner:
             retire_workdir(handle.request.workdir)
 
     def poll(self, handle: ContainerJob) -> int | None:
-        return handle.poll()
-
-    def reconcile(self, allocation_id: int, workdir: Path) -> bool:
-        """Remove an earlier run's container of this allocation, if one ran here."""
+        """None while PID 1 lives; then the container's exit code (-1: it is gone)."""
         import docker
 
-        if read_pid(workdir / PID_NAME) is None:
-            return False
+        if _alive(handle.pid):
+            return None
         try:
-            container = self.client.containers.get(container_name(allocation_id))
+            container = self.client.containers.get(handle.ref)
+            container.reload()
         except docker.errors.NotFound:
-            container = None
-        else:
-            container.remove(force=True)
+            return -1
+        state = container.attrs["State"]
+        if state.get("Running"):  # PID 1's exit not yet recorded by the engine
+            return None
+        return int(state.get("ExitCode", -1))
+
+    def reconcile(self, allocation_id: int, workdir: Path) -> bool:
+        """Remove an earlier run's container of this allocation (found by its label), if one
+        ran here."""
+        found = self._remove(allocation_id)
         (workdir / PID_NAME).unlink(missing_ok=True)
-        return container is not None
+        return found
+
+    def _remove(self, allocation_id: int) -> bool:
+        containers = self.client.containers.list(
+            all=True, filters={"label": f"{ALLOCATION_LABEL}={allocation_id}"}
+        )
+        for container in containers:
+            container.remove(force=True)
+        return bool(containers)
+
+
+def _forward_logs(container, allocation_id: int) -> None:
+    """The container's output, line by line, to the agent's log (until it exits)."""
+    try:
+        for line in container.logs(stream=True, follow=True):
+            text = line.decode(errors="replace").rstrip()
+            if text:
+                logger.info("allocation %s | %s", allocation_id, text)
+    except Exception as exc:  # the container was removed: its output ends there
+        logger.debug("allocation %s: logs ended: %s", allocation_id, exc)
 
 
 def _alive(pid: int) -> bool:
