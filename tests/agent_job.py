@@ -24,6 +24,7 @@ ckpt = Checkpointer(
     every=0.5,
 )
 library_handler = signal.getsignal(signal.SIGUSR1)
+CONTAINER_GPUS = "NVIDIA_VISIBLE_DEVICES"  # the docker runner's; CUDA_VISIBLE_DEVICES: a process's
 
 
 def on_sigusr1(signum, frame):
@@ -42,7 +43,9 @@ with open(log_path, "a") as log:
                 "alloc": alloc,
                 "start": start,
                 "t": time.time(),
-                "gpus": os.environ["CUDA_VISIBLE_DEVICES"],
+                "gpus": os.environ.get(
+                    "CUDA_VISIBLE_DEVICES", os.environ.get("NVIDIA_VISIBLE_DEVICES")
+                ),
             }
         )
         + "\n"

@@ -1,0 +1,154 @@
+"""Two real agents with ``--runner docker``: a reclaim mid-run, the final save inside the
+container, and the resume in a container on the other node from that checkpoint.
+
+The market service and both agents are real processes (``spotgpu server start``, ``spotgpu
+agent start --runner docker --job-user auto``, as root, sharing one ``--checkpoint-root``);
+the job is ``agent_job.py`` run by the image's python3 in the session's job image
+(``conftest.job_image``: a real Docker engine, no registry).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ADMIN_KEY
+from conftest import wait_for as wait
+
+HERE = Path(__file__).parent
+STEPS = 120
+pytestmark = pytest.mark.slow
+
+
+def start_docker_agent(server, key: str, name: str, tmp_path: Path) -> subprocess.Popen:
+    log = open(tmp_path / f"agent-{name}.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "prefect_spotgpu.cli", "agent", "start"),
+            *("--market", server.url, "--runner", "docker", "--job-user", "auto"),
+            *("--checkpoint-root", str(tmp_path / "checkpoints")),
+            *("--gpus", "A100-80G:2", "--name", name, "--region", "eu-west"),
+            *("--reserve-price", "0.9", "--state-dir", str(tmp_path / f"state-{name}")),
+            *("--heartbeat-seconds", "1", "--grace-seconds", "2"),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "SPOTGPU_AGENT_TOKEN": key},
+    )
+    proc.logfile = log
+    return proc
+
+
+def job_logs(tmp_path: Path) -> list[dict]:
+    """Every allocation's job log (each container writes its own, in its ``/spotgpu``)."""
+    events = []
+    for path in sorted(tmp_path.glob("state-*/alloc-*/job.log")):
+        events += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return events
+
+
+@pytest.fixture
+def sandbox():
+    """A directory job users can traverse (pytest's own tmp_path is closed to them)."""
+    base = Path(tempfile.mkdtemp(prefix="spotgpu-docker-agents-"))
+    base.chmod(0o711)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_reclaimed_container_saves_and_resumes_in_a_container_on_the_other_node(
+    sandbox, job_image
+):
+    from test_service_processes import Server
+
+    tmp_path = sandbox
+
+    os.environ["SPOTGPU_HEARTBEAT_TIMEOUT_SECONDS"] = "3"
+    try:
+        server = Server(f"sqlite:///{tmp_path / 'm.db'}", tmp_path)
+    finally:
+        del os.environ["SPOTGPU_HEARTBEAT_TIMEOUT_SECONDS"]
+    admin = server.client(ADMIN_KEY)
+    owner = admin.post("/tenants", json={"name": "owner"}).json()
+    assert admin.put(f"/tenants/{owner['id']}/provider", json={"provider": True}).is_success
+    buyer = server.client(admin.post("/tenants", json={"name": "buyer"}).json()["api_key"])
+    agents = [start_docker_agent(server, owner["api_key"], n, tmp_path) for n in ("a", "b")]
+    try:
+        wait(lambda: len(admin.get("/nodes").json()) == 2, 30, "both agents")
+        source = (HERE / "agent_job.py").read_text()
+        bid = buyer.post(
+            "/bids",
+            json={
+                "gpu_model": "A100-80G",
+                "gpu_count": 2,
+                "max_price": 1.5,
+                "region": "eu-west",
+                "job": {
+                    "command": ["python3", "-c", source, str(STEPS)],
+                    "image": job_image,
+                    "env": {"JOB_LOG": "/spotgpu/job.log"},
+                    "checkpoint_url": "ckpt",
+                },
+            },
+        ).json()
+        first = wait(lambda: [e for e in job_logs(tmp_path) if "start" in e], 60, "start")[0]
+        assert first["start"] == 0 and first["gpus"] == "0,1"
+        wait(lambda: sum("step" in e for e in job_logs(tmp_path)) >= 20, 30, "progress")
+        victim = buyer.get(f"/bids/{bid['id']}/allocations").json()[0]["node_id"]
+        reclaimed_at = time.time()
+        server.client(owner["api_key"]).patch(f"/nodes/{victim}", json={"state": "reclaimed"})
+        signal_at = wait(
+            lambda: [e["signal"] for e in job_logs(tmp_path) if "signal" in e],
+            15,
+            "SIGUSR1 inside the container",
+        )[0]
+        second = wait(
+            lambda: [
+                e for e in job_logs(tmp_path) if "start" in e and e["alloc"] != first["alloc"]
+            ],
+            60,
+            "the job in a container on the other node",
+        )[0]
+        assert second["start"] > 20  # resumed from the final save, not from 0
+        done = wait(lambda: [e for e in job_logs(tmp_path) if "done" in e], 60, "done")[0]
+        assert done["done"] == sum(range(STEPS))  # the uninterrupted run's result
+        wait(
+            lambda: buyer.get(f"/bids/{bid['id']}").json()["status"] == "finished",
+            15,
+            "bid finished",
+        )
+        statuses = sorted(a["status"] for a in buyer.get(f"/bids/{bid['id']}/allocations").json())
+        assert statuses == ["finished", "preempted"]
+        ended = [a for a in buyer.get(f"/bids/{bid['id']}/allocations").json()]
+        assert any(a["final_save"] == "ok" for a in ended)
+        print(
+            json.dumps(
+                {
+                    "reclaim_to_sigusr1_in_container_s": round(signal_at - reclaimed_at, 3),
+                    "reclaim_to_resumed_in_container_s": round(second["t"] - reclaimed_at, 3),
+                }
+            )
+        )
+        import docker
+
+        client = docker.from_env()
+        left = client.containers.list(all=True, filters={"label": "io.spotgpu.bid-id"})
+        assert not [c for c in left if c.labels["io.spotgpu.bid-id"] == str(bid["id"])]
+    finally:
+        for agent in agents:
+            agent.terminate()
+        for agent in agents:
+            try:
+                agent.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+            agent.logfile.close()
+        server.stop()
