@@ -91,6 +91,18 @@ def job_image() -> Iterator[str]:
         docker_engine.stop()
 
 
+@pytest.fixture(scope="session")
+def flow_image(job_image) -> str:
+    """A Prefect job image of this checkout with the test flow (Prefect from PyPI: ~30 s the
+    first time, cached by the engine after)."""
+    import docker_engine
+
+    try:
+        return docker_engine.flow_image()
+    except subprocess.CalledProcessError as exc:
+        pytest.fail(f"the flow image did not build: {exc.stderr}", pytrace=False)
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request, tmp_path) -> Iterator[str]:
     """A new, empty database of each kind."""

@@ -8,7 +8,12 @@ engine this module started. ``job_image()`` builds, once per engine, the images 
   numpy, imported as an image (``docker import``: nothing is pulled);
 - ``spotgpu-test-job:<hash of the project's wheel>``: the base with this checkout's
   prefect-spotgpu unpacked from a wheel built here (``--no-deps``: the job side needs only
-  the checkpoint library, the standard library and numpy).
+  the checkpoint library, the standard library and numpy);
+- ``spotgpu-test-flow:<hash>``: a Prefect job image, as an operator's catalogue image made
+  runnable by the worker: a venv with this host's Prefect version (from PyPI, through the
+  host's CA certificates: package traffic here passes an intercepting proxy; the host's pip
+  configuration names local folders and is not copied), the wheel, and the test flow
+  ``spot_flow.py`` at ``FLOWS`` (the deployments' working directory).
 
 Each step says how long it took (``TIMINGS``), for the closing notes of the container work.
 """
@@ -27,6 +32,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BASE_IMAGE = "spotgpu-test-base:bookworm"
 JOB_REPOSITORY = "spotgpu-test-job"
+FLOW_REPOSITORY = "spotgpu-test-flow"
+FLOWS = "/opt/spotgpu-flows"
+"""Where the flow image holds the test flow: the deployment's working directory."""
+CA_DIR = Path("/usr/local/share/ca-certificates")
 MIRROR = "http://deb.debian.org/debian"
 TIMINGS: dict[str, float] = {}
 
@@ -115,28 +124,90 @@ def base_image() -> str:
     return BASE_IMAGE
 
 
+def _wheel(into: str) -> Path:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", into, str(ROOT)],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = Path(into).glob("*.whl")
+    return wheel
+
+
+def _build(name: str, context: str, dockerfile: str, timing: str, began: float) -> str:
+    (Path(context) / "Dockerfile").write_text(dockerfile)
+    env = {**os.environ, "DOCKER_BUILDKIT": "0"}
+    _docker("build", "-q", "-t", name, context, env=env)
+    TIMINGS[timing] = round(time.monotonic() - began, 1)
+    repository = name.split(":")[0]
+    for line in _docker(
+        "images", repository, "--format", "{{.Repository}}:{{.Tag}}"
+    ).stdout.split():
+        if line != name:  # an earlier checkout's: its layers are shared, its tag is not needed
+            _docker("rmi", line, check=False)
+    return name
+
+
 def job_image() -> str:
     """The job image of this checkout (built once per version of its code)."""
     base = base_image()
     with tempfile.TemporaryDirectory(prefix="spotgpu-image-") as context:
         began = time.monotonic()
-        subprocess.run(
-            [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", context, str(ROOT)],
-            check=True,
-            capture_output=True,
-        )
-        (wheel,) = Path(context).glob("*.whl")
-        digest = hashlib.sha256(wheel.read_bytes()).hexdigest()[:12]
-        name = f"{JOB_REPOSITORY}:{digest}"
+        wheel = _wheel(context)
+        name = f"{JOB_REPOSITORY}:{hashlib.sha256(wheel.read_bytes()).hexdigest()[:12]}"
         if _has_image(name):
             return name
-        (Path(context) / "Dockerfile").write_text(
+        return _build(
+            name,
+            context,
             f"FROM {base}\n"
             f"COPY {wheel.name} /tmp/\n"
             f"RUN python3 -m zipfile -e /tmp/{wheel.name} /usr/local/lib/python3.11/dist-packages/"
-            f" && rm /tmp/{wheel.name}\n"
+            f" && rm /tmp/{wheel.name}\n",
+            "job_image_seconds",
+            began,
         )
-        env = {**os.environ, "DOCKER_BUILDKIT": "0"}
-        _docker("build", "-q", "-t", name, context, env=env)
-        TIMINGS["job_image_seconds"] = round(time.monotonic() - began, 1)
-        return name
+
+
+def flow_image() -> str:
+    """The Prefect job image of this checkout: Prefect in a venv, the wheel, the test flow."""
+    from importlib.metadata import version
+
+    base = base_image()
+    with tempfile.TemporaryDirectory(prefix="spotgpu-flow-image-") as context:
+        began = time.monotonic()
+        wheel = _wheel(context)
+        flow = ROOT / "tests" / "spot_flow.py"
+        shutil.copy(flow, context)
+        for cert in CA_DIR.glob("*.crt"):
+            shutil.copy(cert, context)
+        digest = hashlib.sha256(wheel.read_bytes() + flow.read_bytes()).hexdigest()[:12]
+        name = f"{FLOW_REPOSITORY}:{digest}"
+        if _has_image(name):
+            return name
+        certs = (
+            "COPY *.crt /usr/local/share/ca-certificates/\n" if list(CA_DIR.glob("*.crt")) else ""
+        )
+        return _build(
+            name,
+            context,
+            f"FROM {base}\n" + certs + "RUN update-ca-certificates >/dev/null && apt-get update -q"
+            " && apt-get install -y -q --no-install-recommends python3-venv >/dev/null\n"
+            f"RUN python3 -m venv /opt/venv && /opt/venv/bin/pip install -q --no-cache-dir"
+            f" prefect=={version('prefect')} numpy\n"
+            f"COPY {wheel.name} /tmp/\n"
+            f"RUN /opt/venv/bin/pip install -q --no-deps /tmp/{wheel.name}"
+            f" && rm /tmp/{wheel.name}\n"
+            f"COPY spot_flow.py {FLOWS}/\n"
+            "ENV PATH=/opt/venv/bin:/usr/local/bin:/usr/bin:/bin\n",
+            "flow_image_seconds",
+            began,
+        )
+
+
+def bridge_gateway() -> str:
+    """The host's address on Docker's default bridge: what a container reaches the host at."""
+    out = subprocess.run(
+        ["ip", "-4", "-o", "addr", "show", "docker0"], capture_output=True, text=True, check=True
+    ).stdout
+    return out.split("inet ", 1)[1].split("/", 1)[0]

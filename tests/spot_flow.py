@@ -71,6 +71,8 @@ def spot_count(
 ) -> dict:
     from prefect_spotgpu.checkpoint.flow import checkpointer_for_run
 
+    os.umask(0o002)  # in containers each attempt is another uid of the tenant's group: the
+    # progress file they share must stay group-writable
     ckpt = checkpointer_for_run(every=0.3)
     return count(ckpt, steps, step_seconds, Path(progress) or None, finish_on_notice)
 

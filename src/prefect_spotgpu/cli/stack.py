@@ -120,27 +120,30 @@ class LocalStack:
                 raise StackError(f"{name} not ready after {timeout:.0f} s:\n{self.log(name)}")
             time.sleep(0.1)
 
-    def start_prefect_server(self) -> str:
+    def start_prefect_server(self, host: str = "127.0.0.1") -> str:
         """``prefect server start`` with its own SQLite database under ``home``, for a stack
-        made without a ``prefect_api_url``; returns (and uses from now on) its API URL."""
+        made without a ``prefect_api_url``; returns (and uses from now on) its API URL.
+
+        ``host``: the address it listens on and is reached at (e.g. the Docker bridge's
+        gateway, for flow runs in containers)."""
         port = free_port()
         self._spawn(
             "prefect-server",
             [
                 *(sys.executable, "-m", "prefect", "server", "start"),
-                *("--host", "127.0.0.1", "--port", str(port)),
+                *("--host", host, "--port", str(port)),
             ],
             env={
                 "PREFECT_HOME": str(self.home / "prefect"),
                 "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                 # the UI asks its API here (by default the settings' port 4200, not --port)
-                "PREFECT_SERVER_UI_API_URL": f"http://127.0.0.1:{port}/api",
+                "PREFECT_SERVER_UI_API_URL": f"http://{host}:{port}/api",
                 "PREFECT_API_DATABASE_CONNECTION_URL": (
                     f"sqlite+aiosqlite:///{self.home / 'prefect' / 'prefect.db'}"
                 ),
             },
         )
-        self.prefect_api_url = f"http://127.0.0.1:{port}/api"
+        self.prefect_api_url = f"http://{host}:{port}/api"
         self._wait("prefect-server", lambda: _healthy(self.prefect_api_url + "/health"), 180)
         return self.prefect_api_url
 
@@ -191,17 +194,29 @@ class LocalStack:
         return api_client(self.market_url, key or self.buyer_key)
 
     def start_agent(
-        self, name: str, gpus: int = 2, reserve_price: float = 0.9, capacity: str = "spot"
+        self,
+        name: str,
+        gpus: int = 2,
+        reserve_price: float = 0.9,
+        capacity: str = "spot",
+        runner: str = "process",
     ) -> int:
         """A node agent with ``gpus`` declared GPUs; returns its node id once registered.
 
         ``capacity="on_demand"`` registers non-preemptible capacity at the on-demand price.
 
-        The agents share one checkpoint root (as nodes share storage), and run their jobs as
-        the caller's user (``--job-user``): the stack is the single-tenant demo, whose jobs
-        use the caller's interpreter and write the caller's files — under root that
-        interpreter often lives in root's home, which the per-job users cannot reach."""
+        The agents share one checkpoint root (as nodes share storage). The process runner's
+        jobs run as the caller's user (``--job-user``): the stack is the single-tenant demo,
+        whose jobs use the caller's interpreter and write the caller's files — under root that
+        interpreter often lives in root's home, which the per-job users cannot reach.
+        ``runner="docker"``: jobs in containers of their image, as users of their own
+        (``--job-user auto``: ``home`` must then be a directory other users can traverse)."""
         price = ("--reserve-price", str(reserve_price)) if capacity == "spot" else ()
+        users = (
+            ("--runner", "docker", "--job-user", "auto")
+            if runner == "docker"
+            else ("--job-user", str(os.getuid()))
+        )
         self._spawn(
             f"agent-{name}",
             [
@@ -212,7 +227,7 @@ class LocalStack:
                 *("--capacity", capacity, "--heartbeat-seconds", "1"),
                 *("--state-dir", str(self.home / f"agent-{name}"), "--grace-seconds", "3"),
                 *("--checkpoint-root", str(self.home / "node-checkpoints")),
-                *("--job-user", str(os.getuid())),
+                *users,
             ],
             env={"SPOTGPU_AGENT_TOKEN": self.owner_key},
         )  # the key in the environment, not on the command line (ps shows that)

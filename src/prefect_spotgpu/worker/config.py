@@ -13,7 +13,7 @@ import hashlib
 import hmac
 import shlex
 from datetime import UTC, datetime, timedelta
-from typing import Literal
+from typing import Annotated, Literal
 
 from prefect.settings import PREFECT_API_URL
 from prefect.workers.base import BaseJobConfiguration, BaseVariables
@@ -198,6 +198,12 @@ def _origin(flow_run) -> datetime:
     return aware(flow_run.expected_start_time or flow_run.created or datetime.now(UTC))
 
 
+ImageName = Literal["process", "pytorch", "stable-diffusion", "tensorrt"]
+"""The catalog's names (``IMAGES``), offered as the form's choices."""
+ImageReference = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]*[/:][A-Za-z0-9._/:@-]+$")]
+"""An image reference outside the catalog (``repo/name:tag``; it needs a '/' or a ':')."""
+
+
 class SpotGPUVariables(BaseVariables):
     """The work pool's and deployments' form in the Prefect UI."""
 
@@ -225,11 +231,11 @@ class SpotGPUVariables(BaseVariables):
     region: str = Field(
         default="any", title="Region", description="A region such as eu-west, or 'any'."
     )
-    image: Literal["process", "pytorch", "stable-diffusion", "tensorrt"] = Field(
+    image: ImageName | ImageReference = Field(
         default="process",
         title="Image",
         description="Named environment: a container image from the catalog, or 'process' "
-        "to run on the node without a container.",
+        "to run on the node without a container; or an image reference (repo/name:tag).",
     )
     cheap_window_only: bool = Field(
         default=False,

@@ -1,0 +1,134 @@
+"""End to end with real containers: a real Prefect server, the market, two agents with
+``--runner docker`` and a ``spot-gpu`` worker; the flow runs in a container of a Prefect job
+image built in the test session (``conftest.flow_image``: no registry).
+
+The owner reclaims the node mid-run: the final save happens inside the container, the run is
+``Preempted``, and it resumes in a container on the other node and completes with the result
+of an uninterrupted run. Containers reach the Prefect server at the host's address on Docker's
+bridge (the server listens there, not on loopback).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from uuid import UUID
+
+import docker
+import pytest
+
+import docker_engine
+from conftest import wait_for
+from prefect_spotgpu.checkpoint import Checkpointer, LocalStorage
+from prefect_spotgpu.cli.stack import LocalStack
+from spot_flow import count
+
+STEPS = 60
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def stack(flow_image):
+    home = Path(tempfile.mkdtemp(prefix="spotgpu-docker-e2e-"))
+    home.chmod(0o711)  # the job users traverse it to their directories
+    try:
+        with LocalStack(home, heartbeat_timeout_seconds=3) as stack:
+            stack.start_prefect_server(host=docker_engine.bridge_gateway())
+            stack.start_market()
+            stack.nodes = {
+                stack.start_agent(name, runner="docker"): name for name in ("node-a", "node-b")
+            }
+            defaults = {"gpu_count": 2, "max_price": 1.5, "image": flow_image}
+            pool = stack.create_pool("spot-docker", defaults=defaults)
+            stack.deployment = stack.deploy(
+                "spot_flow.py:spot_count", Path(docker_engine.FLOWS), "docker-e2e", pool
+            )
+            stack.start_worker(pool)
+            yield stack
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture
+def prefect(stack):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with (
+        temporary_settings(updates={PREFECT_API_URL: stack.prefect_api_url}),
+        get_client(sync_client=True) as client,
+    ):
+        yield client
+
+
+def progress_of(stack) -> list[dict]:
+    """The run's progress, in its tenant's checkpoint directory on the host."""
+    entries = []
+    for path in (stack.home / "node-checkpoints").glob("tenant-*/progress.jsonl"):
+        entries += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return entries
+
+
+def test_a_reclaimed_containerised_run_saves_resumes_in_a_container_and_completes(
+    stack, prefect, tmp_path
+):
+    run = prefect.create_flow_run_from_deployment(
+        UUID(stack.deployment),
+        parameters={
+            "steps": STEPS,
+            "step_seconds": 0.1,
+            "progress": "/spotgpu/checkpoints/progress.jsonl",
+        },
+    )
+    created = time.time()
+
+    def running_allocation():
+        current = prefect.read_flow_run(run.id)
+        return current.state.is_running() and current.labels.get("spotgpu.allocation")
+
+    first = int(wait_for(running_allocation, 120, "the run Running in a container", 0.2))
+    running_at = time.time()
+    wait_for(lambda: sum("step" in e for e in progress_of(stack)) >= 10, 60, "progress")
+    market = stack.market()
+    first_node = market.get(f"/allocations/{first}").json()["node_id"]
+    containers = docker.from_env().containers.list(
+        filters={"label": f"io.spotgpu.allocation-id={first}"}
+    )
+    assert len(containers) == 1  # the flow run's engine is in a container
+    reclaimed_at = time.time()
+    owner = stack.market(stack.owner_key)
+    assert owner.patch(f"/nodes/{first_node}", json={"state": "reclaimed"}).is_success
+
+    def over():  # (a stopped engine's Crashed is not: the worker reschedules it)
+        state = prefect.read_flow_run(run.id).state
+        return (state.is_completed() or state.is_failed() or state.is_cancelled()) and state
+
+    final = wait_for(over, 180, "Completed")
+    assert final.is_completed(), final
+    names = [s.name for s in prefect.read_flow_run_states(run.id)]
+    assert "Preempted" in names and names[-1] == "Completed", names
+    current = prefect.read_flow_run(run.id)
+    second = int(current.labels["spotgpu.allocation"])
+    assert current.run_count == 2 and second != first
+    assert market.get(f"/allocations/{second}").json()["node_id"] != first_node
+
+    entries = progress_of(stack)
+    starts = [e for e in entries if "start" in e]
+    assert [int(s["alloc"]) for s in starts] == [first, second]
+    saved = [e for e in entries if "saved" in e]
+    assert starts[1]["start"] == saved[0]["saved"] + 1  # exactly after the final save
+    reference = Checkpointer(LocalStorage(tmp_path / "reference"), "ref", every=1e9)
+    assert [e["done"] for e in entries if "done" in e] == [count(reference, STEPS, 0.0, None)]
+    print(
+        json.dumps(
+            {
+                "created_to_running_in_container_s": round(running_at - created, 2),
+                "reclaim_to_final_save_in_container_s": round(saved[0]["t"] - reclaimed_at, 3),
+                "reclaim_to_resumed_in_container_s": round(starts[1]["t"] - reclaimed_at, 3),
+                "reclaim_to_completed_s": round(time.time() - reclaimed_at, 2),
+            }
+        )
+    )
