@@ -132,3 +132,29 @@ def test_a_reclaimed_containerised_run_saves_resumes_in_a_container_and_complete
             }
         )
     )
+
+
+def test_an_image_that_does_not_exist_fails_the_run_naming_it_at_once(stack, prefect):
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    missing = "spotgpu-test/no-such-image:1"
+    run = prefect.create_flow_run_from_deployment(
+        UUID(stack.deployment), parameters={"steps": 5}, job_variables={"image": missing}
+    )
+    began = time.time()
+
+    def over():
+        state = prefect.read_flow_run(run.id).state
+        return state.is_final() and not state.is_crashed() and state
+
+    final = wait_for(over, 90, "the run's end")
+    assert final.is_failed() and repr(missing) in final.message, final
+    assert time.time() - began < 60  # never a hang
+
+    def logged():  # (the worker sends its logs to Prefect in batches)
+        logs = prefect.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+        return [log.message for log in logs if missing in log.message]
+
+    assert "could not be pulled" in wait_for(logged, 30, "the reason in the run's log")[0]
+    bid_id = prefect.read_flow_run(run.id).labels["spotgpu.bid"]
+    assert stack.market().get(f"/bids/{bid_id}").json()["status"] == "cancelled"

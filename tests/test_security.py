@@ -156,6 +156,35 @@ def test_the_generated_key_file_is_private(service, tmp_path):
 # ---------------------------------------------------------------- reports from nodes
 
 
+def test_a_nodes_word_on_a_failed_job_reaches_its_tenant_as_one_line_of_plain_text(service):
+    """A hostile provider may say anything of a job it fails: only one bounded line of text,
+    no terminal escapes or other control characters, reaches the tenant (its flow-run log)."""
+    tenant, provider = service.tenant(), service.tenant()
+    _, agent = service.node(provider, gpus=8)
+    b = bid(tenant, gpu_count=8, max_price=1.0)
+    alloc = wait_event(tenant, f"/bids/{b['id']}/events", "allocated")["allocation_id"]
+    for hostile in (
+        "\x1b]52;c;cm0gLXJmIH4=\x07 copy this",
+        "line\nforged line",
+        "\x9b31m",
+        "x" * 301,
+    ):
+        refused = agent.post(
+            f"/allocations/{alloc}/report",
+            json={"epoch": 1, "outcome": "failed", "detail": hostile},
+        )
+        assert refused.status_code == 422 and "detail" in refused.text, refused.text
+    assert tenant.get(f"/allocations/{alloc}").json()["status"] == "running"  # nothing written
+    said = "the job could not start: image 'x/y:1' is not on this node and could not be pulled"
+    ok = agent.post(
+        f"/allocations/{alloc}/report", json={"epoch": 1, "outcome": "failed", "detail": said}
+    )
+    assert ok.status_code == 200, ok.text
+    ended = wait_event(tenant, f"/bids/{b['id']}/events", "preempted")
+    assert ended["payload"]["reason"] == "job failed on the node"
+    assert ended["payload"]["detail"] == said
+
+
 def test_a_node_cannot_end_or_bill_another_nodes_job_and_every_report_is_audited(service):
     victim, provider, rival = service.tenant(), service.tenant(), service.tenant()
     node, agent = service.node(provider, gpus=8)

@@ -358,3 +358,17 @@ def test_the_rules_read_the_configuration_they_are_given():
         max_preemptions=2, cheap_window_only=True, timezone="Europe/Berlin"
     )
     assert Settings.of(config) == Settings(2, True, "Europe/Berlin")
+
+
+def test_a_job_that_failed_with_the_nodes_word_on_why_fails_the_run_saying_it():
+    follow = Follow(event("allocated", 11, node=2))
+    detail = "the job could not start: image 'x/y:1' is not on this node and could not be pulled"
+    e = event("preempted", 11, node=2, reason=EndReason.JOB_FAILED, detail=detail)
+    follow.track.apply(e)
+    reaction = react(e, True, follow.track, SETTINGS, NOW, Facts(run=run(Phase.PENDING)))
+    assert isinstance(reaction, Fail) and reaction.emit is None
+    assert reaction.message == f"The job on allocation 11 failed on node 2: {detail}"
+    assert follow.track.preemptions == 0  # not a preemption: no resume
+    # a run its engine already ended keeps that end
+    ended = react(e, True, follow.track, SETTINGS, NOW, Facts(run=run(Phase.FAILED)))
+    assert isinstance(ended, CancelBid) and ended.status_code == 1

@@ -326,7 +326,9 @@ class Agent:
             except Exception as exc:  # e.g. the command does not exist: give the GPUs back
                 self.free |= set(indices)
                 logger.error("allocation %s: the job could not start: %s", alloc_id, exc)
-                self._report_failed(alloc_id, assignment["epoch"])
+                self._report_failed(
+                    alloc_id, assignment["epoch"], f"the job could not start: {exc}"
+                )
                 return
             self.jobs[alloc_id] = handle
             self.epochs[alloc_id] = assignment["epoch"]
@@ -338,8 +340,11 @@ class Agent:
                 indices,
             )
 
-    def _report_failed(self, alloc_id: int, epoch: int) -> None:
-        self.reporter.report_later(alloc_id, {"epoch": epoch, "outcome": ReportOutcome.FAILED})
+    def _report_failed(self, alloc_id: int, epoch: int, detail: str | None = None) -> None:
+        body = {"epoch": epoch, "outcome": ReportOutcome.FAILED}
+        if detail:  # one line of plain text, as the market takes it
+            body["detail"] = "".join(c if c.isprintable() else " " for c in detail)[:300]
+        self.reporter.report_later(alloc_id, body)
 
     def notice(self, alloc_id: int, deadline: float, epoch: int | None) -> None:
         with self.lock:

@@ -118,7 +118,9 @@ def apply_report(writes: TickWrites, change: MarketChange, now: float) -> None:
             bid.status = BidStatus.FINISHED.value
     elif outcome == ReportOutcome.FAILED and status in (S.RUNNING, S.NOTICED):
         writes.settlement(
-            market.end_allocation(alloc.id, S.PREEMPTED, at), reason=EndReason.JOB_FAILED
+            market.end_allocation(alloc.id, S.PREEMPTED, at),
+            reason=EndReason.JOB_FAILED,
+            detail=data.get("detail"),
         )
 
 

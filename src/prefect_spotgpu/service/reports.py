@@ -61,6 +61,7 @@ def report_allocation(
             "epoch": alloc.epoch,
             "checkpoint_at": checkpoint_at,
             "cause": report.cause,
+            "detail": report.detail,
         },
     )
     return alloc

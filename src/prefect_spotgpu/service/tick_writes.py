@@ -219,16 +219,19 @@ class TickWrites:
                 epoch=row.epoch,
             )
 
-    def settlement(self, settlement, reason: str) -> None:
-        """Write a settlement made outside the tick (a cancel, a hold, an agent's report)."""
+    def settlement(self, settlement, reason: str, detail: str | None = None) -> None:
+        """Write a settlement made outside the tick (a cancel, a hold, an agent's report;
+        ``detail``: what the node said of a failed job, in the ending event)."""
         self.accrued.add(settlement.charges)
-        self.settlement_endings(settlement.endings, reason=reason)
+        self.settlement_endings(settlement.endings, reason=reason, detail=detail)
 
     def paid(self, alloc: AllocationRow) -> int:
         """Micros the allocation has paid so far: written charges plus this leader's unwritten."""
         return self.accrued.paid(alloc)
 
-    def settlement_endings(self, endings, reason: str | None = None) -> None:
+    def settlement_endings(
+        self, endings, reason: str | None = None, detail: str | None = None
+    ) -> None:
         for e in endings:
             self.ended = True
             fields = {"ended_at": e.at, "end_reason": reason or e.reason}
@@ -249,6 +252,7 @@ class TickWrites:
                 tenant_id=row.tenant_id,
                 reason=fields["end_reason"],
                 epoch=row.epoch,
+                **({"detail": detail} if detail else {}),
             )
             if e.reason == EndReason.NODE_LOST and e.previous.is_charged():
                 self.compensate(

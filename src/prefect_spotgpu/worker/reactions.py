@@ -14,7 +14,9 @@ the clock or imports Prefect or httpx: every rule is a unit test on plain data
                                   or Fail beyond max_preemptions (the bid is cancelled)
     finished, the run not final   Ask for the bid: held (out of credit) -> Reschedule, keep it
     the job's own end             Ended (the engine wrote the run's final state) or
-                                  CancelBid (a failed job, or an end without a final state)
+                                  CancelBid (a failed job, or an end without a final state);
+                                  a job that failed before its run ended, with the node's
+                                  word on why (a missing image): Fail, saying it
 
 ``Ask`` is how a rule asks for a fact it needs before it decides (the run's state, the bid):
 the caller reads it and calls :func:`react` again. The rules around an attempt are here too:
@@ -294,6 +296,10 @@ def react(
         if kind == EventKind.PREEMPTED:  # the process exited non-zero: the bid must not go on
             return CancelBid(status_code=status, log=log)
         return Ended(status_code=status, log=log)
+    detail = payload.get("detail")
+    if kind == EventKind.PREEMPTED and detail:  # the node said why (e.g. a missing image)
+        message = f"The job on allocation {alloc} failed on node {node}: {detail}"
+        return Fail(message=message, log=("error", message))
     return CancelBid(
         status_code=1,
         log=(
