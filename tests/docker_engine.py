@@ -9,11 +9,13 @@ engine this module started. ``job_image()`` builds, once per engine, the images 
 - ``spotgpu-test-job:<hash of the project's wheel>``: the base with this checkout's
   prefect-spotgpu unpacked from a wheel built here (``--no-deps``: the job side needs only
   the checkpoint library, the standard library and numpy);
-- ``spotgpu-test-flow:<hash>``: a Prefect job image, as an operator's catalogue image made
-  runnable by the worker: a venv with this host's Prefect version (from PyPI, through the
-  host's CA certificates: package traffic here passes an intercepting proxy; the host's pip
-  configuration names local folders and is not copied), the wheel, and the test flow
-  ``spot_flow.py`` at ``FLOWS`` (the deployments' working directory).
+- ``spotgpu-test-python:prefect-<version>``: a Python image as catalogue images are: the
+  base with a venv holding this host's Prefect version (from PyPI, through the host's CA
+  certificates: package traffic here passes an intercepting proxy; the host's pip
+  configuration names local folders and is not copied);
+- ``spotgpu-test-flow:<hash>``: that image made a job image by the repository's recipe,
+  ``docker/job.Dockerfile`` (this checkout's wheel with its dependencies, and the test flow
+  ``spot_flow.py`` at ``FLOWS``, the deployments' working directory).
 
 Each step says how long it took (``TIMINGS``), for the closing notes of the container work.
 """
@@ -33,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BASE_IMAGE = "spotgpu-test-base:bookworm"
 JOB_REPOSITORY = "spotgpu-test-job"
 FLOW_REPOSITORY = "spotgpu-test-flow"
+PYTHON_REPOSITORY = "spotgpu-test-python"
 FLOWS = "/opt/spotgpu-flows"
 """Where the flow image holds the test flow: the deployment's working directory."""
 CA_DIR = Path("/usr/local/share/ca-certificates")
@@ -139,13 +142,17 @@ def _build(name: str, context: str, dockerfile: str, timing: str, began: float) 
     env = {**os.environ, "DOCKER_BUILDKIT": "0"}
     _docker("build", "-q", "-t", name, context, env=env)
     TIMINGS[timing] = round(time.monotonic() - began, 1)
-    repository = name.split(":")[0]
-    for line in _docker(
-        "images", repository, "--format", "{{.Repository}}:{{.Tag}}"
-    ).stdout.split():
-        if line != name:  # an earlier checkout's: its layers are shared, its tag is not needed
-            _docker("rmi", line, check=False)
+    _drop_other_tags(name)
     return name
+
+
+def _drop_other_tags(name: str) -> None:
+    """Untag an earlier checkout's image of the same repository (its layers are shared)."""
+    repository = name.split(":")[0]
+    listed = _docker("images", repository, "--format", "{{.Repository}}:{{.Tag}}").stdout
+    for line in listed.split():
+        if line != name:
+            _docker("rmi", line, check=False)
 
 
 def job_image() -> str:
@@ -169,40 +176,59 @@ def job_image() -> str:
         )
 
 
-def flow_image() -> str:
-    """The Prefect job image of this checkout: Prefect in a venv, the wheel, the test flow."""
+def python_image() -> str:
+    """A Python image as the catalogue's are: the base with a venv holding this host's
+    Prefect version (from PyPI), ``python`` and ``pip`` first on the PATH."""
     from importlib.metadata import version
 
     base = base_image()
-    with tempfile.TemporaryDirectory(prefix="spotgpu-flow-image-") as context:
+    name = f"{PYTHON_REPOSITORY}:prefect-{version('prefect')}"
+    if _has_image(name):
+        return name
+    with tempfile.TemporaryDirectory(prefix="spotgpu-python-image-") as context:
         began = time.monotonic()
-        wheel = _wheel(context)
-        flow = ROOT / "tests" / "spot_flow.py"
-        shutil.copy(flow, context)
-        for cert in CA_DIR.glob("*.crt"):
+        certs = list(CA_DIR.glob("*.crt"))
+        for cert in certs:
             shutil.copy(cert, context)
-        digest = hashlib.sha256(wheel.read_bytes() + flow.read_bytes()).hexdigest()[:12]
-        name = f"{FLOW_REPOSITORY}:{digest}"
-        if _has_image(name):
-            return name
-        certs = (
-            "COPY *.crt /usr/local/share/ca-certificates/\n" if list(CA_DIR.glob("*.crt")) else ""
-        )
         return _build(
             name,
             context,
-            f"FROM {base}\n" + certs + "RUN update-ca-certificates >/dev/null && apt-get update -q"
+            f"FROM {base}\n"
+            + ("COPY *.crt /usr/local/share/ca-certificates/\n" if certs else "")
+            + "RUN update-ca-certificates >/dev/null && apt-get update -q"
             " && apt-get install -y -q --no-install-recommends python3-venv >/dev/null\n"
-            f"RUN python3 -m venv /opt/venv && /opt/venv/bin/pip install -q --no-cache-dir"
+            "RUN python3 -m venv /opt/venv && /opt/venv/bin/pip install -q --no-cache-dir"
             f" prefect=={version('prefect')} numpy\n"
-            f"COPY {wheel.name} /tmp/\n"
-            f"RUN /opt/venv/bin/pip install -q --no-deps /tmp/{wheel.name}"
-            f" && rm /tmp/{wheel.name}\n"
-            f"COPY spot_flow.py {FLOWS}/\n"
             "ENV PATH=/opt/venv/bin:/usr/local/bin:/usr/bin:/bin\n",
-            "flow_image_seconds",
+            "python_image_seconds",
             began,
         )
+
+
+def flow_image() -> str:
+    """The test flow's job image, made by the repository's recipe (``docker/job.Dockerfile``)
+    from ``python_image()``: prefect-spotgpu from this checkout's wheel, with its
+    dependencies, and ``tests/spot_flow.py`` at ``FLOWS``."""
+    base = python_image()
+    recipe = ROOT / "docker" / "job.Dockerfile"
+    flow = ROOT / "tests" / "spot_flow.py"
+    with tempfile.TemporaryDirectory(prefix="spotgpu-flow-image-") as context:
+        began = time.monotonic()
+        wheel = _wheel(str(Path(context) / "dist"))
+        (Path(context) / "flows").mkdir()
+        shutil.copy(flow, Path(context) / "flows")
+        digest = hashlib.sha256(
+            wheel.read_bytes() + flow.read_bytes() + recipe.read_bytes() + base.encode()
+        ).hexdigest()[:12]
+        name = f"{FLOW_REPOSITORY}:{digest}"
+        if _has_image(name):
+            return name
+        shutil.copy(recipe, Path(context) / "Dockerfile")
+        env = {**os.environ, "DOCKER_BUILDKIT": "0"}
+        _docker("build", "-q", "--build-arg", f"BASE={base}", "-t", name, context, env=env)
+        TIMINGS["flow_image_seconds"] = round(time.monotonic() - began, 1)
+        _drop_other_tags(name)
+        return name
 
 
 def bridge_gateway() -> str:
