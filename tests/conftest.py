@@ -3,6 +3,7 @@ uvicorn on a loopback port."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import tempfile
@@ -11,6 +12,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import quote
 
 import httpx
@@ -89,6 +91,8 @@ def job_image() -> Iterator[str]:
         yield image
     finally:
         docker_engine.stop()
+        timings = Path(tempfile.gettempdir()) / "spotgpu-test-docker-timings.json"
+        timings.write_text(json.dumps(docker_engine.TIMINGS))  # (for the container work's notes)
 
 
 @pytest.fixture(scope="session")

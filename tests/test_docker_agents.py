@@ -142,6 +142,47 @@ def test_a_reclaimed_container_saves_and_resumes_in_a_container_on_the_other_nod
         client = docker.from_env()
         left = client.containers.list(all=True, filters={"label": "io.spotgpu.bid-id"})
         assert not [c for c in left if c.labels["io.spotgpu.bid-id"] == str(bid["id"])]
+
+        # a lost agent: a long job's container outlives its SIGKILLed agent; the market ends
+        # the allocation; the agent comes back and its reconcile removes the container
+        survivor_node = next(n for n in admin.get("/nodes").json() if n["id"] != victim)
+        long_bid = buyer.post(
+            "/bids",
+            json={
+                "gpu_model": "A100-80G",
+                "gpu_count": 2,
+                "max_price": 1.5,
+                "region": "eu-west",
+                "job": {
+                    "command": ["python3", "-c", "import time; time.sleep(3600)"],
+                    "image": job_image,
+                },
+            },
+        ).json()
+        orphan = wait(
+            lambda: client.containers.list(
+                filters={"label": f"io.spotgpu.bid-id={long_bid['id']}"}
+            ),
+            60,
+            "the long job's container",
+        )[0]
+        index = ["a", "b"].index(survivor_node["name"])
+        agents[index].kill()
+        agents[index].wait(timeout=10)
+        wait(
+            lambda: admin.get(f"/nodes/{survivor_node['id']}").json()["state"] == "lost",
+            30,
+            "the node lost",
+        )
+        orphan.reload()
+        assert orphan.status == "running"  # it outlived its agent; the market ended it
+        agents.append(start_docker_agent(server, owner["api_key"], survivor_node["name"], tmp_path))
+        wait(
+            lambda: not client.containers.list(all=True, filters={"id": orphan.id}),
+            30,
+            "the orphan container removed by the agent's reconcile",
+        )
+        buyer.post(f"/bids/{long_bid['id']}/cancel")
     finally:
         for agent in agents:
             agent.terminate()
