@@ -90,6 +90,7 @@ def job_image() -> Iterator[str]:
     try:
         yield image
     finally:
+        docker_engine.remove_job_containers()
         docker_engine.stop()
         timings = Path(tempfile.gettempdir()) / "spotgpu-test-docker-timings.json"
         timings.write_text(json.dumps(docker_engine.TIMINGS))  # (for the container work's notes)

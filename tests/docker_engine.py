@@ -237,3 +237,11 @@ def bridge_gateway() -> str:
         ["ip", "-4", "-o", "addr", "show", "docker0"], capture_output=True, text=True, check=True
     ).stdout
     return out.split("inet ", 1)[1].split("/", 1)[0]
+
+
+def remove_job_containers() -> None:
+    """Remove every job container (the agents' label): a test's agents are gone, and with
+    them whoever would have stopped them."""
+    ids = _docker("ps", "-aq", "--filter", "label=io.spotgpu.allocation-id").stdout.split()
+    if ids:
+        _docker("rm", "-f", *ids, check=False)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+import docker_engine
 from conftest import ADMIN_KEY
 from conftest import wait_for as wait
 
@@ -193,3 +194,4 @@ def test_a_reclaimed_container_saves_and_resumes_in_a_container_on_the_other_nod
                 agent.kill()
             agent.logfile.close()
         server.stop()
+        docker_engine.remove_job_containers()

@@ -49,6 +49,7 @@ def stack(flow_image):
             stack.start_worker(pool)
             yield stack
     finally:
+        docker_engine.remove_job_containers()
         shutil.rmtree(home, ignore_errors=True)
 
 
