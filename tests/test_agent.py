@@ -19,6 +19,7 @@ from conftest import wait_for as wait
 from prefect_spotgpu.agent.discovery import DiscoveryError, discover_nvml, parse_declared
 from prefect_spotgpu.agent.isolation import JobUsers
 from prefect_spotgpu.agent.runners import DockerRunner, JobRequest, ProcessRunner, get_runner
+from prefect_spotgpu.protocol import REPORT_DETAIL_CHARS
 
 HERE = Path(__file__).parent
 
@@ -209,9 +210,10 @@ def test_the_docker_runner_builds_the_container_spec(tmp_path):
 # ---------------------------------------------------------------- two real agents
 
 
-def start_agent(server, key, name, tmp_path):
-    """A real agent; its jobs run as the test's user (they use the test's interpreter and
-    write to ``tmp_path``; isolated jobs are test_agent_isolation.py's)."""
+def start_agent(server, key, name, tmp_path, *options: str, job_user: str | None = None):
+    """A real agent (``options``: more of its command line); its jobs run as the test's user
+    unless ``job_user`` says (they use the test's interpreter and write to ``tmp_path``;
+    isolated jobs are test_agent_isolation.py's and the docker tests')."""
     log = open(tmp_path / f"agent-{name}.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
         [
@@ -223,7 +225,7 @@ def start_agent(server, key, name, tmp_path):
             "--market",
             server.url,
             "--job-user",
-            str(os.getuid()),
+            job_user or str(os.getuid()),
             "--gpus",
             "A100-80G:2",
             "--name",
@@ -238,6 +240,7 @@ def start_agent(server, key, name, tmp_path):
             "1",
             "--grace-seconds",
             "2",
+            *options,
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -245,6 +248,25 @@ def start_agent(server, key, name, tmp_path):
     )
     proc.logfile = log
     return proc
+
+
+def a_market(tmp_path, heartbeat_timeout: float | None = None):
+    """The market service as its own process, an owner allowed to provide GPUs and a buyer:
+    ``(server, admin client, owner's key, buyer's key)``."""
+    from test_service_processes import Server
+
+    if heartbeat_timeout is not None:
+        os.environ["SPOTGPU_HEARTBEAT_TIMEOUT_SECONDS"] = str(heartbeat_timeout)
+    try:
+        server = Server(f"sqlite:///{tmp_path / 'm.db'}", tmp_path)
+    finally:
+        os.environ.pop("SPOTGPU_HEARTBEAT_TIMEOUT_SECONDS", None)
+    admin = server.client(ADMIN_KEY)
+    owner = admin.post("/tenants", json={"name": "owner"}).json()
+    granted = admin.put(f"/tenants/{owner['id']}/provider", json={"provider": True})
+    assert granted.status_code == 200, granted.text
+    buyer_key = admin.post("/tenants", json={"name": "buyer"}).json()["api_key"]
+    return server, admin, owner["api_key"], buyer_key
 
 
 def read_log(path):
@@ -273,19 +295,7 @@ def job_bid(buyer, steps: int, log, ckpt_dir) -> dict:
 
 @pytest.mark.slow
 def test_two_agents_a_reclaim_and_a_resume_from_the_checkpoint(tmp_path):
-    from test_service_processes import Server
-
-    os.environ["SPOTGPU_HEARTBEAT_TIMEOUT_SECONDS"] = "3"
-    try:
-        server = Server(f"sqlite:///{tmp_path / 'm.db'}", tmp_path)
-    finally:
-        del os.environ["SPOTGPU_HEARTBEAT_TIMEOUT_SECONDS"]
-    admin = server.client(ADMIN_KEY)
-    owner = admin.post("/tenants", json={"name": "owner"}).json()
-    owner_key = owner["api_key"]
-    granted = admin.put(f"/tenants/{owner['id']}/provider", json={"provider": True})
-    assert granted.status_code == 200, granted.text
-    buyer_key = admin.post("/tenants", json={"name": "buyer"}).json()["api_key"]
+    server, admin, owner_key, buyer_key = a_market(tmp_path, heartbeat_timeout=3)
     agents = {n: start_agent(server, owner_key, n, tmp_path) for n in ("a", "b")}
     try:
         nodes = wait(lambda: len(r := admin.get("/nodes").json()) == 2 and r, 30, "agents")
@@ -611,3 +621,38 @@ def test_a_second_registration_of_a_name_issues_a_new_token(service, tmp_path):
     first.token = owner.headers["Authorization"].removeprefix("Bearer ")
     first.register()
     assert service.client(new).get("/nodes/me").status_code == 401
+
+
+@pytest.mark.slow
+def test_a_job_that_cannot_start_is_reported_failed_with_one_bounded_line_of_why(tmp_path):
+    server, admin, owner_key, buyer_key = a_market(tmp_path)
+    agent = start_agent(server, owner_key, "a", tmp_path)
+    try:
+        wait(lambda: admin.get("/nodes").json(), 30, "the agent registered")
+        buyer = server.client(buyer_key)
+        missing = "/no/such/interpreter-" + "x" * 400  # its error names it: over the limit
+        bid = buyer.post(
+            "/bids",
+            json={
+                "gpu_model": "A100-80G",
+                "gpu_count": 2,
+                "max_price": 1.5,
+                "region": "eu-west",
+                "job": {"command": [missing]},
+            },
+        ).json()
+
+        def ended():
+            page = buyer.get(f"/bids/{bid['id']}/events", params={"after": 0, "timeout": 1})
+            return [e for e in page.json()["events"] if e["kind"] == "preempted"]
+
+        (event,) = wait(ended, 30, "the allocation ended")
+        assert event["payload"]["reason"] == "job failed on the node"
+        detail = event["payload"]["detail"]
+        assert detail.startswith("the job could not start: ") and "/no/such/interpreter-" in detail
+        assert len(detail) == REPORT_DETAIL_CHARS  # cut to what the market takes, not refused
+    finally:
+        agent.terminate()
+        agent.wait(timeout=15)
+        agent.logfile.close()
+        server.stop()

@@ -7,21 +7,17 @@ import time
 
 import pytest
 
-from conftest import ADMIN_KEY
 from conftest import wait_for as wait
-from test_agent import job_bid, read_log, start_agent
+from test_agent import a_market, job_bid, read_log, start_agent
 from test_service_processes import Server
 
 
 @pytest.mark.slow
 def test_a_report_lost_in_a_market_outage_is_delivered_when_it_returns(tmp_path):
     db = f"sqlite:///{tmp_path / 'm.db'}"
-    server = Server(db, tmp_path)
-    admin = server.client(ADMIN_KEY)
-    owner = admin.post("/tenants", json={"name": "owner"}).json()
-    admin.put(f"/tenants/{owner['id']}/provider", json={"provider": True}).raise_for_status()
-    buyer = server.client(admin.post("/tenants", json={"name": "buyer"}).json()["api_key"])
-    agent = start_agent(server, owner["api_key"], "a", tmp_path)
+    server, admin, owner_key, buyer_key = a_market(tmp_path)
+    buyer = server.client(buyer_key)
+    agent = start_agent(server, owner_key, "a", tmp_path)
     try:
         wait(lambda: admin.get("/nodes").json(), 30, "the agent registered")
         job_log = tmp_path / "job.jsonl"

@@ -10,10 +10,8 @@ the job is ``agent_job.py`` run by the image's python3 in the session's job imag
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,31 +19,18 @@ from pathlib import Path
 import pytest
 
 import docker_engine
-from conftest import ADMIN_KEY
 from conftest import wait_for as wait
+from test_agent import a_market, start_agent
 
 HERE = Path(__file__).parent
 STEPS = 120
 pytestmark = pytest.mark.slow
 
 
-def start_docker_agent(server, key: str, name: str, tmp_path: Path) -> subprocess.Popen:
-    log = open(tmp_path / f"agent-{name}.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "prefect_spotgpu.cli", "agent", "start"),
-            *("--market", server.url, "--runner", "docker", "--job-user", "auto"),
-            *("--checkpoint-root", str(tmp_path / "checkpoints")),
-            *("--gpus", "A100-80G:2", "--name", name, "--region", "eu-west"),
-            *("--reserve-price", "0.9", "--state-dir", str(tmp_path / f"state-{name}")),
-            *("--heartbeat-seconds", "1", "--grace-seconds", "2"),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "SPOTGPU_AGENT_TOKEN": key},
-    )
-    proc.logfile = log
-    return proc
+def start_docker_agent(server, key: str, name: str, home: Path) -> subprocess.Popen:
+    """A real agent whose jobs are containers, as users of their own."""
+    checkpoints = ("--checkpoint-root", str(home / "checkpoints"))
+    return start_agent(server, key, name, home, "--runner", "docker", *checkpoints, job_user="auto")
 
 
 def job_logs(tmp_path: Path) -> list[dict]:
@@ -68,20 +53,10 @@ def sandbox():
 def test_a_reclaimed_container_saves_and_resumes_in_a_container_on_the_other_node(
     sandbox, job_image
 ):
-    from test_service_processes import Server
-
     tmp_path = sandbox
-
-    os.environ["SPOTGPU_HEARTBEAT_TIMEOUT_SECONDS"] = "3"
-    try:
-        server = Server(f"sqlite:///{tmp_path / 'm.db'}", tmp_path)
-    finally:
-        del os.environ["SPOTGPU_HEARTBEAT_TIMEOUT_SECONDS"]
-    admin = server.client(ADMIN_KEY)
-    owner = admin.post("/tenants", json={"name": "owner"}).json()
-    assert admin.put(f"/tenants/{owner['id']}/provider", json={"provider": True}).is_success
-    buyer = server.client(admin.post("/tenants", json={"name": "buyer"}).json()["api_key"])
-    agents = [start_docker_agent(server, owner["api_key"], n, tmp_path) for n in ("a", "b")]
+    server, admin, owner_key, buyer_key = a_market(tmp_path, heartbeat_timeout=3)
+    buyer = server.client(buyer_key)
+    agents = [start_docker_agent(server, owner_key, n, tmp_path) for n in ("a", "b")]
     try:
         wait(lambda: len(admin.get("/nodes").json()) == 2, 30, "both agents")
         source = (HERE / "agent_job.py").read_text()
@@ -105,7 +80,7 @@ def test_a_reclaimed_container_saves_and_resumes_in_a_container_on_the_other_nod
         wait(lambda: sum("step" in e for e in job_logs(tmp_path)) >= 20, 30, "progress")
         victim = buyer.get(f"/bids/{bid['id']}/allocations").json()[0]["node_id"]
         reclaimed_at = time.time()
-        server.client(owner["api_key"]).patch(f"/nodes/{victim}", json={"state": "reclaimed"})
+        server.client(owner_key).patch(f"/nodes/{victim}", json={"state": "reclaimed"})
         signal_at = wait(
             lambda: [e["signal"] for e in job_logs(tmp_path) if "signal" in e],
             15,
@@ -177,7 +152,7 @@ def test_a_reclaimed_container_saves_and_resumes_in_a_container_on_the_other_nod
         )
         orphan.reload()
         assert orphan.status == "running"  # it outlived its agent; the market ended it
-        agents.append(start_docker_agent(server, owner["api_key"], survivor_node["name"], tmp_path))
+        agents.append(start_docker_agent(server, owner_key, survivor_node["name"], tmp_path))
         wait(
             lambda: not client.containers.list(all=True, filters={"id": orphan.id}),
             30,

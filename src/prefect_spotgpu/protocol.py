@@ -29,6 +29,7 @@ __all__ = [
     "LABELS",
     "LIVE_BID_STATUSES",
     "PID_PREFIX",
+    "REPORT_DETAIL_CHARS",
     "AllocationStatus",
     "BidStatus",
     "Capacity",
@@ -92,6 +93,11 @@ class ReportOutcome(StrEnum):
     """The job exited 0."""
     FAILED = "failed"
     """The job exited non-zero."""
+
+
+REPORT_DETAIL_CHARS = 300
+"""The longest ``detail`` of a failed job's report: one line of plain text (no control
+characters) that reaches the bid's tenant, in its ending event and its flow-run log."""
 
 
 class WorkerEvent(StrEnum):

@@ -40,7 +40,13 @@ from prefect_spotgpu.agent.reporter import Reporter
 from prefect_spotgpu.agent.reports import notice_report
 from prefect_spotgpu.agent.runners import JobHandle, JobRequest, Runner
 from prefect_spotgpu.api_client import api_client
-from prefect_spotgpu.protocol import ENDING_EVENTS, AllocationStatus, EventKind, ReportOutcome
+from prefect_spotgpu.protocol import (
+    ENDING_EVENTS,
+    REPORT_DETAIL_CHARS,
+    AllocationStatus,
+    EventKind,
+    ReportOutcome,
+)
 
 logger = logging.getLogger("prefect_spotgpu.agent")
 
@@ -343,7 +349,8 @@ class Agent:
     def _report_failed(self, alloc_id: int, epoch: int, detail: str | None = None) -> None:
         body = {"epoch": epoch, "outcome": ReportOutcome.FAILED}
         if detail:  # one line of plain text, as the market takes it
-            body["detail"] = "".join(c if c.isprintable() else " " for c in detail)[:300]
+            printable = "".join(c if c.isprintable() else " " for c in detail)
+            body["detail"] = printable[:REPORT_DETAIL_CHARS]
         self.reporter.report_later(alloc_id, body)
 
     def notice(self, alloc_id: int, deadline: float, epoch: int | None) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from datetime import UTC, datetime
+from datetime import datetime
 
 import httpcore
 from sqlalchemy import select, update
@@ -44,10 +44,6 @@ from prefect_spotgpu.service.sealing import job_for_node as job_for_node
 from prefect_spotgpu.service.sealing import seal_plaintext_jobs as seal_plaintext_jobs
 
 ACTIVE = tuple(s.value for s in AllocationStatus.active_statuses())
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
 
 
 def hash_secret(secret: str) -> str:

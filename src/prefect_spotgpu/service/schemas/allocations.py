@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from prefect_spotgpu.protocol import ReportOutcome
+from prefect_spotgpu.protocol import REPORT_DETAIL_CHARS, ReportOutcome
 from prefect_spotgpu.service.schemas.fields import Strict
 
 
@@ -42,10 +42,6 @@ class Assignment(AllocationResponse):
     checkpoint_key: str
 
 
-DETAIL_CHARS = 300
-"""The longest ``detail`` a node may report (it reaches the tenant's flow-run log)."""
-
-
 class AllocationReport(Strict):
     """What a node agent (or a worker) reports about an allocation, fenced by its epoch."""
 
@@ -60,7 +56,7 @@ class AllocationReport(Strict):
     step: int | None = Field(None, ge=0, le=2**62)
     detail: str | None = Field(
         None,
-        max_length=DETAIL_CHARS,
+        max_length=REPORT_DETAIL_CHARS,
         pattern=r"^[^\x00-\x1f\x7f-\x9f]*$",
         description="For a failed job: what the node saw (e.g. an image it could not pull), "
         "one line of plain text; the bid's tenant sees it in the allocation's ending event.",
