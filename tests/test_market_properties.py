@@ -36,6 +36,7 @@ from prefect_spotgpu.market import (
 
 MODELS = ("A100-80G", "RTX-4090", "A100-80G/on_demand")  # model[/capacity]
 REGIONS = ("eu-west", "us-east")
+IMAGES = ("pytorch:1", "tensorrt:1")
 PRICES = (0.3, 0.5, 0.8, 1.0, 1.05, 1.1, 1.2, 1.5, 2.0, 3.0)
 
 node_st = st.tuples(
@@ -115,7 +116,10 @@ def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
     market = Market(config)
     for i, (model, region, count, reserve) in enumerate(nodes, start=1):
         model, _, capacity = model.partition("/")
-        market.upsert_node(Node(i, model, region, count, reserve, capacity=capacity or "spot"))
+        images = frozenset(IMAGES[: i % 3])  # some nodes hold images: placement prefers them
+        market.upsert_node(
+            Node(i, model, region, count, reserve, capacity=capacity or "spot", images=images)
+        )
     now, next_bid = 0.0, 1
     total_charged = 0
     book = ExactBook()
@@ -137,6 +141,7 @@ def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
                     created_at=now,
                     window=None if window is None else Interval(*window),
                     capacity=capacity or "spot",
+                    image=IMAGES[next_bid % 3] if next_bid % 3 < len(IMAGES) else None,
                 )
             )
             next_bid += 1

@@ -170,6 +170,24 @@ class PoolCapacity:
                     self.entries -= 1
         return None
 
+    def lowest_at(
+        self, free: int, reserve: float, free_now: list[int], reserves: list[float], holds
+    ) -> int | None:
+        """The lowest key of a live node with exactly ``free`` GPUs free at ``reserve`` for
+        which ``holds(row)`` is true (a node that kept an image), or None; stale entries are
+        dropped on the way."""
+        tier = self.tiers.get(reserve)
+        if tier is None:
+            return None
+        bucket = tier[free]
+        while bucket:
+            row = bucket[0] & ROW_MASK
+            if free_now[row] == free and reserves[row] == reserve and holds(row):
+                return bucket[0]
+            heappop(bucket)
+            self.entries -= 1
+        return None
+
     def first_fit(
         self, size: int, max_price: float, free_now: list[int], reserve: list[float]
     ) -> tuple[int] | None:

@@ -12,7 +12,7 @@ from heapq import heappop, heappush
 
 import numpy as np
 
-from prefect_spotgpu.market.book import ROW_BITS, Book, priority_order
+from prefect_spotgpu.market.book import Book, priority_order
 from prefect_spotgpu.market.decision import PlacementKind
 from prefect_spotgpu.market.index import MarketIndex
 from prefect_spotgpu.market.tables import (
@@ -93,8 +93,10 @@ class ClearingMixin(MarketIndex):
         they suffice; an any-region bid goes to the pool whose smallest node fits it most
         tightly, then with the fewest remaining GPUs, then by region name (the nearest the
         one-by-one best fit gets without tracking nodes). It stops before the first bid of a
-        book that does not qualify; the one-by-one loop takes it from there. Bids are packed
-        largest first into the smallest nodes first, so whole large nodes stay free longest.
+        book that does not qualify (and, where a node of these pools holds images, before the
+        first bid with an image: the one-by-one fit prefers a node that has it); the one-by-one
+        loop takes it from there. Bids are packed largest first into the smallest nodes first,
+        so whole large nodes stay free longest.
         """
         b = self.b
         fresh: dict[int, tuple[Pool, list[int], float, int]] = {}
@@ -144,6 +146,10 @@ class ClearingMixin(MarketIndex):
                 & ((b.created[rows] < sc) | ((b.created[rows] == sc) & (b.id[rows] < si)))
             )
             rows = rows[: int(np.argmin(ahead)) if not ahead.all() else len(rows)]
+        if any(self.n_images[r] for entry in fresh.values() for r in entry[1]):
+            wants_image = b.image[rows] > 0  # placed one by one: they prefer their image's nodes
+            if wants_image.any():
+                rows = rows[: int(np.argmax(wants_image))]
         if len(rows) == 0:
             return
         # the greedy admission: each pool's remaining GPUs are all that matter
@@ -210,11 +216,7 @@ class ClearingMixin(MarketIndex):
             taken = int(g.sum())
             pool.busy += taken
             pool.free -= taken
-            pool.capacity.rebuild(
-                [(self.n_id[r] << ROW_BITS) | r for r in live],
-                [self.n_reserve[r] for r in live],
-                [self.n_free[r] for r in live],
-            )
+            self._rebuild_capacity(pool, live)
         # record allocations (ids in priority order)
         alloc_ids = np.arange(self._next_alloc_id, self._next_alloc_id + k, dtype=np.int64)
         self._next_alloc_id += k

@@ -153,6 +153,7 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
             )
         self.n_state[row] = node.state
         self.n_reserve[row] = node.reserve_price
+        self.n_images[row] = frozenset(self._intern_image(i) for i in node.images)
         self._n_reserve_np = None
         pool.live = None
         self._suspect_nodes.add(row)
@@ -184,6 +185,7 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
         b = self.b
         b.id[row], b.model[row], b.region[row], b.gpus[row] = bid.id, model, region, bid.gpu_count
         b.price[row], b.created[row], b.window[row] = bid.max_price, bid.created_at, window
+        b.image[row] = self._intern_image(bid.image)
         b.deadline[row] = math.nan if bid.deadline is None else bid.deadline
         b.tenant[row], b.status[row], b.epoch[row] = bid.tenant_id, WAITING, 0
         b.book[row] = book.index
@@ -201,10 +203,12 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
         max_prices: np.ndarray,
         created_at: np.ndarray,
         tenant_ids: np.ndarray | None = None,
+        images: list[str | None] | None = None,
     ) -> None:
         """Bulk-load bids of one model and region (no window), validated as a whole.
 
-        The fast path for loading a large book; each array holds one value per bid.
+        The fast path for loading a large book; each array holds one value per bid
+        (``images``: each bid's image reference, or None).
         """
         gpu_model = DEFAULT_CATALOG.normalize(gpu_model)
         region = check_region("region", region, allow_any=True)
@@ -219,6 +223,10 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
         prices = np.asarray(max_prices, np.float64)
         created = np.asarray(created_at, np.float64)
         tenants = np.zeros(n, np.int64) if tenant_ids is None else np.asarray(tenant_ids, np.int64)
+        if images is not None and len(images) != n:
+            raise ValueError(f"images has {len(images)} values, ids has {n}")
+        if images is not None and not all(i is None or (isinstance(i, str) and i) for i in images):
+            raise ValueError("images must be non-empty strings or None")
         for name, arr in (
             ("gpu_counts", gpus),
             ("max_prices", prices),
@@ -256,6 +264,7 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
         b = self.b
         b.id[s], b.model[s], b.region[s], b.gpus[s] = ids, model, reg, gpus
         b.price[s], b.created[s], b.window[s], b.deadline[s] = prices, created, -1, math.nan
+        b.image[s] = 0 if images is None else [self._intern_image(i) for i in images]
         b.tenant[s], b.status[s], b.epoch[s] = tenants, WAITING, 0
         b.run[s] = b.res[s] = -1
         rows = np.arange(s.start, s.stop, dtype=np.int64)
@@ -396,6 +405,7 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
                 self.n_reserve[r],
                 self.n_state[r],
                 self._model_capacity[self._pools[self.n_pool[r]].model],
+                frozenset(self._images[i] for i in self.n_images[r]),
             )
             for r in range(len(self.n_id))
         )
@@ -417,6 +427,7 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
                     deadline=None if math.isnan(deadline) else deadline,
                     tenant_id=int(b.tenant[row]),
                     capacity=self._model_capacity[b.model[row]],
+                    image=self._images[b.image[row]] or None,
                 )
             )
         allocs = []

@@ -50,6 +50,8 @@ class MarketIndex:
         self._model_index: dict[tuple[str, Capacity], int] = {}
         self._regions: list[str] = []
         self._region_index: dict[str, int] = {}
+        self._images: list[str] = [""]  # image ids: 0 is none
+        self._image_index: dict[str, int] = {}
         self._windows: list[Interval] = []
         self._window_index: dict[Interval, int] = {}
         self._pools: list[Pool] = []
@@ -71,6 +73,7 @@ class MarketIndex:
         self.n_reserved: list[int] = []
         self.n_res_mig: list[int] = []  # of n_reserved: migration reservations (on free GPUs)
         self.n_free: list[int] = []  # -1: offers no capacity (not live)
+        self.n_images: list[frozenset[int]] = []  # the image ids the node holds
         self._csr: tuple[np.ndarray, np.ndarray] | None = None  # node -> alloc rows index
         self._node_extra: dict[int, list[int]] = {}  # alloc rows added since the index
         self._extra_count = 0
@@ -86,6 +89,7 @@ class MarketIndex:
             price=np.float64,
             created=np.float64,
             window=np.int32,
+            image=np.int32,  # its job's image id (0: none)
             deadline=np.float64,
             tenant=np.int64,
             status=np.int8,
@@ -133,6 +137,15 @@ class MarketIndex:
             self._model_pools[i] = []
             self._model_books[i] = []
         return i
+
+    def _intern_image(self, name: str | None) -> int:
+        if not name:
+            return 0
+        image = self._image_index.get(name)
+        if image is None:
+            image = self._image_index[name] = len(self._images)
+            self._images.append(name)
+        return image
 
     def _intern_region(self, name: str) -> int:
         i = self._region_index.get(name)
@@ -185,6 +198,7 @@ class MarketIndex:
         self.n_reserved.append(0)
         self.n_res_mig.append(0)
         self.n_free.append(-1)
+        self.n_images.append(frozenset(self._intern_image(i) for i in node.images))
         self._n_reserve_np = None
         pool.nodes.append(row)
         pool.live = None
@@ -214,9 +228,13 @@ class MarketIndex:
             self.n_free[row] = free
             self._pools[self.n_pool[row]].free += max(free, 0) - max(old, 0)
             if free > 0:
-                self._pools[self.n_pool[row]].capacity.push(
-                    (self.n_id[row] << ROW_BITS) | row, self.n_reserve[row], free
-                )
+                pool, key = self._pools[self.n_pool[row]], (self.n_id[row] << ROW_BITS) | row
+                pool.capacity.push(key, self.n_reserve[row], free)
+                for image in self.n_images[row]:
+                    holders = pool.image_capacity.get(image)
+                    if holders is None:
+                        holders = pool.image_capacity[image] = PoolCapacity()
+                    holders.push(key, self.n_reserve[row], free)
 
     def _live(self, pool: Pool) -> list[int]:
         """A pool's live node rows, and its largest node, GPUs and lowest reserve among them
@@ -231,29 +249,57 @@ class MarketIndex:
     def _free_fit(self, brow: int) -> int | None:
         """The node row a bid would take among free GPUs now, or None."""
         b = self.b
-        size, price, model, region = (
+        size, price, model, region, image = (
             int(b.gpus[brow]),
             float(b.price[brow]),
             int(b.model[brow]),
             int(b.region[brow]),
+            int(b.image[brow]),
         )
         if region >= 0:
             p = self._pool_index.get((model, region))
             if p is None:
                 return None
-            found = self._fit(self._pools[p].capacity, size, price)
+            found = self._fit(self._pools[p], size, price, image)
             return None if found is None else found[-1] & ROW_MASK
         best = None
         for p in self._model_pools[model]:
-            found = self._fit(self._pools[p].capacity, size, price)
+            found = self._fit(self._pools[p], size, price, image)
             if found is not None and (best is None or found < best):
                 best = found
         return None if best is None else best[-1] & ROW_MASK
 
-    def _fit(self, capacity: PoolCapacity, size: int, price: float):
-        if self._policy.name == "best-fit":
-            return capacity.best_fit(size, price, self.n_free, self.n_reserve)
-        return capacity.first_fit(size, price, self.n_free, self.n_reserve)
+    def _fit(self, pool: Pool, size: int, price: float, image: int = 0):
+        """The fit of a bid in a pool, as a key that orders fits (its last item the node's
+        key). Best fit: ``(free, reserve, misses its image, key)`` -- among equal fits, a node
+        that holds the bid's image comes first."""
+        capacity = pool.capacity
+        if self._policy.name != "best-fit":
+            return capacity.first_fit(size, price, self.n_free, self.n_reserve)
+        found = capacity.best_fit(size, price, self.n_free, self.n_reserve)
+        if found is None or not image:
+            return None if found is None else (found[0], found[1], 0, found[2])
+        free, reserve, key = found
+        holders = pool.image_capacity.get(image)
+        if holders is not None:
+            n_images = self.n_images
+            held = holders.lowest_at(
+                free, reserve, self.n_free, self.n_reserve, lambda r: image in n_images[r]
+            )
+            if held is not None:
+                return (free, reserve, 0, held)
+        return (free, reserve, 1, key)
+
+    def _rebuild_capacity(self, pool: Pool, rows: list[int]) -> None:
+        """Rebuild a pool's free-GPU buckets (and its image holders') from its node ``rows``."""
+        keys = [(self.n_id[r] << ROW_BITS) | r for r in rows]
+        reserves, frees = [self.n_reserve[r] for r in rows], [self.n_free[r] for r in rows]
+        pool.capacity.rebuild(keys, reserves, frees)
+        for image, holders in pool.image_capacity.items():
+            held = [i for i, r in enumerate(rows) if image in self.n_images[r]]
+            holders.rebuild(
+                [keys[i] for i in held], [reserves[i] for i in held], [frees[i] for i in held]
+            )
 
     # ------------------------------------------------------------------ bid and allocation rows
 
@@ -331,13 +377,11 @@ class MarketIndex:
                 order = priority_order(b.price[rows], b.created[rows], b.id[rows])
                 book.reset(rows[order], b.epoch[rows[order]])
         for pool in self._pools:
-            if pool.capacity.entries > 4 * len(pool.nodes) + 64:
-                live = [r for r in pool.nodes if self.n_free[r] > 0]
-                pool.capacity.rebuild(
-                    [(self.n_id[r] << ROW_BITS) | r for r in live],
-                    [self.n_reserve[r] for r in live],
-                    [self.n_free[r] for r in live],
-                )
+            bound = 4 * len(pool.nodes) + 64
+            if pool.capacity.entries > bound or any(
+                h.entries > bound for h in pool.image_capacity.values()
+            ):
+                self._rebuild_capacity(pool, [r for r in pool.nodes if self.n_free[r] > 0])
 
     # ------------------------------------------------------------------ between the parts
 

@@ -50,6 +50,7 @@ class Pool:
     region: int
     nodes: list[int] = field(default_factory=list)  # node rows, kept sorted by node id
     capacity: PoolCapacity = field(default_factory=PoolCapacity)
+    image_capacity: dict[int, PoolCapacity] = field(default_factory=dict)  # image -> its holders
     incumbents: np.ndarray | None = None  # alloc rows RUNNING at tick start, weakest first
     incumbent_eff: np.ndarray | None = None
     scan_from: int = 0  # incumbents before this index are no longer running

@@ -156,6 +156,12 @@ def check_capacity(value: object) -> Capacity:
         ) from None
 
 
+def check_images(value: object) -> frozenset[str]:
+    if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"images must be a set of non-empty strings, got {value!r}")
+    return frozenset(value)
+
+
 def check_gpu_count(field_name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{field_name} must be an integer, got {value!r}")
@@ -232,9 +238,13 @@ class Node:
     reserve_price: float
     state: NodeState = NodeState.LIVE
     capacity: Capacity = Capacity.SPOT
+    images: frozenset[str] = frozenset()
+    """The image references the node holds locally: among equal fits, a bid lands on a node
+    that has its image (no pull)."""
 
     def __post_init__(self) -> None:
         check_id("node.id", self.id)
+        object.__setattr__(self, "images", check_images(self.images))
         object.__setattr__(self, "capacity", check_capacity(self.capacity))
         object.__setattr__(self, "gpu_model", DEFAULT_CATALOG.normalize(self.gpu_model))
         object.__setattr__(self, "region", check_region("region", self.region, allow_any=False))
@@ -266,9 +276,13 @@ class Bid:
     deadline: float | None = None
     tenant_id: int = 0
     capacity: Capacity = Capacity.SPOT
+    image: str | None = None
+    """The job's image reference (None: none): placement prefers a node that holds it."""
 
     def __post_init__(self) -> None:
         check_id("bid.id", self.id)
+        if self.image is not None and not (isinstance(self.image, str) and self.image):
+            raise ValueError(f"image must be a non-empty string or None, got {self.image!r}")
         object.__setattr__(self, "capacity", check_capacity(self.capacity))
         object.__setattr__(self, "gpu_model", DEFAULT_CATALOG.normalize(self.gpu_model))
         check_gpu_count("gpu_count", self.gpu_count)
