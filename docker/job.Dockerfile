@@ -4,7 +4,7 @@
 # library) and, optionally, your flow's code. Build it from the clone's root:
 #
 #   python -m pip wheel --no-deps -w dist .
-#   docker build -f docker/job.Dockerfile --build-arg BASE=pytorch/pytorch:2.4.1-cuda12.1-cudnn9-runtime \
+#   docker build -f docker/job.Dockerfile --build-arg BASE=pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime \
 #       --build-arg FLOWS=flows -t registry.example.com/me/pretrain:1 .
 #
 # then set the deployment's `image` job variable to the tag (or ask the operator to add it to

@@ -73,20 +73,29 @@ def test_the_ui_form_offers_every_gpu_model_of_the_catalog():
 
 
 def test_job_configuration_rules():
+    catalogue = [
+        {"name": "pytorch", "reference": "pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime"},
+        {"name": "train", "reference": "ghcr.io/me/train:1"},
+    ]
     config = SpotGPUJobConfiguration(gpu_model="nvidia h200", image="pytorch")
     assert config.gpu_model == "H200"
-    assert config.image_reference().startswith("pytorch/pytorch")
-    assert SpotGPUJobConfiguration(image="process").image_reference() is None
-    assert (
-        SpotGPUJobConfiguration(image="ghcr.io/me/train:1").image_reference()
-        == "ghcr.io/me/train:1"
-    )
+    assert config.catalogue_image(catalogue).startswith("pytorch/pytorch")
+    assert SpotGPUJobConfiguration(image="process").catalogue_image(catalogue) is None
+    by_reference = SpotGPUJobConfiguration(image="ghcr.io/me/train:1")
+    assert by_reference.catalogue_image(catalogue) == "ghcr.io/me/train:1"
+    unknown = SpotGPUJobConfiguration(image="ghcr.io/attacker/miner:1")
+    with pytest.raises(
+        ValueError,
+        match=r"not in the market's image catalogue; known images: "
+        r"process, pytorch, train",
+    ):
+        unknown.catalogue_image(catalogue)
     with pytest.raises(ValidationError, match="not a known GPU model"):
         SpotGPUJobConfiguration(gpu_model="B200")
     with pytest.raises(ValidationError, match="gpu_hours needs a deadline"):
         SpotGPUJobConfiguration(gpu_hours=3)
-    with pytest.raises(ValidationError, match="catalog"):
-        SpotGPUJobConfiguration(image="nonsense")
+    with pytest.raises(ValidationError, match="catalogue"):
+        SpotGPUJobConfiguration(image="Not An Image")
 
 
 @pytest.mark.slow

@@ -55,6 +55,8 @@ def test_a_reclaimed_container_saves_and_resumes_in_a_container_on_the_other_nod
 ):
     tmp_path = sandbox
     server, admin, owner_key, buyer_key = a_market(tmp_path, heartbeat_timeout=3)
+    entry = {"reference": job_image, "framework": "Python 3 + NumPy (test job image)"}
+    assert admin.put("/images/test-job", json=entry).status_code == 201  # the operator's
     buyer = server.client(buyer_key)
     agents = [start_docker_agent(server, owner_key, n, tmp_path) for n in ("a", "b")]
     try:
@@ -69,7 +71,7 @@ def test_a_reclaimed_container_saves_and_resumes_in_a_container_on_the_other_nod
                 "region": "eu-west",
                 "job": {
                     "command": ["python3", "-c", source, str(STEPS)],
-                    "image": job_image,
+                    "image": "test-job",
                     "env": {"JOB_LOG": "/spotgpu/job.log"},
                     "checkpoint_url": "ckpt",
                 },
@@ -131,7 +133,7 @@ def test_a_reclaimed_container_saves_and_resumes_in_a_container_on_the_other_nod
                 "region": "eu-west",
                 "job": {
                     "command": ["python3", "-c", "import time; time.sleep(3600)"],
-                    "image": job_image,
+                    "image": "test-job",
                 },
             },
         ).json()

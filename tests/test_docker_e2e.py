@@ -27,6 +27,8 @@ from prefect_spotgpu.cli.stack import LocalStack
 from spot_flow import count
 
 STEPS = 60
+MISSING = "spotgpu-test/no-such-image:1"
+"""In the operator's catalogue (as ``broken``), on no node and in no registry."""
 pytestmark = pytest.mark.slow
 
 
@@ -38,10 +40,14 @@ def stack(flow_image):
         with LocalStack(home, heartbeat_timeout_seconds=3) as stack:
             stack.start_prefect_server(host=docker_engine.bridge_gateway())
             stack.start_market()
+            catalogue = stack.market(stack.admin_key)
+            for name, reference in (("test-flow", flow_image), ("broken", MISSING)):
+                entry = {"reference": reference, "framework": "Prefect + NumPy (test)"}
+                assert catalogue.put(f"/images/{name}", json=entry).status_code == 201
             stack.nodes = {
                 stack.start_agent(name, runner="docker"): name for name in ("node-a", "node-b")
             }
-            defaults = {"gpu_count": 2, "max_price": 1.5, "image": flow_image}
+            defaults = {"gpu_count": 2, "max_price": 1.5, "image": "test-flow"}
             pool = stack.create_pool("spot-docker", defaults=defaults)
             stack.deployment = stack.deploy(
                 "spot_flow.py:spot_count", Path(docker_engine.FLOWS), "docker-e2e", pool
@@ -138,9 +144,9 @@ def test_a_reclaimed_containerised_run_saves_resumes_in_a_container_and_complete
 def test_an_image_that_does_not_exist_fails_the_run_naming_it_at_once(stack, prefect):
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
-    missing = "spotgpu-test/no-such-image:1"
+    missing = MISSING
     run = prefect.create_flow_run_from_deployment(
-        UUID(stack.deployment), parameters={"steps": 5}, job_variables={"image": missing}
+        UUID(stack.deployment), parameters={"steps": 5}, job_variables={"image": "broken"}
     )
     began = time.time()
 
@@ -159,3 +165,21 @@ def test_an_image_that_does_not_exist_fails_the_run_naming_it_at_once(stack, pre
     assert "could not be pulled" in wait_for(logged, 30, "the reason in the run's log")[0]
     bid_id = prefect.read_flow_run(run.id).labels["spotgpu.bid"]
     assert stack.market().get(f"/bids/{bid_id}").json()["status"] == "cancelled"
+
+
+def test_an_image_outside_the_catalogue_is_refused_before_any_bid_with_the_list(stack, prefect):
+    run = prefect.create_flow_run_from_deployment(
+        UUID(stack.deployment),
+        parameters={"steps": 5},
+        job_variables={"image": "ghcr.io/attacker/miner:1"},
+    )
+
+    def over():
+        state = prefect.read_flow_run(run.id).state
+        return state.is_final() and state
+
+    final = wait_for(over, 60, "the run's end")
+    assert "not in the market's image catalogue" in final.message, final
+    assert "known images: process, broken, huggingface" in final.message, final
+    assert "test-flow" in final.message
+    assert "spotgpu.bid" not in (prefect.read_flow_run(run.id).labels or {})  # nothing was bid

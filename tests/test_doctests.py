@@ -18,6 +18,7 @@ MODULES = [
     "prefect_spotgpu.protocol",
     "prefect_spotgpu.api_client",
     "prefect_spotgpu.service.sealing",
+    "prefect_spotgpu.cli.pool",
 ]
 
 

@@ -99,7 +99,7 @@ def test_the_job_the_worker_bids_with(tmp_path):
     config = SpotGPUJobConfiguration(command="python train.py", image="pytorch")
     config.prepare_for_flow_run(flow_run)
     assert config.job_spec()["command"] == ["python", "train.py"]
-    assert config.job_spec()["image"].startswith("pytorch/pytorch:")
+    assert config.job_spec("pytorch/pytorch:2.5.1")["image"] == "pytorch/pytorch:2.5.1"
 
 
 def test_kill_infrastructure_needs_a_bid_id():
@@ -268,4 +268,35 @@ def test_a_run_without_checkpoint_storage_is_refused_before_any_bid(service):
     with pytest.raises(ValueError, match="'checkpoint_storage' variable") as refused:
         asyncio.run(worker.run(flow_run, config))
     assert "spotgpu pool setup" in str(refused.value) and "nothing was bid" in str(refused.value)
+    assert buyer.get("/bids").json() == []
+
+
+def test_a_run_whose_image_is_not_in_the_catalogue_is_refused_with_the_list(
+    service, tmp_path, prefect_api_url
+):
+    """Issue 18: the operator's catalogue is the list of what runs; an unknown name (or a
+    reference the catalogue does not hold) fails the run before any bid, naming the images
+    that exist. The market refuses such a bid too (test_images.py): this is the clear error."""
+    from prefect.client.schemas.objects import FlowRun
+    from pydantic import SecretStr
+
+    from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
+
+    buyer = service.tenant()
+    key = buyer.headers["Authorization"].removeprefix("Bearer ")
+    config = SpotGPUJobConfiguration(
+        market=SpotMarket(url=service.base_url, api_key=SecretStr(key)),
+        checkpoint_storage=CheckpointStorage(path=str(tmp_path)),
+        image="ghcr.io/attacker/miner:1",
+    )
+    flow_run = FlowRun(id=uuid.uuid4(), name="unknown-image", flow_id=uuid.uuid4())
+    config.prepare_for_flow_run(flow_run)
+
+    async def run():
+        async with SpotGPUWorker(work_pool_name=f"spot-{uuid.uuid4().hex[:6]}") as worker:
+            await worker.run(flow_run, config)
+
+    with pytest.raises(ValueError, match="not in the market's image catalogue") as refused:
+        asyncio.run(run())
+    assert "known images: process, huggingface, ngc-pytorch, pytorch," in str(refused.value)
     assert buyer.get("/bids").json() == []

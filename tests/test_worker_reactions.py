@@ -131,6 +131,16 @@ def test_a_reservation_is_a_log_line():
     assert reaction == Nothing(log=("info", "GPUs reserved for this run on node 4 (allocation 12)"))
 
 
+def test_an_image_pull_of_the_current_allocation_is_a_log_line_in_the_run():
+    follow = Follow(event("allocated", 11))
+    line = "pulling pytorch/pytorch:2.5.1: 1.2 of 3.4 GB (35 %)"
+    assert follow.react(event("pulling", 11, node=4, detail=line)) == Nothing(
+        log=("info", f"Node 4: {line}")
+    )
+    assert follow.react(event("pulling", 9, node=3, detail=line)) == Nothing()  # an old one
+    assert follow.track.live == 11 and follow.track.preemptions == 0  # no change of state
+
+
 def test_a_notice_of_the_current_allocation_warns_with_the_seconds_left_and_an_event():
     deadline = (NOW + timedelta(seconds=300)).timestamp()
     follow = Follow(event("allocated", 11))

@@ -25,10 +25,14 @@ __all__ = [
     "ENDING_EVENTS",
     "HELD_FOR_CREDIT",
     "HOLDING_STATUSES",
+    "IMAGE_NAME_PATTERN",
+    "IMAGE_REFERENCE_PATTERN",
     "JOB_ENV",
     "LABELS",
     "LIVE_BID_STATUSES",
     "PID_PREFIX",
+    "PROCESS_IMAGE",
+    "PULL_REPORT_SECONDS",
     "REPORT_DETAIL_CHARS",
     "AllocationStatus",
     "BidStatus",
@@ -72,6 +76,9 @@ class EventKind(StrEnum):
     PREEMPTED = "preempted"
     FINISHED = "finished"
     RELEASED = "released"
+    PULLING = "pulling"
+    """The node is pulling the allocation's image (``payload.detail``: how far): progress
+    before the job starts, no change of the allocation."""
 
 
 ENDING_EVENTS = frozenset({EventKind.PREEMPTED, EventKind.FINISHED, EventKind.RELEASED})
@@ -93,11 +100,34 @@ class ReportOutcome(StrEnum):
     """The job exited 0."""
     FAILED = "failed"
     """The job exited non-zero."""
+    PULLING = "pulling"
+    """The node is pulling the job's image (``detail``: how far); sent at most every
+    ``PULL_REPORT_SECONDS``, before the job starts."""
 
 
 REPORT_DETAIL_CHARS = 300
-"""The longest ``detail`` of a failed job's report: one line of plain text (no control
-characters) that reaches the bid's tenant, in its ending event and its flow-run log."""
+"""The longest ``detail`` of a report (a failed job's, an image pull's progress): one line of
+plain text (no control characters) that reaches the bid's tenant, in the allocation's events
+and its flow-run log."""
+
+PULL_REPORT_SECONDS = 2.0
+"""How often, at most, an agent reports an image pull's progress."""
+
+PROCESS_IMAGE = "process"
+"""The image name that means no container: the job runs as a process on the node."""
+
+IMAGE_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+"""A catalogue image's name (what a deployment's ``image`` variable says): lower case, 63 at
+most, as in the pool form's choices."""
+
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+IMAGE_REFERENCE_PATTERN = (
+    r"^(?:[a-z0-9]+(?:[.-][a-z0-9]+)*(?::[0-9]{1,5})?/)?"  # [registry[:port]/]
+    rf"{_COMPONENT}(?:/{_COMPONENT})*"  # repo/name
+    r"(?::[A-Za-z0-9_][A-Za-z0-9._-]{0,127})?(?:@sha256:[0-9a-f]{64})?$"  # [:tag][@digest]
+)
+"""A container image reference (``[registry[:port]/]repo/name[:tag][@sha256:digest]``), as
+Docker writes it: the market's catalogue holds these, nodes report and pull them."""
 
 
 class WorkerEvent(StrEnum):

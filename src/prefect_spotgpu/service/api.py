@@ -36,6 +36,7 @@ from prefect_spotgpu.service.routes import (
     dashboard,
     forecast,
     health,
+    images,
     ledger,
     nodes,
     prices,
@@ -58,6 +59,7 @@ ROUTES = (
     webhook,
     health,
     access,
+    images,
     forecast,
 )
 """The API's route modules, in the order their routes are matched (then ``/metrics`` and the

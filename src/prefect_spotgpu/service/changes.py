@@ -22,6 +22,7 @@ from prefect_spotgpu.protocol import (
     AllocationStatus,
     BidStatus,
     EndReason,
+    EventKind,
     NoticeReason,
     ReportOutcome,
 )
@@ -78,7 +79,7 @@ def apply_report(writes: TickWrites, change: MarketChange, now: float) -> None:
     A durable checkpoint (periodic, or the final save) records what the allocation had
     paid by then, so compensation never covers work that was saved. A failed final save,
     or a job that ends during its notice, ends the allocation at once: GPUs freed,
-    billing stopped."""
+    billing stopped. An image pull's progress becomes a ``pulling`` event, nothing else."""
     market, session = writes.market, writes.session
     alloc = session.get(AllocationRow, change.entity_id)
     status = market.allocation_status(change.entity_id)
@@ -116,6 +117,16 @@ def apply_report(writes: TickWrites, change: MarketChange, now: float) -> None:
         bid = session.get(BidRow, alloc.bid_id)
         if bid is not None and bid.status in LIVE_BID_STATUSES:
             bid.status = BidStatus.FINISHED.value
+    elif outcome == ReportOutcome.PULLING and status in (S.RUNNING, S.NOTICED):
+        writes.event(  # progress for the run's log: the allocation does not change
+            EventKind.PULLING,
+            alloc_id=alloc.id,
+            bid_id=alloc.bid_id,
+            node_id=alloc.node_id,
+            tenant_id=alloc.tenant_id,
+            epoch=alloc.epoch,
+            detail=data.get("detail") or "",
+        )
     elif outcome == ReportOutcome.FAILED and status in (S.RUNNING, S.NOTICED):
         writes.settlement(
             market.end_allocation(alloc.id, S.PREEMPTED, at),

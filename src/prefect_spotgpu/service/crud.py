@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from prefect_spotgpu.market import NodeState
 from prefect_spotgpu.protocol import LIVE_BID_STATUSES, AllocationStatus, BidStatus, Capacity
-from prefect_spotgpu.service import schemas, webhooks
+from prefect_spotgpu.service import images, schemas, webhooks
 from prefect_spotgpu.service.errors import Conflict, Forbidden, Invalid, NotFound
 from prefect_spotgpu.service.ledger import CreditKind, add_credit, credit_hold_reason
 from prefect_spotgpu.service.ledger import ledger_entries as ledger_entries
@@ -200,11 +200,22 @@ def list_nodes(*, session: Session, owner_id: int | None) -> list[NodeRow]:
 
 
 def heartbeat_node(
-    *, session: Session, node: NodeRow, telemetry: dict | None, now: datetime
+    *,
+    session: Session,
+    node: NodeRow,
+    telemetry: dict | None,
+    now: datetime,
+    images: list[str] | None = None,
 ) -> NodeRow:
+    """A heartbeat: the node is alive; its telemetry, and the images it holds (a change goes
+    to the tick leader: placement prefers a node with a bid's image)."""
     node.last_heartbeat_at = now
     if telemetry is not None:
         node.telemetry = telemetry
+    if images is not None and sorted(set(images)) != (node.images or []):
+        node.images = sorted(set(images))
+        if node.state != NodeState.LOST:  # a lost node's return records its change below
+            record_change(session=session, entity=Entity.NODE, entity_id=node.id, op="upsert")
     if node.state == NodeState.LOST:  # the agent is back: it offers its GPUs again, empty
         owner = session.get(Tenant, node.owner_id)
         # ... unless its owner is no longer a provider: then it takes no new work
@@ -250,6 +261,8 @@ def create_bid(
     fields = data.model_dump(exclude={"idempotency_key"})
     job = fields.pop("job", None)
     if job is not None:
+        if job.get("image") is not None:  # only the operator's images: name or reference
+            job["image"] = images.job_image(session=session, image=job["image"])
         fields["job"], fields["job_env_sealed"] = seal_job(job, sealer)
     if data.idempotency_key is not None:
         existing = session.scalar(

@@ -39,6 +39,7 @@ def market_node(row: NodeRow) -> Node:
         row.reserve_price,
         NodeState(row.state),
         row.capacity,
+        frozenset(row.images or ()),
     )
 
 
@@ -57,6 +58,7 @@ def market_bid(row: BidRow) -> Bid:
         deadline=aware(row.deadline).timestamp() if row.deadline else None,
         tenant_id=row.tenant_id,
         capacity=row.capacity,
+        image=(row.job or {}).get("image"),
     )
 
 
@@ -114,6 +116,7 @@ def load_market(*, session: Session, settings: ServiceSettings) -> Market:
             BidRow.gpu_count,
             BidRow.max_price,
             BidRow.created_at,
+            BidRow.job["image"].as_string().label("image"),
         )
         .where(BidRow.status == BidStatus.OPEN, plain)
         .order_by(BidRow.id)
@@ -131,6 +134,7 @@ def load_market(*, session: Session, settings: ServiceSettings) -> Market:
             max_prices=np.array([r.max_price for r in rows], np.float64),
             created_at=np.array([aware(r.created_at).timestamp() for r in rows]),
             tenant_ids=np.array([r.tenant_id for r in rows], np.int64),
+            images=[r.image for r in rows],
         )
         loaded.update(r.id for r in rows)
     others = list(

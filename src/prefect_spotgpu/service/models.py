@@ -111,6 +111,7 @@ class NodeRow(Base):
     declared: Mapped[bool] = mapped_column(Boolean, default=False)
     inventory: Mapped[dict | None] = mapped_column(JSON)
     telemetry: Mapped[dict | None] = mapped_column(JSON)
+    images: Mapped[list | None] = mapped_column(JSON)  # references held locally, as reported
     last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
@@ -213,6 +214,20 @@ class NodeReport(Base):
     status_code: Mapped[int] = mapped_column(Integer)  # what the API answered
     detail: Mapped[str | None] = mapped_column(String(500))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class ImageRow(Base):
+    """The operator's image catalogue: a name tenants choose, the reference nodes pull."""
+
+    __tablename__ = "images"
+
+    name: Mapped[str] = mapped_column(String(63), primary_key=True)
+    reference: Mapped[str] = mapped_column(String(500), index=True)
+    framework: Mapped[str] = mapped_column(String(100))
+    cuda_version: Mapped[str | None] = mapped_column(String(20))
+    description: Mapped[str] = mapped_column(String(500), default="", server_default="")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
 class EventRow(Base):

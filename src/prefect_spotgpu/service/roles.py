@@ -53,6 +53,9 @@ ROUTE_ROLES: dict[tuple[str, str], frozenset[Role]] = {
         ("POST", f"{API}/tenants/{{tenant_id}}/keys"): {A},
         ("POST", f"{API}/tenants/{{tenant_id}}/keys/revoke"): {A},
         ("POST", f"{API}/nodes/{{node_id}}/token/revoke"): {T, A},  # its owner, even former
+        ("POST", f"{API}/images"): {A},
+        ("PUT", f"{API}/images/{{name}}"): {A},
+        ("DELETE", f"{API}/images/{{name}}"): {A},
         # a tenant: itself, its bids, allocations, ledger and webhook
         ("GET", f"{API}/me"): {T},
         ("POST", f"{API}/me/key"): {T},
@@ -89,6 +92,7 @@ ROUTE_ROLES: dict[tuple[str, str], frozenset[Role]] = {
         ("GET", f"{API}/prices/{{gpu_model}}/{{region}}/forecast"): {P},
         ("POST", f"{API}/estimate"): {P},
         ("GET", f"{API}/market/nodes"): {P},
+        ("GET", f"{API}/images"): {P},
         ("GET", f"{API}/market/depth/{{gpu_model}}/{{region}}"): {P},
         ("GET", f"{API}/stream"): {P},
         ("GET", f"{API}/health"): {P},

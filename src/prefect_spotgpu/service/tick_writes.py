@@ -121,7 +121,7 @@ class TickWrites:
             if tenant_id not in self._webhooks:
                 self.refresh_tenant(tenant_id)
             url = self._webhooks.get(tenant_id)
-            if url:
+            if url and row["kind"] != EventKind.PULLING:  # webhooks get changes, not progress
                 deliveries.append(
                     {
                         "tenant_id": tenant_id,

@@ -14,8 +14,8 @@
 """
 
 from prefect_spotgpu.worker.config import (
-    IMAGES,
     LAUNCH_COMMAND,
+    SEEDED_IMAGES,
     SpotGPUJobConfiguration,
     SpotGPUVariables,
 )
@@ -23,8 +23,8 @@ from prefect_spotgpu.worker.market_api import MarketError
 from prefect_spotgpu.worker.worker import SpotGPUWorker, SpotGPUWorkerResult
 
 __all__ = [
-    "IMAGES",
     "LAUNCH_COMMAND",
+    "SEEDED_IMAGES",
     "MarketError",
     "SpotGPUJobConfiguration",
     "SpotGPUVariables",

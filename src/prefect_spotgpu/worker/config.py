@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import shlex
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Literal
@@ -23,7 +24,7 @@ from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
 from prefect_spotgpu.economics.deadline import get_policy
 from prefect_spotgpu.economics.schedules import aware, zone
 from prefect_spotgpu.market import DEFAULT_CATALOG
-from prefect_spotgpu.protocol import JOB_ENV
+from prefect_spotgpu.protocol import IMAGE_REFERENCE_PATTERN, JOB_ENV, PROCESS_IMAGE
 from prefect_spotgpu.worker.pacing import Pace
 
 PolicyChoice = Literal["uniform-progress", "greedy-spot", "always-on-demand"]
@@ -33,13 +34,16 @@ PolicyChoice = Literal["uniform-progress", "greedy-spot", "always-on-demand"]
 GpuModelChoice = Literal["RTX-4090", "RTX-3090Ti", "A100-80G", "H100-80G", "H200"]
 """The catalogue's models, as the UI's choices (``tests/test_worker.py`` keeps them in step)."""
 
-IMAGES = {
-    "pytorch": "pytorch/pytorch:2.4.1-cuda12.1-cudnn9-runtime",
-    "stable-diffusion": "ghcr.io/spotgpu/stable-diffusion:2024.10",
-    "tensorrt": "nvcr.io/nvidia/tensorrt:24.09-py3",
-    "process": "",
-}
-"""The image catalogue: named environments; ``process`` runs on the node without a container."""
+SEEDED_IMAGES = (
+    "pytorch",
+    "pytorch-devel",
+    "ngc-pytorch",
+    "tensorrt",
+    "huggingface",
+    "stable-diffusion",
+)
+"""The names the market's catalogue is seeded with (the operator's to change: ``GET
+/api/v1/images`` has the real list, ``spotgpu pool setup`` writes it into the pool's form)."""
 
 LAUNCH_COMMAND = "python -m prefect_spotgpu.launch"
 """The job every allocation starts: waits for the worker's go, then execs the Prefect engine
@@ -54,7 +58,10 @@ class SpotGPUJobConfiguration(BaseJobConfiguration):
     gpu_count: int = Field(default=1, ge=1, le=16, description="GPUs on one node.")
     max_price: float = Field(default=1.2, gt=0, description="Maximum price per GPU-hour.")
     region: str = Field(default="any", description="Region, or 'any'.")
-    image: str = Field(default="process", description="Named environment from the catalog.")
+    image: str = Field(
+        default=PROCESS_IMAGE,
+        description="A name (or reference) from the market's image catalogue, or 'process'.",
+    )
     cheap_window_only: bool = Field(default=False, description="Run only in the cheap window.")
     timezone: str = Field(default="UTC", description="Timezone of the cheap window.")
     deadline: datetime | None = Field(default=None, description="Finish-by time, if any.")
@@ -87,11 +94,11 @@ class SpotGPUJobConfiguration(BaseJobConfiguration):
         return self
 
     @model_validator(mode="after")
-    def _image_is_in_the_catalog(self) -> SpotGPUJobConfiguration:
-        if self.image not in IMAGES and "/" not in self.image and ":" not in self.image:
+    def _image_is_a_name_or_a_reference(self) -> SpotGPUJobConfiguration:
+        if self.image != PROCESS_IMAGE and not re.match(IMAGE_REFERENCE_PATTERN, self.image):
             raise ValueError(
-                f"image {self.image!r} is neither a catalog name "
-                f"({', '.join(IMAGES)}) nor an image reference"
+                f"image {self.image!r} is neither 'process' nor an image name or reference "
+                "(the market's catalogue: GET /api/v1/images)"
             )
         return self
 
@@ -145,9 +152,20 @@ class SpotGPUJobConfiguration(BaseJobConfiguration):
             on_demand_fallback=self.on_demand_fallback,
         )
 
-    def image_reference(self) -> str | None:
-        """The container image to run, or None to run as a process on the node."""
-        return IMAGES.get(self.image, self.image) or None
+    def catalogue_image(self, catalogue: list[dict]) -> str | None:
+        """The container image to run, from the market's catalogue (``GET /images``), or None
+        to run as a process on the node. ``image`` is a catalogue name, or the reference of a
+        catalogue entry; anything else is refused (ValueError) with the catalogue's names."""
+        if self.image == PROCESS_IMAGE:
+            return None
+        for entry in catalogue:
+            if self.image in (entry["name"], entry["reference"]):
+                return entry["reference"]
+        names = ", ".join([PROCESS_IMAGE, *(e["name"] for e in catalogue)])
+        raise ValueError(
+            f"image {self.image!r} is not in the market's image catalogue; known images: "
+            f"{names}. The operator adds images (spotgpu admin image add); nothing was bid"
+        )
 
     def prepare_for_flow_run(self, flow_run, deployment=None, flow=None, **kwargs) -> None:
         """Prefect's environment for the run, plus the API URL and the checkpoint settings;
@@ -172,14 +190,15 @@ class SpotGPUJobConfiguration(BaseJobConfiguration):
             extra[JOB_ENV.CHECKPOINT_SIGNING_KEY] = checkpoint_signing_key(api_key, flow_run.id)
         self.env = {**extra, **self.env}
 
-    def job_spec(self) -> dict:
-        """The bid's job, as the market's ``JobSpec``: what the node's agent runs."""
+    def job_spec(self, image: str | None = None) -> dict:
+        """The bid's job, as the market's ``JobSpec``: what the node's agent runs (``image``:
+        the reference :meth:`catalogue_image` found; None, a process)."""
         spec: dict = {
             "command": shlex.split(self.command or LAUNCH_COMMAND),
             "env": {k: str(v) for k, v in self.env.items() if v is not None},
         }
-        if self.image_reference():
-            spec["image"] = self.image_reference()
+        if image:
+            spec["image"] = image
         if self.checkpoint_storage is not None:
             spec["checkpoint_url"] = self.checkpoint_storage.url()
         return spec
@@ -198,10 +217,19 @@ def _origin(flow_run) -> datetime:
     return aware(flow_run.expected_start_time or flow_run.created or datetime.now(UTC))
 
 
-ImageName = Literal["process", "pytorch", "stable-diffusion", "tensorrt"]
-"""The catalog's names (``IMAGES``), offered as the form's choices."""
-ImageReference = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]*[/:][A-Za-z0-9._/:@-]+$")]
-"""An image reference outside the catalog (``repo/name:tag``; it needs a '/' or a ':')."""
+ImageName = Literal[
+    "process",
+    "pytorch",
+    "pytorch-devel",
+    "ngc-pytorch",
+    "tensorrt",
+    "huggingface",
+    "stable-diffusion",
+]
+"""``process`` and the seeded catalogue's names (``SEEDED_IMAGES``), the default form's choices;
+``spotgpu pool setup`` replaces them by the market's live catalogue."""
+ImageReference = Annotated[str, Field(pattern=IMAGE_REFERENCE_PATTERN)]
+"""The reference of a catalogue image (``repo/name:tag``), or another name of it."""
 
 
 class SpotGPUVariables(BaseVariables):
@@ -234,8 +262,9 @@ class SpotGPUVariables(BaseVariables):
     image: ImageName | ImageReference = Field(
         default="process",
         title="Image",
-        description="Named environment: a container image from the catalog, or 'process' "
-        "to run on the node without a container; or an image reference (repo/name:tag).",
+        description="Named environment from the market's image catalogue (a container), or "
+        "'process' to run on the node without a container; or the reference of a catalogue "
+        "image (repo/name:tag). The operator keeps the catalogue: GET /api/v1/images.",
     )
     cheap_window_only: bool = Field(
         default=False,

@@ -109,6 +109,10 @@ class MarketApi:
             await self.http.get(f"/bids/{bid_id}/allocations"), "list the bid's allocations"
         )
 
+    async def images(self) -> list[dict]:
+        """The market's image catalogue (``GET /images``)."""
+        return checked(await self.http.get("/images"), "read the image catalogue")
+
     async def place(self, body: dict) -> dict:
         return checked(await self.http.post("/bids", json=body), "place the bid")
 

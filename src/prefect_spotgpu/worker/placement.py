@@ -58,6 +58,16 @@ class Placement:
         self.run = run
         self.configuration = configuration
         self.pool_name = pool_name
+        self._image: str | None = None
+        self._image_read = False
+
+    async def image(self) -> str | None:
+        """The reference the run's job runs, from the market's catalogue (read once); an
+        image the catalogue does not hold is refused (ValueError, listing the known ones)."""
+        if not self._image_read:
+            catalogue = await self.run.retry("read the image catalogue", self.market.images)
+            self._image, self._image_read = self.configuration.catalogue_image(catalogue), True
+        return self._image
 
     async def place(self, course: Plan | None, replaces: dict | None = None) -> dict:
         """A new bid for the run (idempotent: retries are safe), named on the run; a bid that
@@ -65,7 +75,7 @@ class Placement:
         configuration = self.configuration
         if configuration.notice_webhook:
             await self.market.set_webhook(configuration.notice_webhook)
-        body = self.bid_body(course)
+        body = self.bid_body(course, await self.image())
         if replaces is not None:
             body["labels"][LABELS.REPLACES] = str(replaces["id"])
         bid = await self.run.retry("place the bid", lambda: self.market.place(body))
@@ -114,9 +124,10 @@ class Placement:
         )
         return await self.market.reprice(bid["id"], RELEASE_PRICE, "release the spot GPUs")
 
-    def bid_body(self, course: Plan | None = None) -> dict:
-        """The ``POST /bids`` body: the run's GPUs, price, job and labels; its idempotency key
-        names the run's attempt (and the capacity or cheap window it bids for)."""
+    def bid_body(self, course: Plan | None = None, image: str | None = None) -> dict:
+        """The ``POST /bids`` body: the run's GPUs, price, job (in ``image``: a reference from
+        the catalogue) and labels; its idempotency key names the run's attempt (and the
+        capacity or cheap window it bids for)."""
         configuration, flow_run = self.configuration, self.run.flow_run
         on_demand = course is not None and course.mode == "on_demand"
         body: dict[str, Any] = {
@@ -130,7 +141,7 @@ class Placement:
                 LABELS.FLOW_RUN_NAME: flow_run.name,
                 LABELS.POOL: self.pool_name,
             },
-            "job": configuration.job_spec(),
+            "job": configuration.job_spec(image),
         }
         finish_by = configuration.finish_by(flow_run)
         if finish_by is not None:

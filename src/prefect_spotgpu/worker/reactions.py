@@ -9,6 +9,7 @@ the clock or imports Prefect or httpx: every rule is a unit test on plain data
 
     allocated (the current one)   Go: hand the run to the allocation's launcher
     reserved                      Nothing (a log line: GPUs held for the next allocation)
+    pulling (the current one)     Nothing (a log line: the node's image pull, how far)
     noticed (the current one)     Nothing (a warning and the event spotgpu.bid.noticed)
     preempted (not a failed job)  Reschedule "Preempted" (now, or at the next cheap window),
                                   or Fail beyond max_preemptions (the bid is cancelled)
@@ -255,6 +256,8 @@ def react(
             return Go(
                 allocation_id=alloc, node_id=track.nodes.get(alloc), preemptions=track.preemptions
             )
+        if kind == EventKind.PULLING and alloc == track.live:  # the pull's progress, in its log
+            return Nothing(log=("info", f"Node {node}: {payload.get('detail') or 'pulling'}"))
         if kind == EventKind.RESERVED:
             return Nothing(
                 log=("info", f"GPUs reserved for this run on node {node} (allocation {alloc})")

@@ -10,6 +10,7 @@ in ``roles.ROUTE_ROLES``.
 - ``nodes``: a provider's nodes; ``agents``: a node agent's own node, heartbeats, assignments,
   events and reports;
 - ``bids``, ``allocations``, ``ledger``, ``webhook``: a tenant's own;
+- ``images``: the operator's image catalogue (anyone reads it);
 - ``prices``, ``forecast``, ``dashboard``, ``health``: public (quotes, history, the forecast and
   estimator, the dashboard and its market views).
 """

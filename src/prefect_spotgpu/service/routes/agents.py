@@ -43,6 +43,7 @@ def heartbeat(node_id: Id, data: schemas.Heartbeat, caller_node: CurrentNode, db
                 telemetry=None
                 if data.telemetry is None
                 else data.telemetry.model_dump(mode="json", exclude_none=True),
+                images=data.images,
                 now=now(),
             )
         )
@@ -102,7 +103,7 @@ async def node_events(
 @router.post(
     "/allocations/{allocation_id}/report",
     response_model=schemas.AllocationResponse,
-    summary="Report a checkpoint, the final save or the job's end",
+    summary="Report a checkpoint, the final save, the job's end or an image pull's progress",
 )
 def report(allocation_id: Id, data: schemas.AllocationReport, caller_node: CurrentNode, db: Db):
     """Accepted only for the calling node's own allocation in its current epoch; every report,

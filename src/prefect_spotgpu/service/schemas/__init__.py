@@ -34,6 +34,15 @@ from prefect_spotgpu.service.schemas.fields import (
     Region,
     Strict,
 )
+from prefect_spotgpu.service.schemas.images import (
+    MAX_NODE_IMAGES,
+    ImageCreate,
+    ImageName,
+    ImageReference,
+    ImageResponse,
+    ImageUpdate,
+    image_response,
+)
 from prefect_spotgpu.service.schemas.ledger import (
     AllocationCharge,
     CreditCreate,
@@ -72,6 +81,7 @@ from prefect_spotgpu.service.schemas.webhook import (
 
 __all__ = [
     "MAX_JOB_ENV_BYTES",
+    "MAX_NODE_IMAGES",
     "AllocationCharge",
     "AllocationReport",
     "AllocationResponse",
@@ -88,6 +98,11 @@ __all__ = [
     "GpuCount",
     "GpuModelName",
     "Heartbeat",
+    "ImageCreate",
+    "ImageName",
+    "ImageReference",
+    "ImageResponse",
+    "ImageUpdate",
     "JobSpec",
     "KeyIssued",
     "KeysRevoked",
@@ -116,6 +131,7 @@ __all__ = [
     "WebhookConfigResponse",
     "allocation_response",
     "bid_response",
+    "image_response",
     "node_response",
     "tenant_response",
 ]

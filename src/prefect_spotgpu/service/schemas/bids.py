@@ -16,6 +16,7 @@ from prefect_spotgpu.service.schemas.fields import (
     Strict,
     fixed_price,
 )
+from prefect_spotgpu.service.schemas.images import ImageReference
 
 
 class JobSpec(Strict):
@@ -28,11 +29,10 @@ class JobSpec(Strict):
         Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=200)],
         Annotated[str, Field(max_length=65536)],
     ] = Field(default_factory=dict, max_length=256)
-    image: str | None = Field(
+    image: ImageReference | None = Field(
         None,
-        min_length=1,
-        max_length=500,
-        description="Container image (Docker runner); None: a process.",
+        description="Container image (Docker runner), from the market's catalogue "
+        "(GET /images): its name or its reference. None: a process.",
     )
     checkpoint_url: str | None = Field(
         None,

@@ -18,6 +18,7 @@ from prefect_spotgpu.service.schemas.fields import (
     Strict,
     fixed_price,
 )
+from prefect_spotgpu.service.schemas.images import MAX_NODE_IMAGES, ImageReference
 from prefect_spotgpu.service.telemetry import GpuInventoryItem, Telemetry
 
 
@@ -67,6 +68,7 @@ class NodeResponse(BaseModel):
     declared: bool
     inventory: list[dict] | None = None
     telemetry: dict | None = None
+    images: list[str] | None = None
     last_heartbeat_at: datetime
 
 
@@ -85,3 +87,9 @@ class NodeToken(BaseModel):
 
 class Heartbeat(Strict):
     telemetry: Telemetry | None = None
+    images: list[ImageReference] | None = Field(
+        None,
+        max_length=MAX_NODE_IMAGES,
+        description="The image references the node holds locally (None: unchanged). Placement "
+        "prefers, among equal fits, a node that already has a bid's image.",
+    )
