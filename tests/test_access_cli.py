@@ -93,6 +93,8 @@ def test_no_command_takes_a_key_on_its_command_line():
         ["blocks", "save", "--api-key", "sgk_x", "--checkpoints", "/tmp"],
         ["agent", "start", "--token", "sgk_x", "--gpus", "A100-80G:1"],
         ["keys", "rotate", "--api-key", "sgk_x"],
+        ["admin", "image", "add", "x", "a/b:1", "--framework", "F", "--admin-key", "sgadm_x"],
+        ["admin", "image", "remove", "x", "--api-key", "sgadm_x"],
     ):
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 2, (args, result.output)

@@ -31,6 +31,7 @@ FLAGS = [
     "--disable-sync",
 ]
 HISTORY_MINUTES = 7 * 24 * 60  # stored bars: a week, one per minute
+NONE_SHOWN = "\N{EN DASH}"  # what the page shows for a missing value
 SHOTS = os.environ.get("SPOTGPU_SCREENSHOTS")  # a directory: keep the screenshots there (docs/)
 
 pytestmark = pytest.mark.slow
@@ -236,6 +237,33 @@ def test_a_bid_created_through_the_api_appears_without_reload(page, market):
     assert page.problems == []
 
 
+def test_the_images_section_lists_the_catalogue_and_a_new_image(page, market):
+    page.goto(market.base_url + "/dashboard")
+    page.wait_for_selector("#images tbody tr.image")
+    catalogue = market.client().get("/images").json()
+    assert len(catalogue) >= 6  # the seeded catalogue
+    rows = page.locator("#images tbody tr.image")
+    assert rows.evaluate_all("rows => rows.map(r => r.dataset.image)") == [
+        i["name"] for i in catalogue
+    ]
+    for row, image in enumerate(catalogue):
+        cells = rows.nth(row).locator("td").all_inner_texts()
+        cuda = image["cuda_version"] or NONE_SHOWN
+        assert cells == [
+            image["name"], image["framework"], cuda, image["reference"], image["description"],
+        ]  # fmt: skip
+    assert page.locator("#images-empty").is_hidden()
+    added = market.admin.post(
+        "/images",
+        json={"name": "lab-jax", "reference": "ghcr.io/lab/jax:0.4.35", "framework": "JAX 0.4.35",
+              "cuda_version": "12.6", "description": "The lab's JAX image."},
+    )  # fmt: skip
+    assert added.status_code == 201, added.text
+    row = page.wait_for_selector("#images tr[data-image='lab-jax']", timeout=30_000)
+    assert "JAX 0.4.35" in row.inner_text() and "ghcr.io/lab/jax:0.4.35" in row.inner_text()
+    assert page.problems == []
+
+
 def test_a_tenant_sees_only_its_own_bids_and_allocations(page, market, tmp_path):
     page.goto(market.base_url + "/dashboard")
     sign_in(page, market.bob)
@@ -342,6 +370,7 @@ HOSTILE = (
     "javascript:window.__pwned=1",
     "</td></tr><svg onload=window.__pwned=1></svg>",
 )
+HOSTILE_DESCRIPTION = "<img src=x onerror=alert(1)>"
 
 
 @pytest.fixture(scope="module")
@@ -357,6 +386,18 @@ def hostile(tmp_path_factory):
     for text in HOSTILE:
         refused = admin.post("/tenants", json={"name": text})
         assert refused.status_code == 422 and "name" in refused.text, refused.text
+    image = {"name": "evil-desc", "reference": "ghcr.io/lab/job:1", "framework": "F"}
+    for field, text in (
+        ("name", HOSTILE[0]),
+        ("reference", HOSTILE[1]),
+        ("cuda_version", HOSTILE[2]),
+        ("description", "one\nline<script>"),
+    ):
+        refused = admin.post("/images", json={**image, field: text})
+        assert refused.status_code == 422 and field in refused.text, refused.text
+    image.update(framework=HOSTILE[3], description=HOSTILE_DESCRIPTION)
+    added = admin.post("/images", json=image)  # the operator is trusted; shown as text anyway
+    assert added.status_code == 201, added.text
     owner, mallory = service.tenant("owner"), service.tenant("mallory")
     service.grant_provider(owner)
     body = {"gpu_model": "A100-80G", "region": "eu-west", "gpu_count": 4, "reserve_price": 0.9}
@@ -441,6 +482,7 @@ def test_hostile_strings_render_as_text_and_nothing_runs(browser, hostile, tmp_p
     for bid in hostile.hostile_bids:
         page.wait_for_selector(f"tr[data-bid='{bid['id']}']")
     until(page, "document.querySelectorAll('#ledger li').length >= 1")
+    evil = page.wait_for_selector("#images tr[data-image='evil-desc']")
     time.sleep(1.0)  # a few live refreshes over the hostile data
     assert page.evaluate("typeof window.__pwned") == "undefined"
     # the markup stayed text: no element came from it, and no link either
@@ -451,6 +493,9 @@ def test_hostile_strings_render_as_text_and_nothing_runs(browser, hostile, tmp_p
         assert row.locator(".key").inner_text() == bid["idempotency_key"]
         chips = row.locator(".chip").all_inner_texts()
         assert sorted(chips) == sorted(f"{k}={v}" for k, v in bid["labels"].items())
+    cells = [cell.inner_text() for cell in evil.query_selector_all("td")]
+    assert cells == ["evil-desc", HOSTILE[3], NONE_SHOWN, "ghcr.io/lab/job:1", HOSTILE_DESCRIPTION]
+    assert evil.eval_on_selector("td.wrap", "td => td.childElementCount") == 0
     assert HOSTILE[3] in page.inner_text("#ledger")
     assert page.inner_text("#who") == f"Signed in as {HOSTILE[3]}"
     named = page.locator(f"#nodes .node[data-node='{hostile.named_node['id']}']").inner_text()

@@ -94,3 +94,157 @@ def test_blocks_save_and_pool_setup_link_a_spot_gpu_pool(prefect_api_url, servic
     assert market_ref == {"$ref": {"block_document_id": market_id}}
     assert storage_ref == {"$ref": {"block_document_id": storage_id}}
     assert data["path"] == str(ckpt)
+
+
+def _pool_image(prefect_api_url: str, pool: str) -> dict:
+    async def read():
+        from prefect.client.orchestration import get_client
+
+        async with get_client() as client:
+            found = await client.read_work_pool(pool)
+        return found.base_job_template["variables"]["properties"]["image"]
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: prefect_api_url}):
+        return asyncio.run(read())
+
+
+def _deploy(prefect_api_url: str, pool: str, image: str) -> str | None:
+    """Create a deployment on ``pool`` whose job runs ``image``: None if Prefect accepts its
+    job variables, else what Prefect said."""
+
+    async def create():
+        from prefect.client.orchestration import get_client
+        from prefect.exceptions import PrefectHTTPStatusError
+
+        async with get_client() as client:
+            flow_id = await client.create_flow_from_name("catalogue-check")
+            try:
+                await client.create_deployment(
+                    flow_id,
+                    f"uses-{image.replace('/', '-')}",
+                    work_pool_name=pool,
+                    job_variables={"image": image},
+                )
+            except PrefectHTTPStatusError as exc:
+                return exc.response.text
+        return None
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: prefect_api_url}):
+        return asyncio.run(create())
+
+
+def test_pool_setup_offers_the_markets_image_catalogue(prefect_api_url, service, tmp_path):
+    """The pool's form offers what the market's catalogue holds, each image's framework and
+    CUDA in its description, and Prefect validates deployments against it; after the operator
+    adds an image, ``pool setup`` offers it; ``pool check`` says when the two differ (a choice
+    the market no longer holds is a problem); a market that does not answer leaves the choices
+    as they were."""
+    buyer = service.tenant("image-user")
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": prefect_api_url,
+        "SPOTGPU_MARKET_URL": service.base_url,
+        "SPOTGPU_API_KEY": buyer.headers["Authorization"].removeprefix("Bearer "),
+        "COLUMNS": "200",
+    }
+    pool = f"img-{tmp_path.name[-8:]}".replace("_", "-")
+    blocks = ("--market-block", "m-img", "--storage-block", "s-img")
+    out = spotgpu(
+        "blocks", "save", "--checkpoints", str(tmp_path / "ckpt"), "--market-name", "m-img",
+        "--storage-name", "s-img", env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    catalogue = service.client().get("/images").json()
+    seeded = [i["name"] for i in catalogue]
+    assert len(seeded) >= 6
+    out = spotgpu("pool", "setup", pool, *blocks, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"its form offers {len(seeded)} catalogue image(s) ({', '.join(seeded)})" in out.stdout
+    image = _pool_image(prefect_api_url, pool)
+    choices, reference = image["anyOf"]
+    assert choices["enum"] == ["process", *seeded] and choices["title"] == "Catalogue image"
+    assert reference["title"] == "Image reference" and "pattern" in reference
+    assert image["default"] == "process" and image["title"] == "Image"
+    for entry in catalogue:  # each choice's framework and CUDA, where the form shows them
+        cuda = f"CUDA {entry['cuda_version']}" if entry["cuda_version"] else "no CUDA version"
+        assert f"{entry['name']} ({entry['framework']}, {cuda}" in image["description"]
+    assert _deploy(prefect_api_url, pool, "pytorch") is None
+    refused = _deploy(prefect_api_url, pool, "Not An Image")
+    assert refused is not None and "image" in refused, refused
+
+    added = service.admin.post(
+        "/images",
+        json={"name": "lab-jax", "reference": "ghcr.io/lab/jax:0.4.35", "framework": "JAX 0.4.35",
+              "cuda_version": "12.6", "description": "The lab's JAX image."},
+    )  # fmt: skip
+    assert added.status_code == 201, added.text
+    out = spotgpu("pool", "check", pool, env=env)
+    assert out.returncode == 0, out.stdout  # not offered yet: no run is refused for it
+    assert f"offers {len(seeded)} of the market's {len(seeded) + 1} catalogue image(s)" in (
+        out.stdout
+    )
+    assert f"(not yet: lab-jax; spotgpu pool setup {pool} offers them)" in out.stdout
+    out = spotgpu("pool", "setup", pool, *blocks, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"its form offers {len(seeded) + 1} catalogue image(s)" in out.stdout
+    assert "lab-jax" in out.stdout
+    image = _pool_image(prefect_api_url, pool)
+    assert "lab-jax" in image["anyOf"][0]["enum"]
+    assert "lab-jax (JAX 0.4.35, CUDA 12.6)" in image["description"]
+    assert image["description"].count("Catalogue:") == 1  # set up again: nothing piles up
+    assert _deploy(prefect_api_url, pool, "lab-jax") is None
+    assert _deploy(prefect_api_url, pool, "ghcr.io/lab/other:1") is None  # references still
+    out = spotgpu("pool", "check", pool, env=env)
+    assert out.returncode == 0, out.stdout
+    assert f"its form offers the market's {len(seeded) + 1} catalogue image(s)" in out.stdout
+    assert service.admin.delete("/images/tensorrt").status_code == 204
+    out = spotgpu("pool", "check", pool, env=env)
+    assert out.returncode == 1, out.stdout
+    assert "FIX   its form offers image(s) no longer in the market's catalogue (tensorrt)" in (
+        out.stdout
+    )
+    assert f"spotgpu pool setup {pool}" in out.stdout
+
+    dead = {**env, "SPOTGPU_MARKET_URL": "http://127.0.0.1:9"}
+    out = spotgpu(
+        "blocks", "save", "--checkpoints", str(tmp_path / "ckpt"), "--market-name", "m-dead",
+        "--storage-name", "s-img", env=dead,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    out = spotgpu("pool", "setup", pool, "--market-block", "m-dead", "--storage-block", "s-img",
+                  env=env)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "the market at http://127.0.0.1:9 does not answer" in out.stdout
+    assert f"the form keeps its image choices ({len(seeded) + 1} catalogue image(s)" in out.stdout
+    assert _pool_image(prefect_api_url, pool) == image
+
+
+def test_offer_images_keeps_the_workers_shape_with_the_catalogues_names():
+    from prefect_spotgpu.cli.pool import offer_images, offered_names
+    from prefect_spotgpu.worker import SpotGPUWorker
+
+    shape = SpotGPUWorker.get_default_base_job_template()["variables"]["properties"]["image"]
+    catalogue = [
+        {"name": "a-img", "framework": "PyTorch 2.5.1", "cuda_version": "12.4"},
+        {"name": "b-img", "framework": "", "cuda_version": None},
+    ]
+    offered = offer_images({"default": "gone-img"}, shape, catalogue)
+    assert set(offered) == set(shape)  # the same keys: the same form, other choices
+    assert offered["anyOf"][0] == {
+        **shape["anyOf"][0], "enum": ["process", "a-img", "b-img"], "title": "Catalogue image",
+    }  # fmt: skip
+    assert offered["anyOf"][1] == {**shape["anyOf"][1], "title": "Image reference"}
+    assert offered["default"] == shape["default"]  # a default no longer offered is not kept
+    assert offered["description"].startswith(shape["description"])
+    assert offered["description"].endswith(
+        "Catalogue: a-img (PyTorch 2.5.1, CUDA 12.4); b-img (no CUDA version given)."
+    )
+    assert offer_images(offered, shape, catalogue) == offered
+    assert offer_images({"default": "b-img"}, shape, catalogue)["default"] == "b-img"
+    assert offer_images({"default": "r/x:1"}, shape, catalogue)["default"] == "r/x:1"
+    assert offer_images({}, shape, [])["anyOf"][0]["enum"] == ["process"]
+    assert offered_names({"image": offered}) == ["a-img", "b-img"]

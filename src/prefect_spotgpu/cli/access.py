@@ -1,4 +1,5 @@
-"""``spotgpu admin ...`` and ``spotgpu keys ...``: tenants, providers, keys, node tokens.
+"""``spotgpu admin ...`` and ``spotgpu keys ...``: tenants, providers, keys, node tokens (and,
+under ``admin image``, the image catalogue: ``cli/images.py``).
 
 The operator creates tenants, vets who supplies GPUs (``grant-provider``), revokes keys and node
 tokens; a tenant rotates its own key; a provider gets a fresh token for its node's agent. Every
@@ -25,8 +26,10 @@ from prefect_spotgpu.cli.common import (
     tenant_key,
     write_key,
 )
+from prefect_spotgpu.cli.images import image_app
 
 admin_app = typer.Typer(help="Administer a running market service.", no_args_is_help=True)
+admin_app.add_typer(image_app, name="image")
 keys_app = typer.Typer(
     help="Rotate your API key, or your node's agent token.", no_args_is_help=True
 )

@@ -53,13 +53,13 @@ def market_client(market: str, api_key: str | None = None) -> Iterator[httpx.Cli
         raise typer.Exit(1) from None
 
 
-def admin_client(market: str) -> httpx.Client:
+def admin_client(market: str):
     """A client of the market's API as its admin (``SPOTGPU_ADMIN_KEY``, or the key file the
-    service generated)."""
-    from prefect_spotgpu.api_client import api_client
+    service generated), as a context manager; an unreachable market is one line
+    (:func:`market_client`)."""
     from prefect_spotgpu.service.settings import ServiceSettings
 
-    return api_client(market, ServiceSettings().resolved_admin_key())
+    return market_client(market, ServiceSettings().resolved_admin_key())
 
 
 def fail(response: httpx.Response) -> None:

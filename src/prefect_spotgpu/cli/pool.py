@@ -3,10 +3,13 @@
 ``blocks save`` saves the two block documents a spot-gpu pool needs (the market's URL with your
 key; where checkpoints go). ``pool setup`` makes the pool of type ``spot-gpu`` (creating it if
 missing) and links those blocks as its ``market`` and ``checkpoint_storage`` defaults — what the
-UI's form does by hand — keeping the pool's other defaults. ``pool check`` says what is wrong
-with a pool, one line each: a pool of another type (a ``process`` pool, made by starting a
-worker before the pool existed, runs spot runs on the worker's own host, outside the market),
-blocks not linked, a market that does not answer. Both talk to the Prefect API of
+UI's form does by hand — keeping the pool's other defaults; it also writes the market's image
+catalogue (``GET /images``) as the choices of the pool's ``image`` variable (``offer_images``),
+so the form offers what the market accepts. A market that does not answer leaves the choices
+as they were. ``pool check`` says what is wrong with a pool, one line each: a pool of another
+type (a ``process`` pool, made by starting a worker before the pool existed, runs spot runs on
+the worker's own host, outside the market), blocks not linked, a market that does not answer,
+image choices the market's catalogue no longer holds. Both talk to the Prefect API of
 ``PREFECT_API_URL``.
 """
 
@@ -14,11 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 from pathlib import Path
 
 import typer
 
 from prefect_spotgpu.cli.common import API_KEY_FILE, MARKET, console, tenant_key
+from prefect_spotgpu.protocol import IMAGE_NAME_PATTERN, PROCESS_IMAGE
 
 blocks_app = typer.Typer(help="Save the Prefect blocks a spot-gpu pool uses.", no_args_is_help=True)
 pool_app = typer.Typer(help="Set up or check a spot-gpu work pool.", no_args_is_help=True)
@@ -30,6 +35,10 @@ CHECKPOINTS = typer.Option(None, help="A directory every node reaches.")
 BUCKET = typer.Option(None, help="An S3 bucket instead of a directory.")
 PREFIX = typer.Option("", help="Key prefix in the bucket.")
 LINKED = ("market", "checkpoint_storage")
+CATALOGUE_TITLE = "Catalogue image"
+REFERENCE_TITLE = "Image reference"
+CATALOGUE_SECONDS = 10.0
+"""How long ``pool setup`` and ``pool check`` wait for the market's catalogue."""
 
 
 @blocks_app.command("save")
@@ -179,6 +188,20 @@ async def _setup(pool: str, market_block: str, storage_block: str, replace: bool
         properties = template["variables"]["properties"]
         properties["market"]["default"] = {"$ref": {"block_document_id": market_id}}
         properties["checkpoint_storage"]["default"] = {"$ref": {"block_document_id": storage_id}}
+        try:
+            catalogue = await _catalogue(await SpotMarket.aload(market_block))
+        except _Unread as exc:
+            out.append(f"{exc}: the form keeps its image choices ({_choices(properties)})")
+        else:
+            shape = SpotGPUWorker.get_default_base_job_template()["variables"]["properties"]
+            properties["image"] = offer_images(
+                properties.get("image", {}), shape["image"], catalogue
+            )
+            names = ", ".join(i["name"] for i in catalogue) or "none"
+            out.append(
+                f"its form offers {len(catalogue)} catalogue image(s) ({names}) "
+                f"and {PROCESS_IMAGE!r} (no container)"
+            )
         if existing is None:
             await client.create_work_pool(
                 WorkPoolCreate(name=pool, type="spot-gpu", base_job_template=template)
@@ -226,8 +249,12 @@ async def _check(pool: str) -> tuple[list[str], list[str]]:
         if refs["market"]:
             document = await client.read_block_document(refs["market"])
             fine.append(f"its market block is {document.name!r}")
-            answer = await _market_answers(await SpotMarket.aload(document.name))
+            market = await SpotMarket.aload(document.name)
+            answer = await _market_answers(market)
             (fine if answer.startswith("market") else problems).append(answer)
+            if answer.startswith("market"):
+                line, ok = await _images_offered(pool, properties, market)
+                (fine if ok else problems).append(line)
     return problems, fine
 
 
@@ -243,3 +270,120 @@ async def _market_answers(market) -> str:
         return f"the market at {market.url} refuses the block's key (HTTP {me.status_code})"
     body = me.json()
     return f"market at {market.url} answers: tenant {body['name']}, balance {body['balance']:.2f}"
+
+
+# ---------------------------------------------------------------- the form's image choices
+
+
+class _Unread(Exception):
+    """The market's catalogue could not be read (the message says why)."""
+
+
+async def _catalogue(market) -> list[dict]:
+    """The market's image catalogue (``GET /images``), entries whose name a form can offer
+    (``IMAGE_NAME_PATTERN``, never ``process``), in the market's order; ``_Unread`` if not."""
+    import httpx
+
+    try:
+        async with market.get_async_client(timeout=CATALOGUE_SECONDS) as http:
+            response = await http.get("/images")
+        listed = response.json() if response.status_code == 200 else None
+    except httpx.HTTPError as exc:
+        raise _Unread(
+            f"the market at {market.url} does not answer ({type(exc).__name__})"
+        ) from None
+    except ValueError:
+        listed = None
+    if not isinstance(listed, list):
+        raise _Unread(
+            f"the market at {market.url} did not list its images (HTTP {response.status_code})"
+        )
+    return [
+        image
+        for image in listed
+        if isinstance(image, dict)
+        and isinstance(image.get("name"), str)
+        and re.fullmatch(IMAGE_NAME_PATTERN, image["name"])
+        and image["name"] != PROCESS_IMAGE
+    ]
+
+
+def offer_images(current: dict, shape: dict, catalogue: list[dict]) -> dict:
+    """The pool's ``image`` variable offering ``process`` and the catalogue's names as its
+    choices, any image reference still accepted, and each image's framework and CUDA in its
+    description (the Prefect UI shows a variable's description, not a choice's).
+
+    ``shape`` is the worker's own variable (``SpotGPUVariables.image``): ``anyOf`` of an
+    ``enum`` branch and a ``pattern`` branch; only the enum, the branches' titles (the labels
+    of the form's toggle) and the description change. ``current`` is the pool's variable now:
+    its default stays where it is still a choice or a reference, else the worker's is used.
+    Pure: the same inputs give the same schema (setting up twice changes nothing).
+
+    >>> image = offer_images({}, {"anyOf": [{"enum": ["process"], "type": "string"},
+    ...     {"pattern": "/", "type": "string"}], "default": "process", "description": "Image."},
+    ...     [{"name": "pytorch", "framework": "PyTorch 2.5.1", "cuda_version": "12.4"}])
+    >>> image["anyOf"][0]["enum"], image["description"]
+    (['process', 'pytorch'], 'Image. Catalogue: pytorch (PyTorch 2.5.1, CUDA 12.4).')
+    """
+    names = [PROCESS_IMAGE, *(image["name"] for image in catalogue)]
+    branches = []
+    for branch in shape.get("anyOf", []):
+        if "enum" in branch:
+            branches.append({**branch, "enum": names, "title": CATALOGUE_TITLE})
+        else:
+            branches.append({"title": REFERENCE_TITLE, **branch})
+    offered = [f"{image['name']} ({_what(image)})" for image in catalogue]
+    description = shape.get("description", "")
+    if offered:
+        description = f"{description} Catalogue: {'; '.join(offered)}."
+    default = current.get("default", shape.get("default", PROCESS_IMAGE))
+    if not isinstance(default, str) or (default not in names and not re.search("[/:]", default)):
+        default = shape.get("default", PROCESS_IMAGE)
+    return {**shape, "anyOf": branches, "default": default, "description": description.strip()}
+
+
+def _what(image: dict) -> str:
+    framework = str(image.get("framework") or "").strip()
+    cuda = image.get("cuda_version")
+    parts = [framework] if framework else []
+    parts.append(f"CUDA {cuda}" if cuda else "no CUDA version given")
+    return ", ".join(parts)
+
+
+def offered_names(properties: dict) -> list[str]:
+    """The catalogue names the pool's ``image`` variable offers (its ``enum``, less
+    ``process``)."""
+    for branch in properties.get("image", {}).get("anyOf", []):
+        if "enum" in branch:
+            return [name for name in branch["enum"] if name != PROCESS_IMAGE]
+    return []
+
+
+def _choices(properties: dict) -> str:
+    names = offered_names(properties)
+    return f"{len(names)} catalogue image(s): {', '.join(names) or 'none'}"
+
+
+async def _images_offered(pool: str, properties: dict, market) -> tuple[str, bool]:
+    """One line on the pool's image choices against the market's catalogue, and whether they
+    stand in no run's way: a choice the catalogue no longer holds does (the market refuses a
+    bid for it); a catalogue image the form does not offer yet does not (a deployment may
+    still name it), but the line says how to offer it."""
+    offered = offered_names(properties)
+    try:
+        listed = [image["name"] for image in await _catalogue(market)]
+    except _Unread as exc:
+        return f"{exc}: its image choices cannot be checked", False
+    gone = [name for name in offered if name not in listed]
+    if gone:
+        return (
+            f"its form offers image(s) no longer in the market's catalogue ({', '.join(gone)}): "
+            f"runs that pick them are refused; spotgpu pool setup {pool}"
+        ), False
+    missing = [name for name in listed if name not in offered]
+    if missing:
+        return (
+            f"its form offers {len(offered)} of the market's {len(listed)} catalogue image(s) "
+            f"(not yet: {', '.join(missing)}; spotgpu pool setup {pool} offers them)"
+        ), True
+    return f"its form offers the market's {len(listed)} catalogue image(s)", True

@@ -1,8 +1,9 @@
 """The market dashboard: one page served by the service, kept live by server-sent events.
 
 ``GET /dashboard`` is a static page (HTML, CSS and JavaScript from ``service/static``; nothing
-is fetched from another host). Everything it shows comes from the public JSON API plus three
-read-only views here:
+is fetched from another host). Everything it shows comes from the public JSON API (the image
+catalogue, ``GET /api/v1/images``, among it: read at most every 10 s, the operator changes it
+by hand) plus three read-only views here:
 
 - ``GET /api/v1/market/nodes``: every node's GPUs, state, load and telemetry, without its
   owner or name (the market's supply is public; who owns it is not);

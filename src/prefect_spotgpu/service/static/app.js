@@ -17,6 +17,7 @@ const state = {
   range: 24,
   seenBids: new Set(),
   pages: { bids: 1, allocations: 1, ledger: 1 }, // pages of each list shown ("Show older")
+  imagesAt: 0, // when the image catalogue was last read (ms)
   refreshing: false,
   again: false,
 };
@@ -327,6 +328,27 @@ async function refreshNodes() {
   );
 }
 
+// ------------------------------------------------------------------ image catalogue
+
+const IMAGES_SECONDS = 10; // the operator changes the catalogue by hand: asked at most this often
+
+async function refreshImages() {
+  if (Date.now() - state.imagesAt < IMAGES_SECONDS * 1000) return;
+  const body = await getJSON("/images");
+  state.imagesAt = Date.now();
+  const images = Array.isArray(body) ? body : [];
+  $("images-empty").hidden = images.length > 0;
+  $("images").querySelector("tbody").replaceChildren(...images.map(imageRow));
+}
+
+function imageRow(i) {
+  return h("tr", { class: "image", "data-image": String(i.name ?? "") },
+    h("td", {}, h("strong", {}, String(i.name ?? ""))), h("td", {}, String(i.framework ?? "")),
+    h("td", {}, i.cuda_version ? String(i.cuda_version) : "–"),
+    h("td", {}, h("code", {}, String(i.reference ?? ""))),
+    h("td", { class: "wrap" }, String(i.description ?? "")));
+}
+
 // ------------------------------------------------------------------ the signed-in tenant
 
 async function refreshTenant() {
@@ -430,7 +452,7 @@ async function refreshAll() {
   state.refreshing = true;
   try {
     renderPools();
-    await Promise.all([refreshPool(), refreshNodes(), refreshTenant(), refreshHealth()]);
+    await Promise.all([refreshPool(), refreshNodes(), refreshImages(), refreshTenant(), refreshHealth()]);
   } catch (error) {
     report(error);
   } finally {
