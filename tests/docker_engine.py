@@ -1,4 +1,4 @@
-"""A real Docker engine and job images for the container tests, with no registry.
+"""A real Docker engine, job images and a real registry for the container tests.
 
 ``ensure_engine()`` answers with the engine already running, or starts ``dockerd`` (Debian's
 ``docker.io``: no systemd here) and waits for ``docker info``; ``stop()`` stops only an
@@ -17,6 +17,12 @@ engine this module started. ``job_image()`` builds, once per engine, the images 
   ``docker/job.Dockerfile`` (this checkout's wheel with its dependencies, and the test flow
   ``spot_flow.py`` at ``FLOWS``, the deployments' working directory).
 
+No internet registry is reachable here: ``start_registry()`` runs Debian's ``docker-registry``
+on a loopback port with its storage in a temporary directory (the engine trusts registries on
+127.0.0.0/8 over plain HTTP), and ``push_pull_image()`` puts there an image the engine then
+lacks: the job image plus a layer of random bytes, pushed, then removed from the engine, so a
+pull of it fetches that layer (``forget_image`` removes it again before the next pull).
+
 Each step says how long it took (``TIMINGS``), for the closing notes of the container work.
 """
 
@@ -29,6 +35,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +49,11 @@ FLOWS = "/opt/spotgpu-flows"
 CA_DIR = Path("/usr/local/share/ca-certificates")
 MIRROR = "http://deb.debian.org/debian"
 TIMINGS: dict[str, float] = {}
+
+BALLAST_BYTES = 320_000_000
+"""The random (incompressible) layer of the pull test's image: big enough that its pull takes
+a few seconds from a loopback registry, so its progress is reported more than once."""
+REGISTRY = shutil.which("docker-registry") or "/usr/bin/docker-registry"
 
 _started: subprocess.Popen | None = None
 
@@ -245,3 +258,82 @@ def remove_job_containers() -> None:
     ids = _docker("ps", "-aq", "--filter", "label=io.spotgpu.allocation-id").stdout.split()
     if ids:
         _docker("rm", "-f", *ids, check=False)
+
+
+@dataclass
+class Registry:
+    """A running registry: ``address`` is ``127.0.0.1:PORT`` (an image reference's host)."""
+
+    address: str
+    process: subprocess.Popen
+    storage: Path
+
+    def stop(self) -> None:
+        """Stop the registry (by its pid) and remove its storage."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(15)
+        shutil.rmtree(self.storage, ignore_errors=True)
+
+
+def start_registry(wait: float = 30.0) -> Registry:
+    """A registry on a free loopback port, its storage a new temporary directory."""
+    from prefect_spotgpu.cli.stack import free_port
+
+    if not Path(REGISTRY).exists():
+        raise EngineUnavailable("no registry: install Debian's docker-registry")
+    storage = Path(tempfile.mkdtemp(prefix="spotgpu-test-registry-"))
+    address = f"127.0.0.1:{free_port()}"
+    config = storage / "config.yml"
+    config.write_text(
+        "version: 0.1\n"
+        "log:\n  level: warn\n"
+        f"storage:\n  filesystem:\n    rootdirectory: {storage / 'data'}\n"
+        "  delete:\n    enabled: true\n"
+        f"http:\n  addr: {address}\n"
+    )
+    log = open(storage / "registry.log", "ab")  # noqa: SIM115
+    process = subprocess.Popen(
+        [REGISTRY, "serve", str(config)], stdout=log, stderr=log, start_new_session=True
+    )
+    registry = Registry(address, process, storage)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://{address}/v2/", timeout=2) as answer:
+                if answer.status == 200:
+                    return registry
+        except OSError:
+            time.sleep(0.2)
+    registry.stop()
+    raise EngineUnavailable(f"the registry did not answer on {address} (see {log.name})")
+
+
+def push_pull_image(registry: Registry, base: str, name: str = "spotgpu-test/pull:1") -> str:
+    """``base`` plus a layer of ``BALLAST_BYTES`` random bytes (and ``/opt/ballast-id``
+    holding ``name``), pushed to ``registry`` as ``name`` and removed from the engine: the
+    reference, which only the registry has."""
+    reference = f"{registry.address}/{name}"
+    with tempfile.TemporaryDirectory(prefix="spotgpu-pull-image-") as context:
+        began = time.monotonic()
+        (Path(context) / "Dockerfile").write_text(
+            f"FROM {base}\n"
+            f"RUN head -c {BALLAST_BYTES} /dev/urandom > /opt/ballast"
+            f" && echo {name} > /opt/ballast-id\n"
+        )
+        _docker("build", "-q", "-t", reference, context, env={**os.environ, "DOCKER_BUILDKIT": "0"})
+        TIMINGS["pull_image_build_seconds"] = round(time.monotonic() - began, 1)
+    began = time.monotonic()
+    _docker("push", "-q", reference)
+    TIMINGS["pull_image_push_seconds"] = round(time.monotonic() - began, 1)
+    forget_image(reference)
+    return reference
+
+
+def forget_image(reference: str) -> None:
+    """Remove an image from the engine (its own layers with it), if it has it."""
+    _docker("rmi", "-f", reference, check=False)

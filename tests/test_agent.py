@@ -475,6 +475,35 @@ def test_a_job_that_finishes_during_its_notice_is_reported_finished(service, tmp
         thread.join(timeout=10)
 
 
+def test_a_job_that_exits_non_zero_reports_its_exit_code_and_last_line(service, tmp_path):
+    import threading
+
+    owner, buyer = service.tenant(), service.tenant()
+    _, agent = make_agent(service, owner, tmp_path, runner=ProcessRunner(users=AS_ME))
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        script = "echo working; echo \"No module named 'prefect_spotgpu'\" >&2; echo; exit 3"
+        bid = buyer.post(
+            "/bids",
+            json={"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0,
+                  "job": {"command": ["sh", "-c", script]}},
+        ).json()  # fmt: skip
+
+        def ended():
+            page = buyer.get(f"/bids/{bid['id']}/events", params={"after": 0, "timeout": 1})
+            return [e for e in page.json()["events"] if e["kind"] == "preempted"]
+
+        (event,) = wait(ended, 20, "the failed job's allocation ended")
+        assert event["payload"]["reason"] == "job failed on the node"
+        assert event["payload"]["detail"] == (
+            "exit code 3, last output: No module named 'prefect_spotgpu'"
+        )
+    finally:
+        agent.shutdown()
+        thread.join(timeout=10)
+
+
 def test_an_allocation_waits_for_gpus_a_stopping_job_still_holds(service, tmp_path):
     owner = service.tenant()
     node, agent = make_agent(service, owner, tmp_path, gpus=1)

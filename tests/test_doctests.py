@@ -19,6 +19,9 @@ MODULES = [
     "prefect_spotgpu.api_client",
     "prefect_spotgpu.service.sealing",
     "prefect_spotgpu.cli.pool",
+    "prefect_spotgpu.agent.reports",
+    "prefect_spotgpu.agent.runners.pull",
+    "prefect_spotgpu.agent.runners.runner",
 ]
 
 

@@ -1,16 +1,20 @@
 """The node agent: registers its host, heartbeats, and runs what the market assigns to it.
 
 It talks to the market service over HTTP only: a heartbeat every few seconds (with GPU
-telemetry), and a long-poll on its node's events. On ``allocated`` it starts the job on free
-GPUs; on ``noticed`` it writes the notice file and sends SIGUSR1 to the job's main process,
-waits for the checkpoint library's acknowledgement (or the deadline), stops the job, then
-reports the outcome with the allocation's epoch (the fencing token; see ``reports`` for the
-outcomes and their causes, ``reporter`` for their delivery); on an ending event
-(``preempted``/``finished``/``released``) it stops whatever still runs. A job that exits by
-itself is reported ``finished`` (exit 0) or ``failed``. Every durable save a job's checkpointer
-records in its saved file is reported as a ``checkpoint`` within about a second. On start it
-reconciles: local jobs the market no longer assigns to this node are killed (each runner finds
-its own earlier jobs: ``Runner.reconcile``).
+telemetry, and the images it holds: ``heartbeat``), and a long-poll on its node's events.
+On ``allocated`` it starts the job on free GPUs — when the runner must first prepare it (pull
+its image: minutes, maybe), on a thread of its own that reports the pull's progress, so the
+loop goes on serving heartbeats and other allocations' events; an allocation noticed or ended
+meanwhile is never started. On ``noticed`` it writes the notice file and sends SIGUSR1 to
+the job's main process, waits for the checkpoint library's acknowledgement (or the deadline),
+stops the job, then reports the outcome with the allocation's epoch (the fencing token; see
+``reports`` for the outcomes and their causes, ``reporter`` for their delivery); on an ending
+event (``preempted``/``finished``/``released``) it stops whatever still runs. A job that exits
+by itself is reported ``finished`` (exit 0) or ``failed``, with its exit code and its last line
+of output (``reports.exit_detail``). Every durable save a job's checkpointer records in its
+saved file is reported as a ``checkpoint`` within about a second. On start it reconciles:
+local jobs the market no longer assigns to this node are killed (each runner finds its own
+earlier jobs: ``Runner.reconcile``).
 
 Its credential is the node's token (``credentials``); the runner isolates the jobs
 (``runners``, ``isolation``).
@@ -29,20 +33,24 @@ import httpx
 from prefect_spotgpu.agent.credentials import (
     CredentialError,
     load_cursor,
-    load_record,
-    obtain_node_token,
+    register_node,
     save_cursor,
-    save_record,
 )
 from prefect_spotgpu.agent.discovery import GpuInfo
+from prefect_spotgpu.agent.heartbeat import NodeImages, send_heartbeat
 from prefect_spotgpu.agent.isolation import read_job_file
 from prefect_spotgpu.agent.reporter import Reporter
-from prefect_spotgpu.agent.reports import notice_report
+from prefect_spotgpu.agent.reports import (
+    exit_detail,
+    notice_before_start_report,
+    notice_report,
+    one_line,
+)
 from prefect_spotgpu.agent.runners import JobHandle, JobRequest, Runner
 from prefect_spotgpu.api_client import api_client
 from prefect_spotgpu.protocol import (
     ENDING_EVENTS,
-    REPORT_DETAIL_CHARS,
+    PULL_REPORT_SECONDS,
     AllocationStatus,
     EventKind,
     ReportOutcome,
@@ -88,6 +96,9 @@ class Agent:
         self.telemetry = telemetry
         self.node_id: int | None = None
         self.jobs: dict[int, JobHandle] = {}
+        # allocation -> its job being prepared (image pulled) on a thread of its own, GPUs
+        # taken; an end or a notice removes it, and the job is then never started
+        self.preparing: dict[int, JobRequest] = {}
         self.waiting_for_gpus: dict[int, float] = {}  # allocation -> since (monotonic)
         self.epochs: dict[int, int] = {}
         self.free = set(range(len(gpus)))
@@ -96,6 +107,7 @@ class Agent:
         self.cursor = 0
         self.client: httpx.Client | None = None
         self.reporter: Reporter | None = None
+        self.images = NodeImages(runner.local_images)
 
     # ---------------------------------------------------------------- registration
 
@@ -104,34 +116,30 @@ class Agent:
 
     def register(self) -> None:
         """Find this node's token (given, or kept in ``node.json``), or obtain one with the
-        owner's key; check it against the market and this host's GPUs."""
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        token = self.token if self.token and self.token.startswith("sgn_") else None
-        owner_key = None if token or not self.token else self.token
-        if token is None:
-            record = load_record(self.state_dir, self.market)
-            token = record.token if record else None
-        me = self._me(token) if token else None
-        if me is None or (me.status_code == 401 and owner_key):
-            if not owner_key:
-                raise AgentError(
-                    "no token: give the node's token or the owner's API key "
-                    "(--token-file or SPOTGPU_AGENT_TOKEN)"
-                )
-            token = self._register_with(owner_key)
-            me = self._me(token)
+        owner's key; check it against the market and this host's GPUs
+        (``credentials.register_node``)."""
+        try:
+            token, node = register_node(
+                market=self.market,
+                key=self.token,
+                state_dir=self.state_dir,
+                registration={
+                    "name": self.name,
+                    "gpu_model": self.gpus[0].model,
+                    "region": self.region,
+                    "gpu_count": len(self.gpus),
+                    "reserve_price": self.reserve_price,
+                    "capacity": self.capacity,
+                    "declared": self.declared,
+                    "inventory": [g.to_json() for g in self.gpus],
+                },
+                http=self._http,
+            )
+        except CredentialError as exc:
+            raise AgentError(str(exc)) from None
         self.token = None  # the owner's key is not kept past registration
-        if me.status_code != 200:
-            raise AgentError(f"the market refused this node's token: {me.status_code} {me.text}")
         self.client = self._http(token)
         self.reporter = Reporter(self.client, self.stop_event)
-        node = me.json()
-        if node["gpu_count"] != len(self.gpus) or node["gpu_model"] != self.gpus[0].model:
-            raise AgentError(
-                f"node {node['id']} sells {node['gpu_count']} x "
-                f"{node['gpu_model']}, this host has {len(self.gpus)} x "
-                f"{self.gpus[0].model}"
-            )
         self.node_id = node["id"]
         self.cursor = load_cursor(self.state_dir, self.market, self.node_id)
         logger.info(
@@ -141,35 +149,6 @@ class Agent:
             self.gpus[0].model,
             self.market,
         )
-
-    def _me(self, token: str) -> httpx.Response:
-        with self._http(token) as client:
-            return client.get("/nodes/me")
-
-    def _register_with(self, owner_key: str) -> str:
-        if not self.region or (self.capacity == "spot" and not self.reserve_price):
-            raise AgentError(
-                "registering a spot node needs --region and --reserve-price "
-                "(an on-demand node needs --region)"
-            )
-        registration = {
-            "name": self.name,
-            "gpu_model": self.gpus[0].model,
-            "region": self.region,
-            "gpu_count": len(self.gpus),
-            "reserve_price": self.reserve_price,
-            "capacity": self.capacity,
-            "declared": self.declared,
-            "inventory": [g.to_json() for g in self.gpus],
-        }
-        try:
-            with self._http(owner_key) as owner:
-                record = obtain_node_token(owner, self.market, registration)
-        except CredentialError as exc:
-            raise AgentError(str(exc)) from None
-        save_record(self.state_dir, record)
-        logger.info("node %s: token kept in %s", record.node_id, self.state_dir / "node.json")
-        return record.token
 
     # ---------------------------------------------------------------- the loop
 
@@ -246,17 +225,9 @@ class Agent:
         if self.telemetry is not None:
             with contextlib.suppress(Exception):
                 telemetry["gpus"] = self.telemetry()
-        response = self.client.post(
-            f"/nodes/{self.node_id}/heartbeat", json={"telemetry": telemetry}
+        response = send_heartbeat(
+            self.client, self.node_id, telemetry=telemetry, images=self.images
         )
-        if response.status_code == 422 and "gpus" in telemetry:  # a reading out of schema:
-            logger.warning(
-                "GPU telemetry refused (%s); heartbeat sent without it", response.text[:200]
-            )
-            del telemetry["gpus"]  # the node must not look lost over it
-            response = self.client.post(
-                f"/nodes/{self.node_id}/heartbeat", json={"telemetry": telemetry}
-            )
         if response.status_code != 200:
             logger.warning("heartbeat refused: %s %s", response.status_code, response.text[:200])
 
@@ -288,7 +259,7 @@ class Agent:
 
     def start(self, alloc_id: int, assignment: dict | None = None) -> None:
         with self.lock:
-            if alloc_id in self.jobs:
+            if alloc_id in self.jobs or alloc_id in self.preparing:
                 return
             if assignment is None:
                 assignment = self.assignments().get(alloc_id)
@@ -327,35 +298,101 @@ class Agent:
                 image=job.get("image"),
                 tenant_id=assignment.get("tenant_id"),
             )
-            try:
-                handle = self.runner.start(request)
-            except Exception as exc:  # e.g. the command does not exist: give the GPUs back
-                self.free |= set(indices)
-                logger.error("allocation %s: the job could not start: %s", alloc_id, exc)
-                self._report_failed(
-                    alloc_id, assignment["epoch"], f"the job could not start: {exc}"
-                )
-                return
-            self.jobs[alloc_id] = handle
             self.epochs[alloc_id] = assignment["epoch"]
-            logger.info(
-                "allocation %s: started %s %s on GPUs %s",
-                alloc_id,
-                self.runner.name,
-                handle.ref,
-                indices,
-            )
+            try:
+                ready = self.runner.ready(request)
+            except Exception as exc:  # e.g. the engine is down
+                self._not_started(request, exc)
+                return
+            if ready:
+                self._launch(request)
+                return
+            self.preparing[alloc_id] = request
+        threading.Thread(
+            target=self._prepare, args=(request,), name=f"spotgpu-prepare-{alloc_id}", daemon=True
+        ).start()
+
+    def _prepare(self, request: JobRequest) -> None:
+        """Prepare the job (pull its image, reporting how far), then start it, unless its
+        allocation was noticed or ended meanwhile (``stop``/``notice`` took it out of
+        ``preparing``: its GPUs are free again)."""
+        alloc_id = request.allocation_id
+        try:
+            self.runner.prepare(request, lambda line: self._report_progress(request, line))
+        except Exception as exc:
+            with self.lock:
+                if self.preparing.get(alloc_id) is request:
+                    del self.preparing[alloc_id]
+                    self._not_started(request, exc)
+            return
+        finally:
+            self.images.pulled()
+        # the last progress line before the job's own output (bounded: a market that is down
+        # does not hold the job back)
+        self.reporter.progress_sent(alloc_id, timeout=PULL_REPORT_SECONDS)
+        with self.lock:
+            if self.preparing.get(alloc_id) is not request:
+                logger.info("allocation %s: ended while it was prepared; not started", alloc_id)
+                return
+            del self.preparing[alloc_id]
+            if self.stop_event.is_set():  # the agent stops: the market decides the rest
+                self.free |= set(request.gpu_indices)
+                return
+            self._launch(request)
+
+    def _report_progress(self, request: JobRequest, line: str) -> None:
+        """One line of a preparation's progress: to the agent's log and, as a ``pulling``
+        report, to the bid's events (and from there its flow run's log)."""
+        alloc_id = request.allocation_id
+        with self.lock:
+            if self.preparing.get(alloc_id) is not request:
+                return  # ended meanwhile: nobody waits for it
+        logger.info("allocation %s: %s", alloc_id, line)
+        body = {"epoch": request.epoch, "outcome": ReportOutcome.PULLING, "detail": one_line(line)}
+        self.reporter.report_progress(alloc_id, body)
+
+    def _launch(self, request: JobRequest) -> None:
+        """Start a prepared job (under the lock, its GPUs taken)."""
+        alloc_id = request.allocation_id
+        try:
+            handle = self.runner.start(request)
+        except Exception as exc:  # e.g. the command does not exist: give the GPUs back
+            self._not_started(request, exc)
+            return
+        self.jobs[alloc_id] = handle
+        logger.info(
+            "allocation %s: started %s %s on GPUs %s",
+            alloc_id,
+            self.runner.name,
+            handle.ref,
+            request.gpu_indices,
+        )
+
+    def _not_started(self, request: JobRequest, exc: Exception) -> None:
+        """A job that could not start (under the lock): its GPUs back, its allocation
+        reported failed, saying why."""
+        alloc_id = request.allocation_id
+        self.free |= set(request.gpu_indices)
+        logger.error("allocation %s: the job could not start: %s", alloc_id, exc)
+        self._report_failed(alloc_id, request.epoch, f"the job could not start: {exc}")
 
     def _report_failed(self, alloc_id: int, epoch: int, detail: str | None = None) -> None:
         body = {"epoch": epoch, "outcome": ReportOutcome.FAILED}
         if detail:  # one line of plain text, as the market takes it
-            printable = "".join(c if c.isprintable() else " " for c in detail)
-            body["detail"] = printable[:REPORT_DETAIL_CHARS]
+            body["detail"] = one_line(detail)
         self.reporter.report_later(alloc_id, body)
 
     def notice(self, alloc_id: int, deadline: float, epoch: int | None) -> None:
         with self.lock:
             handle = self.jobs.get(alloc_id)
+            unstarted = self.preparing.pop(alloc_id, None)
+            if unstarted is not None:
+                self.free |= set(unstarted.gpu_indices)
+        if unstarted is not None:  # its image still pulling: it never starts here
+            logger.warning("allocation %s: noticed before its job started; not started", alloc_id)
+            body = notice_before_start_report(epoch=epoch or unstarted.epoch)
+            self.reporter.report_later(alloc_id, body)
+            return
         if handle is None:
             return
         try:
@@ -431,6 +468,10 @@ class Agent:
     def stop(self, alloc_id: int, reason: str) -> None:
         with self.lock:
             handle = self.jobs.pop(alloc_id, None)
+            unstarted = self.preparing.pop(alloc_id, None)
+            if unstarted is not None:
+                self.free |= set(unstarted.gpu_indices)
+                logger.info("allocation %s: ended (%s) before its job started", alloc_id, reason)
         if handle is None:
             return
         self.runner.stop(handle, grace=self.grace_seconds)
@@ -451,14 +492,31 @@ class Agent:
                 if self.jobs.get(alloc_id) is not handle:
                     continue
                 del self.jobs[alloc_id]
+            detail = None if code == 0 else exit_detail(code, self._last_line(handle))
             self.runner.stop(handle, grace=0)  # what it left running: its processes, container
             with self.lock:
                 self.free |= set(handle.request.gpu_indices)
             outcome = ReportOutcome.FINISHED if code == 0 else ReportOutcome.FAILED
-            logger.info("allocation %s: job exited %s -> %s", alloc_id, code, outcome)
-            self.reporter.report_later(
-                alloc_id, {"epoch": self.epochs.get(alloc_id, 1), "outcome": outcome}
+            logger.info(
+                "allocation %s: job exited %s -> %s%s",
+                alloc_id,
+                code,
+                outcome,
+                f" ({detail})" if detail else "",
             )
+            body = {"epoch": self.epochs.get(alloc_id, 1), "outcome": outcome}
+            if detail:
+                body["detail"] = detail
+            self.reporter.report_later(alloc_id, body)
+
+    def _last_line(self, handle: JobHandle) -> str | None:
+        try:
+            return self.runner.last_line(handle)
+        except Exception:  # (what the job did to its output): the exit code still goes
+            logger.exception(
+                "allocation %s: its output could not be read", handle.request.allocation_id
+            )
+            return None
 
     # ---------------------------------------------------------------- restart
 

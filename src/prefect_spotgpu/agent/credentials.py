@@ -9,14 +9,20 @@ The event cursor belongs to the node: it is kept with the node's identity (marke
 ``<state dir>/cursor``, and an agent that finds a cursor of another market or node starts at 0
 (writing ``node.json`` for another node removes it). A stale cursor would skip the new node's
 first events.
+
+``register_node`` is the whole registration: the token given, else the one kept, else one
+obtained with the owner's key; then the market's record of the node, which must sell this
+host's GPUs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,6 +30,8 @@ import httpx
 
 NODE_FILE = "node.json"
 CURSOR_FILE = "cursor"
+
+logger = logging.getLogger("prefect_spotgpu.agent")
 
 
 class CredentialError(RuntimeError):
@@ -96,6 +104,73 @@ def obtain_node_token(client: httpx.Client, market: str, registration: dict) -> 
             f"a new token for node {node_id} was refused: {issued.status_code} {issued.text[:300]}"
         )
     return NodeRecord(market, node_id, issued.json()["token"])
+
+
+def register_node(
+    *,
+    market: str,
+    key: str | None,
+    state_dir: Path,
+    registration: dict,
+    http: Callable[[str], httpx.Client],
+) -> tuple[str, dict]:
+    """The node's token and the market's record of the node (``GET /nodes/me``).
+
+    ``key`` is a node token (``sgn_...``), the owner's API key, or None (the token kept in
+    ``state_dir``); the owner's key registers the host (``registration``: the body of ``POST
+    /nodes``) when no kept token works. ``http(token)`` makes a client of the market."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    token = key if key and key.startswith("sgn_") else None
+    owner_key = None if token or not key else key
+    if token is None:
+        record = load_record(state_dir, market)
+        token = record.token if record else None
+    me = _me(http, token) if token else None
+    if me is None or (me.status_code == 401 and owner_key):
+        if not owner_key:
+            raise CredentialError(
+                "no token: give the node's token or the owner's API key "
+                "(--token-file or SPOTGPU_AGENT_TOKEN)"
+            )
+        token = _register_with(http, owner_key, market, state_dir, registration)
+        me = _me(http, token)
+    if me.status_code != 200:
+        raise CredentialError(f"the market refused this node's token: {me.status_code} {me.text}")
+    node = me.json()
+    if (node["gpu_count"], node["gpu_model"]) != (
+        registration["gpu_count"],
+        registration["gpu_model"],
+    ):
+        raise CredentialError(
+            f"node {node['id']} sells {node['gpu_count']} x {node['gpu_model']}, this host "
+            f"has {registration['gpu_count']} x {registration['gpu_model']}"
+        )
+    return token, node
+
+
+def _me(http: Callable[[str], httpx.Client], token: str) -> httpx.Response:
+    with http(token) as client:
+        return client.get("/nodes/me")
+
+
+def _register_with(
+    http: Callable[[str], httpx.Client],
+    owner_key: str,
+    market: str,
+    state_dir: Path,
+    registration: dict,
+) -> str:
+    spot = registration["capacity"] == "spot"
+    if not registration["region"] or (spot and not registration["reserve_price"]):
+        raise CredentialError(
+            "registering a spot node needs --region and --reserve-price "
+            "(an on-demand node needs --region)"
+        )
+    with http(owner_key) as owner:
+        record = obtain_node_token(owner, market, registration)
+    save_record(state_dir, record)
+    logger.info("node %s: token kept in %s", record.node_id, state_dir / "node.json")
+    return record.token
 
 
 def _read_json(path: Path) -> dict:

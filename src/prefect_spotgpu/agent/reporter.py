@@ -5,6 +5,10 @@ allocation (``saved``, ``save_failed``, ``finished``, ``failed``) is retried unt
 answers it: a lost ``saved`` or ``finished`` would leave the run waiting for the notice's
 deadline. A ``checkpoint`` report is sent once per durable save the job's saved file records
 (a failed send is tried again at the next look); the last one sent is remembered per job.
+An image pull's progress (``pulling``) is sent in order by one thread per allocation, retried
+as the ending reports are; a line that a newer one replaces before it was sent is dropped
+(progress, not a change), and so is one the market refuses (a stale epoch, an ended
+allocation).
 """
 
 from __future__ import annotations
@@ -34,6 +38,10 @@ class Reporter:
         self._reported: WeakKeyDictionary[JobHandle, tuple[float, int | None] | None] = (
             WeakKeyDictionary()
         )
+        # allocation -> its progress report waiting to be sent (None: none waits); present
+        # while its sender thread runs
+        self._progress: dict[int, dict | None] = {}
+        self._progress_sent = threading.Condition()
 
     def report(self, alloc_id: int, body: dict) -> httpx.Response | None:
         """POST a report until the market answers it. Transport errors, 5xx and 429 are
@@ -77,6 +85,37 @@ class Reporter:
             name=f"spotgpu-report-{alloc_id}",
             daemon=True,
         ).start()
+
+    def report_progress(self, alloc_id: int, body: dict) -> None:
+        """Send a progress report in the background, after the ones before it: it replaces
+        one still waiting (only the newest line is worth sending)."""
+        with self._progress_sent:
+            sending = alloc_id in self._progress
+            self._progress[alloc_id] = body
+        if not sending:
+            threading.Thread(
+                target=self._send_progress,
+                args=(alloc_id,),
+                name=f"spotgpu-progress-{alloc_id}",
+                daemon=True,
+            ).start()
+
+    def _send_progress(self, alloc_id: int) -> None:
+        while True:
+            with self._progress_sent:
+                body = self._progress[alloc_id]
+                if body is None:
+                    del self._progress[alloc_id]
+                    self._progress_sent.notify_all()
+                    return
+                self._progress[alloc_id] = None
+            self.report(alloc_id, body)
+
+    def progress_sent(self, alloc_id: int, timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) until the allocation's progress reports are
+        answered; False if they are not by then."""
+        with self._progress_sent:
+            return self._progress_sent.wait_for(lambda: alloc_id not in self._progress, timeout)
 
     def report_save(self, handle: JobHandle, *, epoch: int) -> None:
         """Report the job's latest durable save if it is new (the final one is the notice's)."""

@@ -24,6 +24,16 @@ it said so in its acknowledgement), ``job`` (the job exited without acknowledgin
      'checkpoint_at': 1600.5, 'step': 9}
     >>> checkpoint_report(epoch=1, saved=saved, last=(1600.5, 9), now=1601) is None
     True
+
+A job that exits non-zero says how in its report's ``detail``: its exit code and the last line
+it printed, one line of plain text (``one_line``: the market refuses control characters and
+more than ``REPORT_DETAIL_CHARS``; a hostile provider or job cannot put escapes in a tenant's
+log):
+
+    >>> exit_detail(1, "ModuleNotFoundError: No module named 'prefect_spotgpu'\x1b[0m")
+    "exit code 1, last output: ModuleNotFoundError: No module named 'prefect_spotgpu' [0m"
+    >>> exit_detail(-9, None)
+    'exit code -9'
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from prefect_spotgpu.protocol import ReportOutcome
+from prefect_spotgpu.protocol import REPORT_DETAIL_CHARS, ReportOutcome
 
 Cause = Literal["storage", "job", "deadline"]
 
@@ -94,6 +104,27 @@ def notice_report(*, epoch: int, ack: dict | None, exit_code: int | None, now: f
         "outcome": ReportOutcome.SAVE_FAILED,
         "cause": "job",
     }  # crashed, or garbage
+
+
+def notice_before_start_report(*, epoch: int) -> dict:
+    """The outcome of a notice that came before the job started (its image still being
+    pulled): nothing ran since the bid's last checkpoint, nothing was saved. Reported at once
+    (not at the deadline: the GPUs are free now), as the job's (no compensation: no work of
+    this allocation was lost)."""
+    return {"epoch": epoch, "outcome": ReportOutcome.SAVE_FAILED, "cause": "job"}
+
+
+def one_line(text: str) -> str:
+    """``text`` as a report's ``detail`` takes it: control characters (and any other
+    unprintable one) become spaces; cut to ``REPORT_DETAIL_CHARS``."""
+    printable = "".join(c if c.isprintable() else " " for c in text)
+    return printable[:REPORT_DETAIL_CHARS]
+
+
+def exit_detail(exit_code: int, last_line: str | None) -> str:
+    """What a failed job's report says of its end: its exit code and its last output line."""
+    said = f"exit code {exit_code}"
+    return one_line(f"{said}, last output: {last_line}" if last_line else said)
 
 
 def _cause(ack: dict) -> Cause:

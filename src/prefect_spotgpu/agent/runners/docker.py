@@ -9,12 +9,19 @@ notice's SIGUSR1 reaches it and no other process of the container. A container i
 its allocation (:func:`container_name`) and labelled with it: ``reconcile`` finds an earlier
 run's container by its label. The node's GPUs are given as a device request (``--gpus``) when
 the host has the NVIDIA container toolkit; its output goes to the agent's log, line by line.
+
+A missing image is pulled by ``prepare`` (the agent calls it on a thread of its own: a pull may
+take minutes), its progress told every ``PULL_REPORT_SECONDS`` (``pull``); ``start`` pulls one
+still missing too, without progress. An image neither here nor pullable is
+:class:`ImageUnavailable`, naming it. ``local_images`` lists what the engine holds, for the
+heartbeat.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -29,19 +36,26 @@ from prefect_spotgpu.agent.isolation import (
     prepare_job_dirs,
     retire_workdir,
 )
+from prefect_spotgpu.agent.runners.pull import PullProgress
 from prefect_spotgpu.agent.runners.runner import (
+    MOST_NODE_IMAGES,
+    MOST_REFERENCE_CHARS,
     JobHandle,
     JobRequest,
+    Progress,
     checkpoint_location,
     clear_job_files,
+    last_line_of,
     record_pid,
     write_notice,
 )
-from prefect_spotgpu.protocol import JOB_ENV
+from prefect_spotgpu.protocol import IMAGE_REFERENCE_PATTERN, JOB_ENV, PULL_REPORT_SECONDS
 
 WORKDIR = "/spotgpu"
 """Where a container sees its allocation's directory (its HOME)."""
 ALLOCATION_LABEL = "io.spotgpu.allocation-id"
+TAIL_LINES = 20
+"""How many of a container's last log lines are read for its last non-empty one."""
 
 logger = logging.getLogger("prefect_spotgpu.agent.jobs")
 
@@ -180,23 +194,72 @@ class DockerRunner:
         ).start()
         return ContainerJob(request, container.id, time.time(), pid=pid)
 
-    def _run(self, spec: dict):
-        """``containers.run``, pulling a missing image first; one that is neither here nor
-        pullable is ``ImageUnavailable``, naming it (the agent reports the job failed)."""
+    def ready(self, request: JobRequest) -> bool:
+        """Whether the job's image is on this node (a job without one fails in ``start``)."""
+        return not request.image or self._has_image(request.image)
+
+    def _has_image(self, image: str) -> bool:
         import docker
 
-        image = spec["image"]
         try:
             self.client.images.get(image)
         except docker.errors.ImageNotFound:
-            logger.info("pulling image %s", image)
-            try:
-                self.client.images.pull(image)
-            except docker.errors.APIError as exc:
-                raise ImageUnavailable(
-                    f"image {image!r} is not on this node and could not be pulled: "
-                    f"{getattr(exc, 'explanation', None) or exc}"
-                ) from None
+            return False
+        return True
+
+    def prepare(self, request: JobRequest, progress: Progress) -> None:
+        """Pull the job's image if it is not on this node, telling ``progress`` how far."""
+        if not self.ready(request):
+            self.pull(request.image, progress)
+
+    def pull(self, image: str, progress: Progress) -> None:
+        """Pull ``image`` with the engine's progress stream: ``progress`` gets a line when the
+        first sizes are known, then at most every ``PULL_REPORT_SECONDS``, and a last
+        ``pulled ...`` line. A failure is :class:`ImageUnavailable`, naming the image."""
+        import docker
+        import requests
+        from docker.utils import parse_repository_tag
+
+        began = last = time.monotonic()
+        said = False
+        counts = PullProgress(image)
+        repository, tag = parse_repository_tag(image)
+        try:
+            stream = self.client.api.pull(repository, tag=tag, stream=True, decode=True)
+            for message in stream:
+                if "error" in message:
+                    detail = (message.get("errorDetail") or {}).get("message")
+                    raise _unavailable(image, detail or message["error"])
+                counts.add(message)
+                now = time.monotonic()
+                if now - last >= PULL_REPORT_SECONDS or (not said and counts.downloaded):
+                    progress(counts.line())
+                    said, last = True, now
+        except (docker.errors.DockerException, requests.exceptions.RequestException) as exc:
+            raise _unavailable(image, getattr(exc, "explanation", None) or exc) from None
+        progress(counts.done_line(seconds=time.monotonic() - began))
+
+    def local_images(self) -> list[str]:
+        """The references of the images on this engine (tags first, then digests) that a
+        heartbeat may carry (``IMAGE_REFERENCE_PATTERN``), sorted, at most
+        ``MOST_NODE_IMAGES``."""
+        tags, digests = set(), set()
+        for image in self.client.api.images():  # one call (``images.list`` inspects each)
+            tags.update(image.get("RepoTags") or ())
+            digests.update(image.get("RepoDigests") or ())
+        fit = [
+            r
+            for r in [*sorted(tags), *sorted(digests - tags)]
+            if len(r) <= MOST_REFERENCE_CHARS and re.fullmatch(IMAGE_REFERENCE_PATTERN, r)
+        ]
+        return sorted(fit[:MOST_NODE_IMAGES])
+
+    def _run(self, spec: dict):
+        """``containers.run``, pulling a missing image first; one that is neither here nor
+        pullable is ``ImageUnavailable``, naming it (the agent reports the job failed)."""
+        image = spec["image"]
+        if not self._has_image(image):
+            self.pull(image, lambda line: logger.info("%s", line))
         return self.client.containers.run(**spec)
 
     def notice(self, handle: JobHandle, deadline: float) -> None:
@@ -227,6 +290,24 @@ class DockerRunner:
             return None
         return int(state.get("ExitCode", -1))
 
+    def last_line(self, handle: JobHandle) -> str | None:
+        """The last non-empty line of the container's error output (of its last
+        ``TAIL_LINES``), else of its standard output: the engine reads the two apart, so
+        their order at the very end is not kept, and the error (a traceback's last line) is
+        what a failed job's report needs."""
+        import docker
+
+        try:
+            container = self.client.containers.get(handle.ref)
+            for stream in ("stderr", "stdout"):
+                wanted = {"stdout": stream == "stdout", "stderr": stream == "stderr"}
+                line = last_line_of(container.logs(tail=TAIL_LINES, **wanted))
+                if line:
+                    return line
+        except docker.errors.NotFound:
+            pass
+        return None
+
     def reconcile(self, allocation_id: int, workdir: Path) -> bool:
         """Remove an earlier run's container of this allocation (found by its label), if one
         ran here."""
@@ -241,6 +322,10 @@ class DockerRunner:
         for container in containers:
             container.remove(force=True)
         return bool(containers)
+
+
+def _unavailable(image: str, why) -> ImageUnavailable:
+    return ImageUnavailable(f"image {image!r} is not on this node and could not be pulled: {why}")
 
 
 def _forward_logs(container, allocation_id: int) -> None:

@@ -38,8 +38,10 @@ from prefect_spotgpu.agent.isolation import (
 from prefect_spotgpu.agent.runners.runner import (
     JobHandle,
     JobRequest,
+    Progress,
     checkpoint_location,
     clear_job_files,
+    last_line_of,
     record_pid,
     write_notice,
 )
@@ -47,14 +49,19 @@ from prefect_spotgpu.agent.runners.runner import (
 logger = logging.getLogger("prefect_spotgpu.agent")
 
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
+TAIL_BYTES = 4096
+"""How much of the end of a job's log is read for its last line."""
 
 
 @dataclass(eq=False, kw_only=True)
 class ProcessJob(JobHandle):
-    """A process job: its ``ref`` is its pid, the leader of its process group."""
+    """A process job: its ``ref`` is its pid, the leader of its process group. ``log`` reads
+    its output file (``job.log``) by descriptor, opened before the job ran: whatever the job
+    later puts at that name (a link to a file it may not read), the agent reads its own log."""
 
     process: subprocess.Popen
     user: JobUser
+    log: int | None = None
 
     @property
     def pid(self) -> int:
@@ -119,20 +126,36 @@ class ProcessRunner:
             switch = {"user": user.uid, "group": user.gid, "extra_groups": [], "umask": 0o007}
         log = open_job_log(request.workdir / "job.log")
         try:
-            process = subprocess.Popen(
-                _resolve_python(request.command),
-                env=process_environment(request, url),
-                cwd=request.workdir,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                **switch,
-            )
+            reader = os.open(f"/proc/self/fd/{log}", os.O_RDONLY)  # that file, to read its end
+            try:
+                process = subprocess.Popen(
+                    _resolve_python(request.command),
+                    env=process_environment(request, url),
+                    cwd=request.workdir,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    **switch,
+                )
+            except BaseException:
+                os.close(reader)
+                raise
         finally:
             os.close(log)
         record_pid(request, process.pid)
-        return ProcessJob(request, str(process.pid), time.time(), process=process, user=user)
+        return ProcessJob(
+            request, str(process.pid), time.time(), process=process, user=user, log=reader
+        )
+
+    def ready(self, request: JobRequest) -> bool:
+        return True  # nothing to fetch: the command is the node's
+
+    def prepare(self, request: JobRequest, progress: Progress) -> None:
+        pass
+
+    def local_images(self) -> list[str]:
+        return []  # processes, no images
 
     def notice(self, handle: ProcessJob, deadline: float) -> None:
         try:
@@ -153,11 +176,21 @@ class ProcessRunner:
         kill_job_processes(handle.user, handle.request.workdir)
         with contextlib.suppress(subprocess.TimeoutExpired):
             handle.process.wait(timeout=5)
+        if handle.log is not None:
+            os.close(handle.log)
+            handle.log = None
         if self.users.isolated:
             retire_workdir(handle.request.workdir)
 
     def poll(self, handle: ProcessJob) -> int | None:
         return handle.poll()
+
+    def last_line(self, handle: ProcessJob) -> str | None:
+        """The last non-empty line of the job's log (of its last ``TAIL_BYTES``)."""
+        if handle.log is None:
+            return None
+        size = os.fstat(handle.log).st_size
+        return last_line_of(os.pread(handle.log, TAIL_BYTES, max(0, size - TAIL_BYTES)))
 
     def reconcile(self, allocation_id: int, workdir: Path) -> bool:
         """Kill the job an earlier run recorded in ``workdir`` (:meth:`kill_stale`), if any,

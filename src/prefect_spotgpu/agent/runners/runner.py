@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -30,9 +31,17 @@ from prefect_spotgpu.agent.isolation import (
     tenant_checkpoint_dir,
     write_job_file,
 )
-from prefect_spotgpu.protocol import JOB_ENV
+from prefect_spotgpu.protocol import JOB_ENV, MAX_IMAGE_REFERENCE_CHARS, MAX_NODE_IMAGES
 
 logger = logging.getLogger("prefect_spotgpu.agent")
+
+MOST_NODE_IMAGES = MAX_NODE_IMAGES
+"""The most image references a heartbeat carries (the market refuses more)."""
+MOST_REFERENCE_CHARS = MAX_IMAGE_REFERENCE_CHARS
+"""The longest image reference the market takes."""
+
+Progress = Callable[[str], None]
+"""Where a runner says how far a long preparation is: one plain line at a time."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +106,17 @@ class Runner(Protocol):
 
     name: str
 
+    def ready(self, request: JobRequest) -> bool:
+        """Whether ``start`` can run the job at once; False: ``prepare`` it first."""
+        ...
+
+    def prepare(self, request: JobRequest, progress: Progress) -> None:
+        """Make ready what the job needs (the Docker runner pulls its image), saying how far
+        through ``progress`` (at most every ``PULL_REPORT_SECONDS``, and a last line when
+        done). May take minutes: the agent calls it on a thread of its own, outside its lock.
+        Raise (the agent reports the allocation failed, with the message) if it cannot."""
+        ...
+
     def start(self, request: JobRequest) -> JobHandle:
         """Start the job; raise (the agent reports the allocation failed) if it cannot."""
         ...
@@ -114,11 +134,33 @@ class Runner(Protocol):
         """The job's exit code, or None while it runs."""
         ...
 
+    def last_line(self, handle: JobHandle) -> str | None:
+        """The last non-empty line the job printed, if any (read before ``stop``; a container:
+        on its error output, if any): a failed job's report says it."""
+        ...
+
+    def local_images(self) -> list[str]:
+        """The image references this node holds (sorted, at most ``MOST_NODE_IMAGES``), for
+        the heartbeat; a runner without images has none."""
+        ...
+
     def reconcile(self, allocation_id: int, workdir: Path) -> bool:
         """After an agent restart: kill what is left of an earlier run's job of this
         allocation in ``workdir`` (as recorded by ``start``) and forget it; True if something
         was killed."""
         ...
+
+
+def last_line_of(output: bytes) -> str | None:
+    """The last non-empty line of ``output`` (a job's, as bytes), stripped.
+
+    >>> last_line_of(b"Traceback ...\\nModuleNotFoundError: No module named 'x'\\n\\n")
+    "ModuleNotFoundError: No module named 'x'"
+    """
+    for line in reversed(output.decode(errors="replace").splitlines()):
+        if line.strip():
+            return line.strip()
+    return None
 
 
 def write_notice(request: JobRequest, deadline: float) -> None:

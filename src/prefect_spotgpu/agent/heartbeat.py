@@ -1,0 +1,99 @@
+"""A node's heartbeat (``POST /nodes/{id}/heartbeat``): it is alive, its telemetry, and the
+images it holds (``images``: the market's placement prefers, among equal fits, a node that has
+a bid's image already). A field the market refuses (a 422 naming it: a GPU reading out of its
+schema, say) is left out and the heartbeat sent again: the node must not look lost over it.
+
+Listing them is a call to the Docker engine, too much for every heartbeat: the list is read at
+the first heartbeat, after every pull (``pulled``), and otherwise at most every
+``REFRESH_SECONDS``; a heartbeat carries it only when it differs from the list the market last
+accepted (``accepted``), so most heartbeats carry none (the market keeps what it has).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import httpx
+
+logger = logging.getLogger("prefect_spotgpu.agent")
+
+REFRESH_SECONDS = 60.0
+
+
+class NodeImages:
+    """The node's image list; ``read`` lists them (``Runner.local_images``). Used by the
+    heartbeat thread; ``pulled`` may be called from any thread."""
+
+    def __init__(
+        self,
+        read: Callable[[], list[str]],
+        *,
+        refresh_seconds: float = REFRESH_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._read = read
+        self.refresh_seconds = refresh_seconds
+        self._clock = clock
+        self._stale = threading.Event()
+        self._stale.set()  # read at the first heartbeat
+        self._read_at = clock()
+        self._images: list[str] | None = None
+        self._accepted: list[str] | None = None
+
+    def pulled(self) -> None:
+        """An image was pulled (or a pull failed half-way): read the list again."""
+        self._stale.set()
+
+    def to_send(self) -> list[str] | None:
+        """The list for this heartbeat, read again if due; None when the market has it (or it
+        could not be read)."""
+        if self._stale.is_set() or self._clock() - self._read_at >= self.refresh_seconds:
+            self._stale.clear()  # (a pull that ends during the read sets it again)
+            self._read_at = self._clock()
+            try:
+                self._images = list(self._read())
+            except Exception as exc:  # the engine is down, say: keep what the market has
+                logger.warning("the node's images could not be listed: %s", exc)
+        return None if self._images == self._accepted else self._images
+
+    def accepted(self, images: list[str]) -> None:
+        """The market took (or refused: it is not offered again until it changes) ``images``."""
+        self._accepted = images
+
+
+def send_heartbeat(
+    client: httpx.Client, node_id: int, *, telemetry: dict, images: NodeImages
+) -> httpx.Response:
+    """One heartbeat: ``telemetry``, and the node's images when they changed; the market's
+    answer (after one more try without what it refused)."""
+    body = {"telemetry": telemetry}
+    listed = images.to_send()
+    if listed is not None:
+        body["images"] = listed
+    path = f"/nodes/{node_id}/heartbeat"
+    response = client.post(path, json=body)
+    refused = _refused_fields(response) & {"telemetry", "images"}
+    if "telemetry" in refused and "gpus" in telemetry:
+        body["telemetry"] = {k: v for k, v in telemetry.items() if k != "gpus"}
+    if "images" in refused:
+        del body["images"]
+    if refused:
+        logger.warning("heartbeat: %s refused (%s); sent without", refused, response.text[:200])
+        response = client.post(path, json=body)
+    if listed is not None and (response.status_code == 200 or "images" in refused):
+        images.accepted(listed)  # (refused: not offered again until it changes)
+    return response
+
+
+def _refused_fields(response: httpx.Response) -> set[str]:
+    """The body fields a 422 names (``{"detail": [{"loc": ["body", FIELD, ...]}]}``)."""
+    if response.status_code != 422:
+        return set()
+    try:
+        errors = response.json()["detail"]
+        return {e["loc"][1] for e in errors if len(e["loc"]) > 1 and e["loc"][0] == "body"}
+    except (ValueError, KeyError, TypeError, IndexError):
+        return set()
