@@ -30,6 +30,8 @@ __all__ = [
     "JOB_ENV",
     "LABELS",
     "LIVE_BID_STATUSES",
+    "MAX_IMAGE_REFERENCE_CHARS",
+    "MAX_NODE_IMAGES",
     "PID_PREFIX",
     "PROCESS_IMAGE",
     "PULL_REPORT_SECONDS",
@@ -42,6 +44,7 @@ __all__ = [
     "NoticeReason",
     "ReportOutcome",
     "WorkerEvent",
+    "normal_image_reference",
 ]
 
 
@@ -128,6 +131,43 @@ IMAGE_REFERENCE_PATTERN = (
 )
 """A container image reference (``[registry[:port]/]repo/name[:tag][@sha256:digest]``), as
 Docker writes it: the market's catalogue holds these, nodes report and pull them."""
+
+MAX_IMAGE_REFERENCE_CHARS = 500
+"""The longest image reference the market takes."""
+MAX_NODE_IMAGES = 500
+"""The most image references one heartbeat reports."""
+
+
+_DOCKER_HUB_PREFIXES = (
+    "docker.io/library/",
+    "index.docker.io/library/",
+    "docker.io/",
+    "index.docker.io/",
+)
+
+
+def normal_image_reference(reference: str) -> str:
+    """A reference as ``docker images`` lists it, so the catalogue's and a node's spellings of
+    one image compare equal: Docker Hub's prefixes dropped, ``:latest`` made explicit.
+
+    >>> normal_image_reference("docker.io/library/python")
+    'python:latest'
+    >>> normal_image_reference("nvcr.io/nvidia/pytorch:25.06-py3")
+    'nvcr.io/nvidia/pytorch:25.06-py3'
+    """
+    for prefix in (
+        "docker.io/library/",
+        "index.docker.io/library/",
+        "docker.io/",
+        "index.docker.io/",
+    ):
+        if reference.startswith(prefix):
+            reference = reference[len(prefix) :]
+            break
+    name = reference.split("@", 1)[0]
+    if "@" not in reference and ":" not in name.rsplit("/", 1)[-1]:
+        reference += ":latest"
+    return reference
 
 
 class WorkerEvent(StrEnum):

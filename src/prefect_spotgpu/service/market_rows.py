@@ -24,9 +24,13 @@ from prefect_spotgpu.market import (
     Node,
     NodeState,
 )
-from prefect_spotgpu.protocol import BidStatus, Capacity
+from prefect_spotgpu.protocol import BidStatus, Capacity, normal_image_reference
 from prefect_spotgpu.service.models import AllocationRow, BidRow, NodeRow
 from prefect_spotgpu.service.settings import ServiceSettings
+
+
+def _normal(image: str | None) -> str | None:
+    return None if image is None else normal_image_reference(image)
 
 
 def market_node(row: NodeRow) -> Node:
@@ -39,7 +43,7 @@ def market_node(row: NodeRow) -> Node:
         row.reserve_price,
         NodeState(row.state),
         row.capacity,
-        frozenset(row.images or ()),
+        frozenset(normal_image_reference(i) for i in row.images or ()),
     )
 
 
@@ -58,7 +62,7 @@ def market_bid(row: BidRow) -> Bid:
         deadline=aware(row.deadline).timestamp() if row.deadline else None,
         tenant_id=row.tenant_id,
         capacity=row.capacity,
-        image=(row.job or {}).get("image"),
+        image=_normal((row.job or {}).get("image")),
     )
 
 
@@ -134,7 +138,7 @@ def load_market(*, session: Session, settings: ServiceSettings) -> Market:
             max_prices=np.array([r.max_price for r in rows], np.float64),
             created_at=np.array([aware(r.created_at).timestamp() for r in rows]),
             tenant_ids=np.array([r.tenant_id for r in rows], np.int64),
-            images=[r.image for r in rows],
+            images=[_normal(r.image) for r in rows],
         )
         loaded.update(r.id for r in rows)
     others = list(

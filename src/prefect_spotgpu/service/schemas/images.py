@@ -8,7 +8,12 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field, field_validator
 
-from prefect_spotgpu.protocol import IMAGE_NAME_PATTERN, IMAGE_REFERENCE_PATTERN, PROCESS_IMAGE
+from prefect_spotgpu.protocol import (
+    IMAGE_NAME_PATTERN,
+    IMAGE_REFERENCE_PATTERN,
+    MAX_IMAGE_REFERENCE_CHARS,
+    PROCESS_IMAGE,
+)
 from prefect_spotgpu.service.schemas.fields import Strict
 
 ImageName = Annotated[
@@ -25,7 +30,7 @@ ImageReference = Annotated[
     str,
     Field(
         min_length=1,
-        max_length=500,
+        max_length=MAX_IMAGE_REFERENCE_CHARS,
         pattern=IMAGE_REFERENCE_PATTERN,
         description="A container image reference: [registry[:port]/]repo/name[:tag][@digest].",
         examples=["pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime"],
@@ -33,9 +38,6 @@ ImageReference = Annotated[
 ]
 PlainLine = Annotated[str, Field(pattern=r"^[^\x00-\x1f\x7f-\x9f]*$")]
 """One line of plain text: no control characters (it is shown on the dashboard and in logs)."""
-
-MAX_NODE_IMAGES = 500
-"""The most image references one heartbeat may report."""
 
 
 Framework = Annotated[PlainLine, Field(min_length=1, max_length=100, examples=["PyTorch 2.5.1"])]
