@@ -35,7 +35,6 @@ from prefect_spotgpu.service.schemas.fields import (
     Strict,
 )
 from prefect_spotgpu.service.schemas.images import (
-    MAX_NODE_IMAGES,
     ImageCreate,
     ImageName,
     ImageReference,
@@ -81,7 +80,6 @@ from prefect_spotgpu.service.schemas.webhook import (
 
 __all__ = [
     "MAX_JOB_ENV_BYTES",
-    "MAX_NODE_IMAGES",
     "AllocationCharge",
     "AllocationReport",
     "AllocationResponse",

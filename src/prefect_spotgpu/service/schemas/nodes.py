@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 
 from prefect_spotgpu.market import MAX_GPUS_PER_NODE
+from prefect_spotgpu.protocol import MAX_NODE_IMAGES
 from prefect_spotgpu.service.schemas.fields import (
     CapacityKind,
     GpuCount,
@@ -18,7 +19,7 @@ from prefect_spotgpu.service.schemas.fields import (
     Strict,
     fixed_price,
 )
-from prefect_spotgpu.service.schemas.images import MAX_NODE_IMAGES, ImageReference
+from prefect_spotgpu.service.schemas.images import ImageReference
 from prefect_spotgpu.service.telemetry import GpuInventoryItem, Telemetry
 
 
