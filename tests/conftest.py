@@ -97,6 +97,20 @@ def job_image() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
+def registry(job_image):
+    """A registry (Debian's docker-registry) on a loopback port for this session, after the
+    engine (``job_image``): the pull tests fail, never skip, without one."""
+    import docker_engine
+
+    try:
+        started = docker_engine.start_registry()
+    except docker_engine.EngineUnavailable as exc:
+        pytest.fail(f"the pull tests need a registry: {exc}", pytrace=False)
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="session")
 def flow_image(job_image) -> str:
     """A Prefect job image of this checkout with the test flow (Prefect from PyPI: ~30 s the
     first time, cached by the engine after)."""

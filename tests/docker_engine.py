@@ -313,8 +313,13 @@ def start_registry(wait: float = 30.0) -> Registry:
     raise EngineUnavailable(f"the registry did not answer on {address} (see {log.name})")
 
 
-def push_pull_image(registry: Registry, base: str, name: str = "spotgpu-test/pull:1") -> str:
-    """``base`` plus a layer of ``BALLAST_BYTES`` random bytes (and ``/opt/ballast-id``
+def push_pull_image(
+    registry: Registry,
+    base: str,
+    name: str = "spotgpu-test/pull:1",
+    ballast_bytes: int = BALLAST_BYTES,
+) -> str:
+    """``base`` plus a layer of ``ballast_bytes`` random bytes (and ``/opt/ballast-id``
     holding ``name``), pushed to ``registry`` as ``name`` and removed from the engine: the
     reference, which only the registry has."""
     reference = f"{registry.address}/{name}"
@@ -322,7 +327,7 @@ def push_pull_image(registry: Registry, base: str, name: str = "spotgpu-test/pul
         began = time.monotonic()
         (Path(context) / "Dockerfile").write_text(
             f"FROM {base}\n"
-            f"RUN head -c {BALLAST_BYTES} /dev/urandom > /opt/ballast"
+            f"RUN head -c {ballast_bytes} /dev/urandom > /opt/ballast"
             f" && echo {name} > /opt/ballast-id\n"
         )
         _docker("build", "-q", "-t", reference, context, env={**os.environ, "DOCKER_BUILDKIT": "0"})

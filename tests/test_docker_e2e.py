@@ -40,6 +40,7 @@ def stack(flow_image):
         with LocalStack(home, heartbeat_timeout_seconds=3) as stack:
             stack.start_prefect_server(host=docker_engine.bridge_gateway())
             stack.start_market()
+            stack.flow_image = flow_image
             catalogue = stack.market(stack.admin_key)
             for name, reference in (("test-flow", flow_image), ("broken", MISSING)):
                 entry = {"reference": reference, "framework": "Prefect + NumPy (test)"}
@@ -183,3 +184,38 @@ def test_an_image_outside_the_catalogue_is_refused_before_any_bid_with_the_list(
     assert "known images: process, broken, huggingface" in final.message, final
     assert "test-flow" in final.message
     assert "spotgpu.bid" not in (prefect.read_flow_run(run.id).labels or {})  # nothing was bid
+
+
+def test_a_run_whose_image_a_node_must_pull_shows_the_pull_in_its_log(stack, prefect, registry):
+    """The flow image plus a layer only the registry has: the node pulls it, the pull's
+    progress reaches the run's log through the market (pulling events), and the run completes."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    flow_image = stack.flow_image
+    pulled = docker_engine.push_pull_image(
+        registry, flow_image, name="spotgpu-test/flow-pull:1", ballast_bytes=64_000_000
+    )
+    try:
+        entry = {"reference": pulled, "framework": "Prefect + NumPy (test, from a registry)"}
+        assert stack.market(stack.admin_key).put("/images/pulled", json=entry).status_code == 201
+        run = prefect.create_flow_run_from_deployment(
+            UUID(stack.deployment), parameters={"steps": 5}, job_variables={"image": "pulled"}
+        )
+
+        def over():
+            state = prefect.read_flow_run(run.id).state
+            return state.is_final() and state
+
+        final = wait_for(over, 180, "the run's end")
+        assert final.is_completed(), final
+
+        def pull_lines():
+            logs = prefect.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+            lines = [log.message for log in logs if f"pulled {pulled} in " in log.message]
+            return lines and [log.message for log in logs if pulled in log.message]
+
+        lines = wait_for(pull_lines, 30, "the pull in the run's log")
+        assert lines[-1].startswith("Node ") and "new layer" in lines[-1], lines
+        print(json.dumps({"pull_lines_in_the_run_log": lines}))
+    finally:
+        docker_engine.forget_image(pulled)

@@ -9,6 +9,7 @@ reconcile, and reads what the job saw from inside its container.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,7 +19,12 @@ import pytest
 
 from prefect_spotgpu.agent.isolation import JobUsers
 from prefect_spotgpu.agent.runners import JobRequest
-from prefect_spotgpu.agent.runners.docker import DockerRunner, ImageUnavailable, container_name
+from prefect_spotgpu.agent.runners.docker import (
+    DockerRunner,
+    ImageUnavailable,
+    _alive,
+    container_name,
+)
 from prefect_spotgpu.checkpoint import Checkpointer, LocalStorage
 
 pytestmark = pytest.mark.slow
@@ -219,3 +225,10 @@ def test_the_container_output_goes_to_the_agents_log(tmp_path, runner, job_image
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-s"]))
+
+
+def test_a_container_gone_before_its_pid_was_read_is_not_alive():
+    """A job that exits at once leaves ``State.Pid`` 0; ``os.kill(0, 0)`` asks about the
+    agent's own process group and succeeds, so such a job looked alive for ever."""
+    assert _alive(0) is False and _alive(-1) is False
+    assert _alive(os.getpid()) is True

@@ -43,17 +43,6 @@ PULLED = re.compile(r"^pulled (?P<ref>\S+) in (?P<seconds>[0-9.]+) s \((?P<size>
 
 
 @pytest.fixture(scope="session")
-def registry(job_image):
-    """A registry on a loopback port for this session (after the engine: ``job_image``)."""
-    try:
-        started = docker_engine.start_registry()
-    except docker_engine.EngineUnavailable as exc:
-        pytest.fail(f"the pull tests need a registry: {exc}", pytrace=False)
-    yield started
-    started.stop()
-
-
-@pytest.fixture(scope="session")
 def pull_image(registry, job_image) -> Iterator[str]:
     """A reference only the registry has (the engine forgets it before each test here, and
     at the end: its random layer is the session's own)."""

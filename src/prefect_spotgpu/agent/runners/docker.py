@@ -340,6 +340,11 @@ def _forward_logs(container, allocation_id: int) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether the host process ``pid`` lives. A container that exited before ``start`` read
+    its state has pid 0, which is no process of its (``os.kill(0, 0)`` would ask about the
+    agent's own process group, and say yes for ever)."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
