@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import shutil
 import tempfile
 import threading
 import time
@@ -94,6 +95,15 @@ def job_image() -> Iterator[str]:
         docker_engine.stop()
         timings = Path(tempfile.gettempdir()) / "spotgpu-test-docker-timings.json"
         timings.write_text(json.dumps(docker_engine.TIMINGS))  # (for the container work's notes)
+
+
+@pytest.fixture
+def sandbox() -> Iterator[Path]:
+    """A directory job users can traverse (pytest's own tmp_path is closed to them)."""
+    base = Path(tempfile.mkdtemp(prefix="spotgpu-sandbox-"))
+    base.chmod(0o711)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -10,9 +10,7 @@ the job is ``agent_job.py`` run by the image's python3 in the session's job imag
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,15 +37,6 @@ def job_logs(tmp_path: Path) -> list[dict]:
     for path in sorted(tmp_path.glob("state-*/alloc-*/job.log")):
         events += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return events
-
-
-@pytest.fixture
-def sandbox():
-    """A directory job users can traverse (pytest's own tmp_path is closed to them)."""
-    base = Path(tempfile.mkdtemp(prefix="spotgpu-docker-agents-"))
-    base.chmod(0o711)
-    yield base
-    shutil.rmtree(base, ignore_errors=True)
 
 
 def test_a_reclaimed_container_saves_and_resumes_in_a_container_on_the_other_node(

@@ -15,9 +15,7 @@ import contextlib
 import itertools
 import json
 import re
-import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from datetime import datetime
@@ -147,15 +145,6 @@ def _image_size(reference: str) -> int:
 
 
 # ---------------------------------------------------------------- a real agent and market
-
-
-@pytest.fixture
-def sandbox():
-    """A directory job users can traverse (pytest's own tmp_path is closed to them)."""
-    base = Path(tempfile.mkdtemp(prefix="spotgpu-image-pull-"))
-    base.chmod(0o711)
-    yield base
-    shutil.rmtree(base, ignore_errors=True)
 
 
 @contextlib.contextmanager
