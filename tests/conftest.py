@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import shutil
+import subprocess
 import tempfile
 import threading
 import time
