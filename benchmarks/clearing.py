@@ -9,9 +9,11 @@ reserves at 0.4x on-demand. Two kinds of tick:
   repriced by x0.8-1.25), incumbents running; the median of several ticks.
 
 Side by side in one run: our engine; the same engine without its vectorised admission (the
-one-by-one greedy loop, ``packing="first-fit"``); and a cold rebuild against the incremental
-steady tick. Welfare against the exact optimum is measured on 1,000 small random markets.
-Pinned to one core. Prints one JSON object.
+one-by-one greedy loop, ``packing="first-fit"``); a cold rebuild against the incremental
+steady tick; and (``images``) the same market where every bid names one of three images and
+half the nodes hold one: placement prefers, among equal fits, a node with the bid's image.
+Welfare against the exact optimum is measured on 1,000 small random markets. Pinned to one
+core. Prints one JSON object.
 
     python benchmarks/clearing.py [--sizes 10000,100000,1000000] [--steady-ticks 5]
 """
@@ -39,10 +41,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 MODELS = ("RTX-4090", "RTX-3090Ti", "A100-80G", "H100-80G", "H200")
 REGIONS = ("ap-east", "eu-west", "us-central", "us-east")
 SIZES = np.array([1, 2, 4, 8])
+IMAGES = ("pytorch/pytorch:2.5.1", "nvcr.io/nvidia/pytorch:25.06-py3", "ml/train:1")
 
 
-def build_market(n_bids: int, rng: np.random.Generator, packing: str = "best-fit"):
-    """A market with its nodes registered, and the bid arrays to load (not yet loaded)."""
+def build_market(
+    n_bids: int, rng: np.random.Generator, packing: str = "best-fit", images: bool = False
+):
+    """A market with its nodes registered, and the bid arrays to load (not yet loaded); with
+    ``images``, every even node holds one image and every bid names one."""
     market = Market(MarketConfig(packing=packing))
     n_nodes = max(n_bids // 10, len(MODELS) * len(REGIONS))
     node_id = 0
@@ -52,7 +58,8 @@ def build_market(n_bids: int, rng: np.random.Generator, packing: str = "best-fit
         for region in REGIONS:
             for _ in range(per_pool):
                 node_id += 1
-                market.upsert_node(Node(node_id, model, region, 8, reserve))
+                held = frozenset({IMAGES[node_id % 3]} if images and node_id % 2 == 0 else ())
+                market.upsert_node(Node(node_id, model, region, 8, reserve, images=held))
     model_of = rng.integers(0, len(MODELS), n_bids)
     region_of = rng.integers(0, len(REGIONS), n_bids)
     region_of[rng.random(n_bids) < 0.10] = -1
@@ -65,6 +72,8 @@ def build_market(n_bids: int, rng: np.random.Generator, packing: str = "best-fit
         "price": np.round(on_demand[model_of] * rng.uniform(0.3, 1.0, n_bids), 2),
         "created": np.arange(n_bids, dtype=np.float64),
     }
+    if images:
+        bids["image"] = rng.integers(0, len(IMAGES), n_bids)
     return market, node_id, bids
 
 
@@ -85,12 +94,13 @@ def load(market: Market, bids: dict) -> None:
             gpu_counts=bids["gpus"][sel],
             max_prices=bids["price"][sel],
             created_at=bids["created"][sel],
+            images=[IMAGES[i] for i in bids["image"][sel]] if "image" in bids else None,
         )
 
 
-def cold_tick(n_bids: int, seed: int, packing: str = "best-fit") -> dict:
+def cold_tick(n_bids: int, seed: int, packing: str = "best-fit", images: bool = False) -> dict:
     rng = np.random.default_rng(seed)
-    market, n_nodes, bids = build_market(n_bids, rng, packing)
+    market, n_nodes, bids = build_market(n_bids, rng, packing, images)
     t0 = time.perf_counter()
     load(market, bids)
     t1 = time.perf_counter()
@@ -104,10 +114,23 @@ def cold_tick(n_bids: int, seed: int, packing: str = "best-fit") -> dict:
         "tick_seconds": t2 - t1,
         "placements": len(decision.placements),
         "gpus_placed": int(decision.placements.gpu_count.sum()),
+        "on_a_node_with_the_image": _with_image(market, decision) if images else None,
     }
 
 
-def steady_ticks(market: Market, rng: np.random.Generator, n_bids: int, ticks: int) -> dict:
+def _with_image(market: Market, decision) -> float:
+    """The share of placements on a node that holds the bid's image."""
+    rows = market._node_row
+    hits = sum(
+        int(market.b.image[market._bid_row[int(b)]]) in market.n_images[rows[int(n)]]
+        for b, n in zip(decision.placements.bid_id, decision.placements.node_id, strict=True)
+    )
+    return round(hits / max(len(decision.placements), 1), 3)
+
+
+def steady_ticks(
+    market: Market, rng: np.random.Generator, n_bids: int, ticks: int, images: bool = False
+) -> dict:
     now, next_id = 1_000.0, n_bids + 1
     apply_times, tick_times, notices, placements = [], [], [], []
     on_demand = np.array([DEFAULT_CATALOG.get(m).on_demand_price for m in MODELS])
@@ -125,6 +148,8 @@ def steady_ticks(market: Market, rng: np.random.Generator, n_bids: int, ticks: i
             "created": np.full(third, now),
         }
         new["price"] = np.round(on_demand[new["model"]] * rng.uniform(0.3, 1.0, third), 2)
+        if images:
+            new["image"] = rng.integers(0, len(IMAGES), third)
         next_id += third
         load(market, new)
         for bid_id in picked[:third].tolist():
@@ -174,6 +199,7 @@ def main() -> None:
     parser.add_argument("--steady-ticks", type=int, default=5)
     parser.add_argument("--welfare-instances", type=int, default=1000)
     parser.add_argument("--no-naive", action="store_true", help="skip the one-by-one baseline")
+    parser.add_argument("--no-images", action="store_true", help="skip the run with images")
     args = parser.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
@@ -210,6 +236,28 @@ def main() -> None:
                 else None
             )
             del naive
+        if not args.no_images:
+            with_images = cold_tick(n, seed=n, images=True)
+            steady_images = steady_ticks(
+                with_images["market"], with_images["rng"], n, args.steady_ticks, images=True
+            )
+            row["images_cold_seconds_per_tick"] = round(with_images["tick_seconds"], 4)
+            row["images_steady_seconds_per_tick"] = round(steady_images["tick_seconds"], 4)
+            row["images_gpus_placed_cold"] = with_images["gpus_placed"]
+            row["images_cold_placements_on_a_node_with_the_image"] = with_images[
+                "on_a_node_with_the_image"
+            ]
+            row["images_vs_plain_cold_ratio"] = (
+                round(with_images["tick_seconds"] / cold_s, 2)
+                if (cold_s := row["cold_seconds_per_tick"])
+                else None
+            )
+            row["images_vs_plain_steady_ratio"] = (
+                round(steady_images["tick_seconds"] / row["steady_seconds_per_tick"], 2)
+                if row["steady_seconds_per_tick"]
+                else None
+            )
+            del with_images
         results.append(row)
         print(json.dumps(row), file=sys.stderr)
     largest = max(results, key=lambda r: r["bids"])
@@ -223,6 +271,8 @@ def main() -> None:
             "at_bids": largest["bids"],
             "cold_tick_le_1s": largest["cold_seconds_per_tick"] <= 1.0,
             "steady_tick_le_0_1s": largest["steady_seconds_per_tick"] <= 0.1,
+            "images_cold_tick_le_1s": largest.get("images_cold_seconds_per_tick", 0) <= 1.0,
+            "images_steady_tick_le_0_1s": largest.get("images_steady_seconds_per_tick", 0) <= 0.1,
         },
     }
     print(json.dumps(out, indent=2))
