@@ -2,6 +2,16 @@
 
 The core (``Checkpointer``, the format, local and S3 storage) imports nothing of Prefect;
 ``prefect_spotgpu.checkpoint.flow`` gives a flow run its storage and key.
+
+A torch.distributed job (a gang of nodes, one rank each) saves one shard per rank, committed
+together (``gang.py``): every rank builds its checkpointer with its rank and the world size,
+and makes the same calls at the same steps::
+
+    ckpt = Checkpointer(storage, "run-42", rank=dist.get_rank(),
+                        world_size=dist.get_world_size())
+    restored = ckpt.restore()          # this rank's shard of the newest complete gang step
+    ...
+    ckpt.maybe_save(lambda: this_ranks_state(), step)   # saves at the same step everywhere
 """
 
 from prefect_spotgpu.checkpoint.checkpointer import (
@@ -17,6 +27,8 @@ from prefect_spotgpu.checkpoint.format import (
     UnreadableCheckpoint,
     UntrustedCheckpoint,
 )
+from prefect_spotgpu.checkpoint.gang import GangCheckpointer, GangCheckpointFailed
+from prefect_spotgpu.checkpoint.group import GroupSync, TorchGroupSync
 from prefect_spotgpu.checkpoint.storage import (
     CheckpointStorage,
     LocalStorage,
@@ -28,10 +40,14 @@ __all__ = [
     "CheckpointStorage",
     "Checkpointer",
     "CorruptCheckpoint",
+    "GangCheckpointFailed",
+    "GangCheckpointer",
+    "GroupSync",
     "LocalStorage",
     "Restored",
     "S3Storage",
     "SaveResult",
+    "TorchGroupSync",
     "UnreadableCheckpoint",
     "UntrustedCheckpoint",
     "rng_state",

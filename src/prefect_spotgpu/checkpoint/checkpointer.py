@@ -21,6 +21,10 @@ tried. Retention counts only verified checkpoints: it never deletes the newest v
 nor the one just written, and never an unverified one newer than those it keeps. This
 checkpointer is the single writer of its key's checkpoints.
 
+``Checkpointer(..., rank=r, world_size=n)`` with ``n > 1`` is a ``GangCheckpointer``
+(``checkpoint/gang.py``): one shard per rank of a torch.distributed job, committed together;
+``world_size=1`` (the default) is this class, its behaviour and its format.
+
 Example::
 
     ckpt = Checkpointer(LocalStorage("/ckpt"), key="run-42", every=timedelta(minutes=15))
@@ -93,7 +97,18 @@ class Checkpointer:
     Without a key, checkpoints are written unsigned and every checkpoint is accepted, as
     before signing existed: non-tensor state is pickled, so whoever can write the storage
     can then run code in the job when it restores.
+
+    ``rank``, ``world_size``, ``sync``, ``sync_every``: with ``world_size > 1`` the
+    constructor returns a ``GangCheckpointer`` (see there); ``world_size=1`` ignores the last
+    two.
     """
+
+    def __new__(cls, *args, world_size: int = 1, **kwargs):
+        if cls is Checkpointer and world_size != 1:
+            from prefect_spotgpu.checkpoint.gang import GangCheckpointer
+
+            cls = GangCheckpointer
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -108,7 +123,13 @@ class Checkpointer:
         handle_sigusr1: bool = True,
         clock: Callable[[], float] = time.monotonic,
         signing_key: str | bytes | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        sync=None,
+        sync_every: int = 1,
     ) -> None:
+        if world_size == 1 and rank != 0:
+            raise ValueError(f"rank must be 0 when world_size is 1, got rank={rank!r}")
         seconds = every.total_seconds() if isinstance(every, timedelta) else float(every)
         if not (math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"every must be a positive interval, got {every!r}")
@@ -116,6 +137,8 @@ class Checkpointer:
             raise ValueError(f"keep must be at least 1, got {keep!r}")
         self.storage = storage
         self.key = key
+        self.rank = rank
+        self.world_size = world_size
         self.every = seconds
         self.keep = keep
         self.clock = clock
@@ -223,23 +246,7 @@ class Checkpointer:
     def _commit(self, encoded, started: float, step: int, final: bool, retain: bool) -> SaveResult:
         """Write what ``_encode`` made to the storage (the part that fails for the storage's
         reasons, not the job's), then tell the agent."""
-        checksums = threading.Thread(target=encoded.fill_checksums, name="spotgpu-crc32")
-        checksums.start()
-
-        written: list[bytes] = []
-
-        def manifest() -> bytes:
-            checksums.join()
-            key = self._signing_key
-            sign = None if key is None else (lambda body: signature(key, self.key, step, body))
-            written.append(encoded.manifest_bytes(sign))
-            return written[-1]
-
-        try:
-            self.storage.write(self.key, step, encoded.buffers, encoded.size, manifest)
-        finally:
-            checksums.join()
-        self._checked[step] = (hashlib.sha256(written[-1]).digest(), True)
+        self._write(self.key, encoded, step)
         result = SaveResult(step, encoded.size, time.perf_counter() - started, final)
         self.last_save = result
         self._last_save_at = self.clock()
@@ -256,6 +263,29 @@ class Checkpointer:
         )
         return result
 
+    def _write(self, name: str, encoded, step: int) -> bytes:
+        """Write ``encoded`` as checkpoint ``name`` at ``step`` (checksums in a second thread,
+        the manifest signed for ``name`` when we have a key) and return the manifest written;
+        the step is then known verified."""
+        checksums = threading.Thread(target=encoded.fill_checksums, name="spotgpu-crc32")
+        checksums.start()
+
+        written: list[bytes] = []
+
+        def manifest() -> bytes:
+            checksums.join()
+            key = self._signing_key
+            sign = None if key is None else (lambda body: signature(key, name, step, body))
+            written.append(encoded.manifest_bytes(sign))
+            return written[-1]
+
+        try:
+            self.storage.write(name, step, encoded.buffers, encoded.size, manifest)
+        finally:
+            checksums.join()
+        self._checked[step] = (hashlib.sha256(written[-1]).digest(), True)
+        return written[-1]
+
     def _retain(self, written: int) -> None:
         """Delete what :func:`steps_to_delete` says, verifying checkpoints only as far as
         it looks (each at most once: a verdict is kept for as long as its manifest stays)."""
@@ -269,28 +299,31 @@ class Checkpointer:
         except Exception as exc:  # retention is housekeeping: never fail a save over it
             logger.warning("could not delete old checkpoints of %s: %s", self.key, exc)
 
-    def _manifest(self, raw: bytes, step: int) -> dict:
-        return read_manifest(raw, key=self._signing_key, name=self.key, step=step)
+    def _manifest(self, raw: bytes, step: int, name: str | None = None) -> dict:
+        name = self.key if name is None else name
+        return read_manifest(raw, key=self._signing_key, name=name, step=step)
 
-    def _verified(self, step: int) -> bool:
-        """Whether ``step`` is complete and verified (signed with our key, when we have one)
-        without unpickling it; a failure to read it now counts as not verified."""
+    def _verified(self, step: int, name: str | None = None) -> bool:
+        """Whether ``step`` of checkpoint ``name`` (ours by default) is complete and verified
+        (signed with our key, when we have one) without unpickling it; a failure to read it
+        now counts as not verified."""
+        name = self.key if name is None else name
         try:
             read_manifest_only = getattr(self.storage, "read_manifest", None)
             if read_manifest_only is not None:
-                digest = hashlib.sha256(read_manifest_only(self.key, step)).digest()
+                digest = hashlib.sha256(read_manifest_only(name, step)).digest()
                 known = self._checked.get(step)
                 if known is not None and known[0] == digest:
                     return known[1]
-            raw, blob = self.storage.read(self.key, step)
+            raw, blob = self.storage.read(name, step)
         except Exception as exc:
-            logger.debug("checkpoint %s step %s cannot be read now: %s", self.key, step, exc)
+            logger.debug("checkpoint %s step %s cannot be read now: %s", name, step, exc)
             return False
         try:
-            verify(self._manifest(raw, step), blob)
+            verify(self._manifest(raw, step, name), blob)
             ok = True
         except CorruptCheckpoint as exc:
-            logger.warning("checkpoint %s step %s is not usable (%s)", self.key, step, exc)
+            logger.warning("checkpoint %s step %s is not usable (%s)", name, step, exc)
             ok = False
         self._checked[step] = (hashlib.sha256(raw).digest(), ok)
         return ok

@@ -11,6 +11,11 @@ A resumed run (same flow run, run count + 1) finds the checkpoints of its earlie
 Under the spot-gpu worker the job's environment also carries the run's signing key
 (``SPOTGPU_CHECKPOINT_SIGNING_KEY``, the same for every attempt of the run), so its
 checkpoints are signed and only checkpoints signed with it are restored.
+
+In a torch.distributed job (a gang of nodes) every rank calls ``checkpointer_for_run()`` after
+``init_process_group``: its rank and the world size come from the standard environment
+(``RANK``/``WORLD_SIZE`` as torchrun sets them, else ``NODE_RANK``/``NNODES`` with one
+process per node), and each rank saves its own shard (``gang.py``).
 """
 
 from __future__ import annotations
@@ -31,10 +36,13 @@ def checkpointer_for_run(
     every: timedelta | float = timedelta(minutes=15),
     keep: int = 3,
     signing_key: str | bytes | None = None,
+    sync_every: int = 1,
 ) -> Checkpointer:
     """A ``Checkpointer`` for the running flow: its storage from the argument or
     ``SPOTGPU_CHECKPOINT_URL``, its key from the argument or the flow run id, its signing key
-    from the argument or ``SPOTGPU_CHECKPOINT_SIGNING_KEY`` (see ``Checkpointer``)."""
+    from the argument or ``SPOTGPU_CHECKPOINT_SIGNING_KEY`` (see ``Checkpointer``), its rank
+    and world size from the environment (:func:`rank_from_environment`; a
+    ``GangCheckpointer`` when the world is larger than one)."""
     if storage is None:
         url = os.environ.get(JOB_ENV.CHECKPOINT_URL)
         if not url:
@@ -52,7 +60,46 @@ def checkpointer_for_run(
     library_logger = logging.getLogger("prefect_spotgpu.checkpoint")
     if library_logger.level == logging.NOTSET:  # saves show in the run's logs (the worker
         library_logger.setLevel(logging.INFO)  # sets PREFECT_LOGGING_EXTRA_LOGGERS for that)
-    return Checkpointer(storage, key, every=every, keep=keep, signing_key=signing_key)
+    rank, world_size = rank_from_environment()
+    return Checkpointer(
+        storage,
+        key,
+        every=every,
+        keep=keep,
+        signing_key=signing_key,
+        rank=rank,
+        world_size=world_size,
+        sync_every=sync_every,
+    )
+
+
+def rank_from_environment(environ=os.environ) -> tuple[int, int]:
+    """``(rank, world_size)`` from torch.distributed's standard environment: ``RANK`` and
+    ``WORLD_SIZE`` (torchrun), else ``NODE_RANK`` and ``NNODES`` (one process per node), else
+    ``(0, 1)``; a malformed value raises ``ValueError`` naming the variable.
+
+    >>> rank_from_environment({"RANK": "3", "WORLD_SIZE": "4"})
+    (3, 4)
+    >>> rank_from_environment({"NODE_RANK": "1", "NNODES": "2"})
+    (1, 2)
+    >>> rank_from_environment({})
+    (0, 1)
+    """
+    for rank_name, size_name in (("RANK", "WORLD_SIZE"), ("NODE_RANK", "NNODES")):
+        if size_name not in environ:
+            continue
+        values = []
+        for name, default in ((rank_name, "0"), (size_name, None)):
+            raw = environ.get(name, default)
+            try:
+                values.append(int(raw))
+            except (TypeError, ValueError):
+                raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+        rank, world_size = values
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"{rank_name}={rank} is not a rank of {size_name}={world_size}")
+        return rank, world_size
+    return 0, 1
 
 
 def wait_to_be_stopped(ckpt: Checkpointer, grace: float = 30.0) -> None:
