@@ -97,6 +97,18 @@ def job_image() -> Iterator[str]:
         timings.write_text(json.dumps(docker_engine.TIMINGS))  # (for the container work's notes)
 
 
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """S3 through moto's server mode, over HTTP on a loopback port, for the session."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
 @pytest.fixture
 def sandbox() -> Iterator[Path]:
     """A directory job users can traverse (pytest's own tmp_path is closed to them)."""

@@ -33,15 +33,6 @@ def no_signing_key_from_the_environment(monkeypatch):
     monkeypatch.delenv(SIGNING_KEY_ENV, raising=False)
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
-
-
 @pytest.fixture
 def bucket(s3_endpoint, request):
     name = f"ckpt-{abs(hash(request.node.name)) % 10**8}"

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import boto3
 import pytest
-from moto.server import ThreadedMotoServer
 
 import prefect_spotgpu.checkpoint.flow as flow_module
 import prefect_spotgpu.checkpoint.gang as gang_module
@@ -255,15 +254,6 @@ def test_storage_that_is_not_shared_fails_the_first_save_not_the_restore(tmp_pat
 
 
 # ---------------------------------------------------------------- S3
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
 
 
 @pytest.fixture
