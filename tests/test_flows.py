@@ -1,5 +1,6 @@
 """The example flows: an attempt stopped by a notice and resumed in a fresh process gives the
-same output as an uninterrupted run (losses, the cleaned set, the frames, byte for byte)."""
+same output as an uninterrupted run (losses, the cleaned set, the frames, byte for byte); the
+pretraining flow also as a gang of two ranks (DDP over gloo on loopback, a process a rank)."""
 
 from __future__ import annotations
 
@@ -117,3 +118,152 @@ def test_rendering_skips_done_frames_and_writes_the_same_bytes(tmp_path):
         assert gif.n_frames == 6
         pixels = np.asarray(gif.convert("RGB")).reshape(-1, 3)
         assert len(np.unique(pixels, axis=0)) > 50  # a picture, not a blank
+
+
+# ---------------------------------------------------------------- the pretraining gang
+
+PRETRAIN = HERE.parent / "flows" / "pretrain.py"
+GANG_STEPS = 30
+TORCH_DISTRIBUTED = ("RANK", "WORLD_SIZE", "NODE_RANK", "NNODES", "LOCAL_RANK", "MASTER_PORT")
+
+
+def start_ranks(commands: list[list[str]], envs: list[dict], logs: Path) -> list[subprocess.Popen]:
+    """Rank r of ``len(envs)`` as its own process, as a node's agent will start a member:
+    ``commands[r]`` with torch.distributed's standard environment (a free loopback port;
+    ``envs[r]`` added) and one CPU thread; its output in ``logs/rank<r>.out``."""
+    from conftest import free_port
+
+    port = free_port()
+    logs.mkdir(parents=True)
+    procs = []
+    for rank, (command, extra) in enumerate(zip(commands, envs, strict=True)):
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("SPOTGPU_") and k not in TORCH_DISTRIBUTED
+        }
+        env.update(RANK=str(rank), WORLD_SIZE=str(len(envs)), MASTER_ADDR="127.0.0.1")
+        env.update(MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+        with open(logs / f"rank{rank}.out", "w") as out:
+            procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT))
+    return procs
+
+
+def start_pretraining_gang(
+    store: Path, logs: Path, result: Path, envs: list[dict], *flags: str
+) -> list[subprocess.Popen]:
+    """Every rank runs ``flows/pretrain.py``'s command line; rank 0 writes ``result``."""
+    command = [
+        *(sys.executable, str(PRETRAIN), "--steps", str(GANG_STEPS)),
+        *("--corpus-bytes", "300000", "--log-every", "1"),  # the key: "pretrain"
+        *("--checkpoints", str(store), "--result", str(result), *flags),
+    ]
+    return start_ranks([command] * len(envs), envs, logs)
+
+
+def finish(procs: list[subprocess.Popen], logs: Path) -> None:
+    for rank, proc in enumerate(procs):
+        code = proc.wait(timeout=180)
+        assert code == 0, (logs / f"rank{rank}.out").read_text()[-3000:]
+
+
+def logged_steps(logs: Path, rank: int) -> list[int]:
+    lines = (logs / f"rank{rank}.out").read_text().splitlines()
+    return [int(line.split()[1].split("/")[0]) for line in lines if line.startswith("step ")]
+
+
+def test_a_pretraining_gang_noticed_on_one_rank_resumes_on_the_same_loss_curve(tmp_path):
+    """Two ranks (DDP over gloo), the second noticed by SIGUSR1 alone: both save one gang
+    checkpoint at the same step and wait to be stopped; restarted, they finish on the loss
+    curve of a gang never stopped, bit for bit."""
+    from prefect_spotgpu.checkpoint.storage import step_name
+    from prefect_spotgpu.protocol import JOB_ENV
+
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    whole_logs = whole / "logs"
+    uninterrupted = start_pretraining_gang(
+        whole / "store", whole_logs, whole / "result.json", [{}, {}]
+    )
+    agent_files = [
+        {
+            name: str(parts / f"{name.lower()}-{rank}")
+            for name in (JOB_ENV.NOTICE_FILE, JOB_ENV.ACK_FILE, JOB_ENV.SAVED_FILE)
+        }
+        for rank in (0, 1)
+    ]
+    logs = parts / "first"
+    procs = start_pretraining_gang(
+        parts / "store", logs, parts / "result.json", agent_files, "--after-notice", "wait"
+    )
+    deadline = time.monotonic() + 120
+    while len(logged_steps(logs, 0)) < 8:
+        assert time.monotonic() < deadline and procs[0].poll() is None, "training stalled"
+        time.sleep(0.01)
+    os.kill(procs[1].pid, signal.SIGUSR1)  # one member noticed: not the flow run's rank
+    acks = []
+    for files in agent_files:
+        ack = Path(files[JOB_ENV.ACK_FILE])
+        while not ack.exists():
+            assert time.monotonic() < deadline and procs[0].poll() is None, "no final save"
+            time.sleep(0.01)
+        acks.append(json.loads(ack.read_text()))
+    saved_at = acks[0]["step"]
+    assert [a["step"] for a in acks] == [saved_at] * 2 and all(a["durable"] for a in acks)
+    assert 7 <= saved_at < GANG_STEPS - 1  # (rank 0 had logged step index 7)
+    assert (parts / "store" / "pretrain" / "gang" / step_name(saved_at) / "manifest.json").exists()
+    time.sleep(0.5)
+    assert [p.poll() for p in procs] == [None, None], "they wait to be stopped, as a flow run"
+    for proc in procs:  # as the agents do after the acknowledgements
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    assert not (parts / "result.json").exists()
+    finish(uninterrupted, whole_logs)
+    assert logged_steps(whole_logs, 1) == [], "only rank 0 (the flow run's) reports losses"
+
+    logs = parts / "resumed"
+    finish(start_pretraining_gang(parts / "store", logs, parts / "result.json", [{}, {}]), logs)
+    assert logged_steps(logs, 0)[0] == saved_at + 2, "the restart resumes after the saved step"
+    a = json.loads((whole / "result.json").read_text())["losses"]
+    b = json.loads((parts / "result.json").read_text())["losses"]
+    assert len(a) == GANG_STEPS
+    assert [x.hex() for x in a] == [x.hex() for x in b]  # bitwise
+    assert a[-1] < a[0] - 0.5  # it learns
+
+
+def test_rank_0_of_a_pretraining_gang_is_the_flow_run(prefect_api_url, tmp_path):
+    """As the agents will start a gang of two: rank 0 is the Prefect engine (the flow run's
+    state and logs are its), rank 1 the command line the module documents, both with the flow
+    run's id; they find the same checkpoint key, so their gang checkpoints commit."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    from prefect_spotgpu.protocol import JOB_ENV
+
+    @flow(name="pretrain")
+    def stand_in():  # the flow run's flow: the engine loads the real one from its entrypoint
+        pass
+
+    with get_client(sync_client=True) as client:
+        run = client.create_flow_run(stand_in, parameters={"steps": 6, "checkpoint_minutes": 1e-4})
+    store = tmp_path / "store"
+    job = {
+        "PREFECT_API_URL": prefect_api_url,
+        "PREFECT__FLOW_RUN_ID": str(run.id),
+        JOB_ENV.CHECKPOINT_URL: str(store),
+    }
+    engine = [sys.executable, "-m", "prefect.engine"]
+    member = [sys.executable, str(PRETRAIN), "--steps", "6", "--checkpoint-minutes", "1e-4"]
+    envs = [{**job, "PREFECT__FLOW_ENTRYPOINT": f"{PRETRAIN}:pretrain"}, job]
+    finish(start_ranks([engine, member], envs, tmp_path / "logs"), tmp_path / "logs")
+
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(run.id).state.is_completed()
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+    messages = [log.message for log in logs]
+    assert "rank 0 of a gang of 2: data-parallel, batch 8 a rank" in messages
+    assert any(m.startswith("step 6/6 loss") for m in messages)
+    assert logged_steps(tmp_path / "logs", 1) == []
+    key = store / f"flow-run-{run.id}"
+    assert sorted(p.name for p in key.iterdir()) == ["gang", "rank-00000", "rank-00001"]
+    assert len(list((key / "gang").iterdir())) == 3  # committed every step, the newest kept
