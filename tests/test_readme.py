@@ -24,8 +24,9 @@ def test_readme_opens_with_the_two_setup_commands():
         "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e '.[examples]' "
         "&& .venv/bin/spotgpu demo",
         "(command -v chromium || apt-get install -y -q chromium) >/dev/null "
-        "&& (command -v dockerd && command -v debootstrap || apt-get install -y -q "
-        "--no-install-recommends docker.io debootstrap) >/dev/null "
+        "&& (command -v dockerd && command -v debootstrap && command -v docker-registry "
+        "|| apt-get install -y -q --no-install-recommends docker.io debootstrap docker-registry) "
+        ">/dev/null "
         "&& python3 -m venv .venv && .venv/bin/pip install -e '.[dev]' && .venv/bin/pytest",
     ]
     ci = (README.parent / ".ci" / "run").read_text()
