@@ -81,11 +81,11 @@ def test_clearing_benchmark_runs_and_reports_one_json_object():
     assert big["cold_seconds_per_tick"] < 2.0
     assert big["steady_seconds_per_tick"] < 0.5
     assert report["welfare_vs_optimum"]["best-fit"]["mean"] > 0.9
-    # bids that name images, half the nodes holding one: as fast, and as full
+    # bids that name images, half the nodes holding one: as fast, and as full (a fresh pool
+    # this large is packed in bulk, images aside: test_market_images.py has the preference)
     assert big["images_gpus_placed_cold"] == big["gpus"]
     assert big["images_cold_seconds_per_tick"] < 2.0
     assert big["images_steady_seconds_per_tick"] < 0.5
-    assert big["images_cold_placements_on_a_node_with_the_image"] > 1 / 6  # chance alone
 
 
 # ---------------------------------------------------------------- prices, bids and nodes views

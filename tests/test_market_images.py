@@ -113,3 +113,16 @@ def test_bulk_loaded_bids_keep_their_images():
     )
     m.compact()
     assert placed(m.tick(10.0)) == {1: 1, 2: 2}
+
+
+def test_a_large_fresh_pool_is_packed_in_bulk_whatever_the_images():
+    """The documented trade-off (``clearing.IMAGE_AWARE_BULK_NODES``): a cold start of a pool
+    this large is packed in bulk, for speed; every later tick prefers the image again."""
+    from prefect_spotgpu.market.clearing import IMAGE_AWARE_BULK_NODES
+
+    many = IMAGE_AWARE_BULK_NODES + 1
+    m = market_with(*(node(i) for i in range(1, many)), node(many, images={TORCH}))
+    m.add_bid(bid(1, 8, TORCH))
+    assert placed(m.tick(10.0)) == {1: 1}  # bulk: the smallest, lowest node
+    m.add_bid(bid(2, 8, TORCH))
+    assert placed(m.tick(11.0)) == {2: many}  # one by one: the node with the image

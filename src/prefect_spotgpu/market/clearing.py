@@ -27,6 +27,12 @@ from prefect_spotgpu.market.types import (
     NoticeReason,
 )
 
+IMAGE_AWARE_BULK_NODES = 512
+"""Fresh pools of at most this many nodes leave the bids with images to the one-by-one fit,
+which prefers a node holding the image (at most a few thousand placements); larger ones are
+packed in bulk whatever the images: a cold start of 10^6 bids one by one takes 5 s, not 1 s
+(``benchmarks/clearing.py``). Every later tick places one by one, preferring images."""
+
 
 class ClearingMixin(MarketIndex):
     """The clearing of :class:`prefect_spotgpu.market.engine.Market`, one GPU model at a time."""
@@ -93,10 +99,11 @@ class ClearingMixin(MarketIndex):
         they suffice; an any-region bid goes to the pool whose smallest node fits it most
         tightly, then with the fewest remaining GPUs, then by region name (the nearest the
         one-by-one best fit gets without tracking nodes). It stops before the first bid of a
-        book that does not qualify (and, where a node of these pools holds images, before the
-        first bid with an image: the one-by-one fit prefers a node that has it); the one-by-one
-        loop takes it from there. Bids are packed largest first into the smallest nodes first,
-        so whole large nodes stay free longest.
+        book that does not qualify (and, where a node of these pools holds images and they have
+        at most ``IMAGE_AWARE_BULK_NODES`` nodes, before the first bid with an image: the
+        one-by-one fit prefers a node that has it); the one-by-one loop takes it from there.
+        Bids are packed largest first into the smallest nodes first, so whole large nodes stay
+        free longest.
         """
         b = self.b
         fresh: dict[int, tuple[Pool, list[int], float, int]] = {}
@@ -146,7 +153,10 @@ class ClearingMixin(MarketIndex):
                 & ((b.created[rows] < sc) | ((b.created[rows] == sc) & (b.id[rows] < si)))
             )
             rows = rows[: int(np.argmin(ahead)) if not ahead.all() else len(rows)]
-        if any(self.n_images[r] for entry in fresh.values() for r in entry[1]):
+        live_nodes = sum(len(entry[1]) for entry in fresh.values())
+        if live_nodes <= IMAGE_AWARE_BULK_NODES and any(
+            self.n_images[r] for entry in fresh.values() for r in entry[1]
+        ):
             wants_image = b.image[rows] > 0  # placed one by one: they prefer their image's nodes
             if wants_image.any():
                 rows = rows[: int(np.argmax(wants_image))]
