@@ -275,22 +275,32 @@ def read_log(path):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def job_bid(buyer, steps: int, log, ckpt_dir) -> dict:
-    """A bid running ``agent_job.py STEPS``, logging to ``log``, checkpoints in ``ckpt_dir``."""
-    return buyer.post(
+def post_job(buyer, job: dict) -> dict:
+    """A bid for 2 x A100-80G in eu-west, at most 1.5, that runs ``job``: the new bid."""
+    response = buyer.post(
         "/bids",
         json={
             "gpu_model": "A100-80G",
             "gpu_count": 2,
             "max_price": 1.5,
             "region": "eu-west",
-            "job": {
-                "command": [sys.executable, str(HERE / "agent_job.py"), str(steps)],
-                "env": {"JOB_LOG": str(log)},
-                "checkpoint_url": str(ckpt_dir),
-            },
+            "job": job,
         },
-    ).json()
+    )
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def job_bid(buyer, steps: int, log, ckpt_dir) -> dict:
+    """A bid running ``agent_job.py STEPS``, logging to ``log``, checkpoints in ``ckpt_dir``."""
+    return post_job(
+        buyer,
+        {
+            "command": [sys.executable, str(HERE / "agent_job.py"), str(steps)],
+            "env": {"JOB_LOG": str(log)},
+            "checkpoint_url": str(ckpt_dir),
+        },
+    )
 
 
 @pytest.mark.slow
@@ -660,16 +670,7 @@ def test_a_job_that_cannot_start_is_reported_failed_with_one_bounded_line_of_why
         wait(lambda: admin.get("/nodes").json(), 30, "the agent registered")
         buyer = server.client(buyer_key)
         missing = "/no/such/interpreter-" + "x" * 400  # its error names it: over the limit
-        bid = buyer.post(
-            "/bids",
-            json={
-                "gpu_model": "A100-80G",
-                "gpu_count": 2,
-                "max_price": 1.5,
-                "region": "eu-west",
-                "job": {"command": [missing]},
-            },
-        ).json()
+        bid = post_job(buyer, {"command": [missing]})
 
         def ended():
             page = buyer.get(f"/bids/{bid['id']}/events", params={"after": 0, "timeout": 1})

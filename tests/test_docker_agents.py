@@ -18,7 +18,7 @@ import pytest
 
 import docker_engine
 from conftest import wait_for as wait
-from test_agent import a_market, start_agent
+from test_agent import a_market, post_job, start_agent
 
 HERE = Path(__file__).parent
 STEPS = 120
@@ -51,21 +51,15 @@ def test_a_reclaimed_container_saves_and_resumes_in_a_container_on_the_other_nod
     try:
         wait(lambda: len(admin.get("/nodes").json()) == 2, 30, "both agents")
         source = (HERE / "agent_job.py").read_text()
-        bid = buyer.post(
-            "/bids",
-            json={
-                "gpu_model": "A100-80G",
-                "gpu_count": 2,
-                "max_price": 1.5,
-                "region": "eu-west",
-                "job": {
-                    "command": ["python3", "-c", source, str(STEPS)],
-                    "image": "test-job",
-                    "env": {"JOB_LOG": "/spotgpu/job.log"},
-                    "checkpoint_url": "ckpt",
-                },
+        bid = post_job(
+            buyer,
+            {
+                "command": ["python3", "-c", source, str(STEPS)],
+                "image": "test-job",
+                "env": {"JOB_LOG": "/spotgpu/job.log"},
+                "checkpoint_url": "ckpt",
             },
-        ).json()
+        )
         first = wait(lambda: [e for e in job_logs(tmp_path) if "start" in e], 60, "start")[0]
         assert first["start"] == 0 and first["gpus"] == "0,1"
         wait(lambda: sum("step" in e for e in job_logs(tmp_path)) >= 20, 30, "progress")
@@ -113,19 +107,10 @@ def test_a_reclaimed_container_saves_and_resumes_in_a_container_on_the_other_nod
         # a lost agent: a long job's container outlives its SIGKILLed agent; the market ends
         # the allocation; the agent comes back and its reconcile removes the container
         survivor_node = next(n for n in admin.get("/nodes").json() if n["id"] != victim)
-        long_bid = buyer.post(
-            "/bids",
-            json={
-                "gpu_model": "A100-80G",
-                "gpu_count": 2,
-                "max_price": 1.5,
-                "region": "eu-west",
-                "job": {
-                    "command": ["python3", "-c", "import time; time.sleep(3600)"],
-                    "image": "test-job",
-                },
-            },
-        ).json()
+        long_bid = post_job(
+            buyer,
+            {"command": ["python3", "-c", "import time; time.sleep(3600)"], "image": "test-job"},
+        )
         orphan = wait(
             lambda: client.containers.list(
                 filters={"label": f"io.spotgpu.bid-id={long_bid['id']}"}

@@ -29,7 +29,7 @@ from prefect_spotgpu.agent.heartbeat import NodeImages, send_heartbeat
 from prefect_spotgpu.agent.isolation import JobUsers
 from prefect_spotgpu.agent.runners.docker import DockerRunner, ImageUnavailable
 from prefect_spotgpu.protocol import PULL_REPORT_SECONDS, REPORT_DETAIL_CHARS, EventKind
-from test_agent import a_market, start_agent
+from test_agent import a_market, post_job, start_agent
 from test_docker_runner import request, wait_exit
 
 PROGRESS = re.compile(
@@ -175,18 +175,7 @@ def docker_market(tmp_path: Path, pull_image: str):
 
 def job_bid(buyer, command: str) -> dict:
     """A bid for the node's 2 GPUs running ``python3 -c COMMAND`` in the catalogue's image."""
-    response = buyer.post(
-        "/bids",
-        json={
-            "gpu_model": "A100-80G",
-            "gpu_count": 2,
-            "max_price": 1.5,
-            "region": "eu-west",
-            "job": {"command": ["python3", "-c", command], "image": "pull-test"},
-        },
-    )
-    assert response.status_code == 201, response.text
-    return response.json()
+    return post_job(buyer, {"command": ["python3", "-c", command], "image": "pull-test"})
 
 
 def events_of(client, bid_id: int) -> list[dict]:
