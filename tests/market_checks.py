@@ -76,8 +76,65 @@ def check_allocations(state: MarketState) -> None:
 
 
 def waiting_bids(state: MarketState) -> list:
+    """One-node bids with no allocation (gangs have checks of their own)."""
     active = {a.bid_id for a in state.allocations}
-    return [b for b in state.bids if b.id not in active]
+    return [b for b in state.bids if b.id not in active and b.node_count == 1]
+
+
+def gangs(state: MarketState) -> dict[int, list]:
+    """Gang id -> its member bids (ranks in id order)."""
+    found: dict[int, list] = defaultdict(list)
+    for bid in sorted(state.bids, key=lambda b: b.id):
+        if bid.gang_id is not None:
+            found[bid.gang_id].append(bid)
+    return found
+
+
+def check_gangs(state: MarketState, now: float) -> None:
+    """A gang never runs or is reserved partially; its members are on distinct nodes of one
+    pool; a gang with every member waiting never waits while free GPUs could hold it."""
+    nodes = {n.id: n for n in state.nodes}
+    by_bid: dict[int, list] = defaultdict(list)
+    for a in state.allocations:
+        by_bid[a.bid_id].append(a)
+    busy = defaultdict(int)
+    noticed = defaultdict(int)
+    takeovers = defaultdict(int)
+    for a in state.allocations:
+        if a.status is RUNNING or (a.status is RESERVED and a.kind == "migration"):
+            busy[a.node_id] += a.gpu_count
+        elif a.status is NOTICED:
+            noticed[a.node_id] += a.gpu_count
+        else:
+            takeovers[a.node_id] += a.gpu_count
+    for gang_id, members in gangs(state).items():
+        n = members[0].node_count
+        for status in (RUNNING, RESERVED):
+            held = [a for m in members for a in by_bid[m.id] if a.status is status]
+            assert len(held) in (0, n), f"gang {gang_id}: {len(held)} of {n} members {status}"
+            if held:
+                assert len(held) == len(members) == n, f"gang {gang_id} incomplete"
+                assert len({a.node_id for a in held}) == n, f"gang {gang_id} shares a node"
+                pools = {(nodes[a.node_id].gpu_model, nodes[a.node_id].region) for a in held}
+                assert len(pools) == 1, f"gang {gang_id} spans pools {pools}"
+        holding = [a for m in members for a in by_bid[m.id] if a.status.holds_gpus()]
+        assert len({a.node_id for a in holding}) == len(holding), f"gang {gang_id} doubles"
+        first = members[0]
+        if len(members) < n or any(by_bid[m.id] for m in members):
+            continue
+        if not window_allows_start(first, now, state.config.notice_seconds):
+            continue
+        fits = defaultdict(int)
+        for node in state.nodes:
+            free = node.gpu_count - busy[node.id] - max(noticed[node.id], takeovers[node.id])
+            if (
+                node.state is NodeState.LIVE
+                and bid_fits_pool(first, node)
+                and node.reserve_price <= first.max_price
+                and free >= first.gpu_count
+            ):
+                fits[node.region] += 1
+        assert max(fits.values(), default=0) < n, f"gang {gang_id} waits beside free nodes {fits}"
 
 
 def check_outbid_rule(state: MarketState, now: float) -> None:

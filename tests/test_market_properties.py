@@ -19,6 +19,7 @@ from market_checks import (
     check_allocations,
     check_capacity,
     check_free_fit_used,
+    check_gangs,
     check_outbid_rule,
     expected_prices,
 )
@@ -129,27 +130,35 @@ def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
         kind = step[0]
         state = market.snapshot()
         if kind == "bid":
-            model, region, count, price, window = step[1]
+            model, region, count, price, window, *gang = step[1]
             model, _, capacity = model.partition("/")
-            market.add_bid(
-                Bid(
-                    next_bid,
-                    model,
-                    count,
-                    price,
-                    region=region,
-                    created_at=now,
-                    window=None if window is None else Interval(*window),
-                    capacity=capacity or "spot",
-                    image=IMAGES[next_bid % 3] if next_bid % 3 < len(IMAGES) else None,
+            node_count = gang[0] if gang else 1
+            first = next_bid
+            for _ in range(node_count):  # a gang: node_count member bids, first id first
+                market.add_bid(
+                    Bid(
+                        next_bid,
+                        model,
+                        count,
+                        price,
+                        region=region,
+                        created_at=now,
+                        window=None if window is None else Interval(*window),
+                        capacity=capacity or "spot",
+                        image=IMAGES[first % 3] if first % 3 < len(IMAGES) else None,
+                        node_count=node_count,
+                        gang_id=first if node_count > 1 else None,
+                    )
                 )
-            )
-            next_bid += 1
+                next_bid += 1
         elif kind == "reprice" and state.bids:
             repriced = _pick(state.bids, step[1])
             market.reprice_bid(repriced.id, step[2])
+            gang = {  # a gang's members share their price
+                b.id for b in state.bids if b.gang_id is not None and b.gang_id == repriced.gang_id
+            } | {repriced.id}
             for a in state.allocations:  # billed at most the new maximum from now on
-                if a.bid_id == repriced.id and a.id in expected:
+                if a.bid_id in gang and a.id in expected:
                     expected[a.id] = min(expected[a.id], step[2])
         elif kind == "cancel" and state.bids:
             settled = market.cancel_bid(_pick(state.bids, step[1]).id, now)
@@ -209,6 +218,7 @@ def check_tick(before, after, decision, expected, now):
     check_allocations(after)
     check_outbid_rule(after, now)
     check_free_fit_used(after, now)
+    check_gangs(after, now)
     # charges: each row bills the price the checker computed at the previous tick
     for c in decision.charges:
         # whole micros: the exact amount plus the carry in (< 1), rounded down (a last charge:

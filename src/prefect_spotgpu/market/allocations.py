@@ -20,6 +20,7 @@ from prefect_spotgpu.market.index import MarketIndex
 from prefect_spotgpu.market.tables import (
     ACTIVE,
     KIND_CODES,
+    MIGRATING_REASONS,
     NOTICED,
     PREEMPTED,
     REASONS,
@@ -98,8 +99,7 @@ class AllocationsMixin(MarketIndex):
         else:
             b.run[brow] = arow
         if b.status[brow] == WAITING:
-            self._books[b.book[brow]].count -= 1
-        b.status[brow] = ACTIVE
+            self._leave_book(brow)
         if status == RUNNING:
             self.n_running[nrow] += gpus
             self._track_window(arow, True)
@@ -146,6 +146,19 @@ class AllocationsMixin(MarketIndex):
         return arow
 
     def _notice(self, arow: int, reason: NoticeReason, deadline: float, now: float) -> None:
+        """Notice a running allocation (and, for a gang, every running member: one notice,
+        one deadline) and reserve where it resumes when the reason allows."""
+        if self.a.status[arow] != RUNNING:
+            return  # noticed already (with the rest of its gang)
+        brow = int(self.a.bid[arow])
+        if self.b.gang[brow] >= 0:
+            self._notice_gang(arow, reason, deadline, now)
+            return
+        self._notice_one(arow, reason, deadline)
+        if reason in MIGRATING_REASONS:
+            self._migrate(brow, deadline, now)
+
+    def _notice_one(self, arow: int, reason: NoticeReason, deadline: float) -> None:
         a = self.a
         nrow, gpus = int(a.node[arow]), int(a.gpus[arow])
         a.status[arow] = NOTICED
@@ -164,8 +177,6 @@ class AllocationsMixin(MarketIndex):
             Notice(alloc_id, int(self.b.id[brow]), self.n_id[nrow], reason, deadline)
         )
         self._refresh_free(nrow)
-        if reason in (NoticeReason.RECLAIMED, NoticeReason.OUTBID, NoticeReason.BELOW_RESERVE):
-            self._migrate(brow, deadline, now)
 
     def _migrate(self, brow: int, deadline: float, now: float) -> None:
         """Reserve free GPUs of the bid's pool at once for a noticed bid (DESIGN §3)."""
@@ -225,6 +236,8 @@ class AllocationsMixin(MarketIndex):
             )
         )
         self._refresh_free(nrow)
+        if b.gang[brow] >= 0 and not self._gang_ending:
+            self._gang_cascade(brow, old, status, at)
 
     def _node_conditions(self, now: float) -> None:
         """Notices or endings for allocations on reclaimed, lost or re-priced nodes."""
@@ -236,6 +249,8 @@ class AllocationsMixin(MarketIndex):
             state = self.n_state[nrow]
             for arow in self._node_allocs(nrow):
                 status = a.status[arow]
+                if status >= PREEMPTED:
+                    continue  # ended with its gang on another node
                 if state is NodeState.LOST:
                     ended = RELEASED if status == RESERVED else PREEMPTED
                     self._end(arow, ended, EndReason.NODE_LOST, now)
@@ -280,18 +295,37 @@ class AllocationsMixin(MarketIndex):
 
     def _try_promote(self, arow: int, now: float) -> bool:
         """Start a reservation whose bid runs nowhere else and whose GPUs are free now."""
+        brow = int(self.a.bid[arow])
+        members = self._members(brow)
+        if len(members) > 1:  # a gang starts whole: every member reserved and startable
+            rows = [int(self.b.res[m]) for m in members]
+            if min(rows) < 0 or not all(self._can_start(r, now) for r in rows):
+                return False
+            for r in rows:
+                self._start(r, now)
+            return True
+        if not self._can_start(arow, now):
+            return False
+        self._start(arow, now)
+        return True
+
+    def _can_start(self, arow: int, now: float) -> bool:
+        """Whether a reservation may run now: its bid runs nowhere else, its GPUs are free,
+        its node is live, its reserve is met and its window is open."""
         a = self.a
         brow, nrow, gpus = int(a.bid[arow]), int(a.node[arow]), int(a.gpus[arow])
-        if self.b.run[brow] >= 0:
-            return False
-        if self.n_running[nrow] + self.n_noticed[nrow] + gpus > self.n_cap[nrow]:
-            return False
-        if self.n_state[nrow] is not NodeState.LIVE:
-            return False
-        if self.b.price[brow] < self.n_reserve[nrow]:
-            return False
-        if not self._window_open(int(self.b.window[brow]), now):
-            return False  # waits for its window (or expires)
+        return (
+            self.b.run[brow] < 0
+            and self.n_running[nrow] + self.n_noticed[nrow] + gpus <= self.n_cap[nrow]
+            and self.n_state[nrow] is NodeState.LIVE
+            and self.b.price[brow] >= self.n_reserve[nrow]
+            and self._window_open(int(self.b.window[brow]), now)  # else waits (or expires)
+        )
+
+    def _start(self, arow: int, now: float) -> None:
+        """RESERVED -> RUNNING."""
+        a = self.a
+        brow, nrow, gpus = int(a.bid[arow]), int(a.node[arow]), int(a.gpus[arow])
         self._reserved.discard(arow)
         self.b.res[brow], self.b.run[brow] = -1, arow
         self.n_reserved[nrow] -= gpus
@@ -306,4 +340,3 @@ class AllocationsMixin(MarketIndex):
         self._track_window(arow, True)
         self._out.promotions.append(int(a.id[arow]))
         self._refresh_free(nrow)
-        return True

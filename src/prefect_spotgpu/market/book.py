@@ -28,7 +28,7 @@ MAX_NODES = 1 << ROW_BITS
 
 
 class Book:
-    """Waiting bids of one (model, region-or-any, size, window), best first."""
+    """Waiting bids of one (model, region-or-any, size, window, nodes), best first."""
 
     __slots__ = (
         "count",
@@ -37,17 +37,21 @@ class Book:
         "head",
         "index",
         "model",
+        "nodes",
         "region",
         "rows",
         "size",
         "window",
     )
 
-    def __init__(self, index: int, model: int, region: int, size: int, window: int) -> None:
+    def __init__(
+        self, index: int, model: int, region: int, size: int, window: int, nodes: int = 1
+    ) -> None:
         self.index = index
         self.model = model
         self.region = region  # -1: any region of the model
-        self.size = size
+        self.size = size  # GPUs per node
+        self.nodes = nodes  # > 1: a book of gangs (one entry per gang: its first member)
         self.window = window  # -1: no window
         self.rows = np.zeros(0, np.int64)
         self.epochs = np.zeros(0, np.int64)
@@ -152,11 +156,38 @@ class PoolCapacity:
             for bucket in tier:
                 heapify(bucket)
 
+    def _top(self, bucket: list[int], ok, exclude: set[int] | None) -> int | None:
+        """The lowest live key of a bucket whose row is not in ``exclude`` (rows taken by
+        the members of a gang being placed); stale entries are dropped on the way,
+        excluded ones put back."""
+        held = []
+        found = None
+        while bucket:
+            key = bucket[0]
+            row = key & ROW_MASK
+            if ok(row):
+                if exclude is None or row not in exclude:
+                    found = key
+                    break
+                held.append(heappop(bucket))
+                continue
+            heappop(bucket)
+            self.entries -= 1
+        for key in held:
+            heappush(bucket, key)
+        return found
+
     def best_fit(
-        self, size: int, max_price: float, free_now: list[int], reserve: list[float]
+        self,
+        size: int,
+        max_price: float,
+        free_now: list[int],
+        reserve: list[float],
+        exclude: set[int] | None = None,
     ) -> tuple[int, float, int] | None:
         """``(free, reserve, key)`` of the tightest live node with ``size`` free GPUs and
-        reserve <= ``max_price``; the row is ``key & ROW_MASK``."""
+        reserve <= ``max_price``, not one of the rows in ``exclude``; the row is
+        ``key & ROW_MASK``."""
         for f in range(size, MAX_GPUS_PER_NODE + 1):
             for r in self.reserves:
                 if r > max_price:
@@ -165,48 +196,62 @@ class PoolCapacity:
                 while bucket:
                     row = bucket[0] & ROW_MASK
                     if free_now[row] == f and reserve[row] == r:
-                        return (f, r, bucket[0])
+                        if exclude is None or row not in exclude:
+                            return (f, r, bucket[0])
+                        key = self._top(  # the slow path: only while placing a gang
+                            bucket,
+                            lambda row, f=f, r=r: free_now[row] == f and reserve[row] == r,
+                            exclude,
+                        )
+                        if key is not None:
+                            return (f, r, key)
+                        break
                     heappop(bucket)
                     self.entries -= 1
         return None
 
     def lowest_at(
-        self, free: int, reserve: float, free_now: list[int], reserves: list[float], holds
+        self,
+        free: int,
+        reserve: float,
+        free_now: list[int],
+        reserves: list[float],
+        holds,
+        exclude: set[int] | None = None,
     ) -> int | None:
         """The lowest key of a live node with exactly ``free`` GPUs free at ``reserve`` for
-        which ``holds(row)`` is true (a node that kept an image), or None; stale entries are
-        dropped on the way."""
+        which ``holds(row)`` is true (a node that kept an image), not in ``exclude``, or
+        None; stale entries are dropped on the way."""
         tier = self.tiers.get(reserve)
         if tier is None:
             return None
-        bucket = tier[free]
-        while bucket:
-            row = bucket[0] & ROW_MASK
-            if free_now[row] == free and reserves[row] == reserve and holds(row):
-                return bucket[0]
-            heappop(bucket)
-            self.entries -= 1
-        return None
+        return self._top(
+            tier[free],
+            lambda row: free_now[row] == free and reserves[row] == reserve and holds(row),
+            exclude,
+        )
 
     def first_fit(
-        self, size: int, max_price: float, free_now: list[int], reserve: list[float]
+        self,
+        size: int,
+        max_price: float,
+        free_now: list[int],
+        reserve: list[float],
+        exclude: set[int] | None = None,
     ) -> tuple[int] | None:
         """``(key,)`` of the lowest-id live node with ``size`` free GPUs and reserve <=
-        ``max_price``."""
+        ``max_price``, not in ``exclude``."""
         best = None
         for r in self.reserves:
             if r > max_price:
                 break
             tier = self.tiers[r]
             for f in range(size, MAX_GPUS_PER_NODE + 1):
-                bucket = tier[f]
-                while bucket:
-                    key = bucket[0]
-                    row = key & ROW_MASK
-                    if free_now[row] == f and reserve[row] == r:
-                        if best is None or key < best:
-                            best = key
-                        break
-                    heappop(bucket)
-                    self.entries -= 1
+                key = self._top(
+                    tier[f],
+                    lambda row, f=f, r=r: free_now[row] == f and reserve[row] == r,
+                    exclude,
+                )
+                if key is not None and (best is None or key < best):
+                    best = key
         return None if best is None else (best,)

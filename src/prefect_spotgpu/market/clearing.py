@@ -75,6 +75,14 @@ class ClearingMixin(MarketIndex):
             if head is None:
                 continue
             row = head[1]
+            if b.gang[row] >= 0:  # a gang: all its members at once, or none
+                if not self._place_gang(row, now):
+                    continue
+                book.pop(row)
+                nxt = book.peek(*peek_args)
+                if nxt is not None:
+                    heappush(heap, (nxt[0], bi))
+                continue
             nrow = self._free_fit(row)
             if nrow is not None:
                 book.pop(row)
@@ -127,7 +135,8 @@ class ClearingMixin(MarketIndex):
         mine, stop_key = [], None
         peek_args = (b.status, b.epoch, b.price, b.created, b.id, WAITING)
         for book in open_books:
-            chain = book.size & (book.size - 1) == 0  # powers of two divide each other
+            # powers of two divide each other; gangs need distinct nodes: one by one
+            chain = book.size & (book.size - 1) == 0 and book.nodes == 1
             if book.region >= 0:
                 entry = fresh.get(book.region)
                 if entry is None:
@@ -297,11 +306,38 @@ class ClearingMixin(MarketIndex):
         )
         return True
 
+    def _victims_on(self, nrow: int, size: int, price: float) -> list[int] | None:
+        """The weakest running allocations of a node that a bid at ``price`` beats by more
+        than the hysteresis margin and whose GPUs give it ``size``, or None."""
+        a, b = self.a, self.b
+        if not self.n_state[nrow].offers_capacity() or self.n_reserve[nrow] > price:
+            return None
+        room = self.n_cap[nrow] - self.n_running[nrow] - self.n_reserved[nrow]
+        if room + self.n_running[nrow] < size:
+            return None
+        h = 1.0 + self.config.hysteresis
+        victims = sorted(
+            (
+                r
+                for r in self._node_allocs(nrow)
+                if a.status[r] == RUNNING
+                and a.tick[r] != self._tick
+                and b.price[a.bid[r]] * h < price
+            ),
+            key=lambda r: (float(b.price[a.bid[r]]), -int(a.id[r])),
+        )
+        chosen = []
+        for r in victims:
+            if room >= size:
+                break
+            chosen.append(r)
+            room += int(a.gpus[r])
+        return chosen if room >= size else None
+
     def _evict_for(self, brow: int, now: float) -> bool:
         """Notice the weakest incumbents a challenger beats on one node, and reserve it there."""
-        b, a = self.b, self.a
+        a = self.a
         size, price, pools = self._bid_terms(brow)
-        h = 1.0 + self.config.hysteresis
         for p in pools:
             if p is None:
                 continue
@@ -327,28 +363,8 @@ class ClearingMixin(MarketIndex):
                 examined += 1
                 if examined > self.config.eviction_scan_limit:
                     break
-                if not self.n_state[nrow].offers_capacity() or self.n_reserve[nrow] > price:
-                    continue
-                room = self.n_cap[nrow] - self.n_running[nrow] - self.n_reserved[nrow]
-                if room + self.n_running[nrow] < size:
-                    continue
-                victims = sorted(
-                    (
-                        r
-                        for r in self._node_allocs(nrow)
-                        if a.status[r] == RUNNING
-                        and a.tick[r] != self._tick
-                        and b.price[a.bid[r]] * h < price
-                    ),
-                    key=lambda r: (float(b.price[a.bid[r]]), -int(a.id[r])),
-                )
-                chosen = []
-                for r in victims:
-                    if room >= size:
-                        break
-                    chosen.append(r)
-                    room += int(a.gpus[r])
-                if room < size:
+                chosen = self._victims_on(nrow, size, price)
+                if chosen is None:
                     continue
                 deadline = now + self.config.notice_seconds
                 # reserve first, so a victim's migration cannot take these GPUs

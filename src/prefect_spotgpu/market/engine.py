@@ -43,6 +43,7 @@ from prefect_spotgpu.market.allocations import AllocationsMixin
 from prefect_spotgpu.market.book import MAX_NODES, priority_order
 from prefect_spotgpu.market.clearing import ClearingMixin
 from prefect_spotgpu.market.decision import Charges, Decision, Ending
+from prefect_spotgpu.market.gangs import GangsMixin
 from prefect_spotgpu.market.gpus import DEFAULT_CATALOG
 from prefect_spotgpu.market.pricing import PricingMixin
 from prefect_spotgpu.market.tables import (
@@ -70,6 +71,7 @@ from prefect_spotgpu.market.types import (
     check_price,
     check_region,
     check_time,
+    gang_terms,
 )
 
 _ENDED_AS = {  # why an allocation ended from outside the tick, by the status it ends in
@@ -87,7 +89,7 @@ class Settlement:
     charges: Charges
 
 
-class Market(AllocationsMixin, ClearingMixin, PricingMixin):
+class Market(AllocationsMixin, ClearingMixin, GangsMixin, PricingMixin):
     """The market's order book and allocations, cleared by :meth:`tick`.
 
     ``Market(config, next_allocation_id=1)`` is an empty market (its state is declared by
@@ -171,6 +173,19 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
                 f"region {bid.region!r} is not a known region; known regions: "
                 f"{', '.join(sorted(known)) or 'none'}"
             )
+        leader = -1
+        if bid.gang_id is not None and bid.gang_id != bid.id:
+            leader = self._bid_row.get(bid.gang_id, -1)
+            if leader < 0 or self.b.status[leader] == GONE:
+                raise ValueError(
+                    f"gang_id {bid.gang_id} of bid {bid.id}: add the gang's first member first"
+                )
+            if len(self._gangs[leader]) >= bid.node_count:
+                raise ValueError(f"gang {bid.gang_id} already has its {bid.node_count} members")
+            if self.b.status[leader] != WAITING:
+                raise ValueError(f"gang {bid.gang_id} is already placed: it takes no members")
+            if gang_terms(self._bid_value(leader)) != gang_terms(bid):
+                raise ValueError(f"bid {bid.id} must share every term of gang {bid.gang_id}")
         model = self._intern_model(bid.gpu_model, bid.capacity)
         region = -1 if bid.region == ANY_REGION else self._intern_region(bid.region)
         window = -1
@@ -179,7 +194,7 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
             if window < 0:
                 window = self._window_index[bid.window] = len(self._windows)
                 self._windows.append(bid.window)
-        book = self._book_for(model, region, bid.gpu_count, window)
+        book = self._book_for(model, region, bid.gpu_count, window, bid.node_count)
         s = self.b.reserve(1)
         row = s.start
         b = self.b
@@ -191,6 +206,15 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
         b.book[row] = book.index
         b.run[row] = b.res[row] = -1
         self._bid_row[bid.id] = row
+        if bid.node_count == 1:
+            b.gang[row] = -1
+        elif leader < 0:  # the gang's first member: the gang's entry in its book
+            b.gang[row] = row
+            self._gangs[row] = [row]
+        else:
+            b.gang[row] = leader
+            self._gangs[leader].append(row)
+            return
         book.insert((-bid.max_price, bid.created_at, bid.id), row, 0)
 
     def add_bid_arrays(
@@ -266,7 +290,7 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
         b.price[s], b.created[s], b.window[s], b.deadline[s] = prices, created, -1, math.nan
         b.image[s] = 0 if images is None else [self._intern_image(i) for i in images]
         b.tenant[s], b.status[s], b.epoch[s] = tenants, WAITING, 0
-        b.run[s] = b.res[s] = -1
+        b.run[s] = b.res[s] = b.gang[s] = -1
         rows = np.arange(s.start, s.stop, dtype=np.int64)
         for size in np.flatnonzero(np.bincount(gpus, minlength=MAX_GPUS_PER_NODE + 1)).tolist():
             book = self._book_for(model, reg, int(size), -1)
@@ -279,10 +303,13 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
     def reprice_bid(self, bid_id: int, max_price: float) -> None:
         """Change a bid's maximum price; it keeps its age (and its GPUs, if it runs)."""
         price = check_price("max_price", max_price)
-        row = self._bid_row_of(bid_id)
+        for row in self._members(self._bid_row_of(bid_id)):  # a gang's members share it
+            self._reprice_row(row, price)
+
+    def _reprice_row(self, row: int, price: float) -> None:
         b = self.b
         b.price[row] = price
-        if b.status[row] == WAITING:
+        if b.status[row] == WAITING and b.gang[row] in (-1, row):
             b.epoch[row] += 1
             book = self._books[b.book[row]]
             book.count -= 1
@@ -298,14 +325,10 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
     def cancel_bid(self, bid_id: int, at: float) -> Settlement:
         """Close a bid: it leaves the book; its allocations end FINISHED (reservations RELEASED)."""
         at = check_time("at", at)
-        row = self._bid_row_of(bid_id)
+        members = self._members(self._bid_row_of(bid_id))
         out, self._out = self._out, TickOut()
         try:
-            for arow in self._bid_alloc_rows(row):
-                status = RELEASED if self.a.status[arow] == RESERVED else FINISHED
-                ended = max(at, float(self.a.charged[arow]))
-                self._end(arow, status, EndReason.BID_CANCELLED, ended)
-            self._close_bid(row)
+            self._close_gang(members, EndReason.BID_CANCELLED, at)
             return self._settlement()
         finally:
             self._out = out
@@ -340,19 +363,48 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
                 _ENDED_AS[status],
                 max(at, float(self.a.charged[arow])),
             )
-            if status is AllocationStatus.FINISHED:
-                bid_row = int(self.a.bid[arow])
-                for other in self._bid_alloc_rows(bid_row):
-                    self._end(
-                        other,
-                        RELEASED if self.a.status[other] == RESERVED else FINISHED,
-                        EndReason.BID_FINISHED,
-                        max(at, float(self.a.charged[other])),
-                    )
-                self._close_bid(bid_row)
+            if status is AllocationStatus.FINISHED:  # the job is done: on every member
+                self._close_gang(self._members(int(self.a.bid[arow])), EndReason.BID_FINISHED, at)
             return self._settlement()
         finally:
             self._out = out
+
+    def _close_gang(self, members: list[int], reason: EndReason, at: float) -> None:
+        """End every allocation of a bid (of each member of its gang) and close it."""
+        self._gang_ending = True  # the gang ends whole: no cascades while its members end
+        try:
+            for row in members:
+                for arow in self._bid_alloc_rows(row):
+                    status = RELEASED if self.a.status[arow] == RESERVED else FINISHED
+                    self._end(arow, status, reason, max(at, float(self.a.charged[arow])))
+            for row in members:
+                self._close_bid(row)
+            if len(members) > 1:
+                del self._gangs[members[0]]
+        finally:
+            self._gang_ending = False
+
+    def _bid_value(self, row: int) -> Bid:
+        """The open bid of a row, as a frozen value."""
+        b = self.b
+        window = int(b.window[row])
+        deadline = float(b.deadline[row])
+        leader = int(b.gang[row])
+        return Bid(
+            id=int(b.id[row]),
+            gpu_model=self._models[b.model[row]],
+            gpu_count=int(b.gpus[row]),
+            max_price=float(b.price[row]),
+            region=ANY_REGION if b.region[row] < 0 else self._regions[b.region[row]],
+            created_at=float(b.created[row]),
+            window=None if window < 0 else self._windows[window],
+            deadline=None if math.isnan(deadline) else deadline,
+            tenant_id=int(b.tenant[row]),
+            capacity=self._model_capacity[b.model[row]],
+            image=self._images[b.image[row]] or None,
+            node_count=1 if leader < 0 else self._books[b.book[row]].nodes,
+            gang_id=None if leader < 0 else int(b.id[leader]),
+        )
 
     def _settlement(self) -> Settlement:
         return Settlement(tuple(self._out.endings), self._final_charges())
@@ -409,27 +461,7 @@ class Market(AllocationsMixin, ClearingMixin, PricingMixin):
             )
             for r in range(len(self.n_id))
         )
-        bids = []
-        for row in range(b.n):
-            if b.status[row] == GONE:
-                continue
-            window = int(b.window[row])
-            deadline = float(b.deadline[row])
-            bids.append(
-                Bid(
-                    id=int(b.id[row]),
-                    gpu_model=self._models[b.model[row]],
-                    gpu_count=int(b.gpus[row]),
-                    max_price=float(b.price[row]),
-                    region=ANY_REGION if b.region[row] < 0 else self._regions[b.region[row]],
-                    created_at=float(b.created[row]),
-                    window=None if window < 0 else self._windows[window],
-                    deadline=None if math.isnan(deadline) else deadline,
-                    tenant_id=int(b.tenant[row]),
-                    capacity=self._model_capacity[b.model[row]],
-                    image=self._images[b.image[row]] or None,
-                )
-            )
+        bids = [self._bid_value(row) for row in range(b.n) if b.status[row] != GONE]
         allocs = []
         for arow in range(a.n):
             status = STATUSES[a.status[arow]]

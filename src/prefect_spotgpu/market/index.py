@@ -25,12 +25,20 @@ import numpy as np
 
 from prefect_spotgpu.market.book import ROW_BITS, ROW_MASK, Book, PoolCapacity, priority_order
 from prefect_spotgpu.market.policies import get_packing_policy
-from prefect_spotgpu.market.tables import GONE, PREEMPTED, WAITING, Columns, Pool, TickOut
+from prefect_spotgpu.market.tables import (
+    ACTIVE,
+    GONE,
+    PREEMPTED,
+    WAITING,
+    Columns,
+    Pool,
+    TickOut,
+)
 from prefect_spotgpu.market.types import Capacity, Interval, MarketConfig, Node, NodeState
 
 if TYPE_CHECKING:
     from prefect_spotgpu.market.decision import PlacementKind
-    from prefect_spotgpu.market.types import NoticeReason
+    from prefect_spotgpu.market.types import EndReason, NoticeReason
 
 
 class MarketIndex:
@@ -58,7 +66,7 @@ class MarketIndex:
         self._pool_index: dict[tuple[int, int], int] = {}
         self._model_pools: dict[int, list[int]] = {}  # sorted by region name
         self._books: list[Book] = []
-        self._book_index: dict[tuple[int, int, int, int], int] = {}
+        self._book_index: dict[tuple[int, int, int, int, int], int] = {}
         self._model_books: dict[int, list[int]] = {}
         # nodes, one row each by registration order (python lists: scalar access in the hot
         # loop); GPU counters are kept by the allocation changes, n_free by _refresh_free
@@ -97,7 +105,12 @@ class MarketIndex:
             book=np.int32,
             run=np.int64,
             res=np.int64,
+            gang=np.int64,  # a gang member: its first member's row (-1: a one-node bid)
         )
+        # gangs: first member's row -> member rows in rank order. Only the first member has a
+        # book entry; the members leave and rejoin the book together (all WAITING, or none)
+        self._gangs: dict[int, list[int]] = {}
+        self._gang_ending = False  # a whole gang is being ended: its members do not cascade
         self._bid_row: dict[int, int] = {}  # id -> row of an open bid
         # allocations, one row each (status: an AllocationStatus code, from tables.py); reason:
         # the notice reason; mig: a migration reservation; tick: the tick that placed it
@@ -171,12 +184,12 @@ class MarketIndex:
             return region in self.config.regions
         return region in self._region_index
 
-    def _book_for(self, model: int, region: int, size: int, window: int) -> Book:
-        key = (model, region, size, window)
+    def _book_for(self, model: int, region: int, size: int, window: int, nodes: int = 1) -> Book:
+        key = (model, region, size, window, nodes)
         i = self._book_index.get(key)
         if i is None:
             i = self._book_index[key] = len(self._books)
-            self._books.append(Book(i, model, region, size, window))
+            self._books.append(Book(i, model, region, size, window, nodes))
             self._model_books[model].append(i)
         return self._books[i]
 
@@ -269,14 +282,16 @@ class MarketIndex:
                 best = found
         return None if best is None else best[-1] & ROW_MASK
 
-    def _fit(self, pool: Pool, size: int, price: float, image: int = 0):
+    def _fit(
+        self, pool: Pool, size: int, price: float, image: int = 0, exclude: set[int] | None = None
+    ):
         """The fit of a bid in a pool, as a key that orders fits (its last item the node's
-        key). Best fit: ``(free, reserve, misses its image, key)`` -- among equal fits, a node
-        that holds the bid's image comes first."""
+        key), on a node not in ``exclude``. Best fit: ``(free, reserve, misses its image,
+        key)`` -- among equal fits, a node that holds the bid's image comes first."""
         capacity = pool.capacity
         if self._policy.name != "best-fit":
-            return capacity.first_fit(size, price, self.n_free, self.n_reserve)
-        found = capacity.best_fit(size, price, self.n_free, self.n_reserve)
+            return capacity.first_fit(size, price, self.n_free, self.n_reserve, exclude)
+        found = capacity.best_fit(size, price, self.n_free, self.n_reserve, exclude)
         if found is None or not image:
             return None if found is None else (found[0], found[1], 0, found[2])
         free, reserve, key = found
@@ -284,11 +299,32 @@ class MarketIndex:
         if holders is not None:
             n_images = self.n_images
             held = holders.lowest_at(
-                free, reserve, self.n_free, self.n_reserve, lambda r: image in n_images[r]
+                free,
+                reserve,
+                self.n_free,
+                self.n_reserve,
+                lambda r: image in n_images[r],
+                exclude,
             )
             if held is not None:
                 return (free, reserve, 0, held)
         return (free, reserve, 1, key)
+
+    def _distinct_fits(
+        self, pool: Pool, size: int, price: float, image: int, count: int, exclude: set[int]
+    ) -> list[int]:
+        """Up to ``count`` node rows of a pool, each with a free fit, none twice and none in
+        ``exclude`` (the gang's nodes so far), tightest first."""
+        taken = set(exclude)
+        rows = []
+        while len(rows) < count:
+            found = self._fit(pool, size, price, image, taken)
+            if found is None:
+                break
+            row = found[-1] & ROW_MASK
+            rows.append(row)
+            taken.add(row)
+        return rows
 
     def _rebuild_capacity(self, pool: Pool, rows: list[int]) -> None:
         """Rebuild a pool's free-GPU buckets (and its image holders') from its node ``rows``."""
@@ -311,18 +347,44 @@ class MarketIndex:
 
     def _close_bid(self, row: int) -> None:
         b = self.b
-        if b.status[row] == WAITING:
+        if b.status[row] == WAITING and b.gang[row] in (-1, row):  # it has a book entry
             self._books[b.book[row]].count -= 1
         b.status[row] = GONE
         del self._bid_row[int(b.id[row])]
 
+    def _members(self, row: int) -> list[int]:
+        """The rows of a bid's gang in rank order (``[row]`` for a one-node bid)."""
+        leader = int(self.b.gang[row])
+        return [row] if leader < 0 else self._gangs[leader]
+
+    def _idle(self, row: int) -> bool:
+        return self.b.run[row] < 0 and self.b.res[row] < 0
+
     def _to_waiting(self, row: int) -> None:
+        """A bid with no allocation left waits again; a gang member only once every member
+        has none (then the gang's first member rejoins its book)."""
         b = self.b
-        b.status[row] = WAITING
-        b.epoch[row] += 1
-        self._books[b.book[row]].insert(
-            (-float(b.price[row]), float(b.created[row]), int(b.id[row])), row, int(b.epoch[row])
+        members = self._members(row)
+        if len(members) > 1 and not all(self._idle(m) for m in members):
+            return  # parked (ACTIVE with no allocation) until the rest of the gang ends
+        for m in members:
+            b.status[m] = WAITING
+            b.epoch[m] += 1
+        first = members[0]
+        self._books[b.book[first]].insert(
+            (-float(b.price[first]), float(b.created[first]), int(b.id[first])),
+            first,
+            int(b.epoch[first]),
         )
+
+    def _leave_book(self, row: int) -> None:
+        """A bid (every member of its gang) stops waiting: it has an allocation now."""
+        b = self.b
+        members = self._members(row)
+        if b.status[members[0]] == WAITING:
+            self._books[b.book[members[0]]].count -= 1
+        for m in members:
+            b.status[m] = ACTIVE
 
     def _alloc_row_of(self, alloc_id: int) -> int | None:
         row = self._alloc_row.get(alloc_id)
@@ -401,3 +463,23 @@ class MarketIndex:
         ) -> None: ...
 
         def _final_charge(self, arow: int, at: float) -> None: ...  # pricing.py
+
+        def _notice_one(  # allocations.py
+            self, arow: int, reason: NoticeReason, deadline: float
+        ) -> None: ...
+
+        def _end(self, arow: int, status: int, reason: EndReason, at: float) -> None: ...
+
+        def _bid_terms(self, brow: int) -> tuple[int, float, list[int | None]]: ...  # clearing
+
+        def _incumbents(self, pool: Pool) -> tuple[np.ndarray, np.ndarray]: ...  # clearing
+
+        def _victims_on(self, nrow: int, size: int, price: float) -> list[int] | None: ...
+
+        def _place_gang(self, first: int, now: float) -> bool: ...  # gangs.py
+
+        def _notice_gang(
+            self, arow: int, reason: NoticeReason, deadline: float, now: float
+        ) -> None: ...
+
+        def _gang_cascade(self, brow: int, old: int, status: int, at: float) -> None: ...

@@ -17,6 +17,10 @@ STATUSES = tuple(AllocationStatus)
 RESERVED, RUNNING, NOTICED, PREEMPTED, FINISHED, RELEASED = range(6)
 REASONS = tuple(NoticeReason)
 KIND_CODES = {k: i for i, k in enumerate(PlacementKind)}
+MIGRATING_REASONS = frozenset(
+    {NoticeReason.RECLAIMED, NoticeReason.OUTBID, NoticeReason.BELOW_RESERVE}
+)
+"""Notices after which the market reserves where the job resumes (not a closing window)."""
 
 
 class Columns:

@@ -18,6 +18,9 @@ from prefect_spotgpu.market.money import MS_PER_HOUR
 MAX_GPUS_PER_NODE = 16
 """The largest node the market accepts; a bid for more GPUs can never fit on one node."""
 
+MAX_GANG_NODES = 64
+"""The most nodes one gang bid may ask for."""
+
 _REGION = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
 ANY_REGION = "any"
 
@@ -136,6 +139,12 @@ class EndReason(StrEnum):
     JOB_FAILED = "job failed on the node"
     """The job exited non-zero: the run's own end, not a preemption."""
 
+    GANG_MEMBER_ENDED = "gang member ended"
+    """Another member of the gang stopped without notice (its node was lost): a gang never
+    runs partially, so every member ends."""
+    GANG_RESERVATION_RELEASED = "gang reservation released"
+    """Another member's reservation was released: a gang is reserved whole or not at all."""
+
 
 def check_price(field_name: str, value: object) -> float:
     """A finite, positive price, or ``ValueError`` naming the field."""
@@ -170,6 +179,14 @@ def check_gpu_count(field_name: str, value: object) -> int:
             f"{field_name} must be between 1 and {MAX_GPUS_PER_NODE} (GPUs of one node), "
             f"got {value!r}"
         )
+    return value
+
+
+def check_node_count(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"node_count must be an integer, got {value!r}")
+    if not 1 <= value <= MAX_GANG_NODES:
+        raise ValueError(f"node_count must be between 1 and {MAX_GANG_NODES}, got {value!r}")
     return value
 
 
@@ -278,9 +295,25 @@ class Bid:
     capacity: Capacity = Capacity.SPOT
     image: str | None = None
     """The job's image reference (None: none): placement prefers a node that holds it."""
+    node_count: int = 1
+    """How many nodes the job spans: a gang of ``node_count`` member bids, each for
+    ``gpu_count`` GPUs on its own node of one region, placed all or nothing."""
+    gang_id: int | None = None
+    """A gang member's gang: the id of its first member (rank 0), which is the lowest id
+    of the gang; None for a one-node bid."""
 
     def __post_init__(self) -> None:
         check_id("bid.id", self.id)
+        check_node_count(self.node_count)
+        if self.node_count == 1 and self.gang_id is not None:
+            raise ValueError(f"gang_id needs node_count above 1, got gang_id {self.gang_id!r}")
+        if self.node_count > 1:
+            check_id("gang_id", self.gang_id)
+            if self.gang_id > self.id:
+                raise ValueError(
+                    f"gang_id must be the id of the gang's first member (at most the bid's "
+                    f"id {self.id}), got {self.gang_id!r}"
+                )
         if self.image is not None and not (isinstance(self.image, str) and self.image):
             raise ValueError(f"image must be a non-empty string or None, got {self.image!r}")
         object.__setattr__(self, "capacity", check_capacity(self.capacity))
@@ -419,6 +452,7 @@ class MarketState:
                 )
         nodes = {n.id: n for n in self.nodes}
         bids = {b.id: b for b in self.bids}
+        _check_gangs(bids)
         in_use: dict[int, int] = {}
         promised: dict[int, int] = {}
         holding: dict[tuple[int, bool], int] = {}
@@ -456,6 +490,38 @@ class MarketState:
                 f"next_allocation_id must exceed every allocation id ({highest}), "
                 f"got {self.next_allocation_id}"
             )
+
+
+def gang_terms(bid: Bid) -> tuple:
+    """What every member of a gang shares."""
+    return (
+        bid.gpu_model,
+        bid.gpu_count,
+        bid.max_price,
+        bid.region,
+        bid.created_at,
+        bid.window,
+        bid.deadline,
+        bid.tenant_id,
+        bid.capacity,
+        bid.image,
+        bid.node_count,
+    )
+
+
+def _check_gangs(bids: dict[int, Bid]) -> None:
+    gangs: dict[int, list[Bid]] = {}
+    for bid in bids.values():
+        if bid.gang_id is not None:
+            gangs.setdefault(bid.gang_id, []).append(bid)
+    for gang_id, members in gangs.items():
+        leader = bids.get(gang_id)
+        if leader is None or leader.gang_id != gang_id:
+            raise ValueError(f"gang {gang_id} has no first member (bid {gang_id})")
+        if len(members) > leader.node_count:
+            raise ValueError(f"gang {gang_id} has more than node_count members")
+        if any(gang_terms(m) != gang_terms(leader) for m in members):
+            raise ValueError(f"the members of gang {gang_id} must share every term")
 
 
 def _check_unique(kind: str, ids: list[int]) -> None:

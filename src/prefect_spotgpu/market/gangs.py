@@ -1,0 +1,170 @@
+"""Gangs: one job on ``node_count`` nodes, placed, noticed and resumed as one (DESIGN §3).
+
+A part of ``Market``. A gang is ``node_count`` member bids (ranks 0..n-1, by bid id) that share
+every term; each member holds ``gpu_count`` GPUs on its own node, all in one pool. The rules:
+
+- **All or nothing.** The gang's first member stands for it in its book; when it comes up, the
+  gang takes ``node_count`` distinct nodes of one pool or none. With free fits for all, every
+  member runs at once; when some members need GPUs that noticed allocations will free (a claim
+  or an eviction, by the same price and hysteresis rule as any bid), every member is reserved
+  instead, and the gang starts when every reservation can (``_try_promote``).
+- **One notice.** A notice to any member is a notice to every running member, with the same
+  reason and deadline. After a reclaim, an outbid or a raised reserve, the market reserves a
+  replacement (free GPUs on a node the gang does not use, in the same pool) for the noticed
+  member and each other member's own GPUs, so the gang resumes on its surviving nodes plus the
+  replacement -- or, with no replacement, reserves nothing and waits whole.
+- **Never partial.** A running member that ends without notice (its node was lost) ends every
+  member (``GANG_MEMBER_ENDED``); a released reservation releases every member's
+  (``GANG_RESERVATION_RELEASED``). A member with no allocation left is parked (ACTIVE, not in
+  the book) until the whole gang has none; then the gang waits again.
+"""
+
+from __future__ import annotations
+
+from prefect_spotgpu.market.decision import PlacementKind
+from prefect_spotgpu.market.index import MarketIndex
+from prefect_spotgpu.market.tables import (
+    MIGRATING_REASONS,
+    NOTICED,
+    PREEMPTED,
+    RELEASED,
+    RESERVED,
+    RUNNING,
+)
+from prefect_spotgpu.market.types import EndReason, NoticeReason
+
+
+class GangsMixin(MarketIndex):
+    """The gang rules of :class:`prefect_spotgpu.market.engine.Market`."""
+
+    def _place_gang(self, first: int, now: float) -> bool:
+        """Place a waiting gang whole (True), or leave it waiting and change nothing."""
+        members = self._gangs[first]
+        b = self.b
+        count = self._books[b.book[first]].nodes
+        if len(members) < count:
+            return False  # not all its members are in the book yet
+        size, price, pools = self._bid_terms(first)
+        image = int(b.image[first])
+        partial = []
+        for p in pools:
+            if p is None:
+                continue
+            pool = self._pools[p]
+            rows = self._distinct_fits(pool, size, price, image, count, set())
+            if len(rows) == count:
+                for member, nrow in zip(members, rows, strict=True):
+                    self._place(member, nrow, PlacementKind.NEW, now)
+                return True
+            partial.append((pool, rows))
+        for pool, rows in partial:  # free fits for some members, takeovers for the rest
+            takeovers = self._gang_takeovers(pool, count - len(rows), size, price, set(rows))
+            if takeovers is None:
+                continue
+            deadline = now + self.config.notice_seconds
+            expires = deadline + self.config.reservation_grace_seconds
+            # reserve every member first, so a victim's migration cannot take these GPUs
+            for member, nrow in zip(members, rows, strict=False):
+                self._place(member, nrow, PlacementKind.MIGRATION, now, expires)
+            for member, (nrow, _) in zip(members[len(rows) :], takeovers, strict=True):
+                self._place(member, nrow, PlacementKind.TAKEOVER, now, expires)
+            for _, victims in takeovers:
+                for arow in victims:
+                    self._notice(arow, NoticeReason.OUTBID, deadline, now)
+            return True
+        return False
+
+    def _gang_takeovers(
+        self, pool, count: int, size: int, price: float, taken: set[int]
+    ) -> list[tuple[int, list[int]]] | None:
+        """``count`` nodes of a pool, none in ``taken``, where a gang member can reserve GPUs
+        that noticed allocations will free (no victims) or that weaker incumbents it beats
+        by the hysteresis margin hold (their rows); None when there are not enough."""
+        taken = set(taken)
+        found: list[tuple[int, list[int]]] = []
+        for nrow in sorted(pool.noticed_nodes, key=self.n_id.__getitem__):
+            if len(found) == count:
+                return found
+            if nrow in taken or not self.n_state[nrow].offers_capacity():
+                continue
+            room = self.n_cap[nrow] - self.n_running[nrow] - self.n_reserved[nrow]
+            if room >= size and self.n_reserve[nrow] <= price:
+                found.append((nrow, []))
+                taken.add(nrow)
+        if len(found) == count:
+            return found
+        a = self.a
+        rows, eff = self._incumbents(pool)
+        examined = 0
+        for i in range(len(rows)):
+            if eff[i] >= price or len(found) == count:
+                break
+            arow = int(rows[i])
+            nrow = int(a.node[arow])
+            if a.status[arow] != RUNNING or nrow in taken:
+                continue
+            taken.add(nrow)
+            examined += 1
+            if examined > self.config.eviction_scan_limit:
+                break
+            victims = self._victims_on(nrow, size, price)
+            if victims is not None:
+                found.append((nrow, victims))
+        return found if len(found) == count else None
+
+    def _notice_gang(self, arow: int, reason: NoticeReason, deadline: float, now: float) -> None:
+        """Notice every running member of a gang; reserve where it resumes (module doc)."""
+        a, b = self.a, self.b
+        noticed = int(a.bid[arow])
+        members = self._members(noticed)
+        for member in members:
+            run = int(b.run[member])
+            if run >= 0 and a.status[run] == RUNNING:
+                self._notice_one(run, reason, deadline)
+        if reason not in MIGRATING_REASONS or any(b.res[m] >= 0 for m in members):
+            return
+        runs = [int(b.run[m]) for m in members]
+        if min(runs) < 0:
+            return
+        pool = self._pools[int(a.pool[arow])]
+        size, price = int(b.gpus[noticed]), float(b.price[noticed])
+        used = {int(a.node[r]) for r in runs}
+        replacement = self._distinct_fits(pool, size, price, int(b.image[noticed]), 1, used)
+        if not replacement:
+            return  # no replacement: the gang waits whole once every member has stopped
+        plan = []
+        for member, run in zip(members, runs, strict=True):
+            nrow = replacement[0] if member == noticed else int(a.node[run])
+            if member != noticed:  # a survivor keeps its own GPUs for the resume
+                room = self.n_cap[nrow] - self.n_running[nrow] - self.n_reserved[nrow]
+                if (
+                    room < size
+                    or not self.n_state[nrow].offers_capacity()
+                    or self.n_reserve[nrow] > price
+                ):
+                    return
+            plan.append((member, nrow))
+        expires = deadline + self.config.reservation_grace_seconds
+        for member, nrow in plan:
+            kind = PlacementKind.MIGRATION if member == noticed else PlacementKind.TAKEOVER
+            self._place(member, nrow, kind, now, expires)
+
+    def _gang_cascade(self, brow: int, old: int, status: int, at: float) -> None:
+        """After a member's allocation ended: end the rest of the gang where a gang would
+        otherwise run or be reserved partially."""
+        a, b = self.a, self.b
+        if old == RUNNING and status == PREEMPTED:  # lost without notice: the gang is down
+            for member in self._members(brow):
+                for r in (int(b.run[member]), int(b.res[member])):
+                    if r < 0:
+                        continue
+                    if a.status[r] == RESERVED:
+                        self._end(r, RELEASED, EndReason.GANG_RESERVATION_RELEASED, at)
+                    elif a.status[r] in (RUNNING, NOTICED):
+                        ended = max(at, float(a.charged[r]))
+                        self._end(r, PREEMPTED, EndReason.GANG_MEMBER_ENDED, ended)
+        elif old == RESERVED and status == RELEASED:  # reserved whole or not at all
+            for member in self._members(brow):
+                r = int(b.res[member])
+                if r >= 0:
+                    self._end(r, RELEASED, EndReason.GANG_RESERVATION_RELEASED, at)
