@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from prefect_spotgpu.market import DEFAULT_CATALOG, Market, MarketConfig, Node
+from prefect_spotgpu.market import DEFAULT_CATALOG, Bid, Market, MarketConfig, Node
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -77,6 +77,30 @@ def build_market(
     return market, node_id, bids
 
 
+def add_gangs(market: Market, rng: np.random.Generator, n_gangs: int, first_id: int, now: float):
+    """``n_gangs`` gang bids of 2-8 nodes (one member bid per node), added one by one as the
+    service adds them; returns the next free bid id."""
+    on_demand = np.array([DEFAULT_CATALOG.get(m).on_demand_price for m in MODELS])
+    next_id = first_id
+    for _ in range(n_gangs):
+        model = int(rng.integers(0, len(MODELS)))
+        region = int(rng.integers(-1, len(REGIONS)))
+        count = int(rng.integers(2, 9))
+        terms = {
+            "gpu_model": MODELS[model],
+            "gpu_count": int(rng.choice(SIZES)),
+            "max_price": round(float(on_demand[model] * rng.uniform(0.3, 1.0)), 2),
+            "region": "any" if region < 0 else REGIONS[region],
+            "created_at": now,
+            "node_count": count,
+            "gang_id": next_id,
+        }
+        for k in range(count):
+            market.add_bid(Bid(next_id + k, **terms))
+        next_id += count
+    return next_id
+
+
 def load(market: Market, bids: dict) -> None:
     """Load bids one (model, region) group at a time, as the service's bulk loader would."""
     group = bids["model"] * (len(REGIONS) + 1) + (bids["region"] + 1)
@@ -98,11 +122,17 @@ def load(market: Market, bids: dict) -> None:
         )
 
 
-def cold_tick(n_bids: int, seed: int, packing: str = "best-fit", images: bool = False) -> dict:
+def cold_tick(
+    n_bids: int, seed: int, packing: str = "best-fit", images: bool = False, gangs: float = 0.0
+) -> dict:
+    """One cold tick; ``gangs``: that share of the ``n_bids`` bids are gangs of 2-8 nodes."""
     rng = np.random.default_rng(seed)
-    market, n_nodes, bids = build_market(n_bids, rng, packing, images)
+    n_gangs = int(n_bids * gangs)
+    market, n_nodes, bids = build_market(n_bids - n_gangs, rng, packing, images)
     t0 = time.perf_counter()
     load(market, bids)
+    if n_gangs:
+        add_gangs(market, rng, n_gangs, n_bids * 10, 0.0)
     t1 = time.perf_counter()
     decision = market.tick(1_000.0)
     t2 = time.perf_counter()
@@ -129,9 +159,15 @@ def _with_image(market: Market, decision) -> float:
 
 
 def steady_ticks(
-    market: Market, rng: np.random.Generator, n_bids: int, ticks: int, images: bool = False
+    market: Market,
+    rng: np.random.Generator,
+    n_bids: int,
+    ticks: int,
+    images: bool = False,
+    gangs: float = 0.0,
 ) -> dict:
     now, next_id = 1_000.0, n_bids + 1
+    next_gang_id = n_bids * 20
     apply_times, tick_times, notices, placements = [], [], [], []
     on_demand = np.array([DEFAULT_CATALOG.get(m).on_demand_price for m in MODELS])
     for _ in range(ticks):
@@ -152,13 +188,18 @@ def steady_ticks(
             new["image"] = rng.integers(0, len(IMAGES), third)
         next_id += third
         load(market, new)
+        if gangs:
+            next_gang_id = add_gangs(market, rng, int(third * gangs), next_gang_id, now)
         for bid_id in picked[:third].tolist():
-            market.cancel_bid(bid_id, now + 0.5)
+            if market.has_bid(bid_id):  # (a gang member's cancel closed its whole gang)
+                market.cancel_bid(bid_id, now + 0.5)
         snapshot_prices = market.b.price  # read-only use: the current prices by row
         rows = market._bid_row
         for bid_id, factor in zip(
             picked[third:].tolist(), rng.uniform(0.8, 1.25, third), strict=True
         ):
+            if not market.has_bid(bid_id):
+                continue
             price = round(float(snapshot_prices[rows[bid_id]]) * float(factor), 2)
             market.reprice_bid(bid_id, max(price, 0.01))
         t1 = time.perf_counter()
@@ -193,6 +234,18 @@ def welfare(n: int) -> dict:
     return out
 
 
+def gang_welfare(n: int) -> dict:
+    """Best fit against the exact optimum on small markets where some bids are gangs."""
+    from test_optimum import welfare_ratios
+
+    ratios = welfare_ratios(n, gangs=True)
+    return {
+        "mean": round(sum(ratios) / n, 4),
+        "worst": round(min(ratios), 4),
+        "optimal_share": round(sum(r == 1.0 for r in ratios) / n, 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10000,100000,1000000")
@@ -200,6 +253,7 @@ def main() -> None:
     parser.add_argument("--welfare-instances", type=int, default=1000)
     parser.add_argument("--no-naive", action="store_true", help="skip the one-by-one baseline")
     parser.add_argument("--no-images", action="store_true", help="skip the run with images")
+    parser.add_argument("--no-gangs", action="store_true", help="skip the run with 10%% gangs")
     args = parser.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
@@ -258,6 +312,28 @@ def main() -> None:
                 else None
             )
             del with_images
+        if not args.no_gangs:
+            with_gangs = cold_tick(n, seed=n, gangs=0.10)
+            steady_gangs = steady_ticks(
+                with_gangs["market"], with_gangs["rng"], n, args.steady_ticks, gangs=0.10
+            )
+            row["gangs_share_of_bids"] = 0.10
+            row["gangs_member_bids"] = len(with_gangs["market"]._bid_row)
+            row["gangs_cold_seconds_per_tick"] = round(with_gangs["tick_seconds"], 4)
+            row["gangs_cold_load_seconds"] = round(with_gangs["load_seconds"], 4)
+            row["gangs_steady_seconds_per_tick"] = round(steady_gangs["tick_seconds"], 4)
+            row["gangs_gpus_placed_cold"] = with_gangs["gpus_placed"]
+            row["gangs_vs_plain_cold_ratio"] = (
+                round(with_gangs["tick_seconds"] / cold_s, 2)
+                if (cold_s := row["cold_seconds_per_tick"])
+                else None
+            )
+            row["gangs_vs_plain_steady_ratio"] = (
+                round(steady_gangs["tick_seconds"] / row["steady_seconds_per_tick"], 2)
+                if row["steady_seconds_per_tick"]
+                else None
+            )
+            del with_gangs
         results.append(row)
         print(json.dumps(row), file=sys.stderr)
     largest = max(results, key=lambda r: r["bids"])
@@ -267,12 +343,15 @@ def main() -> None:
         "pools": len(MODELS) * len(REGIONS),
         "results": results,
         "welfare_vs_optimum": welfare(args.welfare_instances),
+        "welfare_vs_optimum_with_gangs": gang_welfare(args.welfare_instances),
         "targets": {
             "at_bids": largest["bids"],
             "cold_tick_le_1s": largest["cold_seconds_per_tick"] <= 1.0,
             "steady_tick_le_0_1s": largest["steady_seconds_per_tick"] <= 0.1,
             "images_cold_tick_le_1s": largest.get("images_cold_seconds_per_tick", 0) <= 1.0,
             "images_steady_tick_le_0_1s": largest.get("images_steady_seconds_per_tick", 0) <= 0.1,
+            "gangs_cold_tick_le_1s": largest.get("gangs_cold_seconds_per_tick", 0) <= 1.0,
+            "gangs_steady_tick_le_0_1s": largest.get("gangs_steady_seconds_per_tick", 0) <= 0.1,
         },
     }
     print(json.dumps(out, indent=2))
