@@ -32,10 +32,12 @@ __all__ = [
     "LIVE_BID_STATUSES",
     "MAX_IMAGE_REFERENCE_CHARS",
     "MAX_NODE_IMAGES",
+    "NODE_ADDRESS_PATTERN",
     "PID_PREFIX",
     "PROCESS_IMAGE",
     "PULL_REPORT_SECONDS",
     "REPORT_DETAIL_CHARS",
+    "UNSET_NODE_ADDRESS",
     "AllocationStatus",
     "BidStatus",
     "Capacity",
@@ -136,6 +138,12 @@ MAX_IMAGE_REFERENCE_CHARS = 500
 """The longest image reference the market takes."""
 MAX_NODE_IMAGES = 500
 """The most image references one heartbeat reports."""
+
+NODE_ADDRESS_PATTERN = r"^[A-Za-z0-9.:-]{1,253}$"
+"""The address a node's agent advertises (an IP or a hostname other nodes reach it at): a
+gang's rank 0 node's address is its ``MASTER_ADDR``."""
+UNSET_NODE_ADDRESS = "127.0.0.1"
+"""A gang's ``master_addr`` when rank 0's node advertised no address."""
 
 
 _DOCKER_HUB_PREFIXES = (

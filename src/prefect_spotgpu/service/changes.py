@@ -26,7 +26,7 @@ from prefect_spotgpu.protocol import (
     NoticeReason,
     ReportOutcome,
 )
-from prefect_spotgpu.service import gate, ledger
+from prefect_spotgpu.service import gangs, gate, ledger
 from prefect_spotgpu.service.market_rows import market_bid, market_node
 from prefect_spotgpu.service.models import AllocationRow, BidRow, MarketChange, NodeRow
 from prefect_spotgpu.service.outbox import Entity
@@ -55,6 +55,9 @@ def apply_change(writes: TickWrites, change: MarketChange, now: float) -> None:
                 market.add_bid(market_bid(row))
             except ValueError as exc:  # e.g. a region no node offers yet: hold it
                 row.status, row.hold_reason = BidStatus.HELD.value, str(exc)
+                first = gangs.gang_rows(session=session, bid=row)[0]
+                if first.status == BidStatus.HELD and first.hold_reason:  # as its rank 0 was
+                    row.hold_reason = first.hold_reason
         elif row.status == BidStatus.OPEN and market.bid_price(row.id) != row.max_price:
             market.reprice_bid(row.id, row.max_price)
         elif row.status in (BidStatus.CANCELLED, BidStatus.FINISHED, BidStatus.HELD) and (
@@ -115,8 +118,9 @@ def apply_report(writes: TickWrites, change: MarketChange, now: float) -> None:
             market.end_allocation(alloc.id, S.FINISHED, at), reason=EndReason.JOB_FINISHED
         )
         bid = session.get(BidRow, alloc.bid_id)
-        if bid is not None and bid.status in LIVE_BID_STATUSES:
-            bid.status = BidStatus.FINISHED.value
+        for row in [] if bid is None else gangs.gang_rows(session=session, bid=bid):
+            if row.status in LIVE_BID_STATUSES:  # a gang's job is done on every member
+                row.status = BidStatus.FINISHED.value
     elif outcome == ReportOutcome.PULLING and status in (S.RUNNING, S.NOTICED):
         writes.event(  # progress for the run's log: the allocation does not change
             EventKind.PULLING,

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from prefect_spotgpu.market import NodeState
 from prefect_spotgpu.protocol import LIVE_BID_STATUSES, AllocationStatus, BidStatus, Capacity
-from prefect_spotgpu.service import images, schemas, webhooks
+from prefect_spotgpu.service import gangs, images, schemas, webhooks
 from prefect_spotgpu.service.errors import Conflict, Forbidden, Invalid, NotFound
 from prefect_spotgpu.service.ledger import CreditKind, add_credit, credit_hold_reason
 from prefect_spotgpu.service.ledger import ledger_entries as ledger_entries
@@ -159,6 +159,7 @@ def register_node(
         if data.inventory is None
         else [g.model_dump(mode="json", exclude_none=True) for g in data.inventory],
         telemetry=None,
+        address=data.address,
         last_heartbeat_at=now,
         created_at=now,
     )
@@ -206,10 +207,13 @@ def heartbeat_node(
     telemetry: dict | None,
     now: datetime,
     images: list[str] | None = None,
+    address: str | None = None,
 ) -> NodeRow:
     """A heartbeat: the node is alive; its telemetry, and the images it holds (a change goes
     to the tick leader: placement prefers a node with a bid's image)."""
     node.last_heartbeat_at = now
+    if address is not None:  # where other nodes reach it (a gang's rank 0: MASTER_ADDR)
+        node.address = address
     if telemetry is not None:
         node.telemetry = telemetry
     if images is not None and sorted(set(images)) != (node.images or []):
@@ -273,6 +277,8 @@ def create_bid(
         if existing is not None:
             _same_bid_or_conflict(existing, fields)
             return existing, False
+    if data.node_count > 1:
+        gangs.check_gang_fits(session=session, data=data)
     tenant = session.get(Tenant, tenant_id)
     status, reason = BidStatus.OPEN.value, None
     if tenant is not None and tenant.balance_micros <= 0:
@@ -306,11 +312,13 @@ def create_bid(
             _same_bid_or_conflict(existing, fields)
             return existing, False
     record_change(session=session, entity=Entity.BID, entity_id=bid.id, op="create")
+    if bid.node_count > 1:  # a gang: its other members, after rank 0 (module gangs)
+        gangs.add_members(session=session, first=bid)
     return bid, True
 
 
 def _same_bid_or_conflict(existing: BidRow, fields: dict) -> None:
-    for name in ("gpu_model", "region", "gpu_count", "max_price", "capacity"):
+    for name in ("gpu_model", "region", "gpu_count", "max_price", "capacity", "node_count"):
         if getattr(existing, name) != fields[name]:
             raise Conflict(
                 f"idempotency_key was used for bid {existing.id} with a different {name}",
@@ -346,30 +354,32 @@ def reprice_bid(*, session: Session, bid: BidRow, max_price: float, now: datetim
             f"bid {bid.id} buys on-demand capacity at the on-demand price: it cannot be repriced",
             field="max_price",
         )
-    bid.max_price = max_price
-    bid.updated_at = now
-    record_change(
-        session=session,
-        entity=Entity.BID,
-        entity_id=bid.id,
-        op="reprice",
-        data={"max_price": max_price},
-    )
+    for row in gangs.gang_rows(session=session, bid=bid):  # a gang's members share it
+        row.max_price = max_price
+        row.updated_at = now
+        record_change(
+            session=session,
+            entity=Entity.BID,
+            entity_id=row.id,
+            op="reprice",
+            data={"max_price": max_price},
+        )
     return bid
 
 
 def cancel_bid(*, session: Session, bid: BidRow, now: datetime) -> BidRow:
-    if bid.status in (BidStatus.CANCELLED, BidStatus.FINISHED):
-        return bid
-    bid.status = BidStatus.CANCELLED.value
-    bid.updated_at = now
-    record_change(
-        session=session,
-        entity=Entity.BID,
-        entity_id=bid.id,
-        op="cancel",
-        data={"at": now.timestamp()},
-    )
+    for row in gangs.gang_rows(session=session, bid=bid):  # a gang is cancelled whole
+        if row.status in (BidStatus.CANCELLED, BidStatus.FINISHED):
+            continue
+        row.status = BidStatus.CANCELLED.value
+        row.updated_at = now
+        record_change(
+            session=session,
+            entity=Entity.BID,
+            entity_id=row.id,
+            op="cancel",
+            data={"at": now.timestamp()},
+        )
     return bid
 
 
@@ -393,15 +403,18 @@ def list_allocations(
     session: Session,
     node_id: int | None = None,
     bid_id: int | None = None,
+    bid_ids: list[int] | None = None,
     active_only: bool = False,
 ) -> list[AllocationRow]:
-    """A node's or a bid's allocations, oldest first (a bid has one per attempt, a node as
-    many active ones as it has GPUs)."""
+    """A node's or a bid's (or bids': a gang's) allocations, oldest first (a bid has one per
+    attempt, a node as many active ones as it has GPUs)."""
     query = select(AllocationRow).order_by(AllocationRow.id)
     if node_id is not None:
         query = query.where(AllocationRow.node_id == node_id)
     if bid_id is not None:
         query = query.where(AllocationRow.bid_id == bid_id)
+    if bid_ids is not None:
+        query = query.where(AllocationRow.bid_id.in_(bid_ids))
     if active_only:
         query = query.where(AllocationRow.status.in_(ACTIVE))
     return list(session.scalars(query))
@@ -428,6 +441,7 @@ def events_after(
     after: int,
     tenant_id: int | None = None,
     bid_id: int | None = None,
+    bid_ids: list[int] | None = None,
     node_id: int | None = None,
     limit: int = 200,
 ) -> list[EventRow]:
@@ -436,6 +450,8 @@ def events_after(
         query = query.where(EventRow.tenant_id == tenant_id)
     if bid_id is not None:
         query = query.where(EventRow.bid_id == bid_id)
+    if bid_ids is not None:
+        query = query.where(EventRow.bid_id.in_(bid_ids))
     if node_id is not None:
         query = query.where(EventRow.node_id == node_id)
     return list(session.scalars(query))

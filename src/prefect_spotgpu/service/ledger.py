@@ -162,11 +162,13 @@ def release_credit_holds(writes: TickWrites, tenant_id: int) -> None:
     if tenant is None or tenant.balance_micros <= 0:
         return
     held = writes.session.scalars(
-        select(BidRow).where(
+        select(BidRow)
+        .where(
             BidRow.tenant_id == tenant_id,
             BidRow.status == BidStatus.HELD,
             BidRow.hold_reason.startswith(HELD_FOR_CREDIT, autoescape=True),
         )
+        .order_by(BidRow.id)  # a gang's rank 0 first, as the market takes them
     ).all()
     for bid in held:
         reopened = writes.session.execute(  # compare-and-set: a cancel may have won

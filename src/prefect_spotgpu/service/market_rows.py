@@ -63,6 +63,8 @@ def market_bid(row: BidRow) -> Bid:
         tenant_id=row.tenant_id,
         capacity=row.capacity,
         image=_normal((row.job or {}).get("image")),
+        node_count=row.node_count,
+        gang_id=row.gang_id,
     )
 
 
@@ -86,9 +88,10 @@ def market_allocation(row: AllocationRow) -> MarketAllocation:
 def load_market(*, session: Session, settings: ServiceSettings) -> Market:
     """The in-memory market as the database has it (leader start, or after a failure).
 
-    Plain bids (no window, no deadline) are read as columns and bulk-loaded per pool;
-    the rest one by one. Bids that are cancelled or held but still hold GPUs are loaded
-    too: their ``market_changes`` row (still in the outbox) ends them at this tick.
+    Plain bids (no window, no deadline, one node) are read as columns and bulk-loaded per
+    pool; the rest one by one, in id order (a gang's rank 0 first). Bids that are cancelled
+    or held but still hold GPUs are loaded too, with every member of their gang: their
+    ``market_changes`` row (still in the outbox) ends them at this tick.
     """
     highest = session.scalar(select(AllocationRow.id).order_by(AllocationRow.id.desc()))
     config = MarketConfig(
@@ -110,6 +113,7 @@ def load_market(*, session: Session, settings: ServiceSettings) -> Market:
         BidRow.window_start.is_(None)
         & BidRow.deadline.is_(None)
         & (BidRow.capacity == Capacity.SPOT.value)
+        & (BidRow.node_count == 1)
     )
     columns = session.execute(
         select(
@@ -148,6 +152,13 @@ def load_market(*, session: Session, settings: ServiceSettings) -> Market:
     )
     missing = holding - loaded - {b.id for b in others}  # cancelled or held, holding GPUs
     others += [session.get(BidRow, bid_id) for bid_id in sorted(missing)]
+    gang_ids = {b.gang_id for b in others if b.gang_id is not None}
+    if gang_ids:  # a gang is loaded whole, or not at all
+        others += session.scalars(
+            select(BidRow).where(
+                BidRow.gang_id.in_(gang_ids), BidRow.id.not_in({b.id for b in others})
+            )
+        )
     for row in sorted(others, key=lambda b: b.id):
         market.add_bid(market_bid(row))
     for a in allocs:

@@ -112,6 +112,7 @@ class NodeRow(Base):
     inventory: Mapped[dict | None] = mapped_column(JSON)
     telemetry: Mapped[dict | None] = mapped_column(JSON)
     images: Mapped[list | None] = mapped_column(JSON)  # references held locally, as reported
+    address: Mapped[str | None] = mapped_column(String(253))  # where other nodes reach it
     last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
@@ -137,6 +138,8 @@ class BidRow(Base):
     labels: Mapped[dict | None] = mapped_column(JSON)
     job: Mapped[dict | None] = mapped_column(JSON)  # what the node agent runs, less its env
     job_env_sealed: Mapped[str | None] = mapped_column(Text)  # the job's env, encrypted
+    node_count: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    gang_id: Mapped[int | None] = mapped_column(BigInteger, index=True)  # rank 0's bid id
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
 

@@ -12,7 +12,7 @@ import logging
 from fastapi import APIRouter, Request
 
 from prefect_spotgpu.protocol import HOLDING_STATUSES
-from prefect_spotgpu.service import crud, queries, schemas
+from prefect_spotgpu.service import crud, gangs, queries, schemas
 from prefect_spotgpu.service.deps import CurrentNode, Db
 from prefect_spotgpu.service.errors import Forbidden, ServiceError
 from prefect_spotgpu.service.models import BidRow
@@ -44,6 +44,7 @@ def heartbeat(node_id: Id, data: schemas.Heartbeat, caller_node: CurrentNode, db
                 if data.telemetry is None
                 else data.telemetry.model_dump(mode="json", exclude_none=True),
                 images=data.images,
+                address=data.address,
                 now=now(),
             )
         )
@@ -56,18 +57,22 @@ def heartbeat(node_id: Id, data: schemas.Heartbeat, caller_node: CurrentNode, db
 )
 def node_allocations(node_id: Id, caller_node: CurrentNode, db: Db, request: Request):
     """A job, its environment opened, goes only to the node that holds a running (or noticed)
-    allocation of its bid, while it holds it; a reserved allocation shows no job yet."""
+    allocation of its bid, while it holds it; a reserved allocation shows no job yet. A gang
+    member's says where its gang meets (``gang``: rank, world size, rank 0's address)."""
     _same_node(node_id, caller_node)
     sealer = request.app.state.sealer
     with db.begin() as session:
         allocations = crud.list_allocations(session=session, node_id=node_id, active_only=True)
         bids = queries.get_bids(session=session, bid_ids={a.bid_id for a in allocations})
+        places = gangs.gang_places(session=session, allocations=allocations, bids=bids)
         return [
             schemas.Assignment(
-                **schemas.allocation_response(a).model_dump(),
+                **schemas.allocation_response(a).model_dump(exclude={"rank"}),
+                rank=places[a.id]["rank"] if a.id in places else None,
                 tenant_id=a.tenant_id,
                 job=_job(bids[a.bid_id], sealer) if a.status in RUNS_A_JOB else None,
                 checkpoint_key=f"bid-{a.bid_id}",
+                gang=places.get(a.id),
             )
             for a in allocations
         ]

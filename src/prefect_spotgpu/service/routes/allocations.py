@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
-from prefect_spotgpu.service import crud, schemas
+from prefect_spotgpu.service import crud, gangs, schemas
 from prefect_spotgpu.service.deps import CurrentTenant, Db
 from prefect_spotgpu.service.routes.params import API, Before, Id, PageSize, link_next, next_cursor
 
@@ -32,12 +32,15 @@ def list_allocations(
             session=session, tenant_id=tenant_id, active_only=active, limit=limit, before_id=before
         )
         link_next(request, response, before=next_cursor(allocs, limit))
-        return [schemas.allocation_response(a) for a in allocs]
+        ranks = gangs.allocation_ranks(session=session, allocations=allocs)
+        return [schemas.allocation_response(a, ranks.get(a.bid_id)) for a in allocs]
 
 
 @router.get("/allocations/{allocation_id}", response_model=schemas.AllocationResponse)
 def get_allocation(allocation_id: Id, tenant_id: CurrentTenant, db: Db):
     with db.begin() as session:
-        return schemas.allocation_response(
-            crud.get_allocation(session=session, allocation_id=allocation_id, tenant_id=tenant_id)
+        alloc = crud.get_allocation(
+            session=session, allocation_id=allocation_id, tenant_id=tenant_id
         )
+        ranks = gangs.allocation_ranks(session=session, allocations=[alloc])
+        return schemas.allocation_response(alloc, ranks.get(alloc.bid_id))

@@ -1,6 +1,9 @@
 """Bid routes: a tenant places a bid (an idempotency key makes a retry return the first bid),
 lists its bids a page at a time, reads, reprices and cancels one, lists a bid's allocations,
-and long-polls the events of one bid or of all its bids. A tenant sees only its own bids."""
+and long-polls the events of one bid or of all its bids. A tenant sees only its own bids.
+
+A gang bid (``node_count`` above 1) is one row per member (``gangs``): any member's id reads,
+reprices or cancels the gang, and a member's allocations and events are the whole gang's."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
 from prefect_spotgpu.protocol import BidStatus
-from prefect_spotgpu.service import crud, schemas
+from prefect_spotgpu.service import crud, gangs, schemas
 from prefect_spotgpu.service.deps import CurrentTenant, Db
 from prefect_spotgpu.service.routes.long_poll import long_poll
 from prefect_spotgpu.service.routes.params import (
@@ -46,7 +49,7 @@ def create_bid(
         )
         if not created:
             response.status_code = 200
-        return schemas.bid_response(bid)
+        return _response(session, bid)
 
 
 @router.get(
@@ -68,15 +71,14 @@ def list_bids(
             session=session, tenant_id=tenant_id, status=status, limit=limit, before_id=before
         )
         link_next(request, response, before=next_cursor(bids, limit))
-        return [schemas.bid_response(b) for b in bids]
+        members = gangs.members_of(session=session, bids=bids)
+        return [schemas.bid_response(b, members[b.id]) for b in bids]
 
 
 @router.get("/bids/{bid_id}", response_model=schemas.BidResponse)
 def get_bid(bid_id: Id, tenant_id: CurrentTenant, db: Db):
     with db.begin() as session:
-        return schemas.bid_response(
-            crud.get_bid(session=session, tenant_id=tenant_id, bid_id=bid_id)
-        )
+        return _response(session, crud.get_bid(session=session, tenant_id=tenant_id, bid_id=bid_id))
 
 
 @router.patch(
@@ -85,8 +87,8 @@ def get_bid(bid_id: Id, tenant_id: CurrentTenant, db: Db):
 def update_bid(bid_id: Id, data: schemas.BidUpdate, tenant_id: CurrentTenant, db: Db):
     with db.begin() as session:
         bid = crud.get_bid(session=session, tenant_id=tenant_id, bid_id=bid_id)
-        return schemas.bid_response(
-            crud.reprice_bid(session=session, bid=bid, max_price=data.max_price, now=now())
+        return _response(
+            session, crud.reprice_bid(session=session, bid=bid, max_price=data.max_price, now=now())
         )
 
 
@@ -98,16 +100,22 @@ def update_bid(bid_id: Id, data: schemas.BidUpdate, tenant_id: CurrentTenant, db
 def cancel_bid(bid_id: Id, tenant_id: CurrentTenant, db: Db):
     with db.begin() as session:
         bid = crud.get_bid(session=session, tenant_id=tenant_id, bid_id=bid_id)
-        return schemas.bid_response(crud.cancel_bid(session=session, bid=bid, now=now()))
+        return _response(session, crud.cancel_bid(session=session, bid=bid, now=now()))
 
 
-@router.get("/bids/{bid_id}/allocations", response_model=list[schemas.AllocationResponse])
+@router.get(
+    "/bids/{bid_id}/allocations",
+    response_model=list[schemas.AllocationResponse],
+    summary="The bid's allocations, oldest first (a gang's: every member's, with its rank)",
+)
 def bid_allocations(bid_id: Id, tenant_id: CurrentTenant, db: Db):
     with db.begin() as session:
-        crud.get_bid(session=session, tenant_id=tenant_id, bid_id=bid_id)
+        bid = crud.get_bid(session=session, tenant_id=tenant_id, bid_id=bid_id)
+        members = gangs.members_of(session=session, bids=[bid])[bid.id]
+        allocations = crud.list_allocations(session=session, bid_ids=members or [bid.id])
         return [
-            schemas.allocation_response(a)
-            for a in crud.list_allocations(session=session, bid_id=bid_id)
+            schemas.allocation_response(a, members.index(a.bid_id) if members else None)
+            for a in allocations
         ]
 
 
@@ -124,11 +132,14 @@ async def bid_events(
     after: Cursor = 0,
     timeout: Wait = 25.0,
 ):
-    def check():
+    def members() -> list[int]:
         with db.begin() as session:
-            crud.get_bid(session=session, tenant_id=tenant_id, bid_id=bid_id)
+            bid = crud.get_bid(session=session, tenant_id=tenant_id, bid_id=bid_id)
+            return gangs.members_of(session=session, bids=[bid])[bid.id]
 
-    await run_in_threadpool(check)
+    ids = await run_in_threadpool(members)
+    if ids:  # a gang: every member's events
+        return await long_poll(request, db, after, timeout, bid_ids=ids)
     return await long_poll(request, db, after, timeout, bid_id=bid_id)
 
 
@@ -137,3 +148,8 @@ async def tenant_events(
     tenant_id: CurrentTenant, db: Db, request: Request, after: Cursor = 0, timeout: Wait = 25.0
 ):
     return await long_poll(request, db, after, timeout, tenant_id=tenant_id)
+
+
+def _response(session, bid) -> schemas.BidResponse:
+    """A bid's response, with its gang's members."""
+    return schemas.bid_response(bid, gangs.members_of(session=session, bids=[bid])[bid.id])

@@ -31,15 +31,21 @@ class AllocationResponse(BaseModel):
     final_save: str | None
     ended_at: float | None
     end_reason: str | None
+    rank: int | None = Field(None, description="A gang member's rank (None: a one-node bid).")
 
 
 class Assignment(AllocationResponse):
     """An allocation as its node agent sees it: with the job to run (its environment opened,
-    only while the allocation runs on this node)."""
+    only while the allocation runs on this node), and for a gang member where its gang meets."""
 
     tenant_id: int
     job: dict | None = None
     checkpoint_key: str
+    gang: dict | None = Field(
+        None,
+        description="A gang member's place in its gang: rank, world_size, master_addr "
+        "(rank 0's node's address), master_port and gpus_per_node; None for a one-node bid.",
+    )
 
 
 class AllocationReport(Strict):
@@ -63,6 +69,8 @@ class AllocationReport(Strict):
     )
 
 
-def allocation_response(alloc) -> AllocationResponse:
-    """An allocation row as its ``AllocationResponse``."""
-    return AllocationResponse.model_validate(alloc, from_attributes=True)
+def allocation_response(alloc, rank: int | None = None) -> AllocationResponse:
+    """An allocation row as its ``AllocationResponse`` (``rank``: its bid's in a gang)."""
+    response = AllocationResponse.model_validate(alloc, from_attributes=True)
+    response.rank = rank
+    return response

@@ -7,6 +7,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field, model_validator
 
+from prefect_spotgpu.market.types import MAX_GANG_NODES
 from prefect_spotgpu.service.schemas.fields import (
     CapacityKind,
     GpuCount,
@@ -60,6 +61,19 @@ LabelKey = Annotated[
 LabelValue = Annotated[str, Field(max_length=256)]
 
 
+NodeCount = Annotated[
+    int,
+    Field(
+        ge=1,
+        le=MAX_GANG_NODES,
+        strict=True,
+        description="How many nodes the job spans: above 1, a gang of that many member bids "
+        "(ranks 0..n-1), each for gpu_count GPUs on its own node of one pool; at most "
+        f"{MAX_GANG_NODES}, and no more than the pool's registered nodes.",
+    ),
+]
+
+
 class BidCreate(Strict):
     gpu_model: GpuModelName
     gpu_count: GpuCount
@@ -78,6 +92,7 @@ class BidCreate(Strict):
         None, max_length=32, description="Up to 32 labels: keys of 63, values of 256 characters."
     )
     job: JobSpec | None = None
+    node_count: NodeCount = 1
 
     @model_validator(mode="after")
     def _on_demand_pays_the_on_demand_price(self) -> BidCreate:
@@ -127,11 +142,20 @@ class BidResponse(BaseModel):
         "environment's values are sealed: never returned, given only to the node running it.",
     )
     created_at: datetime
+    node_count: int = 1
+    gang_id: int | None = Field(None, description="A gang member's gang: rank 0's bid id.")
+    members: list[int] = Field(
+        default_factory=list,
+        description="A gang's member bid ids in rank order ([] for a one-node bid).",
+    )
 
 
-def bid_response(bid) -> BidResponse:
-    """A bid row as its ``BidResponse`` (its job's environment values left out)."""
-    return BidResponse.model_validate(bid, from_attributes=True)
+def bid_response(bid, members: list[int] | None = None) -> BidResponse:
+    """A bid row as its ``BidResponse`` (its job's environment values left out), with its
+    gang's ``members`` (rank order) when it is a gang member."""
+    response = BidResponse.model_validate(bid, from_attributes=True)
+    response.members = list(members or [])
+    return response
 
 
 class EventResponse(BaseModel):

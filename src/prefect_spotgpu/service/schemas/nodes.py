@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
 from prefect_spotgpu.market import MAX_GPUS_PER_NODE
-from prefect_spotgpu.protocol import MAX_NODE_IMAGES
+from prefect_spotgpu.protocol import MAX_NODE_IMAGES, NODE_ADDRESS_PATTERN
 from prefect_spotgpu.service.schemas.fields import (
     CapacityKind,
     GpuCount,
@@ -21,6 +21,18 @@ from prefect_spotgpu.service.schemas.fields import (
 )
 from prefect_spotgpu.service.schemas.images import ImageReference
 from prefect_spotgpu.service.telemetry import GpuInventoryItem, Telemetry
+
+NodeAddress = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=253,
+        pattern=NODE_ADDRESS_PATTERN,
+        examples=["10.0.0.7"],
+        description="The IP or hostname other nodes reach this node at (a gang's rank 0 "
+        "node's is the gang's MASTER_ADDR).",
+    ),
+]
 
 
 class NodeCreate(Strict):
@@ -36,6 +48,7 @@ class NodeCreate(Strict):
     capacity: CapacityKind = "spot"
     declared: bool = Field(False, description="Inventory declared by hand (no NVML).")
     inventory: list[GpuInventoryItem] | None = Field(None, max_length=MAX_GPUS_PER_NODE)
+    address: NodeAddress | None = None
 
     @model_validator(mode="after")
     def _on_demand_sells_at_the_on_demand_price(self) -> NodeCreate:
@@ -70,6 +83,7 @@ class NodeResponse(BaseModel):
     inventory: list[dict] | None = None
     telemetry: dict | None = None
     images: list[str] | None = None
+    address: str | None = None
     last_heartbeat_at: datetime
 
 
@@ -94,3 +108,4 @@ class Heartbeat(Strict):
         description="The image references the node holds locally (None: unchanged). Placement "
         "prefers, among equal fits, a node that already has a bid's image.",
     )
+    address: NodeAddress | None = Field(None, description="The node's address (None: unchanged).")
