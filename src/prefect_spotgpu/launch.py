@@ -17,6 +17,14 @@ disposition survives ``exec``), so an early notice cannot kill the engine; the n
 still tells the checkpointer. A notice that arrives while waiting ends this attempt at once:
 nothing has run, so it acknowledges at once and exits.
 
+A gang member of rank > 0 (``RANK`` set by the agent, not ``"0"``) runs the same flow code
+without the engine: rank 0's engine is the one writer of the flow run's state. It waits for the
+gang's go (the run Pending "Starting" or Running: the worker labels rank 0's allocation, and
+rank 0's engine starts the run), loads the flow as the engine would (the deployment's
+entrypoint, after its pull steps: ``load_flow_from_flow_run``) and calls the flow's function
+with the run's parameters in this process; it exits 0 when the function returns, 1 when it
+raises. Tasks it calls run outside any flow run.
+
 Exit codes: 0 the run is already over (Completed, Failed or Cancelled; Crashed is not over, the
 worker reschedules a preempted run) or noticed before it started; 3 no go within
 ``SPOTGPU_LAUNCH_TIMEOUT`` seconds (default 600).
@@ -39,6 +47,7 @@ def main() -> int:
     allocation = os.environ.get(JOB_ENV.ALLOCATION_ID, "")
     notice_file = Path(os.environ.get(JOB_ENV.NOTICE_FILE, "/nonexistent/notice"))
     timeout = float(os.environ.get(JOB_ENV.LAUNCH_TIMEOUT, "600"))
+    follower = os.environ.get("RANK", "0") != "0"  # a gang member of rank > 0
 
     from prefect.client.orchestration import get_client
 
@@ -55,6 +64,8 @@ def main() -> int:
             if state is not None and state.is_final() and not state.is_crashed():
                 print(f"spotgpu: flow run {flow_run_id} is already {state.name}; nothing to do")
                 return 0  # (Crashed is not the end: the worker reschedules a preempted run)
+            if follower and _gang_go(flow_run):
+                break
             if (
                 state is not None
                 and state.is_pending()
@@ -65,9 +76,59 @@ def main() -> int:
         else:
             print(f"spotgpu: no go from the worker within {timeout:.0f} s", file=sys.stderr)
             return 3
+    if follower:
+        return run_flow_function(flow_run_id)
     sys.stdout.flush()
     os.execv(sys.executable, [sys.executable, "-m", "prefect.engine"])
     return 0  # pragma: no cover - exec does not return
+
+
+def _gang_go(flow_run) -> bool:
+    """The go for a gang member of rank > 0: the worker handed the run to rank 0's allocation
+    (Pending "Starting"), or rank 0's engine runs it."""
+    state = flow_run.state
+    if state is None or not (flow_run.labels or {}).get(LABELS.ALLOCATION):
+        return False
+    return state.is_running() or (state.is_pending() and state.name == "Starting")
+
+
+def run_flow_function(flow_run_id: str) -> int:
+    """Rank > 0 of a gang: the flow's function with the run's parameters, in this process,
+    leaving the flow run's state to rank 0's engine. 0 when it returns, 1 when it raises."""
+    import asyncio
+    import inspect
+    import traceback
+
+    from prefect.client.orchestration import get_client
+    from prefect.flows import load_flow_from_flow_run
+    from prefect.utilities.callables import parameters_to_args_kwargs
+
+    async def load():
+        async with get_client() as client:
+            flow_run = await client.read_flow_run(flow_run_id)
+            flow = await load_flow_from_flow_run(flow_run, use_placeholder_flow=False)
+            return flow, flow_run.parameters
+
+    rank = os.environ.get("RANK")
+    try:
+        flow, parameters = asyncio.run(load())
+        if flow.should_validate_parameters:
+            parameters = flow.validate_parameters(parameters)
+        args, kwargs = parameters_to_args_kwargs(flow.fn, parameters)
+        print(f"spotgpu: rank {rank} runs {flow.name!r} without the engine ({flow_run_id})")
+        sys.stdout.flush()
+        result = flow.fn(*args, **kwargs)
+        if inspect.isawaitable(result):
+            asyncio.run(_awaited(result))
+    except Exception:
+        traceback.print_exc()
+        print(f"spotgpu: rank {rank} of flow run {flow_run_id} failed", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _awaited(awaitable):
+    return await awaitable
 
 
 def _acknowledge(notice_file: Path) -> None:

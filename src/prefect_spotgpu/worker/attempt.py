@@ -154,6 +154,11 @@ async def open_bid(run: PrefectRun, market: MarketApi, placement: Placement, con
     return bid
 
 
+def gang_lead(bid: dict) -> int | None:
+    """Rank 0's bid id for a gang bid (the id the worker follows), None for a one-node bid."""
+    return bid["id"] if (bid.get("node_count") or 1) > 1 else None
+
+
 class Attempt:
     """Follows one bid of a flow run until this attempt ends (see ``follow``)."""
 
@@ -171,7 +176,7 @@ class Attempt:
         self.configuration = configuration
         self.settings = rules.Settings.of(configuration)
         self.bid = bid
-        self.track = Track()
+        self.track = Track(gang_lead(bid))
 
     async def follow(self) -> int | SwitchBid:
         """Follow the bid's events until the attempt ends: its status code (0: completed,
@@ -182,7 +187,7 @@ class Attempt:
         effects (idempotent) are retried until they land."""
         run, bid_id = self.run, self.bid["id"]
         history = await run.retry("read the bid's events", lambda: self.market.events(bid_id, 0))
-        self.track = Track.from_events(history["events"])
+        self.track = Track.from_events(history["events"], gang_lead(self.bid))
         cursor = history["cursor"]
         run.logger.info("Following bid %s after its event %s", bid_id, cursor)
         pace, paced_at = self.configuration.pace(run.flow_run), time.monotonic()

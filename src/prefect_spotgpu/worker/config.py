@@ -18,12 +18,13 @@ from typing import Annotated, Literal
 
 from prefect.settings import PREFECT_API_URL
 from prefect.workers.base import BaseJobConfiguration, BaseVariables
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
 from prefect_spotgpu.economics.deadline import get_policy
 from prefect_spotgpu.economics.schedules import aware, zone
 from prefect_spotgpu.market import DEFAULT_CATALOG
+from prefect_spotgpu.market.types import MAX_GANG_NODES, check_node_count
 from prefect_spotgpu.protocol import IMAGE_REFERENCE_PATTERN, JOB_ENV, PROCESS_IMAGE
 from prefect_spotgpu.worker.pacing import Pace
 
@@ -56,6 +57,9 @@ class SpotGPUJobConfiguration(BaseJobConfiguration):
     market: SpotMarket | None = Field(default=None, description="The market to bid on.")
     gpu_model: str = Field(default="A100-80G", description="GPU model to bid for.")
     gpu_count: int = Field(default=1, ge=1, le=16, description="GPUs on one node.")
+    node_count: int = Field(
+        default=1, description=f"Nodes of the gang (1-{MAX_GANG_NODES}), each with gpu_count GPUs."
+    )
     max_price: float = Field(default=1.2, gt=0, description="Maximum price per GPU-hour.")
     region: str = Field(default="any", description="Region, or 'any'.")
     image: str = Field(
@@ -87,6 +91,11 @@ class SpotGPUJobConfiguration(BaseJobConfiguration):
     notice_webhook: str | None = Field(
         default=None, description="URL that also receives the notices."
     )
+
+    @field_validator("node_count", mode="before")
+    @classmethod
+    def _node_count_in_range(cls, value: object) -> int:
+        return check_node_count(value)
 
     @model_validator(mode="after")
     def _model_is_sold(self) -> SpotGPUJobConfiguration:
@@ -248,6 +257,17 @@ class SpotGPUVariables(BaseVariables):
     )
     gpu_count: int = Field(
         default=1, ge=1, le=16, title="GPUs", description="GPUs on one node (1-16)."
+    )
+    node_count: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_GANG_NODES,
+        strict=True,
+        title="Nodes",
+        description=f"Nodes the run takes at once (1-{MAX_GANG_NODES}), each with the GPUs "
+        "above: a gang, placed all or nothing. Rank 0 runs the flow run; the others run the "
+        "flow's function with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (torchrun's "
+        "environment).",
     )
     max_price: float = Field(
         default=1.2,

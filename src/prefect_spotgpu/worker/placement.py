@@ -19,7 +19,7 @@ from prefect_spotgpu.protocol import LABELS, Capacity, WorkerEvent
 from prefect_spotgpu.worker.config import SpotGPUJobConfiguration
 from prefect_spotgpu.worker.market_api import MarketApi
 from prefect_spotgpu.worker.pacing import RELEASE_PRICE, Pace, Plan, plan
-from prefect_spotgpu.worker.report import describe
+from prefect_spotgpu.worker.report import describe, lead_allocations
 
 T = TypeVar("T")
 
@@ -90,7 +90,7 @@ class Placement:
         place a new one), the plan, and the bid it cancelled. A waiting spot bid is repriced
         to the plan's price, or cancelled when the plan moves the run to on-demand capacity."""
         allocations = [] if bid is None else await self.market.allocations(bid["id"])
-        course = plan(pace, datetime.now(UTC), bid, allocations)
+        course = plan(pace, datetime.now(UTC), bid, lead_allocations(allocations))
         if bid is None:
             return None, course, None
         if course.mode == "on_demand" and bid.get("capacity") != Capacity.ON_DEMAND:
@@ -116,7 +116,7 @@ class Placement:
         if bid.get("capacity") == Capacity.ON_DEMAND or bid["max_price"] == RELEASE_PRICE:
             return bid
         allocations = await self.market.allocations(bid["id"])
-        course = plan(pace, datetime.now(UTC), bid, allocations)
+        course = plan(pace, datetime.now(UTC), bid, lead_allocations(allocations))
         if course.mode != "on_demand":
             return bid
         self.run.logger.warning(
@@ -125,14 +125,15 @@ class Placement:
         return await self.market.reprice(bid["id"], RELEASE_PRICE, "release the spot GPUs")
 
     def bid_body(self, course: Plan | None = None, image: str | None = None) -> dict:
-        """The ``POST /bids`` body: the run's GPUs, price, job (in ``image``: a reference from
-        the catalogue) and labels; its idempotency key names the run's attempt (and the
-        capacity or cheap window it bids for)."""
+        """The ``POST /bids`` body: the run's GPUs (``node_count`` nodes of ``gpu_count``),
+        price, job (in ``image``: a reference from the catalogue) and labels; its idempotency
+        key names the run's attempt (and the capacity or cheap window it bids for)."""
         configuration, flow_run = self.configuration, self.run.flow_run
         on_demand = course is not None and course.mode == "on_demand"
         body: dict[str, Any] = {
             "gpu_model": configuration.gpu_model,
             "gpu_count": configuration.gpu_count,
+            "node_count": configuration.node_count,
             "max_price": course.price if course is not None else configuration.max_price,
             "region": configuration.region,
             "idempotency_key": f"prefect-flow-run-{flow_run.id}-{flow_run.run_count}",

@@ -111,12 +111,21 @@ class Track:
 
     Normally one allocation runs at a time; when a node is lost the market may place the bid
     anew in the same tick, and that placement's event comes *before* the lost allocation's
-    end. So running allocations queue in order, and the first one is the current one."""
+    end. So running allocations queue in order, and the first one is the current one.
 
-    def __init__(self) -> None:
+    A gang's events (``lead``: rank 0's bid, whose events cover every member) are followed
+    through rank 0's allocations: the market notices, ends and finishes the gang whole, so
+    rank 0's allocation sees every end of the gang, and one preemption counts once. The other
+    members' allocations are ``members``; a member whose job failed is ``member_failure``,
+    which rank 0's end that follows (``GANG_MEMBER_ENDED``) stands for."""
+
+    def __init__(self, lead: int | None = None) -> None:
+        self.lead = lead
         self.running: list[int] = []
         self.ended: set[int] = set()
         self.nodes: dict[int, int] = {}
+        self.members: set[int] = set()
+        self.member_failure: dict | None = None
         self.preemptions = 0
 
     @property
@@ -124,21 +133,35 @@ class Track:
         return self.running[0] if self.running else None
 
     @classmethod
-    def from_events(cls, events: list[dict]) -> Track:
-        track = cls()
+    def from_events(cls, events: list[dict], lead: int | None = None) -> Track:
+        track = cls(lead)
         for event in events:
             track.apply(event)
         return track
+
+    def is_member(self, event: dict) -> bool:
+        """Whether the event is of a gang member other than rank 0."""
+        return self.lead is not None and event.get("bid_id", self.lead) != self.lead
 
     def apply(self, event: dict) -> bool:
         """Fold one event in; True when it ended the current allocation."""
         kind, alloc = event["kind"], event["allocation_id"]
         self.nodes[alloc] = event["node_id"]
+        if self.is_member(event):
+            self.members.add(alloc)
+            if kind == EventKind.PREEMPTED and event["payload"].get("reason") == JOB_FAILED:
+                self.member_failure = event
+            return False
         if kind == EventKind.ALLOCATED and alloc not in self.ended and alloc not in self.running:
             self.running.append(alloc)
+            self.member_failure = None  # the gang starts anew
         elif kind in (EventKind.PREEMPTED, EventKind.FINISHED, EventKind.RELEASED):
             self.ended.add(alloc)
-            if kind == EventKind.PREEMPTED and event["payload"].get("reason") != JOB_FAILED:
+            reason = event["payload"].get("reason")
+            failed = reason == JOB_FAILED or (
+                reason == GANG_MEMBER_ENDED and self.member_failure is not None
+            )
+            if kind == EventKind.PREEMPTED and not failed:
                 self.preemptions += 1
             if alloc in self.running:
                 current = alloc == self.running[0]
@@ -149,6 +172,7 @@ class Track:
 
 JOB_FAILED = EndReason.JOB_FAILED
 SAVED_AND_STOPPED = EndReason.SAVED_AND_STOPPED
+GANG_MEMBER_ENDED = EndReason.GANG_MEMBER_ENDED
 
 # ---------------------------------------------------------------- reactions
 
@@ -249,6 +273,14 @@ def react(
 ) -> Reaction:
     """The worker's answer to one event already folded into ``track`` (``ended_current``:
     it ended the current allocation). See the module docstring; examples in the tests."""
+    if track.is_member(event):
+        return member_event(event)
+    if (
+        ended_current
+        and event["payload"].get("reason") == GANG_MEMBER_ENDED
+        and track.member_failure is not None
+    ):
+        event = track.member_failure  # the gang ended because this member's job failed
     kind, alloc, payload = event["kind"], event["allocation_id"], event["payload"]
     node = event.get("node_id")
     if not ended_current:
@@ -310,6 +342,18 @@ def react(
             f"The job on allocation {alloc} ended ({reason}) without a final flow run state",
         ),
     )
+
+
+def member_event(event: dict) -> Nothing:
+    """An event of a gang member other than rank 0: rank 0's allocation has its consequences
+    (one notice, one end for the gang); a member's start and a failed job are logged."""
+    kind, alloc, node = event["kind"], event["allocation_id"], event.get("node_id")
+    if kind == EventKind.ALLOCATED:
+        return Nothing(log=("info", f"Gang member on node {node} started (allocation {alloc})"))
+    if kind == EventKind.PREEMPTED and event["payload"].get("reason") == JOB_FAILED:
+        detail = event["payload"].get("detail") or JOB_FAILED
+        return Nothing(log=("error", f"Gang member's job on node {node} failed: {detail}"))
+    return Nothing()
 
 
 def preempted(event: dict, track: Track, settings: Settings, now: datetime) -> Fail | Reschedule:

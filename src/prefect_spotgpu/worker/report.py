@@ -47,8 +47,10 @@ def _bids(allocations: list[dict], bid: dict) -> str:
 def allocation_report(bid: dict, allocations: list[dict]) -> tuple[list[dict], str]:
     """Rows for the allocations table and the markdown summary of the cost of a run's bid (and
     of the bids it replaced, whose allocations come with it): what was paid, on spot or
-    on-demand, against the same GPU-hours all on-demand."""
+    on-demand, against the same GPU-hours all on-demand. A gang's table has one row per member
+    allocation, with its ``rank``; its GPU-hours and cost are every member's."""
     rows = []
+    gang = any(a.get("rank") is not None for a in allocations)
     for a in sorted(allocations, key=lambda a: a["id"]):
         if a["status"] in (AllocationStatus.RESERVED, AllocationStatus.RELEASED):
             continue
@@ -57,6 +59,7 @@ def allocation_report(bid: dict, allocations: list[dict]) -> tuple[list[dict], s
             {
                 "allocation": a["id"],
                 "bid": a["bid_id"],
+                **({"rank": a.get("rank")} if gang else {}),
                 "node": a["node_id"],
                 "gpu": f"{a['gpu_count']} x {bid['gpu_model']}",
                 "start": iso(a["started_at"]),
@@ -130,16 +133,20 @@ def quote_summary(bid: dict, quotes: list[dict]) -> tuple[str, bool]:
     return f"market {price} per GPU-hour, {free} GPU{'' if free == 1 else 's'} free", False
 
 
+def lead_allocations(allocations: list[dict]) -> list[dict]:
+    """A bid's allocations that measure its run's progress: all of a one-node bid's, rank 0's
+    of a gang (its members run side by side: one hour of the gang is one hour of work)."""
+    return [a for a in allocations if a.get("rank") in (None, 0)]
+
+
 def describe(bid: dict) -> str:
+    gpus = f"{bid['gpu_count']} x {bid['gpu_model']}"
+    nodes = bid.get("node_count") or 1
+    if nodes > 1:
+        gpus = f"{nodes} nodes of {gpus}"
     if bid.get("capacity") == Capacity.ON_DEMAND:
-        return (
-            f"{bid['gpu_count']} x {bid['gpu_model']} in {bid['region']}, on-demand at "
-            f"{bid['max_price']:.2f} per GPU-hour"
-        )
-    return (
-        f"{bid['gpu_count']} x {bid['gpu_model']} in {bid['region']}, "
-        f"at most {bid['max_price']:.2f} per GPU-hour"
-    )
+        return f"{gpus} in {bid['region']}, on-demand at {bid['max_price']:.2f} per GPU-hour"
+    return f"{gpus} in {bid['region']}, at most {bid['max_price']:.2f} per GPU-hour"
 
 
 def iso(ts: float) -> str:

@@ -1,0 +1,207 @@
+"""The spot-gpu worker's side of gang bids (issue 19, part 6): the ``node_count`` variable and
+the bid it reaches, the rules that follow a gang through rank 0's allocation, the allocation
+table of every member, and the launcher of a rank > 0 member, which runs the flow's function
+without the engine (real Prefect server, real subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from datetime import UTC, datetime
+from types import SimpleNamespace
+
+import pytest
+from pydantic import ValidationError
+
+from prefect_spotgpu.worker import SpotGPUWorker
+from prefect_spotgpu.worker.attempt import gang_lead
+from prefect_spotgpu.worker.config import SpotGPUJobConfiguration, SpotGPUVariables
+from prefect_spotgpu.worker.placement import Placement
+from prefect_spotgpu.worker.reactions import (
+    CancelBid,
+    Facts,
+    Go,
+    Nothing,
+    Phase,
+    Reschedule,
+    RunView,
+    Settings,
+    Track,
+    react,
+)
+from prefect_spotgpu.worker.report import allocation_report, describe, lead_allocations
+
+NOW = datetime(2026, 12, 1, 12, tzinfo=UTC)
+
+
+@pytest.mark.parametrize("model", [SpotGPUJobConfiguration, SpotGPUVariables])
+@pytest.mark.parametrize("bad", [0, 65, True])
+def test_node_count_is_1_to_64_and_named_when_refused(model, bad):
+    with pytest.raises(ValidationError, match="node_count"):
+        model(node_count=bad)
+    assert model(node_count=2).node_count == 2
+    assert model().node_count == 1
+
+
+def test_the_pool_form_has_node_count_and_the_job_configuration_templates_it():
+    template = SpotGPUWorker.get_default_base_job_template()
+    field = template["variables"]["properties"]["node_count"]
+    assert field["default"] == 1 and field["minimum"] == 1 and field["maximum"] == 64
+    assert template["job_configuration"]["node_count"] == "{{ node_count }}"
+
+
+def test_the_bid_carries_node_count():
+    from prefect.client.schemas.objects import FlowRun
+
+    flow_run = FlowRun(id=uuid.uuid4(), name="gang-otter", flow_id=uuid.uuid4())
+    for nodes in (1, 2):
+        config = SpotGPUJobConfiguration(node_count=nodes, gpu_count=4)
+        config.prepare_for_flow_run(flow_run)
+        run = SimpleNamespace(flow_run=flow_run, logger=None)
+        body = Placement(market=None, run=run, configuration=config, pool_name="p").bid_body()
+        assert body["node_count"] == nodes and body["gpu_count"] == 4
+
+
+def ev(kind, alloc, bid, node=1, **payload):
+    return {"kind": kind, "allocation_id": alloc, "bid_id": bid, "node_id": node,
+            "payload": payload}  # fmt: skip
+
+
+GANG = {"id": 10, "node_count": 2, "members": [10, 11], "gpu_count": 1,
+        "gpu_model": "A100-80G", "region": "eu-west", "max_price": 1.5}  # fmt: skip
+
+
+def test_a_gang_is_followed_through_rank_0s_bid():
+    assert gang_lead(GANG) == 10 and gang_lead({"id": 7, "node_count": 1}) is None
+    assert gang_lead({"id": 7}) is None  # a market without gangs
+    settings, track = Settings(max_preemptions=3), Track(gang_lead(GANG))
+    events = [ev("allocated", 100, 10), ev("allocated", 101, 11, node=2)]
+    reactions = [react(e, track.apply(e), track, settings, NOW) for e in events]
+    assert isinstance(reactions[0], Go) and reactions[0].allocation_id == 100
+    assert isinstance(reactions[1], Nothing) and "node 2 started" in reactions[1].log[1]
+    assert track.live == 100 and track.members == {101}
+    # one notice to the gang, both preempted: one preemption, one reschedule
+    member_end = ev("preempted", 101, 11, node=2, reason="final save acknowledged")
+    assert isinstance(react(member_end, track.apply(member_end), track, settings, NOW), Nothing)
+    lead_end = ev("preempted", 100, 10, reason="final save acknowledged")
+    assert isinstance(react(lead_end, track.apply(lead_end), track, settings, NOW), Reschedule)
+    assert track.preemptions == 1 and track.live is None
+    replay = Track.from_events([*events, member_end, lead_end], lead=10)
+    assert replay.preemptions == 1
+
+
+def test_a_members_failed_job_ends_the_gang_as_a_failed_job():
+    settings = Settings(max_preemptions=3)
+    track = Track.from_events([ev("allocated", 100, 10), ev("allocated", 101, 11, node=2)], 10)
+    failed = ev("preempted", 101, 11, node=2, reason="job failed on the node", detail="exit 1")
+    reaction = react(failed, track.apply(failed), track, settings, NOW)
+    assert isinstance(reaction, Nothing) and "failed: exit 1" in reaction.log[1]
+    cascade = ev("preempted", 100, 10, reason="gang member ended")
+    ended = track.apply(cascade)
+    assert react(cascade, ended, track, settings, NOW).what == "run"
+    crashed = Facts(run=RunView(Phase.CRASHED, "Crashed"))
+    assert isinstance(react(cascade, ended, track, settings, NOW, crashed), CancelBid)
+    assert track.preemptions == 0  # a failed job is not a preemption
+    # without a member's failure, the same end is a preemption: resume from the checkpoint
+    track = Track.from_events([ev("allocated", 100, 10), ev("allocated", 101, 11, node=2)], 10)
+    lost = ev("preempted", 101, 11, node=2, reason="node lost")
+    track.apply(lost)
+    assert isinstance(react(cascade, track.apply(cascade), track, settings, NOW), Reschedule)
+
+
+def test_the_allocation_table_lists_every_member():
+    base = {"gpu_count": 1, "price": 1.1, "started_at": 0.0, "ended_at": 3600.0,
+            "charged_seconds": 3600.0, "charged_amount": 1.1, "final_save": "ok",
+            "last_checkpoint_at": None, "status": "finished"}  # fmt: skip
+    allocations = [
+        {**base, "id": 101, "bid_id": 11, "rank": 1, "node_id": 2, "price": 1.2},
+        {**base, "id": 100, "bid_id": 10, "rank": 0, "node_id": 1},
+    ]
+    rows, summary = allocation_report(GANG, allocations)
+    assert [(r["rank"], r["node"], r["status"], r["price"]) for r in rows] == [
+        (0, 1, "finished", 1.1),
+        (1, 2, "finished", 1.2),
+    ]
+    assert "| GPU-hours | 2.0000 |" in summary  # both nodes' GPUs
+    assert "2 nodes of 1 x A100-80G" in describe(GANG)
+    assert [a["id"] for a in lead_allocations(allocations)] == [100]  # progress: rank 0's
+    one_node = [{**base, "id": 5, "bid_id": 3, "node_id": 1}]
+    rows, _ = allocation_report({**GANG, "id": 3, "node_count": 1}, one_node)
+    assert "rank" not in rows[0]
+
+
+FLOW = """
+import json, os
+from prefect import flow
+
+
+@flow(name="gang-probe")
+def gang_probe(out: str, steps: int = 1):
+    if steps < 0:
+        raise ValueError("no steps")
+    with open(out, "w") as f:
+        json.dump({"rank": os.environ["RANK"], "steps": steps}, f)
+    return steps
+"""
+
+
+def test_rank_1_runs_the_flow_function_and_leaves_the_run_to_rank_0(prefect_api_url, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.states import Pending
+
+    from prefect_spotgpu.protocol import LABELS
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "gang_flow.py").write_text(textwrap.dedent(FLOW))
+    out = tmp_path / "rank1.json"
+    with get_client(sync_client=True) as client:
+        flow_id = client.create_flow_from_name("gang-probe")
+        deployment = client.create_deployment(
+            flow_id=flow_id,
+            name=f"gang-{uuid.uuid4().hex[:6]}",
+            entrypoint="gang_flow.py:gang_probe",
+            path=str(code),
+            pull_steps=[
+                {"prefect.deployments.steps.set_working_directory": {"directory": str(code)}}
+            ],
+        )
+
+        def launch(run, **env):
+            return subprocess.run(
+                [sys.executable, "-m", "prefect_spotgpu.launch"],
+                env={**os.environ, "PREFECT_API_URL": prefect_api_url,
+                     "PREFECT__FLOW_RUN_ID": str(run.id), "SPOTGPU_ALLOCATION_ID": "101",
+                     "SPOTGPU_NOTICE_FILE": str(tmp_path / "notice.json"), "RANK": "1",
+                     "WORLD_SIZE": "2", **env},
+                capture_output=True, text=True, timeout=120, cwd=tmp_path,
+            )  # fmt: skip
+
+        run = client.create_flow_run_from_deployment(
+            deployment, parameters={"out": str(out), "steps": 3}
+        )
+        waited = launch(run, SPOTGPU_LAUNCH_TIMEOUT="2")  # Scheduled: no go yet
+        assert waited.returncode == 3, waited.stdout + waited.stderr
+        assert not out.exists()
+
+        client.update_flow_run_labels(run.id, {LABELS.ALLOCATION: "100"})  # rank 0's
+        client.set_flow_run_state(run.id, Pending(name="Starting"), force=True)
+        ran = launch(run)
+        assert ran.returncode == 0, ran.stdout + ran.stderr
+        assert json.loads(out.read_text()) == {"rank": "1", "steps": 3}
+        after = client.read_flow_run(run.id)
+        assert after.state.is_pending() and after.state.name == "Starting"  # rank 0's to move
+        assert after.run_count == 0
+
+        failing = client.create_flow_run_from_deployment(
+            deployment, parameters={"out": str(tmp_path / "never.json"), "steps": -1}
+        )
+        client.update_flow_run_labels(failing.id, {LABELS.ALLOCATION: "200"})
+        client.set_flow_run_state(failing.id, Pending(name="Starting"), force=True)
+        failed = launch(failing)
+        assert failed.returncode == 1 and "no steps" in failed.stderr
+        assert client.read_flow_run(failing.id).state.name == "Starting"
