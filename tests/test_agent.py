@@ -269,6 +269,22 @@ def a_market(tmp_path, heartbeat_timeout: float | None = None):
     return server, admin, owner["api_key"], buyer_key
 
 
+def stop_agents(agents: dict, server, tmp_path) -> None:
+    """Stop the agents (SIGTERM, then SIGKILL), the market, and any job left behind."""
+    for proc in agents.values():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        proc.logfile.close()
+    server.stop()
+    for pid_file in tmp_path.glob("state-*/alloc-*/pid"):  # no job outlives the test
+        with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
+            os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+
+
 def read_log(path):
     if not path.exists():
         return []
@@ -400,18 +416,7 @@ def test_two_agents_a_reclaim_and_a_resume_from_the_checkpoint(tmp_path):
         assert stop_to_running <= 5.0, report
         assert detection <= 3 + 5, report
     finally:
-        for proc in agents.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-            proc.logfile.close()
-        server.stop()
-        for pid_file in tmp_path.glob("state-*/alloc-*/pid"):  # no job outlives the test
-            with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
-                os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+        stop_agents(agents, server, tmp_path)
 
 
 def make_agent(service, owner, tmp_path, gpus=1, runner=None):

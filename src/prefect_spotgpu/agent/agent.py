@@ -47,6 +47,7 @@ from prefect_spotgpu.agent.reports import (
     one_line,
 )
 from prefect_spotgpu.agent.runners import JobHandle, JobRequest, Runner
+from prefect_spotgpu.agent.runners.runner import GangPlace
 from prefect_spotgpu.api_client import api_client
 from prefect_spotgpu.protocol import (
     ENDING_EVENTS,
@@ -80,7 +81,9 @@ class Agent:
         heartbeat_seconds: float = 5.0,
         grace_seconds: float = 5.0,
         telemetry=None,
+        address: str | None = None,
     ) -> None:
+        self.address = address  # where other nodes reach this one (a gang's MASTER_ADDR)
         self.market = market.rstrip("/")
         self.token = token  # a node token, or the owner's key until registration is done
         self.runner = runner
@@ -226,7 +229,7 @@ class Agent:
             with contextlib.suppress(Exception):
                 telemetry["gpus"] = self.telemetry()
         response = send_heartbeat(
-            self.client, self.node_id, telemetry=telemetry, images=self.images
+            self.client, self.node_id, telemetry=telemetry, images=self.images, address=self.address
         )
         if response.status_code != 200:
             logger.warning("heartbeat refused: %s %s", response.status_code, response.text[:200])
@@ -270,6 +273,12 @@ class Agent:
             if not job:
                 logger.warning("allocation %s has no job to run", alloc_id)
                 return
+            try:
+                gang = GangPlace.from_assignment(assignment.get("gang"))
+            except ValueError as exc:
+                logger.error("allocation %s: the market's gang is malformed: %s", alloc_id, exc)
+                self._report_failed(alloc_id, assignment["epoch"])
+                return
             count = assignment["gpu_count"]
             if len(self.free) < count:  # a stopping job still holds them: retry each loop
                 first = self.waiting_for_gpus.setdefault(alloc_id, time.monotonic())
@@ -297,6 +306,7 @@ class Agent:
                 checkpoint_key=assignment["checkpoint_key"],
                 image=job.get("image"),
                 tenant_id=assignment.get("tenant_id"),
+                gang=gang,
             )
             self.epochs[alloc_id] = assignment["epoch"]
             try:

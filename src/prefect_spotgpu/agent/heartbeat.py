@@ -65,11 +65,19 @@ class NodeImages:
 
 
 def send_heartbeat(
-    client: httpx.Client, node_id: int, *, telemetry: dict, images: NodeImages
+    client: httpx.Client,
+    node_id: int,
+    *,
+    telemetry: dict,
+    images: NodeImages,
+    address: str | None = None,
 ) -> httpx.Response:
-    """One heartbeat: ``telemetry``, and the node's images when they changed; the market's
-    answer (after one more try without what it refused)."""
-    body = {"telemetry": telemetry}
+    """One heartbeat: ``telemetry``, the node's advertised ``address`` (where a gang's other
+    ranks reach its rank 0), and the node's images when they changed; the market's answer
+    (after one more try without what it refused)."""
+    body: dict = {"telemetry": telemetry}
+    if address is not None:
+        body["address"] = address
     listed = images.to_send()
     if listed is not None:
         body["images"] = listed

@@ -9,6 +9,7 @@ from __future__ import annotations
 import typer
 
 from prefect_spotgpu.cli.common import MARKET, console
+from prefect_spotgpu.protocol import NODE_ADDRESS_PATTERN, UNSET_NODE_ADDRESS
 
 agent_app = typer.Typer(help="Run the node agent on a GPU host.", no_args_is_help=True)
 
@@ -36,6 +37,12 @@ def agent_start(
     ),
     name: str = typer.Option(None, help="Node name when registering (default: hostname)."),
     region: str = typer.Option(None, help="Region when registering, e.g. eu-west."),
+    advertise_address: str = typer.Option(
+        UNSET_NODE_ADDRESS,
+        envvar="SPOTGPU_AGENT_ADVERTISE_ADDRESS",
+        help="The IP address or host name other nodes reach this one at: a gang whose rank 0 "
+        "runs here gives it to its other ranks as MASTER_ADDR.",
+    ),
     reserve_price: float = typer.Option(None, help="Reserve price per GPU-hour when registering."),
     capacity: str = typer.Option(
         "spot",
@@ -89,6 +96,7 @@ def agent_start(
     root, it runs each job as an unprivileged user of its own (see --job-user).
     """
     import logging
+    import re
     import signal as signals
     import socket
     from pathlib import Path
@@ -112,6 +120,12 @@ def agent_start(
     )
     if log_level.lower() != "debug":  # a line per request (one a second, at least): noise
         logging.getLogger("httpx").setLevel(logging.WARNING)
+    if not re.fullmatch(NODE_ADDRESS_PATTERN, advertise_address):
+        console.print(
+            f"[red]--advertise-address must be an IP address or a host name (letters, digits, "
+            f"'.', ':', '-'; at most 253), got {advertise_address!r}[/red]"
+        )
+        raise typer.Exit(2)
     name = name or socket.gethostname()
     state = Path(state_dir).absolute() if state_dir else default_state_dir(name)
     options = RunnerOptions(
@@ -143,6 +157,7 @@ def agent_start(
         heartbeat_seconds=heartbeat_seconds,
         grace_seconds=grace_seconds,
         telemetry=None if gpus else telemetry_nvml,
+        address=advertise_address,
     )
     signals.signal(signals.SIGTERM, lambda *_: agent.shutdown())
     try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,13 @@ from prefect_spotgpu.agent.isolation import (
     tenant_checkpoint_dir,
     write_job_file,
 )
-from prefect_spotgpu.protocol import JOB_ENV, MAX_IMAGE_REFERENCE_CHARS, MAX_NODE_IMAGES
+from prefect_spotgpu.market.types import MAX_GANG_NODES
+from prefect_spotgpu.protocol import (
+    JOB_ENV,
+    MAX_IMAGE_REFERENCE_CHARS,
+    MAX_NODE_IMAGES,
+    NODE_ADDRESS_PATTERN,
+)
 
 logger = logging.getLogger("prefect_spotgpu.agent")
 
@@ -42,6 +49,70 @@ MOST_REFERENCE_CHARS = MAX_IMAGE_REFERENCE_CHARS
 
 Progress = Callable[[str], None]
 """Where a runner says how far a long preparation is: one plain line at a time."""
+
+
+TORCH_DISTRIBUTED_NAMES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "NODE_RANK",
+    "NNODES",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "SPOTGPU_GPUS_PER_NODE",
+)
+"""What a gang member's job gets from its agent (torchrun's names, one process per node); the
+agent's values win over the tenant's environment of the same names."""
+
+
+@dataclass(frozen=True, slots=True)
+class GangPlace:
+    """Where a gang member stands in its gang, as the market's assignment says."""
+
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    gpus_per_node: int
+
+    @classmethod
+    def from_assignment(cls, gang: object) -> GangPlace | None:
+        """The assignment's ``gang`` checked (None: a one-node job); ``ValueError`` naming
+        what is wrong with it."""
+        if gang is None:
+            return None
+        if not isinstance(gang, dict):
+            raise ValueError(f"gang must be an object, got {type(gang).__name__}")
+
+        def whole(name: str, low: int, high: int) -> int:
+            value = gang.get(name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"gang.{name} must be an integer in [{low}, {high}]")
+            return value
+
+        world = whole("world_size", 2, MAX_GANG_NODES)
+        rank = whole("rank", 0, world - 1)
+        address = gang.get("master_addr")
+        if not isinstance(address, str) or not re.fullmatch(NODE_ADDRESS_PATTERN, address):
+            raise ValueError("gang.master_addr must be an IP address or a host name")
+        return cls(
+            rank, world, address, whole("master_port", 1, 65535), whole("gpus_per_node", 1, 16)
+        )
+
+    def variables(self) -> dict[str, str]:
+        values = (
+            self.master_addr,
+            self.master_port,
+            self.world_size,
+            self.rank,
+            self.rank,
+            self.world_size,
+            0,
+            1,
+            self.gpus_per_node,
+        )
+        return {name: str(v) for name, v in zip(TORCH_DISTRIBUTED_NAMES, values, strict=True)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +130,7 @@ class JobRequest:
     checkpoint_key: str = ""
     image: str | None = None
     tenant_id: int | None = None  # whose job: its checkpoint directory and group
+    gang: GangPlace | None = None  # a gang member: its torch.distributed rendezvous
 
     @property
     def notice_file(self) -> Path:
@@ -85,6 +157,8 @@ class JobRequest:
         }
         if checkpoint_url:
             env[JOB_ENV.CHECKPOINT_URL] = checkpoint_url
+        if self.gang is not None:
+            env.update(self.gang.variables())
         return env
 
 

@@ -1,0 +1,153 @@
+"""A gang's members on real agents get torch.distributed's standard environment (issue 19,
+part 3): rank 0's advertised address, the gang's port, their ranks; the agent's values win
+over the tenant's; a malformed gang from the market is refused, never run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import wait_for as wait
+from prefect_spotgpu.agent.runners import JobRequest
+from prefect_spotgpu.agent.runners.runner import TORCH_DISTRIBUTED_NAMES, GangPlace
+from test_agent import a_market, start_agent, stop_agents
+
+GOOD = {"rank": 1, "world_size": 2, "master_addr": "10.0.0.7", "master_port": 20010,
+        "gpus_per_node": 2}  # fmt: skip
+
+
+def request(tmp_path: Path, gang: GangPlace | None) -> JobRequest:
+    return JobRequest(1, 1, 10, ["true"], {}, [0], tmp_path, gang=gang)
+
+
+def test_a_member_gets_torchrun_variables_and_a_one_node_job_none(tmp_path):
+    env = request(tmp_path, GangPlace.from_assignment(GOOD)).job_variables(
+        workdir="/w", checkpoint_url=None
+    )
+    assert {k: env[k] for k in TORCH_DISTRIBUTED_NAMES} == {
+        "MASTER_ADDR": "10.0.0.7",
+        "MASTER_PORT": "20010",
+        "WORLD_SIZE": "2",
+        "RANK": "1",
+        "NODE_RANK": "1",
+        "NNODES": "2",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "SPOTGPU_GPUS_PER_NODE": "2",
+    }
+    alone = request(tmp_path, GangPlace.from_assignment(None))
+    assert not set(TORCH_DISTRIBUTED_NAMES) & set(
+        alone.job_variables(workdir="/w", checkpoint_url=None)
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"rank": 2}, "gang.rank"),
+        ({"rank": -1}, "gang.rank"),
+        ({"rank": True}, "gang.rank"),
+        ({"world_size": 1}, "gang.world_size"),
+        ({"world_size": 65}, "gang.world_size"),
+        ({"master_port": 0}, "gang.master_port"),
+        ({"master_port": "29500"}, "gang.master_port"),
+        ({"master_addr": "10.0.0.7\nEVIL=1"}, "gang.master_addr"),
+        ({"master_addr": "a/b"}, "gang.master_addr"),
+        ({"master_addr": None}, "gang.master_addr"),
+        ({"gpus_per_node": 17}, "gang.gpus_per_node"),
+    ],
+)
+def test_a_malformed_gang_from_the_market_is_refused_naming_the_field(change, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        GangPlace.from_assignment({**GOOD, **change})
+    with pytest.raises(ValueError, match="gang must be an object"):
+        GangPlace.from_assignment(["rank", 0])
+
+
+def test_a_bad_advertise_address_is_refused_before_anything_starts(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "prefect_spotgpu.cli", "agent", "start", "--gpus", "A100-80G:1",
+         "--state-dir", str(tmp_path), "--advertise-address", "evil/host"],
+        capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin",
+        "SPOTGPU_AGENT_TOKEN": "x", "HOME": str(tmp_path)},
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "--advertise-address" in result.stdout + result.stderr
+
+
+MEMBER = textwrap.dedent(
+    """
+    import json, os, pathlib, sys, time
+    out = pathlib.Path(sys.argv[1])
+    names = sys.argv[2].split(",")
+    (out / f"rank-{os.environ['RANK']}.json").write_text(
+        json.dumps({n: os.environ.get(n) for n in names}))
+    deadline = time.time() + 30  # both members have started before either ends the gang
+    while len(list(out.glob("rank-*.json"))) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    """
+)
+
+
+@pytest.mark.slow
+def test_two_agents_start_a_gang_with_rank_0s_address(tmp_path):
+    server, admin, owner_key, buyer_key = a_market(tmp_path)
+    addresses = {"a": "127.0.0.11", "b": "127.0.0.12"}
+    agents = {
+        n: start_agent(server, owner_key, n, tmp_path, "--advertise-address", addresses[n])
+        for n in addresses
+    }
+    try:
+        nodes = wait(
+            lambda: (
+                len(r := admin.get("/nodes").json()) == 2 and all(n.get("address") for n in r) and r
+            ),
+            30,
+            "two agents with their addresses",
+        )
+        address_of = {n["id"]: n["address"] for n in nodes}
+        assert sorted(address_of.values()) == sorted(addresses.values())
+        out = tmp_path / "out"
+        out.mkdir()
+        buyer = server.client(buyer_key)
+        bid = buyer.post(
+            "/bids",
+            json={
+                "gpu_model": "A100-80G", "gpu_count": 2, "max_price": 1.5, "region": "eu-west",
+                "node_count": 2,
+                "job": {
+                    "command": [sys.executable, "-c", MEMBER, str(out),
+                                ",".join(TORCH_DISTRIBUTED_NAMES)],
+                    "env": {"MASTER_ADDR": "evil.example", "RANK": "7"},  # the agent's win
+                },
+            },
+        )  # fmt: skip
+        assert bid.status_code == 201, bid.text
+        assert bid.json()["node_count"] == 2 and len(bid.json()["members"]) == 2
+        seen = wait(
+            lambda: len(files := sorted(out.glob("rank-*.json"))) == 2 and files, 60, "both ranks"
+        )
+        envs = {int(json.loads(f.read_text())["RANK"]): json.loads(f.read_text()) for f in seen}
+        allocs = buyer.get(f"/bids/{bid.json()['id']}/allocations").json()
+        rank0_node = next(a["node_id"] for a in allocs if a["rank"] == 0)
+        port = envs[0]["MASTER_PORT"]
+        for rank, env in envs.items():
+            assert env == {
+                "MASTER_ADDR": address_of[rank0_node],
+                "MASTER_PORT": port,
+                "WORLD_SIZE": "2",
+                "RANK": str(rank),
+                "NODE_RANK": str(rank),
+                "NNODES": "2",
+                "LOCAL_RANK": "0",
+                "LOCAL_WORLD_SIZE": "1",
+                "SPOTGPU_GPUS_PER_NODE": "2",
+            }
+        assert int(port) == 20000 + bid.json()["id"] % 20000
+    finally:
+        stop_agents(agents, server, tmp_path)
