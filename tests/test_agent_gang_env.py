@@ -8,14 +8,15 @@ import json
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from conftest import wait_for as wait
-from prefect_spotgpu.agent.runners import JobRequest
+from prefect_spotgpu.agent.runners import DockerRunner, JobRequest, ProcessRunner
 from prefect_spotgpu.agent.runners.runner import TORCH_DISTRIBUTED_NAMES, GangPlace
-from test_agent import a_market, start_agent, stop_agents
+from test_agent import AS_ME, a_market, make_agent, owner_agent, start_agent, stop_agents
 
 GOOD = {"rank": 1, "world_size": 2, "master_addr": "10.0.0.7", "master_port": 20010,
         "gpus_per_node": 2}  # fmt: skip
@@ -59,7 +60,11 @@ def test_a_member_gets_torchrun_variables_and_a_one_node_job_none(tmp_path):
         ({"master_addr": "10.0.0.7\nEVIL=1"}, "gang.master_addr"),
         ({"master_addr": "a/b"}, "gang.master_addr"),
         ({"master_addr": None}, "gang.master_addr"),
+        ({"master_addr": "10.0.0.7\n"}, "gang.master_addr"),
+        ({"master_addr": "a" * 254}, "gang.master_addr"),
+        ({"gpus_per_node": 0}, "gang.gpus_per_node"),
         ({"gpus_per_node": 17}, "gang.gpus_per_node"),
+        ({"gpus_per_node": 2.0}, "gang.gpus_per_node"),
     ],
 )
 def test_a_malformed_gang_from_the_market_is_refused_naming_the_field(change, field):
@@ -69,15 +74,116 @@ def test_a_malformed_gang_from_the_market_is_refused_naming_the_field(change, fi
         GangPlace.from_assignment(["rank", 0])
 
 
-def test_a_bad_advertise_address_is_refused_before_anything_starts(tmp_path):
+@pytest.mark.parametrize(
+    ("option", "env"),
+    [
+        (["--advertise-address", "evil/host"], {}),
+        (["--advertise-address", "a" * 254], {}),
+        ([], {"SPOTGPU_AGENT_ADVERTISE_ADDRESS": "10.0.0.7 -x"}),
+    ],
+)
+def test_a_bad_advertise_address_is_refused_before_anything_starts(tmp_path, option, env):
     result = subprocess.run(
         [sys.executable, "-m", "prefect_spotgpu.cli", "agent", "start", "--gpus", "A100-80G:1",
-         "--state-dir", str(tmp_path), "--advertise-address", "evil/host"],
+         "--market", "http://127.0.0.1:9", "--state-dir", str(tmp_path), *option],
         capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin",
-        "SPOTGPU_AGENT_TOKEN": "x", "HOME": str(tmp_path)},
+        "SPOTGPU_AGENT_TOKEN": "x", "HOME": str(tmp_path), "COLUMNS": "200", **env},
     )  # fmt: skip
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "--advertise-address" in result.stdout + result.stderr
+    out = result.stdout + result.stderr
+    assert result.returncode == 2, out
+    assert "--advertise-address must be an IP address or a host name" in out, out
+    assert not list(tmp_path.iterdir())  # nothing started: not even the state directory
+
+
+SHOW_ENV = "import json, os, sys; json.dump(dict(os.environ), open(sys.argv[1], 'w'))"
+
+
+def run_to_the_end(runner: ProcessRunner, req: JobRequest) -> dict[str, str]:
+    """Run a real process job that writes its whole environment to a file; that file."""
+    out = req.workdir.parent / f"env-{req.allocation_id}.json"
+    handle = runner.start(replace(req, command=[sys.executable, "-c", SHOW_ENV, str(out)]))
+    try:
+        wait(lambda: handle.poll() is not None, 20, "the job ended")
+        assert handle.poll() == 0, (req.workdir / "job.log").read_text()
+    finally:
+        runner.stop(handle, grace=0)
+    return json.loads(out.read_text())
+
+
+def test_a_real_process_job_sees_the_agents_gang_variables_not_the_tenants(tmp_path):
+    tenant = {"MASTER_ADDR": "evil.example", "MASTER_PORT": "1", "RANK": "7", "MINE": "kept"}
+    member = JobRequest(
+        1, 1, 10, ["x"], tenant, [0], tmp_path / "alloc-1",
+        gang=GangPlace.from_assignment(GOOD),
+    )  # fmt: skip
+    env = run_to_the_end(ProcessRunner(users=AS_ME), member)
+    assert {k: env.get(k) for k in TORCH_DISTRIBUTED_NAMES} == {
+        "MASTER_ADDR": "10.0.0.7",
+        "MASTER_PORT": "20010",
+        "WORLD_SIZE": "2",
+        "RANK": "1",
+        "NODE_RANK": "1",
+        "NNODES": "2",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "SPOTGPU_GPUS_PER_NODE": "2",
+    }
+    assert env["MINE"] == "kept"  # the tenant's other variables are the tenant's
+    alone = JobRequest(2, 1, 11, ["x"], {"MINE": "kept"}, [0], tmp_path / "alloc-2")
+    env = run_to_the_end(ProcessRunner(users=AS_ME), alone)
+    assert env["MINE"] == "kept" and not set(TORCH_DISTRIBUTED_NAMES) & set(env)
+
+
+def test_a_container_member_gets_the_same_variables_over_its_tenants(tmp_path):
+    member = JobRequest(
+        1, 1, 10, ["python"], {"MASTER_ADDR": "evil.example", "WORLD_SIZE": "99"}, [0],
+        tmp_path / "alloc-1", image="pytorch/pytorch:2.4", gang=GangPlace.from_assignment(GOOD),
+    )  # fmt: skip
+    env = DockerRunner(client=object()).container_spec(member)["environment"]
+    assert (env["MASTER_ADDR"], env["WORLD_SIZE"], env["RANK"]) == ("10.0.0.7", "2", "1")
+    alone = JobRequest(
+        2, 1, 11, ["python"], {}, [0], tmp_path / "alloc-2", image="pytorch/pytorch:2.4"
+    )
+    env = DockerRunner(client=object()).container_spec(alone)["environment"]
+    assert not set(TORCH_DISTRIBUTED_NAMES) & set(env)
+
+
+def test_an_agent_reports_a_malformed_gang_failed_saying_why(service, tmp_path):
+    owner, buyer = service.tenant(), service.tenant()
+    _, agent = make_agent(service, owner, tmp_path, runner=ProcessRunner(users=AS_ME))
+    agent.register()
+    bid = buyer.post(
+        "/bids",
+        json={"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0, "region": "eu-west",
+              "job": {"command": ["sleep", "60"]}},
+    ).json()  # fmt: skip
+    (alloc,) = wait(lambda: list(agent.assignments().values()), 20, "the allocation")
+    agent.start(alloc["id"], {**alloc, "gang": {**GOOD, "rank": 5}})  # as a broken market's
+    assert agent.jobs == {} and agent.free == {0}  # never started; its GPU still free
+
+    def ended():
+        page = buyer.get(f"/bids/{bid['id']}/events", params={"after": 0, "timeout": 1})
+        return [e for e in page.json()["events"] if e["kind"] == "preempted"]
+
+    try:
+        (event,) = wait(ended, 20, "the allocation reported failed")
+        assert event["payload"]["reason"] == "job failed on the node"
+        assert event["payload"]["detail"] == (
+            "the market's gang is malformed: gang.rank must be an integer in [0, 1]"
+        )
+    finally:
+        buyer.post(f"/bids/{bid['id']}/cancel")
+        agent.shutdown()
+
+
+def test_the_agent_registers_its_advertised_address(service, tmp_path):
+    owner = service.tenant()
+    service.grant_provider(owner)
+    agent = owner_agent(service, owner, tmp_path / "state")
+    agent.address = "node-7.example"
+    agent.register()  # (no heartbeat yet: the registration carried it)
+    (node,) = owner.get("/nodes").json()
+    assert node["address"] == "node-7.example"
 
 
 MEMBER = textwrap.dedent(

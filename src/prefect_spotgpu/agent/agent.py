@@ -135,6 +135,7 @@ class Agent:
                     "capacity": self.capacity,
                     "declared": self.declared,
                     "inventory": [g.to_json() for g in self.gpus],
+                    "address": self.address,
                 },
                 http=self._http,
             )
@@ -275,9 +276,9 @@ class Agent:
                 return
             try:
                 gang = GangPlace.from_assignment(assignment.get("gang"))
-            except ValueError as exc:
-                logger.error("allocation %s: the market's gang is malformed: %s", alloc_id, exc)
-                self._report_failed(alloc_id, assignment["epoch"])
+            except ValueError as exc:  # never run: its ranks could not meet
+                logger.error("allocation %s: %s", alloc_id, exc)
+                self._report_failed(alloc_id, assignment["epoch"], str(exc))
                 return
             count = assignment["gpu_count"]
             if len(self.free) < count:  # a stopping job still holds them: retry each loop

@@ -32,7 +32,7 @@ from prefect_spotgpu.agent.isolation import (
     tenant_checkpoint_dir,
     write_job_file,
 )
-from prefect_spotgpu.market.types import MAX_GANG_NODES
+from prefect_spotgpu.market.types import MAX_GANG_NODES, MAX_GPUS_PER_NODE
 from prefect_spotgpu.protocol import (
     JOB_ENV,
     MAX_IMAGE_REFERENCE_CHARS,
@@ -78,27 +78,36 @@ class GangPlace:
 
     @classmethod
     def from_assignment(cls, gang: object) -> GangPlace | None:
-        """The assignment's ``gang`` checked (None: a one-node job); ``ValueError`` naming
-        what is wrong with it."""
+        """The assignment's ``gang`` checked (None: a one-node job); a ``ValueError`` saying
+        what is wrong with it, in words fit for the allocation's failure report.
+
+        >>> GangPlace.from_assignment({"rank": 2, "world_size": 2, "master_addr": "10.0.0.7",
+        ...                            "master_port": 20010, "gpus_per_node": 1})
+        Traceback (most recent call last):
+        ValueError: the market's gang is malformed: gang.rank must be an integer in [0, 1]
+        """
         if gang is None:
             return None
+
+        def malformed(why: str) -> ValueError:
+            return ValueError(f"the market's gang is malformed: {why}")
+
         if not isinstance(gang, dict):
-            raise ValueError(f"gang must be an object, got {type(gang).__name__}")
+            raise malformed(f"gang must be an object, got {type(gang).__name__}")
 
         def whole(name: str, low: int, high: int) -> int:
             value = gang.get(name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-                raise ValueError(f"gang.{name} must be an integer in [{low}, {high}]")
+                raise malformed(f"gang.{name} must be an integer in [{low}, {high}]")
             return value
 
         world = whole("world_size", 2, MAX_GANG_NODES)
         rank = whole("rank", 0, world - 1)
         address = gang.get("master_addr")
         if not isinstance(address, str) or not re.fullmatch(NODE_ADDRESS_PATTERN, address):
-            raise ValueError("gang.master_addr must be an IP address or a host name")
-        return cls(
-            rank, world, address, whole("master_port", 1, 65535), whole("gpus_per_node", 1, 16)
-        )
+            raise malformed("gang.master_addr must be an IP address or a host name")
+        port = whole("master_port", 1, 65535)
+        return cls(rank, world, address, port, whole("gpus_per_node", 1, MAX_GPUS_PER_NODE))
 
     def variables(self) -> dict[str, str]:
         values = (
