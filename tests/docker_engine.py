@@ -6,7 +6,7 @@ engine this module started. ``job_image()`` builds, once per engine, the images 
 
 - ``spotgpu-test-base:bookworm``: ``debootstrap --variant=minbase`` with Debian's python3 and
   numpy, imported as an image (``docker import``: nothing is pulled);
-- ``spotgpu-test-job:<hash of the project's wheel>``: the base with this checkout's
+- ``spotgpu-test-job:<hash of the project's wheel's files>``: the base with this checkout's
   prefect-spotgpu unpacked from a wheel built here (``--no-deps``: the job side needs only
   the checkpoint library, the standard library and numpy);
 - ``spotgpu-test-python:prefect-<version>``: a Python image as catalogue images are: the
@@ -18,24 +18,34 @@ engine this module started. ``job_image()`` builds, once per engine, the images 
   ``spot_flow.py`` at ``FLOWS``, the deployments' working directory).
 
 No internet registry is reachable here: ``start_registry()`` runs Debian's ``docker-registry``
-on a loopback port with its storage in a temporary directory (the engine trusts registries on
-127.0.0.0/8 over plain HTTP), and ``push_pull_image()`` puts there an image the engine then
-lacks: the job image plus a layer of random bytes, pushed, then removed from the engine, so a
-pull of it fetches that layer (``forget_image`` removes it again before the next pull).
+on a loopback port (the engine trusts registries on 127.0.0.0/8 over plain HTTP), its storage
+kept from one session to the next (``REGISTRY_HOME``), behind a ``Link``: a proxy that sends
+what the registry answers at ``PULL_BYTES_PER_SECOND``, as a network would (a loopback
+registry answers as fast as the disk). ``push_pull_image()`` puts there an image the engine
+then lacks: the job image plus a layer of random bytes, pushed, then removed from the engine,
+so a pull of it fetches that layer (``forget_image`` removes it again before the next pull).
+
+The images are named by what they hold: the wheel's files, not the wheel (its zip entries'
+times change with every build), so an unchanged checkout finds the images it built before.
 
 Each step says how long it took (``TIMINGS``), for the closing notes of the container work.
 """
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import fcntl
 import hashlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,10 +60,21 @@ CA_DIR = Path("/usr/local/share/ca-certificates")
 MIRROR = "http://deb.debian.org/debian"
 TIMINGS: dict[str, float] = {}
 
-BALLAST_BYTES = 320_000_000
-"""The random (incompressible) layer of the pull test's image: big enough that its pull takes
-a few seconds from a loopback registry, so its progress is reported more than once."""
+BALLAST_BYTES = 32_000_000
+"""The random (incompressible) layer of the pull test's image."""
+PULL_BYTES_PER_SECOND = 10_000_000
+"""What the registry sends, at most (its ``Link``): the pull test's layer takes
+``BALLAST_BYTES / PULL_BYTES_PER_SECOND`` = 3.2 s however fast the machine, so its progress is
+reported more than once (every ``protocol.PULL_REPORT_SECONDS``) and a pull is still under way
+when a test acts on it; pushes are not slowed."""
 REGISTRY = shutil.which("docker-registry") or "/usr/bin/docker-registry"
+REGISTRY_HOME = Path(tempfile.gettempdir()) / "spotgpu-test-registry"
+"""The registry's storage, kept from one session to the next: a push skips the layers it holds
+already (the job and flow images' base layers: hundreds of MB, a dozen seconds each to
+compress), so a session pushes what changed and its own random layers. Each session first
+drops what no tag names any more (``garbage-collect --delete-untagged``: earlier sessions'
+random layers and job images). One session at a time holds it (a lock); another at the same
+time gets a temporary storage of its own."""
 
 _started: subprocess.Popen | None = None
 
@@ -140,14 +161,35 @@ def base_image() -> str:
     return BASE_IMAGE
 
 
+_built: list[Path] = []
+"""This checkout's wheel, once built (``_wheel``: once per session)."""
+
+
 def _wheel(into: str) -> Path:
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", into, str(ROOT)],
-        check=True,
-        capture_output=True,
-    )
-    (wheel,) = Path(into).glob("*.whl")
-    return wheel
+    """This checkout's wheel (``--no-deps``), copied into ``into``."""
+    if not _built:
+        folder = tempfile.mkdtemp(prefix="spotgpu-test-wheel-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", folder, str(ROOT)],
+            check=True,
+            capture_output=True,
+        )
+        _built.extend(Path(folder).glob("*.whl"))
+    (wheel,) = _built
+    Path(into).mkdir(parents=True, exist_ok=True)
+    return Path(shutil.copy(wheel, into))
+
+
+def _held(wheel: Path) -> bytes:
+    """What a wheel holds, its files' names and bytes: the same for two builds of one checkout
+    (their zip entries' times differ)."""
+    digest = hashlib.sha256()
+    with zipfile.ZipFile(wheel) as archive:
+        for name in sorted(archive.namelist()):
+            data = archive.read(name)
+            digest.update(f"{name}\0{len(data)}\0".encode() + data)
+    return digest.digest()
 
 
 def _build(name: str, context: str, dockerfile: str, timing: str, began: float) -> str:
@@ -174,7 +216,7 @@ def job_image() -> str:
     with tempfile.TemporaryDirectory(prefix="spotgpu-image-") as context:
         began = time.monotonic()
         wheel = _wheel(context)
-        name = f"{JOB_REPOSITORY}:{hashlib.sha256(wheel.read_bytes()).hexdigest()[:12]}"
+        name = f"{JOB_REPOSITORY}:{hashlib.sha256(_held(wheel)).hexdigest()[:12]}"
         if _has_image(name):
             return name
         return _build(
@@ -231,7 +273,7 @@ def flow_image() -> str:
         (Path(context) / "flows").mkdir()
         shutil.copy(flow, Path(context) / "flows")
         digest = hashlib.sha256(
-            wheel.read_bytes() + flow.read_bytes() + recipe.read_bytes() + base.encode()
+            _held(wheel) + flow.read_bytes() + recipe.read_bytes() + base.encode()
         ).hexdigest()[:12]
         name = f"{FLOW_REPOSITORY}:{digest}"
         if _has_image(name):
@@ -260,16 +302,100 @@ def remove_job_containers() -> None:
         _docker("rm", "-f", *ids, check=False)
 
 
+class Link:
+    """A TCP proxy on a loopback port (``address``) to ``upstream``: what ``upstream`` answers
+    goes at ``rate`` bytes per second at most, all connections together (one network link);
+    what clients send goes at once. Its event loop runs on a thread of its own until
+    ``close()``."""
+
+    CHUNK = 64 * 1024
+
+    def __init__(self, upstream: str, rate: float) -> None:
+        host, port = upstream.rsplit(":", 1)
+        self.upstream = (host, int(port))
+        self.rate = rate
+        self.address = ""
+        self._free_at = 0.0  # when the link has sent what it was given (the loop's clock)
+        self._listening = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed: asyncio.Event | None = None
+        self._open: dict[asyncio.Task, list[asyncio.StreamWriter]] = {}
+        self._thread = threading.Thread(
+            target=asyncio.run, args=(self._serve(),), name="registry-link", daemon=True
+        )
+        self._thread.start()
+        if not self._listening.wait(10):
+            raise EngineUnavailable(f"no proxy to the registry on {upstream}")
+
+    def close(self) -> None:
+        """Stop listening and drop every connection."""
+        if self._loop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._closed.set)
+            self._thread.join(10)
+
+    async def _serve(self) -> None:
+        self._loop, self._closed = asyncio.get_running_loop(), asyncio.Event()
+        server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
+        self.address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        self._listening.set()
+        await self._closed.wait()
+        server.close()
+        for writers in self._open.values():
+            for writer in writers:
+                writer.close()  # each way sees its end
+        await asyncio.gather(*self._open, return_exceptions=True)
+
+    async def _connection(self, client: asyncio.StreamReader, to_client: asyncio.StreamWriter):
+        task = asyncio.current_task()
+        self._open[task] = [to_client]
+        try:
+            upstream, to_upstream = await asyncio.open_connection(*self.upstream)
+            self._open[task].append(to_upstream)
+            await asyncio.gather(
+                self._pipe(client, to_upstream, throttled=False),
+                self._pipe(upstream, to_client, throttled=True),
+            )
+        except OSError:
+            pass  # the registry is down: the client sees its connection closed
+        finally:
+            for writer in self._open.pop(task):
+                writer.close()
+
+    async def _pipe(self, reader, writer, *, throttled: bool) -> None:
+        try:
+            while data := await reader.read(self.CHUNK):
+                if throttled:
+                    await self._sent(len(data))
+                writer.write(data)
+                await writer.drain()
+            if writer.can_write_eof():
+                writer.write_eof()  # (the other way may still carry an answer)
+        except OSError:
+            writer.close()  # one side is gone: the other way ends too
+
+    async def _sent(self, size: int) -> None:
+        """Wait while the link sends ``size`` bytes after what it was given before."""
+        now = self._loop.time()
+        self._free_at = max(self._free_at, now) + size / self.rate
+        await asyncio.sleep(self._free_at - now)
+
+
 @dataclass
 class Registry:
-    """A running registry: ``address`` is ``127.0.0.1:PORT`` (an image reference's host)."""
+    """A running registry behind its ``Link``: ``address`` is the link's ``127.0.0.1:PORT``
+    (an image reference's host)."""
 
     address: str
     process: subprocess.Popen
     storage: Path
+    link: Link
+    lock: int | None
+    """The descriptor holding ``REGISTRY_HOME``'s lock; None: the storage is temporary."""
 
     def stop(self) -> None:
-        """Stop the registry (by its pid) and remove its storage."""
+        """Stop the link, the registry (by its pid); remove a temporary storage, unlock a kept
+        one."""
+        self.link.close()
         if self.process.poll() is None:
             self.process.terminate()
             try:
@@ -277,16 +403,33 @@ class Registry:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(15)
-        shutil.rmtree(self.storage, ignore_errors=True)
+        if self.lock is None:
+            shutil.rmtree(self.storage, ignore_errors=True)
+        else:
+            os.close(self.lock)
 
 
-def start_registry(wait: float = 30.0) -> Registry:
-    """A registry on a free loopback port, its storage a new temporary directory."""
+def _storage() -> tuple[Path, int | None]:
+    """``REGISTRY_HOME``, locked for this session (and the lock), or a new temporary
+    directory (and None) while another session holds it."""
+    REGISTRY_HOME.mkdir(exist_ok=True)
+    lock = os.open(REGISTRY_HOME / "lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(lock)
+        return Path(tempfile.mkdtemp(prefix="spotgpu-test-registry-")), None
+    return REGISTRY_HOME, lock
+
+
+def start_registry(wait: float = 30.0, rate: float = PULL_BYTES_PER_SECOND) -> Registry:
+    """A registry on a free loopback port, its storage ``REGISTRY_HOME`` (what no tag names
+    dropped), behind a ``Link`` of ``rate`` bytes per second."""
     from prefect_spotgpu.cli.stack import free_port
 
     if not Path(REGISTRY).exists():
         raise EngineUnavailable("no registry: install Debian's docker-registry")
-    storage = Path(tempfile.mkdtemp(prefix="spotgpu-test-registry-"))
+    storage, lock = _storage()
     address = f"127.0.0.1:{free_port()}"
     config = storage / "config.yml"
     config.write_text(
@@ -296,15 +439,34 @@ def start_registry(wait: float = 30.0) -> Registry:
         "  delete:\n    enabled: true\n"
         f"http:\n  addr: {address}\n"
     )
-    log = open(storage / "registry.log", "ab")  # noqa: SIM115
+    log = open(storage / "registry.log", "wb")  # noqa: SIM115
+    if lock is not None:
+        began = time.monotonic()
+        collected = subprocess.run(
+            [REGISTRY, "garbage-collect", "--delete-untagged", str(config)],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            timeout=300,
+            check=False,
+        )
+        if collected.returncode != 0:  # (what it could not read is pushed again)
+            shutil.rmtree(storage / "data", ignore_errors=True)
+        TIMINGS["registry_collect_seconds"] = round(time.monotonic() - began, 1)
     process = subprocess.Popen(
         [REGISTRY, "serve", str(config)], stdout=log, stderr=log, start_new_session=True
     )
-    registry = Registry(address, process, storage)
+    try:
+        link = Link(address, rate)
+    except EngineUnavailable:
+        process.terminate()
+        if lock is not None:
+            os.close(lock)
+        raise
+    registry = Registry(link.address, process, storage, link, lock)
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline and process.poll() is None:
         try:
-            with urllib.request.urlopen(f"http://{address}/v2/", timeout=2) as answer:
+            with urllib.request.urlopen(f"http://{link.address}/v2/", timeout=2) as answer:
                 if answer.status == 200:
                     return registry
         except OSError:

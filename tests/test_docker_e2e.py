@@ -193,7 +193,7 @@ def test_a_run_whose_image_a_node_must_pull_shows_the_pull_in_its_log(stack, pre
 
     flow_image = stack.flow_image
     pulled = docker_engine.push_pull_image(
-        registry, flow_image, name="spotgpu-test/flow-pull:1", ballast_bytes=64_000_000
+        registry, flow_image, name="spotgpu-test/flow-pull:1", ballast_bytes=16_000_000
     )
     try:
         entry = {"reference": pulled, "framework": "Prefect + NumPy (test, from a registry)"}

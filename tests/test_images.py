@@ -6,10 +6,11 @@ never chose, a provider whose heartbeat lies or floods."""
 from __future__ import annotations
 
 import typing
+from collections.abc import Iterator
 
 import pytest
 
-from conftest import ADMIN_KEY
+from conftest import ADMIN_KEY, Service, start_service
 from prefect_spotgpu.worker.config import SEEDED_IMAGES, ImageName
 from test_service_api import bid, events, wait_event
 
@@ -27,6 +28,17 @@ def job(image: str | None = None) -> dict:
 def error_field(response) -> str:
     detail = response.json()["detail"]
     return ".".join(str(p) for p in detail[0]["loc"][1:]) if isinstance(detail, list) else ""
+
+
+@pytest.fixture(scope="module")
+def sqlite_service(tmp_path_factory) -> Iterator[Service]:
+    """One service on one SQLite database for this module's tables of bad input: each is
+    refused by the request's validation, before the route opens a transaction (so on either
+    database alike), and each case checks that it changed nothing."""
+    home = tmp_path_factory.mktemp("bad-input")
+    service = start_service(f"sqlite:///{home / 'market.db'}", home / "home")
+    yield service
+    service.stop()
 
 
 # ---------------------------------------------------------------- the seeded catalogue
@@ -103,7 +115,10 @@ def test_a_tenant_or_a_node_cannot_change_the_catalogue(service):
         ({"name": "process", **MINE}, "name"),  # it means no container
     ],
 )
-def test_bad_catalogue_entries_get_422_naming_the_field_and_write_nothing(service, body, field):
+def test_bad_catalogue_entries_get_422_naming_the_field_and_write_nothing(
+    sqlite_service, body, field
+):
+    service = sqlite_service
     before = service.client().get("/images").json()
     response = service.admin.post("/images", json=body)
     assert response.status_code == 422, response.text
@@ -202,7 +217,8 @@ def test_placement_prefers_the_node_that_reported_the_image(service):
         "pytorch/pytorch:2.5.1",
     ],
 )
-def test_a_hostile_heartbeat_is_422_naming_images_and_writes_nothing(service, images):
+def test_a_hostile_heartbeat_is_422_naming_images_and_writes_nothing(sqlite_service, images):
+    service = sqlite_service
     owner = service.tenant()
     node, agent = service.node(owner)
     response = agent.post(f"/nodes/{node['id']}/heartbeat", json={"images": images})

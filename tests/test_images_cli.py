@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from typer.testing import CliRunner
 
 from conftest import ADMIN_KEY
@@ -25,6 +26,12 @@ def image(*args: str, env: dict[str, str]):
     return spotgpu("admin", "image", *args, env=env)
 
 
+ONE_DATABASE = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+"""The command line is a client of the API, the same whatever the market's database; the
+catalogue's routes are tried on both databases in ``test_images.py``."""
+
+
+@ONE_DATABASE
 def test_the_operator_adds_replaces_lists_and_removes_an_image(service):
     env = _env(service)
     out = image("list", env=env)
@@ -72,6 +79,7 @@ def test_the_operator_adds_replaces_lists_and_removes_an_image(service):
     assert "Traceback" not in out.stdout + out.stderr
 
 
+@ONE_DATABASE
 def test_bad_input_is_refused_naming_the_field(service):
     env = _env(service)
     out = image("add", "ok-name", "Not A Reference", "--framework", "F", "--cuda", "x", env=env)
@@ -88,6 +96,7 @@ def test_bad_input_is_refused_naming_the_field(service):
     assert "ok-name" not in names
 
 
+@ONE_DATABASE
 def test_a_tenant_key_or_no_market_is_one_clear_line(service):
     tenant = service.tenant("not-the-operator")
     key = tenant.headers["Authorization"].removeprefix("Bearer ")
