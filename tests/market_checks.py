@@ -75,6 +75,20 @@ def check_allocations(state: MarketState) -> None:
         assert sum(a.status is RESERVED for a in allocs) <= 1, bid_id
 
 
+def node_load(state: MarketState) -> tuple[dict, dict, dict]:
+    """GPUs per node: busy (running, and migration reservations: they sit on free GPUs),
+    noticed, and held by takeover reservations (on GPUs noticed allocations free)."""
+    busy, noticed, takeovers = defaultdict(int), defaultdict(int), defaultdict(int)
+    for a in state.allocations:
+        if a.status is RUNNING or (a.status is RESERVED and a.kind == "migration"):
+            busy[a.node_id] += a.gpu_count
+        elif a.status is NOTICED:
+            noticed[a.node_id] += a.gpu_count
+        else:
+            takeovers[a.node_id] += a.gpu_count
+    return busy, noticed, takeovers
+
+
 def waiting_bids(state: MarketState) -> list:
     """One-node bids with no allocation (gangs have checks of their own)."""
     active = {a.bid_id for a in state.allocations}
@@ -97,16 +111,7 @@ def check_gangs(state: MarketState, now: float) -> None:
     by_bid: dict[int, list] = defaultdict(list)
     for a in state.allocations:
         by_bid[a.bid_id].append(a)
-    busy = defaultdict(int)
-    noticed = defaultdict(int)
-    takeovers = defaultdict(int)
-    for a in state.allocations:
-        if a.status is RUNNING or (a.status is RESERVED and a.kind == "migration"):
-            busy[a.node_id] += a.gpu_count
-        elif a.status is NOTICED:
-            noticed[a.node_id] += a.gpu_count
-        else:
-            takeovers[a.node_id] += a.gpu_count
+    busy, noticed, takeovers = node_load(state)
     for gang_id, members in gangs(state).items():
         n = members[0].node_count
         for status in (RUNNING, RESERVED):
@@ -173,16 +178,7 @@ def check_outbid_rule(state: MarketState, now: float) -> None:
 def check_free_fit_used(state: MarketState, now: float) -> None:
     """A waiting bid never waits while free GPUs it could use sit idle."""
     cfg = state.config
-    busy = defaultdict(int)  # running, and migration reservations (they sit on free GPUs)
-    noticed = defaultdict(int)
-    reserved = defaultdict(int)  # takeover reservations (on GPUs noticed allocations free)
-    for a in state.allocations:
-        if a.status is RUNNING or (a.status is RESERVED and a.kind == "migration"):
-            busy[a.node_id] += a.gpu_count
-        elif a.status is NOTICED:
-            noticed[a.node_id] += a.gpu_count
-        else:
-            reserved[a.node_id] += a.gpu_count
+    busy, noticed, reserved = node_load(state)
     for c in waiting_bids(state):
         if not window_allows_start(c, now, cfg.notice_seconds):
             continue

@@ -22,6 +22,20 @@ GOOD = {"rank": 1, "world_size": 2, "master_addr": "10.0.0.7", "master_port": 20
         "gpus_per_node": 2}  # fmt: skip
 
 
+GOOD_ENV = {
+    "MASTER_ADDR": "10.0.0.7",
+    "MASTER_PORT": "20010",
+    "WORLD_SIZE": "2",
+    "RANK": "1",
+    "NODE_RANK": "1",
+    "NNODES": "2",
+    "LOCAL_RANK": "0",
+    "LOCAL_WORLD_SIZE": "1",
+    "SPOTGPU_GPUS_PER_NODE": "2",
+}
+"""What a member placed by ``GOOD`` sees."""
+
+
 def request(tmp_path: Path, gang: GangPlace | None) -> JobRequest:
     return JobRequest(1, 1, 10, ["true"], {}, [0], tmp_path, gang=gang)
 
@@ -30,17 +44,7 @@ def test_a_member_gets_torchrun_variables_and_a_one_node_job_none(tmp_path):
     env = request(tmp_path, GangPlace.from_assignment(GOOD)).job_variables(
         workdir="/w", checkpoint_url=None
     )
-    assert {k: env[k] for k in TORCH_DISTRIBUTED_NAMES} == {
-        "MASTER_ADDR": "10.0.0.7",
-        "MASTER_PORT": "20010",
-        "WORLD_SIZE": "2",
-        "RANK": "1",
-        "NODE_RANK": "1",
-        "NNODES": "2",
-        "LOCAL_RANK": "0",
-        "LOCAL_WORLD_SIZE": "1",
-        "SPOTGPU_GPUS_PER_NODE": "2",
-    }
+    assert {k: env[k] for k in TORCH_DISTRIBUTED_NAMES} == GOOD_ENV
     alone = request(tmp_path, GangPlace.from_assignment(None))
     assert not set(TORCH_DISTRIBUTED_NAMES) & set(
         alone.job_variables(workdir="/w", checkpoint_url=None)
@@ -117,17 +121,7 @@ def test_a_real_process_job_sees_the_agents_gang_variables_not_the_tenants(tmp_p
         gang=GangPlace.from_assignment(GOOD),
     )  # fmt: skip
     env = run_to_the_end(ProcessRunner(users=AS_ME), member)
-    assert {k: env.get(k) for k in TORCH_DISTRIBUTED_NAMES} == {
-        "MASTER_ADDR": "10.0.0.7",
-        "MASTER_PORT": "20010",
-        "WORLD_SIZE": "2",
-        "RANK": "1",
-        "NODE_RANK": "1",
-        "NNODES": "2",
-        "LOCAL_RANK": "0",
-        "LOCAL_WORLD_SIZE": "1",
-        "SPOTGPU_GPUS_PER_NODE": "2",
-    }
+    assert {k: env.get(k) for k in TORCH_DISTRIBUTED_NAMES} == GOOD_ENV
     assert env["MINE"] == "kept"  # the tenant's other variables are the tenant's
     alone = JobRequest(2, 1, 11, ["x"], {"MINE": "kept"}, [0], tmp_path / "alloc-2")
     env = run_to_the_end(ProcessRunner(users=AS_ME), alone)
