@@ -118,17 +118,13 @@ def run_flow_function(flow_run_id: str) -> int:
         print(f"spotgpu: rank {rank} runs {flow.name!r} without the engine ({flow_run_id})")
         sys.stdout.flush()
         result = flow.fn(*args, **kwargs)
-        if inspect.isawaitable(result):
-            asyncio.run(_awaited(result))
+        if inspect.iscoroutine(result):  # an async flow's function
+            asyncio.run(result)
     except Exception:
         traceback.print_exc()
         print(f"spotgpu: rank {rank} of flow run {flow_run_id} failed", file=sys.stderr)
         return 1
     return 0
-
-
-async def _awaited(awaitable):
-    return await awaitable
 
 
 def _acknowledge(notice_file: Path) -> None:
