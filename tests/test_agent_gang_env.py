@@ -15,11 +15,12 @@ import pytest
 
 from conftest import wait_for as wait
 from prefect_spotgpu.agent.runners import DockerRunner, JobRequest, ProcessRunner
-from prefect_spotgpu.agent.runners.runner import TORCH_DISTRIBUTED_NAMES, GangPlace
+from prefect_spotgpu.agent.runners.runner import GangPlace
+from prefect_spotgpu.protocol import GANG_ENV_NAMES as TORCH_DISTRIBUTED_NAMES
 from test_agent import AS_ME, a_market, make_agent, owner_agent, start_agent, stop_agents
 
 GOOD = {"rank": 1, "world_size": 2, "master_addr": "10.0.0.7", "master_port": 20010,
-        "gpus_per_node": 2}  # fmt: skip
+        "gpus_per_node": 2, "lead_allocation": 41}  # fmt: skip
 
 
 GOOD_ENV = {
@@ -32,6 +33,7 @@ GOOD_ENV = {
     "LOCAL_RANK": "0",
     "LOCAL_WORLD_SIZE": "1",
     "SPOTGPU_GPUS_PER_NODE": "2",
+    "SPOTGPU_GANG_LEAD_ALLOCATION": "41",
 }
 """What a member placed by ``GOOD`` sees."""
 
@@ -69,6 +71,8 @@ def test_a_member_gets_torchrun_variables_and_a_one_node_job_none(tmp_path):
         ({"gpus_per_node": 0}, "gang.gpus_per_node"),
         ({"gpus_per_node": 17}, "gang.gpus_per_node"),
         ({"gpus_per_node": 2.0}, "gang.gpus_per_node"),
+        ({"lead_allocation": 0}, "gang.lead_allocation"),
+        ({"lead_allocation": None}, "gang.lead_allocation"),
     ],
 )
 def test_a_malformed_gang_from_the_market_is_refused_naming_the_field(change, field):
@@ -234,7 +238,8 @@ def test_two_agents_start_a_gang_with_rank_0s_address(tmp_path):
         )
         envs = {int(json.loads(f.read_text())["RANK"]): json.loads(f.read_text()) for f in seen}
         allocs = buyer.get(f"/bids/{bid.json()['id']}/allocations").json()
-        rank0_node = next(a["node_id"] for a in allocs if a["rank"] == 0)
+        (rank0,) = [a for a in allocs if a["rank"] == 0]
+        rank0_node = rank0["node_id"]
         port = envs[0]["MASTER_PORT"]
         for rank, env in envs.items():
             assert env == {
@@ -247,6 +252,7 @@ def test_two_agents_start_a_gang_with_rank_0s_address(tmp_path):
                 "LOCAL_RANK": "0",
                 "LOCAL_WORLD_SIZE": "1",
                 "SPOTGPU_GPUS_PER_NODE": "2",
+                "SPOTGPU_GANG_LEAD_ALLOCATION": str(rank0["id"]),
             }
         assert int(port) == 20000 + bid.json()["id"] % 20000
     finally:

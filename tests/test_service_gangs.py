@@ -113,6 +113,7 @@ def test_a_gang_runs_on_distinct_nodes_and_each_node_knows_where_it_meets(servic
             "master_addr": addresses[master],  # as rank 0's node registered it
             "master_port": 20000 + b["id"] % 20000,
             "gpus_per_node": 8,
+            "lead_allocation": next(x["id"] for x in allocs if x["rank"] == 0),
         }
     # rank 0's node advertises a new address with its heartbeat: every member sees it
     beat = agents[master].post(f"/nodes/{master}/heartbeat", json={"address": "gpu-a.lan"})

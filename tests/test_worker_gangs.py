@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from datetime import UTC, datetime
 from types import SimpleNamespace
@@ -17,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
+from conftest import wait_for
 from prefect_spotgpu.worker import SpotGPUWorker
 from prefect_spotgpu.worker.attempt import gang_lead
 from prefect_spotgpu.worker.config import SpotGPUJobConfiguration, SpotGPUVariables
@@ -135,7 +137,7 @@ def test_the_allocation_table_lists_every_member():
 
 
 FLOW = """
-import json, os
+import asyncio, json, os
 from prefect import flow
 
 
@@ -146,62 +148,100 @@ def gang_probe(out: str, steps: int = 1):
     with open(out, "w") as f:
         json.dump({"rank": os.environ["RANK"], "steps": steps}, f)
     return steps
+
+
+@flow(name="gang-probe-async")
+async def gang_probe_async(out: str, steps: int = 1):
+    await asyncio.sleep(0)
+    with open(out, "w") as f:
+        json.dump({"rank": os.environ["RANK"], "steps": steps, "async": True}, f)
+    return steps
 """
 
 
 def test_rank_1_runs_the_flow_function_and_leaves_the_run_to_rank_0(prefect_api_url, tmp_path):
+    """Its go is rank 0's allocation of this attempt (not a Running state left by an attempt
+    before); it runs the function, sync or async, then waits for rank 0's engine to end the
+    run (or a notice) before it exits; a raising function exits 1 at once."""
     from prefect.client.orchestration import get_client
-    from prefect.states import Pending
+    from prefect.states import Completed, Pending, Running
 
-    from prefect_spotgpu.protocol import LABELS
+    from prefect_spotgpu.protocol import JOB_ENV, LABELS
 
     code = tmp_path / "code"
     code.mkdir()
     (code / "gang_flow.py").write_text(textwrap.dedent(FLOW))
     out = tmp_path / "rank1.json"
+    notice = tmp_path / "notice.json"
     with get_client(sync_client=True) as client:
-        flow_id = client.create_flow_from_name("gang-probe")
-        deployment = client.create_deployment(
-            flow_id=flow_id,
-            name=f"gang-{uuid.uuid4().hex[:6]}",
-            entrypoint="gang_flow.py:gang_probe",
-            path=str(code),
-            pull_steps=[
-                {"prefect.deployments.steps.set_working_directory": {"directory": str(code)}}
-            ],
-        )
 
-        def launch(run, **env):
-            return subprocess.run(
+        def deploy(name: str) -> uuid.UUID:
+            return client.create_deployment(
+                flow_id=client.create_flow_from_name(name.replace("_", "-")),
+                name=f"gang-{uuid.uuid4().hex[:6]}",
+                entrypoint=f"gang_flow.py:{name}",
+                path=str(code),
+                pull_steps=[
+                    {"prefect.deployments.steps.set_working_directory": {"directory": str(code)}}
+                ],
+            )
+
+        def launch(run, **env) -> subprocess.Popen:
+            return subprocess.Popen(
                 [sys.executable, "-m", "prefect_spotgpu.launch"],
                 env={**os.environ, "PREFECT_API_URL": prefect_api_url,
                      "PREFECT__FLOW_RUN_ID": str(run.id), "SPOTGPU_ALLOCATION_ID": "101",
-                     "SPOTGPU_NOTICE_FILE": str(tmp_path / "notice.json"), "RANK": "1",
-                     "WORLD_SIZE": "2", **env},
-                capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                     JOB_ENV.NOTICE_FILE: str(notice), "RANK": "1", "WORLD_SIZE": "2",
+                     JOB_ENV.GANG_LEAD_ALLOCATION: "100", **env},
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
             )  # fmt: skip
 
+        def ended(process: subprocess.Popen) -> tuple[int, str]:
+            stdout, stderr = process.communicate(timeout=120)
+            return process.returncode, stdout + stderr
+
+        def handed(run, allocation: str, state) -> None:
+            client.update_flow_run_labels(run.id, {LABELS.ALLOCATION: allocation})
+            client.set_flow_run_state(run.id, state, force=True)
+
+        deployment = deploy("gang_probe")
         run = client.create_flow_run_from_deployment(
             deployment, parameters={"out": str(out), "steps": 3}
         )
-        waited = launch(run, SPOTGPU_LAUNCH_TIMEOUT="2")  # Scheduled: no go yet
-        assert waited.returncode == 3, waited.stdout + waited.stderr
-        assert not out.exists()
+        assert ended(launch(run, SPOTGPU_LAUNCH_TIMEOUT="2"))[0] == 3  # Scheduled: no go
+        handed(run, "99", Running())  # the attempt before's rank 0, still Running
+        code_, output = ended(launch(run, SPOTGPU_LAUNCH_TIMEOUT="2"))
+        assert code_ == 3 and not out.exists(), output
 
-        client.update_flow_run_labels(run.id, {LABELS.ALLOCATION: "100"})  # rank 0's
-        client.set_flow_run_state(run.id, Pending(name="Starting"), force=True)
-        ran = launch(run)
-        assert ran.returncode == 0, ran.stdout + ran.stderr
+        handed(run, "100", Pending(name="Starting"))  # this attempt's rank 0
+        member = launch(run)
+        wait_for(out.exists, 60, "rank 1's function ran")
         assert json.loads(out.read_text()) == {"rank": "1", "steps": 3}
+        time.sleep(1.0)
+        assert member.poll() is None, "it waits for the run's end"
         after = client.read_flow_run(run.id)
         assert after.state.is_pending() and after.state.name == "Starting"  # rank 0's to move
-        assert after.run_count == 0
+        assert after.run_count == 1  # (the attempt before's Running): rank 1 ran no engine
+        client.set_flow_run_state(run.id, Completed(), force=True)  # rank 0's engine
+        code_, output = ended(member)
+        assert code_ == 0 and "waiting for the flow run's end" in output, output
+
+        run = client.create_flow_run_from_deployment(
+            deploy("gang_probe_async"), parameters={"out": str(out), "steps": 4}
+        )
+        handed(run, "100", Running())
+        member = launch(run)
+        wait_for(lambda: json.loads(out.read_text()).get("async"), 60, "the async function")
+        assert json.loads(out.read_text()) == {"rank": "1", "steps": 4, "async": True}
+        notice.write_text("{}")  # a notice while it waits: acknowledged at once
+        code_, output = ended(member)
+        assert code_ == 0 and (tmp_path / "notice.json.ack").exists(), output
+        notice.unlink()
 
         failing = client.create_flow_run_from_deployment(
             deployment, parameters={"out": str(tmp_path / "never.json"), "steps": -1}
         )
-        client.update_flow_run_labels(failing.id, {LABELS.ALLOCATION: "200"})
-        client.set_flow_run_state(failing.id, Pending(name="Starting"), force=True)
-        failed = launch(failing)
-        assert failed.returncode == 1 and "no steps" in failed.stderr
+        handed(failing, "100", Pending(name="Starting"))
+        code_, output = ended(launch(failing))
+        assert code_ == 1 and "no steps" in output, output
         assert client.read_flow_run(failing.id).state.name == "Starting"

@@ -19,11 +19,15 @@ nothing has run, so it acknowledges at once and exits.
 
 A gang member of rank > 0 (``RANK`` set by the agent, not ``"0"``) runs the same flow code
 without the engine: rank 0's engine is the one writer of the flow run's state. It waits for the
-gang's go (the run Pending "Starting" or Running: the worker labels rank 0's allocation, and
-rank 0's engine starts the run), loads the flow as the engine would (the deployment's
-entrypoint, after its pull steps: ``load_flow_from_flow_run``) and calls the flow's function
-with the run's parameters in this process; it exits 0 when the function returns, 1 when it
-raises. Tasks it calls run outside any flow run.
+gang's go: the worker has handed the run to rank 0's allocation of this very attempt (the
+``spotgpu.allocation`` label names ``SPOTGPU_GANG_LEAD_ALLOCATION``, and the run is Pending
+"Starting" or already Running), so a Running state left from the attempt before is no go. It
+loads the flow as the engine would (the deployment's entrypoint, after its pull steps:
+``load_flow_from_flow_run``) and calls the flow's function with the run's parameters in this
+process. Tasks it calls run outside any flow run. When the function returns, the member waits
+for the flow run to end (rank 0's engine still writes its result, its artifacts and its final
+state; the market ends a gang with any member's job) and exits 0; when it raises, it exits 1 at
+once. A notice while it waits is acknowledged at once: its work is done.
 
 Exit codes: 0 the run is already over (Completed, Failed or Cancelled; Crashed is not over, the
 worker reschedules a preempted run) or noticed before it started; 3 no go within
@@ -38,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-from prefect_spotgpu.protocol import JOB_ENV, LABELS
+from prefect_spotgpu.protocol import JOB_ENV, LABELS, TORCH_ENV
 
 
 def main() -> int:
@@ -47,7 +51,8 @@ def main() -> int:
     allocation = os.environ.get(JOB_ENV.ALLOCATION_ID, "")
     notice_file = Path(os.environ.get(JOB_ENV.NOTICE_FILE, "/nonexistent/notice"))
     timeout = float(os.environ.get(JOB_ENV.LAUNCH_TIMEOUT, "600"))
-    follower = os.environ.get("RANK", "0") != "0"  # a gang member of rank > 0
+    follower = os.environ.get(TORCH_ENV.RANK, "0") != "0"  # a gang member of rank > 0
+    lead = os.environ.get(JOB_ENV.GANG_LEAD_ALLOCATION, "")
 
     from prefect.client.orchestration import get_client
 
@@ -64,9 +69,10 @@ def main() -> int:
             if state is not None and state.is_final() and not state.is_crashed():
                 print(f"spotgpu: flow run {flow_run_id} is already {state.name}; nothing to do")
                 return 0  # (Crashed is not the end: the worker reschedules a preempted run)
-            if follower and _gang_go(flow_run):
-                break
-            if (
+            if follower:
+                if _gang_go(flow_run, lead):
+                    break
+            elif (
                 state is not None
                 and state.is_pending()
                 and (flow_run.labels or {}).get(LABELS.ALLOCATION) == allocation
@@ -77,19 +83,42 @@ def main() -> int:
             print(f"spotgpu: no go from the worker within {timeout:.0f} s", file=sys.stderr)
             return 3
     if follower:
-        return run_flow_function(flow_run_id)
+        code = run_flow_function(flow_run_id)
+        return code or _until_the_run_ends(flow_run_id, notice_file, timeout)
     sys.stdout.flush()
     os.execv(sys.executable, [sys.executable, "-m", "prefect.engine"])
     return 0  # pragma: no cover - exec does not return
 
 
-def _gang_go(flow_run) -> bool:
+def _gang_go(flow_run, lead: str) -> bool:
     """The go for a gang member of rank > 0: the worker handed the run to rank 0's allocation
-    (Pending "Starting"), or rank 0's engine runs it."""
+    of this attempt, ``lead`` (Pending "Starting"), or rank 0's engine runs it."""
     state = flow_run.state
-    if state is None or not (flow_run.labels or {}).get(LABELS.ALLOCATION):
+    if state is None or not lead or (flow_run.labels or {}).get(LABELS.ALLOCATION) != lead:
         return False
     return state.is_running() or (state.is_pending() and state.name == "Starting")
+
+
+def _until_the_run_ends(flow_run_id: str, notice_file: Path, timeout: float) -> int:
+    """A member of rank > 0 whose function returned: wait while rank 0's engine finishes the
+    flow run (its end is the gang's), then 0. A notice meanwhile is acknowledged at once."""
+    from prefect.client.orchestration import get_client
+
+    print(f"spotgpu: rank {os.environ.get(TORCH_ENV.RANK)} done; waiting for the flow run's end")
+    sys.stdout.flush()
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            if notice_file.exists():
+                _acknowledge(notice_file)
+                return 0
+            state = client.read_flow_run(flow_run_id).state
+            over = state is None or (state.is_final() and not state.is_crashed())
+            if over or state.is_scheduled():
+                return 0  # ended, or rescheduled (a new attempt starts every member anew)
+            time.sleep(0.5)
+    print(f"spotgpu: the flow run did not end within {timeout:.0f} s", file=sys.stderr)
+    return 0
 
 
 def run_flow_function(flow_run_id: str) -> int:
@@ -109,7 +138,7 @@ def run_flow_function(flow_run_id: str) -> int:
             flow = await load_flow_from_flow_run(flow_run, use_placeholder_flow=False)
             return flow, flow_run.parameters
 
-    rank = os.environ.get("RANK")
+    rank = os.environ.get(TORCH_ENV.RANK)
     try:
         flow, parameters = asyncio.run(load())
         if flow.should_validate_parameters:

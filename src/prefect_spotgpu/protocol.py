@@ -23,6 +23,7 @@ from prefect_spotgpu.market.types import AllocationStatus, Capacity, EndReason, 
 
 __all__ = [
     "ENDING_EVENTS",
+    "GANG_ENV_NAMES",
     "HELD_FOR_CREDIT",
     "HOLDING_STATUSES",
     "IMAGE_NAME_PATTERN",
@@ -37,6 +38,7 @@ __all__ = [
     "PROCESS_IMAGE",
     "PULL_REPORT_SECONDS",
     "REPORT_DETAIL_CHARS",
+    "TORCH_ENV",
     "UNSET_NODE_ADDRESS",
     "AllocationStatus",
     "BidStatus",
@@ -242,6 +244,45 @@ class _JobEnv:
     CHECKPOINT_SIGNING_KEY: str = "SPOTGPU_CHECKPOINT_SIGNING_KEY"
     LAUNCH_TIMEOUT: str = "SPOTGPU_LAUNCH_TIMEOUT"
     """How long the launcher waits for the worker's go (seconds, default 600)."""
+    GPUS_PER_NODE: str = "SPOTGPU_GPUS_PER_NODE"
+    """A gang member's GPUs on its node (the gang's ``gpu_count``)."""
+    GANG_LEAD_ALLOCATION: str = "SPOTGPU_GANG_LEAD_ALLOCATION"
+    """A gang member's rank 0 allocation in the same attempt: a member of rank > 0 starts
+    when the worker has handed the flow run to that allocation (``launch``)."""
 
 
 JOB_ENV = _JobEnv()
+
+
+@dataclass(frozen=True)
+class _TorchEnv:
+    """torch.distributed's (torchrun's) standard variables, as a gang member gets them from
+    its agent: one process per node, so a node's rank is the process's."""
+
+    MASTER_ADDR: str = "MASTER_ADDR"
+    """Rank 0's node's advertised address."""
+    MASTER_PORT: str = "MASTER_PORT"
+    WORLD_SIZE: str = "WORLD_SIZE"
+    RANK: str = "RANK"
+    NODE_RANK: str = "NODE_RANK"
+    NNODES: str = "NNODES"
+    LOCAL_RANK: str = "LOCAL_RANK"
+    LOCAL_WORLD_SIZE: str = "LOCAL_WORLD_SIZE"
+
+
+TORCH_ENV = _TorchEnv()
+
+GANG_ENV_NAMES = (
+    TORCH_ENV.MASTER_ADDR,
+    TORCH_ENV.MASTER_PORT,
+    TORCH_ENV.WORLD_SIZE,
+    TORCH_ENV.RANK,
+    TORCH_ENV.NODE_RANK,
+    TORCH_ENV.NNODES,
+    TORCH_ENV.LOCAL_RANK,
+    TORCH_ENV.LOCAL_WORLD_SIZE,
+    JOB_ENV.GPUS_PER_NODE,
+    JOB_ENV.GANG_LEAD_ALLOCATION,
+)
+"""What a gang member's job gets from its agent, in this order; the agent's values win over
+the tenant's environment of the same names."""

@@ -133,11 +133,13 @@ def gang_places(
     *, session: Session, allocations: list[AllocationRow], bids: dict[int, BidRow]
 ) -> dict[int, dict]:
     """allocation id -> its gang's ``{rank, world_size, master_addr, master_port,
-    gpus_per_node}``, for the allocations of gang members (``bids``: their bids by id).
+    gpus_per_node, lead_allocation}``, for the allocations of gang members (``bids``: their
+    bids by id).
 
     ``master_addr`` is the address of the node of rank 0's allocation of the same run: a
     running or noticed allocation meets rank 0's running (or noticed) one, a reservation rank
-    0's reservation (where the gang resumes); the newest when there are several."""
+    0's reservation (where the gang resumes); the newest when there are several.
+    ``lead_allocation`` is that allocation of rank 0's."""
     members = members_of(session=session, bids=[b for b in bids.values() if b.gang_id])
     firsts = {ids[0] for ids in members.values() if ids}
     rows = session.execute(
@@ -146,9 +148,9 @@ def gang_places(
         .where(AllocationRow.bid_id.in_(firsts), AllocationRow.status.in_(_ACTIVE))
         .order_by(AllocationRow.id)
     ).all()
-    master: dict[tuple[int, bool], str | None] = {}
-    for bid_id, _, status, address in rows:  # oldest first: the newest wins
-        master[(bid_id, status in _HOLDING)] = address
+    master: dict[tuple[int, bool], tuple[int, str | None]] = {}
+    for bid_id, alloc_id, status, address in rows:  # oldest first: the newest wins
+        master[(bid_id, status in _HOLDING)] = (alloc_id, address)
     places = {}
     for alloc in allocations:
         ids = members.get(alloc.bid_id)
@@ -156,12 +158,15 @@ def gang_places(
             continue
         bid = bids[alloc.bid_id]
         holding = alloc.status in _HOLDING
-        address = master.get((ids[0], holding), master.get((ids[0], not holding)))
+        lead, address = master.get(
+            (ids[0], holding), master.get((ids[0], not holding), (alloc.id, None))
+        )
         places[alloc.id] = {
             "rank": ids.index(alloc.bid_id),
             "world_size": bid.node_count,
             "master_addr": address or UNSET_NODE_ADDRESS,
             "master_port": MASTER_PORT_BASE + bid.gang_id % MASTER_PORT_BASE,
             "gpus_per_node": bid.gpu_count,
+            "lead_allocation": lead,
         }
     return places

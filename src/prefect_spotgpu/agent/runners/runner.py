@@ -34,6 +34,7 @@ from prefect_spotgpu.agent.isolation import (
 )
 from prefect_spotgpu.market.types import MAX_GANG_NODES, MAX_GPUS_PER_NODE
 from prefect_spotgpu.protocol import (
+    GANG_ENV_NAMES,
     JOB_ENV,
     MAX_IMAGE_REFERENCE_CHARS,
     MAX_NODE_IMAGES,
@@ -51,21 +52,6 @@ Progress = Callable[[str], None]
 """Where a runner says how far a long preparation is: one plain line at a time."""
 
 
-TORCH_DISTRIBUTED_NAMES = (
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "WORLD_SIZE",
-    "RANK",
-    "NODE_RANK",
-    "NNODES",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "SPOTGPU_GPUS_PER_NODE",
-)
-"""What a gang member's job gets from its agent (torchrun's names, one process per node); the
-agent's values win over the tenant's environment of the same names."""
-
-
 @dataclass(frozen=True, slots=True)
 class GangPlace:
     """Where a gang member stands in its gang, as the market's assignment says."""
@@ -75,6 +61,7 @@ class GangPlace:
     master_addr: str
     master_port: int
     gpus_per_node: int
+    lead_allocation: int  # rank 0's allocation in the same attempt
 
     @classmethod
     def from_assignment(cls, gang: object) -> GangPlace | None:
@@ -82,7 +69,8 @@ class GangPlace:
         what is wrong with it, in words fit for the allocation's failure report.
 
         >>> GangPlace.from_assignment({"rank": 2, "world_size": 2, "master_addr": "10.0.0.7",
-        ...                            "master_port": 20010, "gpus_per_node": 1})
+        ...                            "master_port": 20010, "gpus_per_node": 1,
+        ...                            "lead_allocation": 41})
         Traceback (most recent call last):
         ValueError: the market's gang is malformed: gang.rank must be an integer in [0, 1]
         """
@@ -107,7 +95,8 @@ class GangPlace:
         if not isinstance(address, str) or not re.fullmatch(NODE_ADDRESS_PATTERN, address):
             raise malformed("gang.master_addr must be an IP address or a host name")
         port = whole("master_port", 1, 65535)
-        return cls(rank, world, address, port, whole("gpus_per_node", 1, MAX_GPUS_PER_NODE))
+        gpus = whole("gpus_per_node", 1, MAX_GPUS_PER_NODE)
+        return cls(rank, world, address, port, gpus, whole("lead_allocation", 1, 2**63 - 1))
 
     def variables(self) -> dict[str, str]:
         values = (
@@ -120,8 +109,9 @@ class GangPlace:
             0,
             1,
             self.gpus_per_node,
+            self.lead_allocation,
         )
-        return {name: str(v) for name, v in zip(TORCH_DISTRIBUTED_NAMES, values, strict=True)}
+        return {name: str(v) for name, v in zip(GANG_ENV_NAMES, values, strict=True)}
 
 
 @dataclass(frozen=True, slots=True)

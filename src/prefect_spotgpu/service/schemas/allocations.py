@@ -44,7 +44,8 @@ class Assignment(AllocationResponse):
     gang: dict | None = Field(
         None,
         description="A gang member's place in its gang: rank, world_size, master_addr "
-        "(rank 0's node's address), master_port and gpus_per_node; None for a one-node bid.",
+        "(rank 0's node's address), master_port, gpus_per_node and lead_allocation (rank 0's "
+        "allocation of the same attempt); None for a one-node bid.",
     )
 
 
