@@ -32,6 +32,10 @@ FLAGS = [
 ]
 HISTORY_MINUTES = 7 * 24 * 60  # stored bars: a week, one per minute
 NONE_SHOWN = "\N{EN DASH}"  # what the page shows for a missing value
+GANG_MODEL, GANG_REGION, GANG_NODES = "RTX-4090", "ap-south", 3  # a pool of small nodes
+GANG_RESERVE = 0.3
+TIMES = "\N{MULTIPLICATION SIGN}"
+ALL_GPUS = 4 * 4 + 2 * GANG_NODES
 SHOTS = os.environ.get("SPOTGPU_SCREENSHOTS")  # a directory: keep the screenshots there (docs/)
 
 pytestmark = pytest.mark.slow
@@ -39,21 +43,27 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def market(tmp_path_factory):
-    """A market with two spot pools, an on-demand pool, telemetry, bids and stored history."""
+    """A market with three spot pools (one of three small nodes, for gangs), an on-demand
+    pool, telemetry, bids and stored history."""
     home = tmp_path_factory.mktemp("dashboard")
     db_url = f"sqlite:///{home / 'market.db'}"
     service = start_service(db_url, home / "home")
     owner, alice, bob = service.tenant("owner"), service.tenant("alice"), service.tenant("bob")
     agents = []
-    for name, region, capacity in (
-        ("a1", "eu-west", "spot"),
-        ("a2", "eu-west", "spot"),
-        ("u1", "us-east", "spot"),
-        ("od", "eu-west", "on_demand"),
+    for name, model, region, count, reserve, capacity in (
+        ("a1", "A100-80G", "eu-west", 4, 0.9, "spot"),
+        ("a2", "A100-80G", "eu-west", 4, 0.9, "spot"),
+        ("u1", "A100-80G", "us-east", 4, 0.9, "spot"),
+        ("od", "A100-80G", "eu-west", 4, 0.9, "on_demand"),
+        *((f"g{i}", GANG_MODEL, GANG_REGION, 2, GANG_RESERVE, "spot") for i in range(GANG_NODES)),
     ):
-        node, agent = service.node(owner, region=region, gpus=4, name=name, capacity=capacity)
+        node, agent = service.node(
+            owner, model, region, count, reserve, name=name, capacity=capacity
+        )
         agents.append((node, agent))
-        gpus = [{"index": i, "utilization": 30 + 15 * i, "memory_used_mb": 9000} for i in range(4)]
+        gpus = [
+            {"index": i, "utilization": 30 + 15 * i, "memory_used_mb": 9000} for i in range(count)
+        ]
         beat = agent.post(f"/nodes/{node['id']}/heartbeat", json={"telemetry": {"gpus": gpus}})
         assert beat.status_code == 200, beat.text
     stop = threading.Event()
@@ -69,7 +79,7 @@ def market(tmp_path_factory):
                         "utilization": (30 + 15 * i + 7 * beat) % 100,
                         "memory_used_mb": 9000,
                     }
-                    for i in range(4)
+                    for i in range(node["gpu_count"])
                 ]
                 agent.post(f"/nodes/{node['id']}/heartbeat", json={"telemetry": {"gpus": gpus}})
 
@@ -186,7 +196,7 @@ def test_the_page_loads_live_with_no_console_errors(page, market, tmp_path):
     assert any("us-east" in r and "spot" in r for r in rows), rows
     assert any("on-demand" in r and "2.10" in r for r in rows), rows
     page.wait_for_selector("#nodes .node >> nth=3")
-    assert page.locator("#nodes .gpu .fill").count() == 16  # every GPU's live utilisation
+    assert page.locator("#nodes .gpu .fill").count() == ALL_GPUS  # each one's utilisation
     page.wait_for_selector("#depth .depth-row")
     book = market.client().get("/market/depth/A100-80G/eu-west").json()["levels"]
     shown = page.locator("#depth .depth-row").all_inner_texts()
@@ -269,11 +279,11 @@ def test_a_tenant_sees_only_its_own_bids_and_allocations(page, market, tmp_path)
     sign_in(page, market.bob)
     page.wait_for_selector(f"tr[data-bid='{market.bids['bob']['id']}']")
     wait_for(lambda: page.locator("#allocations tbody tr").count() >= 0, 5)
-    shown = set(page.locator("#bids tbody tr").evaluate_all("rows => rows.map(r => r.dataset.bid)"))
+    shown = set(page.locator("#bids tr.bid").evaluate_all("rows => rows.map(r => r.dataset.bid)"))
     mine = {str(b["id"]) for b in market.bob.get("/bids").json()}
     assert shown == mine and str(market.bids["alice"]["id"]) not in shown
     bob_allocations = {str(a["id"]) for a in market.bob.get("/allocations").json()}
-    listed = page.locator("#allocations tbody tr").evaluate_all(
+    listed = page.locator("#allocations [data-allocation]").evaluate_all(
         "rows => rows.map(r => r.dataset.allocation)"
     )
     assert set(listed) == bob_allocations
@@ -290,15 +300,103 @@ def test_a_long_list_shows_its_newest_page_and_the_rest_on_show_older(page, mark
     page.goto(market.base_url + "/dashboard")
     sign_in(page, carol)
     page.wait_for_selector(f"tr[data-bid='{ids[-1]}']")
-    listed = page.locator("#bids tbody tr").evaluate_all("rows => rows.map(r => r.dataset.bid)")
+    listed = page.locator("#bids tr.bid").evaluate_all("rows => rows.map(r => r.dataset.bid)")
     assert listed == [str(i) for i in reversed(ids[3:])]  # the newest page, newest first
     assert page.locator("#bids-older").is_visible()
     page.click("#bids-older")
     page.wait_for_selector(f"tr[data-bid='{ids[0]}']")
-    listed = page.locator("#bids tbody tr").evaluate_all("rows => rows.map(r => r.dataset.bid)")
+    listed = page.locator("#bids tr.bid").evaluate_all("rows => rows.map(r => r.dataset.bid)")
     assert listed == [str(i) for i in reversed(ids)]
     until(page, "document.querySelector('#bids-older').hidden")
     assert page.locator("#allocations-older").is_hidden()
+    assert page.problems == []
+
+
+def _bid_entries(page) -> list[str]:
+    return page.locator("#bids tr.bid").evaluate_all("rows => rows.map(r => r.dataset.bid)")
+
+
+def _members(page, gang: int) -> list[dict]:
+    """The members shown beneath a gang's bid: bid id, rank and text, in the page's order."""
+    return page.locator(f"#bids tr.members[data-members-of='{gang}'] li.member").evaluate_all(
+        "items => items.map(li => ({id: li.dataset.member, rank: li.dataset.rank,"
+        " text: li.innerText, status: li.querySelector('.status').innerText}))"
+    )
+
+
+def test_a_gang_shows_as_one_bid_with_its_members_and_only_to_its_tenant(page, market):
+    gina = market.tenant("gina")
+    body = {"gpu_model": GANG_MODEL, "region": GANG_REGION, "gpu_count": 2, "max_price": 0.5,
+            "node_count": GANG_NODES, "labels": {"job": "pretrain"}}  # fmt: skip
+    created = gina.post("/bids", json=body)
+    assert created.status_code == 201, created.text
+    gang = created.json()
+    gang_id, members = gang["id"], gang["members"]
+    assert gang["gang_id"] == gang_id == members[0] and len(members) == GANG_NODES
+    wait_for(lambda: len(gina.get(f"/bids/{gang_id}/allocations").json()) == GANG_NODES, 10)
+    placed = {a["rank"]: a for a in gina.get(f"/bids/{gang_id}/allocations").json()}
+    assert sorted(placed) == list(range(GANG_NODES))
+    assert len({a["node_id"] for a in placed.values()}) == GANG_NODES  # a node each
+    page.goto(market.base_url + "/dashboard")
+    sign_in(page, gina)
+    entry = page.wait_for_selector(f"tr.bid.gang[data-bid='{gang_id}']")
+    assert _bid_entries(page) == [str(gang_id)]  # one entry, no row per member
+    text = entry.inner_text()
+    assert "gang of 3" in text and "job=pretrain" in text
+    assert f"3 {TIMES} 2 {TIMES} {GANG_MODEL}" in text  # node_count x gpu_count
+    until(page, "document.querySelectorAll('#bids li.member [data-allocation]').length === 3")
+    shown = _members(page, gang_id)
+    assert [(m["id"], m["rank"]) for m in shown] == [
+        (str(b), str(rank)) for rank, b in enumerate(members)
+    ]
+    for rank, member in enumerate(shown):
+        alloc = placed[rank]
+        assert member["status"] == gina.get(f"/bids/{members[rank]}").json()["status"]
+        assert f"rank {rank}" in member["text"] and f"bid {members[rank]}" in member["text"]
+        assert f"node {alloc['node_id']} · allocation {alloc['id']} running" in member["text"]
+    # the allocations: one entry for the gang, every member's allocation beneath it
+    folded = page.locator(f"#allocations tr.gang[data-gang='{gang_id}']")
+    assert folded.count() == 1 and "gang of 3" in folded.inner_text()
+    assert page.locator("#allocations tbody tr[data-allocation]").count() == 0
+    beneath = page.locator(f"#allocations tr[data-members-of='{gang_id}'] li").evaluate_all(
+        "items => items.map(li => [li.dataset.allocation, li.dataset.rank])"
+    )
+    assert sorted(beneath) == sorted([str(a["id"]), str(r)] for r, a in placed.items())
+    # another tenant sees none of it
+    page.click("#signout")
+    sign_in(page, market.bob)
+    page.wait_for_selector(f"tr[data-bid='{market.bids['bob']['id']}']")
+    assert set(_bid_entries(page)) == {str(b["id"]) for b in market.bob.get("/bids").json()}
+    tenant = page.locator("#tenant-card")
+    assert tenant.locator("tr.members, li.member, [data-gang]").count() == 0
+    ids = {str(i) for i in members} | {str(a["id"]) for a in placed.values()}
+    found = tenant.locator("[data-bid], [data-allocation], [data-member]").evaluate_all(
+        "els => els.map(e => e.dataset.bid || e.dataset.allocation || e.dataset.member)"
+    )
+    assert ids.isdisjoint(found) and "gang of" not in tenant.inner_text()
+    assert page.problems == []
+
+
+def test_a_gang_cut_by_the_page_end_shows_once_and_whole(page, market):
+    hana = market.tenant("hana")
+    waits = {"gpu_model": GANG_MODEL, "region": GANG_REGION, "gpu_count": 1,
+             "max_price": GANG_RESERVE - 0.1, "node_count": GANG_NODES}  # fmt: skip
+    gang = hana.post("/bids", json=waits).json()
+    single = {"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 0.2, "region": "eu-west"}
+    ids = [hana.post("/bids", json=single).json()["id"] for _ in range(100 - GANG_NODES + 1)]
+    # the newest page of 100 bids: these, and ranks 2 and 1 of the gang; rank 0 is older
+    newest = hana.get("/bids", params={"limit": 100}).json()
+    assert [b["id"] for b in newest[-2:]] == gang["members"][:0:-1]
+    page.goto(market.base_url + "/dashboard")
+    sign_in(page, hana)
+    page.wait_for_selector(f"tr.bid.gang[data-bid='{gang['id']}']")
+    assert _bid_entries(page) == [str(i) for i in reversed(ids)] + [str(gang["id"])]
+    shown = _members(page, gang["id"])
+    assert [(m["id"], m["rank"], m["status"]) for m in shown] == [
+        (str(b), str(rank), "open") for rank, b in enumerate(gang["members"])
+    ]
+    assert all("no allocation" in m["text"] for m in shown)
+    until(page, "document.querySelector('#bids-older').hidden")  # nothing older: all read
     assert page.problems == []
 
 
@@ -334,7 +432,8 @@ def test_the_stream_sends_every_pools_quote_and_the_views_are_anonymous(market):
         assert streamed["on_demand_price"] == q["on_demand_price"]
         assert streamed["gpus_total"] == q["gpus_total"]
     nodes = market.client().get("/market/nodes").json()
-    assert len(nodes) == 4 and not any("owner_id" in n or "name" in n for n in nodes)
+    assert len(nodes) == 4 + GANG_NODES
+    assert not any("owner_id" in n or "name" in n for n in nodes)
     wait_for(  # the same GPUs in use, seen per node and per pool
         lambda: (
             sum(n["gpus_busy"] for n in market.client().get("/market/nodes").json())
@@ -460,6 +559,13 @@ def hostile(tmp_path_factory):
         response = mallory.post("/bids", json=bid)
         assert response.status_code == 201, response.text
         bids.append(response.json())
+    gang = {"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 0.55, "node_count": 2,
+            "idempotency_key": f"gang {HOSTILE[0]}",
+            "labels": {"gang": HOSTILE[1], "team": HOSTILE[3]}}  # fmt: skip
+    response = mallory.post("/bids", json=gang)
+    assert response.status_code == 201, response.text
+    bids.append(response.json())  # rank 0's bid: the gang's entry
+    service.gang = response.json()
     service.mallory, service.hostile_bids, service.legacy_node = mallory, bids, nodes[1]
     service.named_node = nodes[0]
     yield service
@@ -493,6 +599,12 @@ def test_hostile_strings_render_as_text_and_nothing_runs(browser, hostile, tmp_p
         assert row.locator(".key").inner_text() == bid["idempotency_key"]
         chips = row.locator(".chip").all_inner_texts()
         assert sorted(chips) == sorted(f"{k}={v}" for k, v in bid["labels"].items())
+    gang = hostile.gang
+    members = page.locator(f"tr[data-members-of='{gang['id']}'] li.member")
+    assert members.evaluate_all("items => items.map(li => li.dataset.member)") == [
+        str(i) for i in gang["members"]
+    ]
+    assert page.locator("tr.bid").count() == len(hostile.hostile_bids)  # the gang's is one
     cells = [cell.inner_text() for cell in evil.query_selector_all("td")]
     assert cells == ["evil-desc", HOSTILE[3], NONE_SHOWN, "ghcr.io/lab/job:1", HOSTILE_DESCRIPTION]
     assert evil.eval_on_selector("td.wrap", "td => td.childElementCount") == 0

@@ -17,6 +17,8 @@ by hand) plus three read-only views here:
 A tenant signs in on the page with its API key; the key stays in the browser's session
 storage and goes only to this service, in the ``Authorization`` header, so a tenant sees
 exactly what the API shows it and nothing of anyone else's.
+The page folds a gang's member bids (and their allocations) under one entry, rank 0's, from
+the ordinary bid and allocation pages (``static/gangs.js``): no view here knows of gangs.
 
 The page renders data, never markup: every value from the API goes into the page as text
 (``textContent``, ``createElement``), numbers in styles and SVG attributes are coerced and

@@ -7,6 +7,7 @@
 // innerHTML or a string of markup. Numbers that go into styles or SVG attributes pass through
 // num() (Number(), finite, clamped). The service's Content-Security-Policy runs no inline
 // script, and no style attribute: sizes are set through the CSSOM (el.style.width).
+// gangs.js (loaded first) folds a gang's member bids and allocations under one entry.
 "use strict";
 
 const API = "/api/v1";
@@ -16,6 +17,9 @@ const state = {
   selected: null, // "model|region|capacity"
   range: 24,
   seenBids: new Set(),
+  gangOf: new Map(), // bid id -> its gang's rank 0 id (null: not a gang member); never changes
+  gangSize: new Map(), // gang (rank 0's id) -> node_count
+  closed: new Set(), // the gangs' member lists the viewer folded away ("bids:12")
   pages: { bids: 1, allocations: 1, ledger: 1 }, // pages of each list shown ("Show older")
   imagesAt: 0, // when the image catalogue was last read (ms)
   refreshing: false,
@@ -354,21 +358,30 @@ function imageRow(i) {
 async function refreshTenant() {
   const card = $("tenant-card");
   if (!state.key) { card.hidden = true; return; }
+  const key = state.key; // a reply for a key signed out meanwhile is dropped
   const [me, bids, allocations, ledger] = await Promise.all([
     getJSON("/me", true),
-    getPages("/bids?limit=100", state.pages.bids),
+    getBidPages(state.pages.bids),
     getPages("/allocations?limit=100", state.pages.allocations),
     getPages("/ledger?limit=100&charges_before=0", state.pages.ledger, (body) => body.entries),
   ]);
+  if (key !== state.key) return;
+  await learnGangs(bids.rows, allocations.rows);
+  if (key !== state.key) return;
   card.hidden = false;
   $("who").textContent = `Signed in as ${me.name}`;
   $("balance").textContent = money(me.balance);
   $("spent").textContent = money(ledger.first.spent);
   $("credits").textContent = money(ledger.first.credits);
-  $("preemptions").textContent = String(allocations.rows.filter((a) => a.status === "preempted").length);
-  $("bids").querySelector("tbody").replaceChildren(...bids.rows.map(bidRow));
+  // a gang's preemption counts once (rank 0's), as the worker counts it
+  const preempted = allocations.rows.filter((a) => a.status === "preempted" && !(num(a.rank) > 0));
+  $("preemptions").textContent = String(preempted.length);
+  const newest = newestAllocations(allocations.rows);
+  $("bids").querySelector("tbody").replaceChildren(
+    ...foldBids(bids.rows).flatMap((e) => (e.members ? [bidRow(e), membersRow(e, newest)] : [bidRow(e)])));
   bids.rows.forEach((b) => state.seenBids.add(b.id));
-  $("allocations").querySelector("tbody").replaceChildren(...allocations.rows.map(allocationRow));
+  $("allocations").querySelector("tbody").replaceChildren(
+    ...foldAllocations(allocations.rows).flatMap((e) => (e.allocs ? gangAllocationRows(e) : [allocationRow(e.alloc)])));
   $("ledger").replaceChildren(
     ...(ledger.rows.length
       ? ledger.rows.map((e) => h("li", {}, `${money(e.amount)} — ${e.reason || e.kind || ""} `, h("span", { class: "muted small" }, when(e.created_at))))
@@ -386,26 +399,38 @@ for (const list of ["bids", "allocations", "ledger"]) {
   });
 }
 
-function bidRow(b) {
+// an entry of foldBids(): a one-node bid, or a gang (rank 0's bid; its members in the next row)
+function bidRow(entry) {
+  const b = entry.bid, gang = entry.members ? num(b.node_count, 1) ?? entry.members.length : 0;
   const fresh = !state.seenBids.has(b.id) && state.seenBids.size;
   const labels = Object.entries(b.labels && typeof b.labels === "object" ? b.labels : {});
-  return h("tr", { class: fresh ? "bid fresh" : "bid", "data-bid": b.id },
-    h("td", {}, String(b.id), b.idempotency_key ? h("div", { class: "small muted key", title: b.idempotency_key }, String(b.idempotency_key)) : null),
-    h("td", {}, `${fixed(b.gpu_count, 0)} × ${b.gpu_model}`), h("td", {}, String(b.region)),
+  const gpus = gang
+    ? h("span", { title: `${gang} nodes × ${fixed(b.gpu_count, 0)} GPUs` }, `${gang} × ${fixed(b.gpu_count, 0)} × ${b.gpu_model}`)
+    : `${fixed(b.gpu_count, 0)} × ${b.gpu_model}`;
+  return h("tr", { class: `bid${gang ? " gang" : ""}${fresh ? " fresh" : ""}`, "data-bid": b.id, "data-gang": gang ? entry.gang : null },
+    h("td", {}, String(b.id), gang ? h("div", { class: "small gang-of" }, `gang of ${gang}`) : null,
+      b.idempotency_key ? h("div", { class: "small muted key", title: b.idempotency_key }, String(b.idempotency_key)) : null),
+    h("td", {}, gpus), h("td", {}, String(b.region)),
     h("td", {}, kindCell(b.capacity || "spot")), h("td", { class: "num" }, money(b.max_price)),
     h("td", {}, statusCell(b.status), b.hold_reason ? h("div", { class: "small muted" }, String(b.hold_reason)) : null),
     h("td", { class: "labels" }, labels.map(([k, v]) => h("span", { class: "chip", title: `${k}=${v}` }, `${k}=${v}`))),
     h("td", {}, when(b.created_at)));
 }
 
-function allocationRow(a) {
+// how long an allocation ran (so far), or "–"
+function ranFor(a) {
   const started = num(a.started_at), ended = num(a.ended_at ?? Date.now() / 1000);
   const ran = started !== null && ended !== null ? Math.max(0, (ended - started) / 60) : null;
+  return a.status === "reserved" || ran === null ? "–" : `${ran.toFixed(1)} min`;
+}
+const reasonFor = (a) => String(a.notice_reason || a.end_reason || "");
+
+function allocationRow(a) {
   return h("tr", { "data-allocation": a.id },
     h("td", {}, String(a.id)), h("td", {}, String(a.bid_id)), h("td", {}, String(a.node_id)),
-    h("td", {}, statusCell(a.status)), h("td", {}, String(a.notice_reason || a.end_reason || "")),
+    h("td", {}, statusCell(a.status)), h("td", {}, reasonFor(a)),
     h("td", { class: "num" }, money(a.price)), h("td", { class: "num" }, fixed(a.charged_amount, 4)),
-    h("td", { class: "num" }, a.status === "reserved" || ran === null ? "–" : `${ran.toFixed(1)} min`));
+    h("td", { class: "num" }, ranFor(a)));
 }
 
 $("signin").addEventListener("submit", (event) => {
@@ -414,6 +439,8 @@ $("signin").addEventListener("submit", (event) => {
   if (!key) return;
   state.key = key;
   state.seenBids.clear();
+  state.gangOf.clear();
+  state.gangSize.clear();
   state.pages = { bids: 1, allocations: 1, ledger: 1 };
   sessionStorage.setItem("spotgpu-key", key);
   $("key").value = "";
