@@ -282,7 +282,11 @@ def run(
 
 def _prefect_flow():
     from prefect import flow, get_run_logger
-    from prefect.artifacts import create_progress_artifact, update_progress_artifact
+    from prefect.artifacts import (
+        create_progress_artifact,
+        create_table_artifact,
+        update_progress_artifact,
+    )
     from prefect.context import FlowRunContext
 
     @flow(name="pretrain", log_prints=False)
@@ -321,6 +325,11 @@ def _prefect_flow():
 
         result = run(cfg, every=every, on_progress=on_progress)
         logger.info("done: final loss %.4f after %d steps", result["final_loss"], cfg.steps)
+        create_table_artifact(
+            [{"step": step, "loss": loss} for step, loss in enumerate(result["losses"], 1)],
+            description="the loss of every step, across every attempt (the gang's: the mean "
+            "of its ranks')",
+        )
         return result
 
     return pretrain
