@@ -366,7 +366,14 @@ def test_a_gang_fits_the_region_with_the_most_nodes_and_its_retry_returns_it(ser
     assert {regions[a["node_id"]] for a in placed} == {"us-east"}
 
 
-@pytest.mark.parametrize("address", ["10.0.0.7\n", "10.0.0.7/24", "", "a" * 254, "host name"])
+@pytest.mark.parametrize(
+    "address",
+    [
+        *("10.0.0.7\n", "10.0.0.7/24", "", "a" * 254, "host name"),
+        # a hostile provider aiming other providers' ranks at what is not a node:
+        *("169.254.169.254", "fe80::1", "0.0.0.0", "::", "224.0.0.1", "255.255.255.255"),
+    ],
+)
 def test_bad_addresses_get_422_naming_address_and_write_nothing(service, db_url, address):
     owner = service.tenant()
     service.grant_provider(owner)

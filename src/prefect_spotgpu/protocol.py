@@ -49,6 +49,7 @@ __all__ = [
     "ReportOutcome",
     "WorkerEvent",
     "normal_image_reference",
+    "unfit_node_address",
 ]
 
 
@@ -146,6 +147,38 @@ NODE_ADDRESS_PATTERN = r"^[A-Za-z0-9.:-]{1,253}$"
 gang's rank 0 node's address is its ``MASTER_ADDR``."""
 UNSET_NODE_ADDRESS = "127.0.0.1"
 """A gang's ``master_addr`` when rank 0's node advertised no address."""
+
+
+def unfit_node_address(address: str) -> str | None:
+    """Why ``address`` cannot be where other nodes reach a node (None: it can).
+
+    A provider chooses its node's address, and a gang's other ranks, running some tenant's job
+    on other providers' nodes, connect to it: an IP literal nobody's node can be (unspecified,
+    multicast, broadcast, reserved) or a link-local one (``169.254.169.254``, a cloud's
+    metadata service; ``fe80::/10``) would aim them elsewhere, so the market refuses it at
+    registration and the agents refuse it in a rendezvous. Loopback is this host (the default:
+    a stack on one machine); private ranges are a data centre's own. Host names pass (the
+    pattern's characters only): they are resolved by the nodes that use them.
+
+    >>> unfit_node_address("169.254.169.254")
+    'a link-local address (a cloud metadata service, not a node)'
+    >>> unfit_node_address("10.0.0.7") is None and unfit_node_address("gpu-7.lan") is None
+    True
+    """
+    import ipaddress
+    import re
+
+    if not re.fullmatch(NODE_ADDRESS_PATTERN, address):
+        return "not an IP address or a host name (letters, digits, '.', ':', '-'; at most 253)"
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return None  # a host name
+    if ip.is_link_local:
+        return "a link-local address (a cloud metadata service, not a node)"
+    if ip.is_unspecified or ip.is_multicast or ip.is_reserved or str(ip) == "255.255.255.255":
+        return "an address no node can have (unspecified, multicast, broadcast or reserved)"
+    return None
 
 
 _DOCKER_HUB_PREFIXES = (

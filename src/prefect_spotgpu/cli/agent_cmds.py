@@ -9,7 +9,7 @@ from __future__ import annotations
 import typer
 
 from prefect_spotgpu.cli.common import MARKET, console
-from prefect_spotgpu.protocol import NODE_ADDRESS_PATTERN, UNSET_NODE_ADDRESS
+from prefect_spotgpu.protocol import UNSET_NODE_ADDRESS, unfit_node_address
 
 agent_app = typer.Typer(help="Run the node agent on a GPU host.", no_args_is_help=True)
 
@@ -96,7 +96,6 @@ def agent_start(
     root, it runs each job as an unprivileged user of its own (see --job-user).
     """
     import logging
-    import re
     import signal as signals
     import socket
     from pathlib import Path
@@ -120,11 +119,8 @@ def agent_start(
     )
     if log_level.lower() != "debug":  # a line per request (one a second, at least): noise
         logging.getLogger("httpx").setLevel(logging.WARNING)
-    if not re.fullmatch(NODE_ADDRESS_PATTERN, advertise_address):
-        console.print(
-            f"[red]--advertise-address must be an IP address or a host name (letters, digits, "
-            f"'.', ':', '-'; at most 253), got {advertise_address!r}[/red]"
-        )
+    if why := unfit_node_address(advertise_address):
+        console.print(f"[red]--advertise-address {advertise_address!r} is {why}[/red]")
         raise typer.Exit(2)
     name = name or socket.gethostname()
     state = Path(state_dir).absolute() if state_dir else default_state_dir(name)

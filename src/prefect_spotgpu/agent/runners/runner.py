@@ -39,6 +39,7 @@ from prefect_spotgpu.protocol import (
     MAX_IMAGE_REFERENCE_CHARS,
     MAX_NODE_IMAGES,
     NODE_ADDRESS_PATTERN,
+    unfit_node_address,
 )
 
 logger = logging.getLogger("prefect_spotgpu.agent")
@@ -94,6 +95,8 @@ class GangPlace:
         address = gang.get("master_addr")
         if not isinstance(address, str) or not re.fullmatch(NODE_ADDRESS_PATTERN, address):
             raise malformed("gang.master_addr must be an IP address or a host name")
+        if why := unfit_node_address(address):
+            raise malformed(f"gang.master_addr {address!r} is {why}")
         port = whole("master_port", 1, 65535)
         gpus = whole("gpus_per_node", 1, MAX_GPUS_PER_NODE)
         return cls(rank, world, address, port, gpus, whole("lead_allocation", 1, 2**63 - 1))

@@ -5,10 +5,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import AfterValidator, BaseModel, Field, model_validator
 
 from prefect_spotgpu.market import MAX_GPUS_PER_NODE
-from prefect_spotgpu.protocol import MAX_NODE_IMAGES, NODE_ADDRESS_PATTERN
+from prefect_spotgpu.protocol import MAX_NODE_IMAGES, NODE_ADDRESS_PATTERN, unfit_node_address
 from prefect_spotgpu.service.schemas.fields import (
     CapacityKind,
     GpuCount,
@@ -30,9 +30,16 @@ NodeAddress = Annotated[
         pattern=NODE_ADDRESS_PATTERN,
         examples=["10.0.0.7"],
         description="The IP or hostname other nodes reach this node at (a gang's rank 0 "
-        "node's is the gang's MASTER_ADDR).",
+        "node's is the gang's MASTER_ADDR); never link-local, multicast or unspecified.",
     ),
+    AfterValidator(lambda address: _fit_node_address(address)),
 ]
+
+
+def _fit_node_address(address: str) -> str:
+    if why := unfit_node_address(address):
+        raise ValueError(f"{address!r} is {why}")
+    return address
 
 
 class NodeCreate(Strict):
