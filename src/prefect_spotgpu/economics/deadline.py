@@ -33,6 +33,18 @@ from typing import Literal
 
 
 @dataclass(frozen=True, slots=True)
+class RegionQuote:
+    """One region's pool as a policy sees it at one step (what the market's quotes and order
+    book say, and the forecast from the prices seen so far: nothing of the future)."""
+
+    region: str
+    open: bool  # a bid at the cap would hold GPUs there now
+    floor: float  # the lowest price that can win there now, per GPU-hour
+    free_nodes: int = 0  # nodes free for the job's size there now
+    forecast: float | None = None  # expected clearing price, next hours (None: no history)
+
+
+@dataclass(frozen=True, slots=True)
 class JobView:
     """What a policy knows at one step; times in hours since the job was submitted."""
 
@@ -48,6 +60,10 @@ class JobView:
     on_demand_price: float
     spot_open: bool = True  # the pool's last quote: a bid at the cap would hold GPUs now
     spot_floor: float = 0.0  # the pool's last quote: the lowest price that can win now
+    regions: tuple[RegionQuote, ...] = ()  # every region the job may run in (multi-region)
+    region: str | None = None  # where it ran on spot during the last step (None: nowhere)
+    migrate_h: float = 0.0  # lost on top of restart_h when it resumes in another region
+    noticed: bool = False  # its spot allocation got a notice during the last step
 
     @property
     def left_h(self) -> float:
@@ -68,6 +84,7 @@ class JobView:
 class Action:
     mode: Literal["spot", "on_demand", "wait"]
     bid: float = 0.0  # the spot bid's maximum price, for mode "spot"
+    region: str | None = None  # the spot bid's region (None: the job's own, or any region)
 
 
 Policy = Callable[[JobView], Action]
