@@ -77,6 +77,8 @@ PURE_CORES = (
     "economics/deadline.py",
     "economics/schedules.py",
     "economics/replay.py",
+    "economics/steering.py",
+    "economics/anywhere.py",
     "worker/reactions.py",
     "worker/report.py",
     "worker/pacing.py",

@@ -132,7 +132,8 @@ def test_progress_is_the_time_run_less_a_restart_per_start():
 
 
 def test_an_unknown_policy_is_refused_naming_the_valid_ones():
-    with pytest.raises(ValueError, match="always-on-demand, greedy-spot, uniform-progress"):
+    valid = "always-on-demand, deadline-aware, greedy-spot, uniform-progress"
+    with pytest.raises(ValueError, match=valid):
         pace(policy="yolo")
 
 
@@ -160,3 +161,34 @@ def test_a_deadline_in_hours_counts_from_the_scheduled_start():
 def test_bad_pacing_terms_are_refused(fields, words):
     with pytest.raises(ValidationError, match=words):
         SpotGPUJobConfiguration(**fields)
+
+
+QUOTE = {"gpu_model": "A100-80G", "capacity": "spot", "reserve_price": 0.9}
+
+
+def test_every_regions_quote_reaches_the_policy_which_picks_where_capacity_is():
+    quotes = [
+        {**QUOTE, "region": "eu-west", "clearing_price": 1.19, "gpus_free": 0},  # closed at 1.2
+        {**QUOTE, "region": "us-east", "clearing_price": 0.95, "gpus_free": 1},
+        {**QUOTE, "region": "us-west", "clearing_price": 1.0, "gpus_free": 1},
+        {**QUOTE, "region": "us-east", "capacity": "on_demand", "clearing_price": 2.1},
+        {**QUOTE, "gpu_model": "H100-80G", "region": "ap", "clearing_price": 0.5, "gpus_free": 8},
+    ]
+    p = pace(policy="deadline-aware", deadline_h=20)
+    course = plan(p, T0 + timedelta(hours=1), SPOT, [], quotes)
+    assert [r.region for r in course.view.regions] == ["eu-west", "us-east", "us-west"]
+    assert [r.open for r in course.view.regions] == [False, True, True]
+    assert (course.mode, course.price, course.region) == ("spot", 1.2, "us-east")
+    assert "best now in us-east" in course.describe()
+    assert course.view.spot_open and course.view.spot_floor == 0.95
+
+    closed = [{**q, "gpus_free": 0, "clearing_price": 1.19} for q in quotes[:3]]
+    course = plan(p, T0 + timedelta(hours=1), SPOT, [], closed)
+    assert not course.view.spot_open
+    assert (course.mode, course.region) == ("spot", None)  # every region at once: any
+
+    pinned = pace(policy="deadline-aware", deadline_h=20)
+    pinned = Pace(**{**{f: getattr(pinned, f) for f in pinned.__slots__}, "region": "eu-west"})
+    course = plan(pinned, T0 + timedelta(hours=1), SPOT, [], quotes)
+    assert [r.region for r in course.view.regions] == ["eu-west"]
+    assert plan(p, T0 + timedelta(hours=1), SPOT, [], None).view.regions == ()  # no quotes

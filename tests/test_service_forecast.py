@@ -11,16 +11,16 @@ from conftest import start_service
 from prefect_spotgpu.service.models import PriceBar
 
 
-def store_history(db_url: str, days: int = 21) -> None:
-    """A minute bar per hour for ``days``: 0.9 at night, 1.5 by day (UTC)."""
+def store_history(db_url: str, days: int = 21, region: str = "eu-west", night=0.9, day=1.5):
+    """A minute bar per hour for ``days``: ``night`` at night, ``day`` by day (09-18 UTC)."""
     now_hour = int(time.time() // 3600)
     hours = np.arange(now_hour - days * 24, now_hour)
     engine = sa.create_engine(db_url)
     with engine.begin() as connection:
         rows = []
         for h in hours:
-            price = 0.9 if (h % 24) < 9 or (h % 24) >= 18 else 1.5
-            rows.append({"gpu_model": "A100-80G", "region": "eu-west", "minute": int(h) * 60,
+            price = night if (h % 24) < 9 or (h % 24) >= 18 else day
+            rows.append({"gpu_model": "A100-80G", "region": region, "minute": int(h) * 60,
                          "open": price, "high": price, "low": price, "close": price})  # fmt: skip
         connection.execute(sa.insert(PriceBar), rows)
     engine.dispose()
@@ -51,6 +51,38 @@ def test_hourly_history_forecast_and_estimate(db_url, tmp_path):
         assert estimate["p_meet_deadline_on_spot"] > 0.99
         assert abs(estimate["expected_cost"] - 6 * 0.9) < 1e-6
         assert abs(estimate["saving"] - (1 - 0.9 / 2.1)) < 1e-3
+    finally:
+        service.stop()
+
+
+def test_an_estimate_for_any_region_takes_the_cheapest_region_hour_by_hour(db_url, tmp_path):
+    """Two regions dear at opposite hours: alone, each is usable at the cap (1.2) only half the
+    day; any region is usable all day, always at 0.9, so 18 GPU-hours fit in 18 hours."""
+    service = start_service(db_url, tmp_path / "home")
+    try:
+        store_history(db_url, region="eu-west", night=0.9, day=1.5)
+        store_history(db_url, region="us-east", night=1.5, day=0.9)
+        api = service.client()
+        body = {"gpu_model": "A100-80G", "gpu_hours": 18, "max_price": 1.2,
+                "deadline": _iso(time.time() + 20 * 3600)}  # fmt: skip
+        anywhere = api.post("/estimate", json={**body, "region": "any"}).json()
+        assert anywhere["region"] == "any"
+        assert [r["region"] for r in anywhere["regions"]] in (
+            ["eu-west", "us-east"],
+            ["us-east", "eu-west"],
+        )
+        assert anywhere["p_meet_deadline_on_spot"] > 0.99
+        assert abs(anywhere["expected_cost"] - 18 * 0.9) < 1e-6
+        for alone in anywhere["regions"]:
+            assert alone["p_meet_deadline_on_spot"] < 0.01  # 18 h of spot need both regions
+            assert alone["expected_cost"] > anywhere["expected_cost"] + 5
+        one = api.post("/estimate", json={**body, "region": "eu-west"}).json()
+        assert one["region"] == "eu-west" and [r["region"] for r in one["regions"]] == ["eu-west"]
+        assert one["expected_cost"] == next(
+            r["expected_cost"] for r in anywhere["regions"] if r["region"] == "eu-west"
+        )
+        none = api.post("/estimate", json={**body, "gpu_model": "H200", "region": "any"})
+        assert none.status_code == 409 and "no price history for H200 in any region" in none.text
     finally:
         service.stop()
 
@@ -110,6 +142,10 @@ def test_the_prices_and_estimate_commands(tmp_path):
         text = spotgpu("estimate", "--model", "A100-80G", "--gpu-hours", "6", "--cap", "1.2",
                        "--start", _iso(start), "--deadline", _iso(start + 2 * 86400))  # fmt: skip
         assert "expected cost   5.40 (on-demand 12.60, saving 57%)" in text
+        store_history(db_url, region="us-east", night=1.5, day=0.9)
+        text = spotgpu("estimate", "--model", "A100-80G", "--gpu-hours", "6", "--cap", "1.2",
+                       "--start", _iso(start), "--deadline", _iso(start + 2 * 86400))  # fmt: skip
+        assert "one region alone:" in text and "us-east" in text and "eu-west" in text, text
     finally:
         service.stop()
 

@@ -118,7 +118,8 @@ def estimate(
     start: str = typer.Option(None, help="Not before (ISO 8601; default now)."),
     market: str = MARKET,
 ) -> None:
-    """Expected cost and finish of some GPU-hours by a deadline, against on-demand."""
+    """Expected cost and finish of some GPU-hours by a deadline, against on-demand; for
+    region any, from every region's forecast at once, with each region's own beside it."""
     body = {"gpu_model": gpu_model, "gpu_hours": gpu_hours, "max_price": max_price,
             "deadline": deadline, "gpus": gpus, "region": region}  # fmt: skip
     if start:
@@ -135,6 +136,15 @@ def estimate(
         f"  P(deadline met on spot alone) {e['p_meet_deadline_on_spot']:.0%}; expected "
         f"on-demand fallback {e['expected_on_demand_gpu_hours']:g} GPU-hours"
     )
+    if e["region"] == "any" and len(e.get("regions", [])) > 1:
+        console.print("  one region alone:")
+        for r in e["regions"]:
+            console.print(
+                f"    {r['region']:<14} expected cost {r['expected_cost']:.2f} (saving "
+                f"{r['saving']:.0%}), P(deadline met on spot alone) "
+                f"{r['p_meet_deadline_on_spot']:.0%}",
+                highlight=False,
+            )
 
 
 # ---------------------------------------------------------------- bids and nodes

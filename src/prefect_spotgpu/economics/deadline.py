@@ -123,6 +123,7 @@ POLICIES: dict[str, Policy] = {
     "greedy-spot": greedy_spot,
     "uniform-progress": uniform_progress,
 }
+"""The registry; ``deadline-aware`` (``steering``, built on the views above) joins it below."""
 
 
 def get_policy(name: str) -> Policy:
@@ -133,3 +134,8 @@ def get_policy(name: str) -> Policy:
         raise ValueError(
             f"unknown bidding policy {name!r}; choose one of {', '.join(sorted(POLICIES))}"
         ) from None
+
+
+from prefect_spotgpu.economics.steering import deadline_aware  # noqa: E402 (uses the views above)
+
+POLICIES["deadline-aware"] = deadline_aware

@@ -95,6 +95,14 @@ def list_minute_bars(
     return list(session.execute(query.order_by(PriceBar.minute)).all())
 
 
+def list_bar_regions(*, session: Session, gpu_model: str, since_minute: int) -> list[str]:
+    """The regions whose pools of ``gpu_model`` have price bars since ``since_minute``."""
+    query = select(PriceBar.region).where(
+        PriceBar.gpu_model == gpu_model, PriceBar.minute >= since_minute
+    )
+    return sorted(session.scalars(query.distinct()))
+
+
 def find_node_by_token(*, connection: Connection, token_hash: str) -> int | None:
     """The id of the node whose agent token hashes to ``token_hash``."""
     return connection.scalar(select(NodeRow.id).where(NodeRow.token_hash == token_hash))

@@ -28,7 +28,7 @@ from prefect_spotgpu.market.types import MAX_GANG_NODES, check_node_count
 from prefect_spotgpu.protocol import IMAGE_REFERENCE_PATTERN, JOB_ENV, PROCESS_IMAGE
 from prefect_spotgpu.worker.pacing import Pace
 
-PolicyChoice = Literal["uniform-progress", "greedy-spot", "always-on-demand"]
+PolicyChoice = Literal["deadline-aware", "uniform-progress", "greedy-spot", "always-on-demand"]
 """The bidding policies of ``prefect_spotgpu.economics.deadline``
 (``tests/test_worker.py`` checks)."""
 
@@ -159,6 +159,8 @@ class SpotGPUJobConfiguration(BaseJobConfiguration):
             cap=self.max_price,
             gpu_model=self.gpu_model,
             on_demand_fallback=self.on_demand_fallback,
+            region=self.region,
+            gpu_count=self.gpu_count,
         )
 
     def catalogue_image(self, catalogue: list[dict]) -> str | None:
@@ -318,7 +320,9 @@ class SpotGPUVariables(BaseVariables):
     bidding_policy: PolicyChoice = Field(
         default="uniform-progress",
         title="Bidding policy",
-        description="uniform-progress: spot while on pace, bid up when behind, on-demand at "
+        description="deadline-aware: reads every region's quote, runs where capacity is at the "
+        "best price, keeps what it holds, on-demand only when the slack is gone; "
+        "uniform-progress: spot while on pace, bid up when behind, on-demand at "
         "the end; greedy-spot: spot at the maximum price until the deadline forces on-demand; "
         "always-on-demand: the baseline.",
     )

@@ -139,6 +139,15 @@ class MarketApi:
             return
         checked(await self.http.put("/webhook", json={"url": url}), "set the notice webhook")
 
+    async def quotes(self) -> list[dict] | None:
+        """Every pool's quote (``GET /prices``); None when the market does not answer them
+        (the policy then assumes spot open, as before it had quotes)."""
+        try:
+            response = await self.http.get("/prices")
+        except httpx.HTTPError:
+            return None
+        return response.json() if response.status_code == 200 else None
+
     async def quote(self, bid: dict) -> tuple[str, bool]:
         """What the market offers this bid now (``report.quote_summary``), from ``/prices``."""
         response = await self.http.get("/prices")

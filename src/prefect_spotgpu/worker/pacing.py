@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
 
-from prefect_spotgpu.economics.deadline import JobView, get_policy
-from prefect_spotgpu.market import DEFAULT_CATALOG
+from prefect_spotgpu.economics.deadline import JobView, RegionQuote, get_policy
+from prefect_spotgpu.market import DEFAULT_CATALOG, MarketConfig
 
 PACE_SECONDS = float(os.environ.get("SPOTGPU_PACE_SECONDS", "60"))
 """How often the worker asks the policy again while it follows a paced run (the policy's step;
@@ -52,6 +52,8 @@ class Pace:
     cap: float  # the run's maximum spot price per GPU-hour
     gpu_model: str
     on_demand_fallback: bool = True
+    region: str = "any"  # the run's region, or any: the policy then sees every region's quote
+    gpu_count: int = 1  # GPUs a node (the size a quote must have free)
 
     def __post_init__(self) -> None:
         get_policy(self.policy)  # an unknown name fails listing the valid ones
@@ -62,10 +64,13 @@ class Plan:
     mode: Literal["spot", "on_demand"]
     price: float  # the spot bid's maximum, or the on-demand price
     view: JobView
+    region: str | None = None  # where the policy would run it now (None: wherever it fits)
 
     def describe(self) -> str:
         v = self.view
         where = "on-demand" if self.mode == "on_demand" else f"spot at most {self.price:.2f}"
+        if self.mode == "spot" and self.region and len(v.regions) > 1:
+            where += f", best now in {self.region}"
         return (
             f"{where}: {v.done_h:.2f} of {v.work_h:.2f} GPU-hours done, "
             f"{v.deadline_h - v.now_h:.2f} h to the deadline, slack {v.slack_h:.2f} h"
@@ -88,14 +93,52 @@ def done_hours(allocations: list[dict], now: float, restart_h: float) -> tuple[f
     return done, holding
 
 
-def plan(pace: Pace, now: datetime, bid: dict | None, allocations: list[dict]) -> Plan:
-    """What the run should bid for now (see the module docstring)."""
+def region_quotes(pace: Pace, quotes: list[dict]) -> tuple[RegionQuote, ...]:
+    """The spot pools of the run's model (of its region, or every region for ``any``) from
+    the market's ``GET /prices``, as the policy reads them: open when a bid at the cap would
+    hold GPUs there now (a node's worth free, or the cap beats the clearing price by the
+    hysteresis margin), and the floor that wins there now.
+
+    >>> from datetime import UTC
+    >>> p = Pace(4, datetime(2026, 12, 2, tzinfo=UTC), datetime(2026, 12, 1, tzinfo=UTC),
+    ...          "deadline-aware", 5, 1.2, "A100-80G", gpu_count=2)
+    >>> q = {"gpu_model": "A100-80G", "capacity": "spot", "reserve_price": 0.9}
+    >>> found = region_quotes(p, [{**q, "region": "eu", "clearing_price": 1.15, "gpus_free": 0},
+    ...                           {**q, "region": "us", "clearing_price": None, "gpus_free": 2}])
+    >>> [(r.region, r.open, r.floor, r.free_nodes) for r in found]
+    [('eu', False, 1.15, 0), ('us', True, 0.9, 1)]
+    """
+    hysteresis = MarketConfig().hysteresis
+    found = []
+    for q in quotes:
+        if q.get("gpu_model") != pace.gpu_model or q.get("capacity", "spot") != "spot":
+            continue
+        if pace.region != "any" and q.get("region") != pace.region:
+            continue
+        reserve = float(q.get("reserve_price") or 0.0)
+        floor = max(reserve, float(q.get("clearing_price") or reserve))
+        free_nodes = int(q.get("gpus_free") or 0) // max(1, pace.gpu_count)
+        outbids = floor * (1 + hysteresis) < pace.cap
+        found.append(RegionQuote(q["region"], free_nodes > 0 or outbids, floor, free_nodes))
+    return tuple(sorted(found, key=lambda r: r.region))
+
+
+def plan(
+    pace: Pace,
+    now: datetime,
+    bid: dict | None,
+    allocations: list[dict],
+    quotes: list[dict] | None = None,
+) -> Plan:
+    """What the run should bid for now (see the module docstring); ``quotes``: the market's
+    ``GET /prices``, every pool's quote (None: unknown, spot assumed open)."""
     restart_h = pace.restart_minutes / 60
     done, holding = done_hours(allocations, now.timestamp(), restart_h)
     on_demand_price = DEFAULT_CATALOG.get(pace.gpu_model).on_demand_price
     mode = "wait"
     if holding and bid is not None:
         mode = "on_demand" if bid.get("capacity") == "on_demand" else "spot"
+    regions = region_quotes(pace, quotes) if quotes is not None else ()
     view = JobView(
         now_h=_hours(now - pace.origin),
         deadline_h=_hours(pace.deadline - pace.origin),
@@ -107,6 +150,9 @@ def plan(pace: Pace, now: datetime, bid: dict | None, allocations: list[dict]) -
         ran=holding,
         cap=pace.cap,
         on_demand_price=on_demand_price,
+        spot_open=not regions or any(r.open for r in regions),
+        spot_floor=min((r.floor for r in regions), default=0.0),
+        regions=regions,
     )
     if bid is not None and bid.get("capacity") == "on_demand":
         return Plan("on_demand", on_demand_price, view)  # never back: a switch costs a restart
@@ -114,7 +160,7 @@ def plan(pace: Pace, now: datetime, bid: dict | None, allocations: list[dict]) -
     if action.mode == "on_demand" and pace.on_demand_fallback:
         return Plan("on_demand", on_demand_price, view)
     price = pace.cap if action.mode != "spot" else min(pace.cap, action.bid)
-    return Plan("spot", round(price, 4), view)
+    return Plan("spot", round(price, 4), view, action.region)
 
 
 def _hours(delta: timedelta) -> float:

@@ -90,7 +90,8 @@ class Placement:
         place a new one), the plan, and the bid it cancelled. A waiting spot bid is repriced
         to the plan's price, or cancelled when the plan moves the run to on-demand capacity."""
         allocations = [] if bid is None else await self.market.allocations(bid["id"])
-        course = plan(pace, datetime.now(UTC), bid, lead_allocations(allocations))
+        quotes = await self.market.quotes()
+        course = plan(pace, datetime.now(UTC), bid, lead_allocations(allocations), quotes)
         if bid is None:
             return None, course, None
         if course.mode == "on_demand" and bid.get("capacity") != Capacity.ON_DEMAND:
@@ -116,7 +117,8 @@ class Placement:
         if bid.get("capacity") == Capacity.ON_DEMAND or bid["max_price"] == RELEASE_PRICE:
             return bid
         allocations = await self.market.allocations(bid["id"])
-        course = plan(pace, datetime.now(UTC), bid, lead_allocations(allocations))
+        quotes = await self.market.quotes()
+        course = plan(pace, datetime.now(UTC), bid, lead_allocations(allocations), quotes)
         if course.mode != "on_demand":
             return bid
         self.run.logger.warning(

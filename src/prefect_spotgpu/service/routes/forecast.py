@@ -13,6 +13,7 @@ from typing import Annotated
 import numpy as np
 from fastapi import APIRouter, Query
 
+from prefect_spotgpu.economics.anywhere import AnyRegionForecast
 from prefect_spotgpu.market import DEFAULT_CATALOG
 from prefect_spotgpu.market.forecast import (
     HourOfWeekForecast,
@@ -109,30 +110,61 @@ def forecast(
 
 @router.post("/estimate", summary="Expected cost and finish of some GPU-hours by a deadline")
 def estimate_cost(data: schemas.EstimateRequest, db: Db, days: Days = 28.0):
-    model, bars = _history(db, data.gpu_model, data.region, days)
-    fitted = HourOfWeekForecast.fit(bars["hour"] * 3600.0, bars["close"])
+    """For one region, from its pool's forecast; for ``any``, from every region's at once
+    (``economics.anywhere``: spot usable when some region's price is at most the cap, at the
+    cheapest region's price), with each region's own estimate beside it."""
+    model, by_region = _regions_history(db, data.gpu_model, data.region, days)
+    fitted = {
+        region: HourOfWeekForecast.fit(bars["hour"] * 3600.0, bars["close"])
+        for region, bars in by_region.items()
+    }
     start = (data.start or datetime.now(UTC)).timestamp()
     on_demand = DEFAULT_CATALOG.get(model).on_demand_price
-    result = estimate(
-        fitted,
-        data.gpu_hours,
-        data.max_price,
-        start,
-        data.deadline.timestamp(),
-        on_demand,
-        data.gpus,
-    )
-    finish = result.expected_finish
+
+    def estimated(forecast) -> dict:
+        result = estimate(
+            forecast, data.gpu_hours, data.max_price, start, data.deadline.timestamp(),
+            on_demand, data.gpus,
+        )  # fmt: skip
+        finish = result.expected_finish
+        return {
+            "expected_cost": result.expected_cost,
+            "expected_finish": None if finish is None else datetime.fromtimestamp(finish, UTC),
+            "p_meet_deadline_on_spot": result.p_meet_deadline,
+            "on_demand_cost": result.on_demand_cost,
+            "saving": result.saving,
+            "expected_spot_gpu_hours": result.spot_gpu_hours,
+            "expected_on_demand_gpu_hours": result.fallback_gpu_hours,
+        }
+
+    each = {region: estimated(forecast) for region, forecast in fitted.items()}
+    whole = estimated(AnyRegionForecast(fitted)) if data.region == "any" else each[data.region]
     return {
         "gpu_model": model,
         "region": data.region,
-        "expected_cost": result.expected_cost,
-        "expected_finish": None if finish is None else datetime.fromtimestamp(finish, UTC),
-        "p_meet_deadline_on_spot": result.p_meet_deadline,
-        "on_demand_cost": result.on_demand_cost,
-        "saving": result.saving,
-        "expected_spot_gpu_hours": result.spot_gpu_hours,
-        "expected_on_demand_gpu_hours": result.fallback_gpu_hours,
+        **whole,
+        "regions": sorted(
+            ({"region": region, **e} for region, e in each.items()),
+            key=lambda e: (e["expected_cost"], e["region"]),
+        ),
         "assumptions": "hours independent; spot usable when the forecast price is at or below "
-        "max_price; what spot cannot cover by the deadline is bought on-demand",
+        "max_price (for any region: in some region, the regions independent, at the cheapest "
+        "region's price); what spot cannot cover by the deadline is bought on-demand",
     }
+
+
+def _regions_history(db, gpu_model: str, region: str, days: float) -> tuple[str, dict]:
+    """``(model, {region: hourly bars})``: the one region's, or each region's for ``any``."""
+    if region != "any":
+        model, bars = _history(db, gpu_model, region, days)
+        return model, {region: bars}
+    try:
+        model = DEFAULT_CATALOG.normalize(gpu_model)
+    except ValueError as exc:
+        raise Invalid(str(exc), field="gpu_model") from None
+    since = int((time.time() - days * 86400) // 60)
+    with db.begin() as session:
+        regions = queries.list_bar_regions(session=session, gpu_model=model, since_minute=since)
+    if not regions:
+        raise Conflict(f"no price history for {model} in any region yet")
+    return model, {r: _history(db, model, r, days)[1] for r in regions}
