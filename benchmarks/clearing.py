@@ -10,8 +10,11 @@ reserves at 0.4x on-demand. Two kinds of tick:
 
 Side by side in one run: our engine; the same engine without its vectorised admission (the
 one-by-one greedy loop, ``packing="first-fit"``); a cold rebuild against the incremental
-steady tick; and (``images``) the same market where every bid names one of three images and
-half the nodes hold one: placement prefers, among equal fits, a node with the bid's image.
+steady tick; (``images``) the same market where every bid names one of three images and
+half the nodes hold one: placement prefers, among equal fits, a node with the bid's image;
+and (``gangs``) the same workload where 10 % of the N bids are gangs of 2-8 nodes, each of
+its member bids added with ``add_bid`` as the service adds them (so ``gangs_member_bids``
+counts more than N bids).
 Welfare against the exact optimum is measured on 1,000 small random markets. Pinned to one
 core. Prints one JSON object.
 

@@ -9,15 +9,17 @@ equals that of a market rebuilt cold from the same state.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from market_checks import check_gangs
+from market_checks import check_gangs, gangs
 from prefect_spotgpu.market import (
     AllocationStatus,
     Bid,
     EndReason,
+    Interval,
     Market,
     MarketConfig,
     Node,
@@ -360,3 +362,173 @@ def test_a_cold_rebuild_in_the_middle_of_a_gang_notice_decides_the_same():
     market.end_allocation(noticed[0].id, AllocationStatus.PREEMPTED, 3.0)  # one acked, one not
     state = market.snapshot()
     assert clear(state, 4.0).equals(market.tick(4.0))
+
+
+# ---------------------------------------------------------------------- the cold tick in bulk
+
+
+class OneByOne(Market):
+    """The same market with the bulk replay of fresh pools turned off: every bid the perfect
+    packing leaves goes through the one-by-one loop (claims, evictions and all)."""
+
+    def _fresh_model(self, model: int) -> bool:
+        return False
+
+
+cold_node_st = st.tuples(
+    st.sampled_from(("A100-80G", "A100-80G", "RTX-4090")),
+    st.sampled_from(REGIONS),
+    st.sampled_from((1, 2, 3, 4, 6, 8, 8, 8, 16)),
+    st.sampled_from((None, None, None, None, 1.0)),  # None: its pool's reserve (else: not fresh)
+    st.sampled_from((False, False, False, False, True)),  # holds an image (not fresh either)
+)
+cold_bid_st = st.tuples(
+    st.sampled_from(("A100-80G", "A100-80G", "RTX-4090")),
+    st.sampled_from((*REGIONS, "any", "any")),
+    st.sampled_from((1, 1, 2, 2, 3, 4, 8, 16)),
+    st.sampled_from(PRICES),
+    st.sampled_from((1, 1, 1, 2, 2, 3, 4)),  # node_count
+    st.sampled_from((None, None, None, (0, 900), (2000, 5000))),  # window
+    st.integers(0, 4),  # 0: a gang short of one member (it waits, and blocks its book)
+)
+
+
+def cold_markets(nodes, bids, arrays):
+    """The same fresh market twice, bulk and one by one: plain bids and gangs interleaved in
+    price (ids in arrival order), optionally with a bulk-loaded book of plain bids."""
+    config = MarketConfig(regions=frozenset(REGIONS))
+    markets = (Market(config), OneByOne(config))
+    for market in markets:
+        for i, (model, region, gpus, reserve, image) in enumerate(nodes, start=1):
+            pool_reserve = 0.5 if (model, region) < ("B", REGIONS[1]) else 1.0
+            held = frozenset({"pytorch:1"}) if image else frozenset()
+            market.upsert_node(Node(i, model, region, gpus, reserve or pool_reserve, images=held))
+        next_id = 1
+        for model, region, gpus, price, count, window, short in bids:
+            members = count - 1 if count > 1 and short == 0 else count
+            for rank in range(members):
+                market.add_bid(
+                    Bid(
+                        next_id + rank,
+                        model,
+                        gpus,
+                        price,
+                        region=region,
+                        created_at=float(next_id % 7),
+                        window=None if window is None else Interval(*window),
+                        node_count=count,
+                        gang_id=next_id if count > 1 else None,
+                    )
+                )
+            next_id += count
+        if arrays:  # a bulk-loaded book of plain bids, placed in bulk (perfect packing) first
+            size = len(arrays)
+            market.add_bid_arrays(
+                gpu_model="A100-80G",
+                region=REGIONS[0],
+                ids=np.arange(10_000, 10_000 + size),
+                gpu_counts=np.asarray(arrays),
+                max_prices=np.asarray([PRICES[(i * 7) % len(PRICES)] for i in range(size)]),
+                created_at=np.zeros(size),
+            )
+    return markets
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    nodes=st.lists(cold_node_st, min_size=1, max_size=12),
+    bids=st.lists(cold_bid_st, min_size=1, max_size=30),
+    arrays=st.one_of(st.just([]), st.lists(st.sampled_from((1, 2, 4, 8)), max_size=12)),
+    dt=st.sampled_from((1.0, 301.0, 2500.0)),
+)
+def test_a_cold_tick_with_gangs_decides_as_the_one_by_one_loop(nodes, bids, arrays, dt):
+    """The bulk path of a fresh market (perfect packing, then the exact replay that takes
+    gangs, all or nothing on distinct nodes of one pool) decides every cold tick exactly as
+    the one-by-one loop would: the same allocations, nodes, ids and order, prices and
+    charges -- and so does every tick after it."""
+    bulk, one_by_one = cold_markets(nodes, bids, arrays)
+    now = 0.0
+    for step in range(3):
+        now += dt
+        decision = bulk.tick(now)
+        assert decision.equals(one_by_one.tick(now)), f"tick {step} differs"
+        state = bulk.snapshot()
+        if all(len(ms) == ms[0].node_count for ms in gangs(state).values()):
+            check_gangs(state, now)  # (a gang short of a member blocks its book, by design)
+        assert clear(state, now + 1).equals(OneByOne.from_state(state).tick(now + 1))
+        for market in (bulk, one_by_one):  # the next tick: some bids leave, a node is lost
+            if state.bids:
+                market.cancel_bid(state.bids[step % len(state.bids)].id, now)
+            market.upsert_node(Node(1, *nodes[0][:3], 1.0, state=NodeState.LOST))
+
+
+def test_a_gang_between_plain_bids_is_placed_whole_in_the_cold_tick():
+    """Price order, all or nothing and distinct nodes in the bulk path: the gang at 2.0 takes
+    two distinct nodes before the 1.5 bids fill what is left; the 3-node gang at 1.8 cannot
+    find three free nodes and waits whole; the 1.0 bids behind it still run."""
+    nodes = [node(i, gpus) for i, gpus in enumerate((8, 8, 4, 4), start=1)]
+    bulk, one_by_one = market_of(*nodes), OneByOne()
+    for n in nodes:
+        one_by_one.upsert_node(n)
+    bids = [
+        Bid(1, "A100-80G", 4, 3.0, region="eu-west"),  # the best: node 3 (the tightest)
+        *gang(10, 2, 8, 2.0, region="eu-west"),  # two whole nodes: 1 and 2
+        *gang(20, 3, 2, 1.8, region="eu-west"),  # needs 3 nodes with 2 free: only node 4
+        Bid(30, "A100-80G", 2, 1.5, region="eu-west"),
+        Bid(31, "A100-80G", 2, 1.5, region="eu-west"),
+        Bid(32, "A100-80G", 2, 1.0, region="eu-west"),
+    ]
+    for market in (bulk, one_by_one):
+        for b in bids:
+            market.add_bid(b)
+    decision = bulk.tick(1.0)
+    assert decision.equals(one_by_one.tick(1.0))
+    assert placed(decision) == {1: 3, 10: 1, 11: 2, 30: 4, 31: 4}
+    assert decision.quote("A100-80G", "eu-west").waiting_bids == 2  # the gang (one entry), 32
+    check_gangs(bulk.snapshot(), 1.0)
+
+
+def test_a_gang_that_finds_too_few_nodes_or_members_takes_nothing_in_the_cold_tick():
+    """A 3-node gang on a 2-node pool, and a gang still short of a member, both outbid the
+    one-node bids; each waits whole, taking no node from the bids behind it."""
+    bulk, one_by_one = market_of(node(1), node(2)), OneByOne()
+    for n in (node(1), node(2)):
+        one_by_one.upsert_node(n)
+    bids = [
+        *gang(10, 3, 4, 3.0, region="eu-west"),  # three nodes wanted, two exist
+        gang(20, 2, 2, 2.5, region="eu-west")[0],  # its second member has not arrived
+        Bid(30, "A100-80G", 8, 2.0, region="eu-west"),
+        Bid(31, "A100-80G", 8, 1.9, region="eu-west"),
+    ]
+    for market in (bulk, one_by_one):
+        for b in bids:
+            market.add_bid(b)
+    decision = bulk.tick(1.0)
+    assert decision.equals(one_by_one.tick(1.0))
+    assert placed(decision) == {30: 1, 31: 2}
+    check_gangs(bulk.snapshot(), 1.0)
+
+
+def test_the_replay_sorts_a_large_book_a_slice_at_a_time_and_misses_nothing():
+    """5,000 high bids for a region with no node come first in price; the bids that fit come
+    after them, beyond the first slice the replay sorts: they are placed all the same."""
+    markets = (market_of(node(1, region="us-east")), OneByOne())
+    markets[1].upsert_node(node(1, region="us-east"))
+    for market in markets:
+        market.upsert_node(node(2, region="eu-west", state=NodeState.DRAINING))
+        ids = np.arange(1, 5001)
+        market.add_bid_arrays(
+            gpu_model="A100-80G",
+            region="eu-west",  # a pool with no live node: no fit
+            ids=ids,
+            gpu_counts=np.ones(5000, np.int64),
+            max_prices=np.full(5000, 3.0),
+            created_at=np.zeros(5000),
+        )
+        for b in (*gang(6000, 2, 4, 1.0, region="us-east"), *gang(6002, 2, 4, 0.9)):
+            market.add_bid(b)
+        market.add_bid(Bid(6010, "A100-80G", 4, 0.8, region="any"))
+        market.add_bid(Bid(6011, "A100-80G", 4, 0.7, region="us-east"))
+    decision = markets[0].tick(1.0)
+    assert decision.equals(markets[1].tick(1.0))
+    assert placed(decision) == {6010: 1, 6011: 1}  # a gang needs two nodes: one exists

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from heapq import heappop, heappush
 
+import numpy as np
+
 from prefect_spotgpu.market.decision import (
     Ending,
     Notice,
@@ -89,7 +91,8 @@ class AllocationsMixin(MarketIndex):
         a.tick[arow] = self._tick
         a.mig[arow] = 1 if (migration and status == RESERVED) else 0
         self._alloc_row[alloc_id] = arow
-        self._pools[self.n_pool[nrow]].busy += gpus
+        pool = self._pools[self.n_pool[nrow]]
+        pool.busy += gpus
         if self._csr is not None:
             self._node_extra.setdefault(nrow, []).append(arow)
             self._extra_count += 1
@@ -102,10 +105,11 @@ class AllocationsMixin(MarketIndex):
             self._leave_book(brow)
         if status == RUNNING:
             self.n_running[nrow] += gpus
-            self._track_window(arow, True)
+            if b.window[brow] >= 0:
+                self._track_window(arow, True)
         elif status == NOTICED:
             self.n_noticed[nrow] += gpus
-            self._pools[self.n_pool[nrow]].noticed_nodes.add(nrow)
+            pool.noticed_nodes.add(nrow)
             heappush(self._deadlines, (deadline, alloc_id, arow))
             if reason is NoticeReason.OUTBID:
                 self._noticed_outbid.add(arow)
@@ -290,8 +294,20 @@ class AllocationsMixin(MarketIndex):
                 self._notice(arow, NoticeReason.WINDOW_CLOSING, deadline, now)
 
     def _promote(self, now: float) -> None:
-        for arow in sorted(self._reserved, key=lambda r: self.a.id[r]):
-            self._try_promote(arow, now)
+        """Start every reservation that can start, by allocation id."""
+        a, b = self.a, self.b
+        rows = np.fromiter(self._reserved, np.int64, len(self._reserved))
+        failed: dict[int, int] = {}  # gang -> promotions so far when it could not start
+        for arow in rows[np.argsort(a.id[rows])].tolist():
+            gang = int(b.gang[a.bid[arow]])
+            if gang < 0:
+                self._try_promote(arow, now)
+                continue
+            started = len(self._out.promotions)
+            if failed.get(gang) == started:
+                continue  # its check failed and nothing has started since: it fails again
+            if not self._try_promote(arow, now):
+                failed[gang] = started
 
     def _try_promote(self, arow: int, now: float) -> bool:
         """Start a reservation whose bid runs nowhere else and whose GPUs are free now."""

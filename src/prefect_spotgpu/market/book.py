@@ -106,9 +106,22 @@ class Book:
         rows = self.rows[self.head :]
         live = rows[(status[rows] == waiting) & (epoch[rows] == self.epochs[self.head :])]
         if self.delta:
-            extra = [r for _, _, _, r, e in self.delta if status[r] == waiting and epoch[r] == e]
-            live = np.concatenate([live, np.asarray(extra, np.int64)])
+            extra, epochs = self._delta_columns()
+            extra = extra[(status[extra] == waiting) & (epoch[extra] == epochs)]
+            live = np.concatenate([live, extra])
         return live
+
+    def live_delta_count(self, status: np.ndarray, epoch: np.ndarray, waiting: int) -> int:
+        """How many entries of the delta are live."""
+        if not self.delta:
+            return 0
+        rows, epochs = self._delta_columns()
+        return int(np.count_nonzero((status[rows] == waiting) & (epoch[rows] == epochs)))
+
+    def _delta_columns(self) -> tuple[np.ndarray, np.ndarray]:
+        """The delta's rows and epochs, as arrays."""
+        _, _, _, rows, epochs = zip(*self.delta, strict=True)
+        return np.asarray(rows, np.int64), np.asarray(epochs, np.int64)
 
     def needs_compaction(self) -> bool:
         return len(self.delta) > 256 or (self.head > 4096 and self.head * 2 > len(self.rows))
@@ -209,6 +222,42 @@ class PoolCapacity:
                     heappop(bucket)
                     self.entries -= 1
         return None
+
+    def best_fits(
+        self,
+        size: int,
+        max_price: float,
+        free_now: list[int],
+        reserve: list[float],
+        count: int,
+        exclude: set[int],
+    ) -> list[int]:
+        """Up to ``count`` keys of distinct live nodes, none in ``exclude``, in the order
+        successive :meth:`best_fit` calls would return them (each excluding those before);
+        stale entries are dropped on the way."""
+        found: list[int] = []
+        rows: set[int] = set()
+        for f in range(size, MAX_GPUS_PER_NODE + 1):
+            for r in self.reserves:
+                if r > max_price:
+                    break
+                bucket = self.tiers[r][f]
+                held = []
+                while bucket and len(found) < count:
+                    key = heappop(bucket)
+                    row = key & ROW_MASK
+                    if free_now[row] != f or reserve[row] != r:
+                        self.entries -= 1  # stale
+                        continue
+                    held.append(key)
+                    if row not in exclude and row not in rows:
+                        found.append(key)
+                        rows.add(row)
+                for key in held:
+                    heappush(bucket, key)
+                if len(found) == count:
+                    return found
+        return found
 
     def lowest_at(
         self,

@@ -184,7 +184,7 @@ class Market(AllocationsMixin, ClearingMixin, GangsMixin, PricingMixin):
                 raise ValueError(f"gang {bid.gang_id} already has its {bid.node_count} members")
             if self.b.status[leader] != WAITING:
                 raise ValueError(f"gang {bid.gang_id} is already placed: it takes no members")
-            if gang_terms(self._bid_value(leader)) != gang_terms(bid):
+            if self._gang_terms_of(leader) != gang_terms(bid):
                 raise ValueError(f"bid {bid.id} must share every term of gang {bid.gang_id}")
         model = self._intern_model(bid.gpu_model, bid.capacity)
         region = -1 if bid.region == ANY_REGION else self._intern_region(bid.region)

@@ -21,6 +21,11 @@ every term; each member holds ``gpu_count`` GPUs on its own node, all in one poo
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+
+from prefect_spotgpu.market.book import ROW_MASK
 from prefect_spotgpu.market.decision import PlacementKind
 from prefect_spotgpu.market.index import MarketIndex
 from prefect_spotgpu.market.tables import (
@@ -30,12 +35,51 @@ from prefect_spotgpu.market.tables import (
     RELEASED,
     RESERVED,
     RUNNING,
+    Pool,
 )
-from prefect_spotgpu.market.types import EndReason, NoticeReason
+from prefect_spotgpu.market.types import ANY_REGION, EndReason, NodeState, NoticeReason
 
 
 class GangsMixin(MarketIndex):
     """The gang rules of :class:`prefect_spotgpu.market.engine.Market`."""
+
+    def _gang_terms_of(self, first: int) -> tuple:
+        """``types.gang_terms`` of a waiting gang's first member, read from its row (what a
+        member added later must share)."""
+        b = self.b
+        window, deadline, model = int(b.window[first]), float(b.deadline[first]), b.model[first]
+        return (
+            self._models[model],
+            int(b.gpus[first]),
+            float(b.price[first]),
+            ANY_REGION if b.region[first] < 0 else self._regions[b.region[first]],
+            float(b.created[first]),
+            None if window < 0 else self._windows[window],
+            None if math.isnan(deadline) else deadline,
+            int(b.tenant[first]),
+            self._model_capacity[model],
+            self._images[b.image[first]] or None,
+            self._books[b.book[first]].nodes,
+        )
+
+    def _distinct_fits(
+        self, pool: Pool, size: int, price: float, image: int, count: int, exclude: set[int]
+    ) -> list[int]:
+        """Up to ``count`` node rows of a pool, each with a free fit, none twice and none in
+        ``exclude`` (the gang's nodes so far), tightest first."""
+        if not image and self._policy.name == "best-fit":  # (the same, in one pass)
+            keys = pool.capacity.best_fits(size, price, self.n_free, self.n_reserve, count, exclude)
+            return [key & ROW_MASK for key in keys]
+        taken = set(exclude)
+        rows = []
+        while len(rows) < count:
+            found = self._fit(pool, size, price, image, taken)
+            if found is None:
+                break
+            row = found[-1] & ROW_MASK
+            rows.append(row)
+            taken.add(row)
+        return rows
 
     def _place_gang(self, first: int, now: float) -> bool:
         """Place a waiting gang whole (True), or leave it waiting and change nothing."""
@@ -80,37 +124,46 @@ class GangsMixin(MarketIndex):
         """``count`` nodes of a pool, none in ``taken``, where a gang member can reserve GPUs
         that noticed allocations will free (no victims) or that weaker incumbents it beats
         by the hysteresis margin hold (their rows); None when there are not enough."""
-        taken = set(taken)
-        found: list[tuple[int, list[int]]] = []
-        for nrow in sorted(pool.noticed_nodes, key=self.n_id.__getitem__):
-            if len(found) == count:
-                return found
-            if nrow in taken or not self.n_state[nrow].offers_capacity():
-                continue
-            room = self.n_cap[nrow] - self.n_running[nrow] - self.n_reserved[nrow]
-            if room >= size and self.n_reserve[nrow] <= price:
-                found.append((nrow, []))
-                taken.add(nrow)
+        cap, running, reserved, state = self.n_cap, self.n_running, self.n_reserved, self.n_state
+        claimable = [  # noticed GPUs nobody has claimed yet, lowest node id first
+            nrow
+            for nrow in pool.claimable  # (noticed nodes with room)
+            if cap[nrow] - running[nrow] - reserved[nrow] >= size
+            and self.n_reserve[nrow] <= price
+            and nrow not in taken
+            and state[nrow] is NodeState.LIVE
+        ]
+        claimable.sort(key=self.n_id.__getitem__)
+        found: list[tuple[int, list[int]]] = [(nrow, []) for nrow in claimable[:count]]
         if len(found) == count:
             return found
+        taken = taken | set(claimable)
         a = self.a
         rows, eff = self._incumbents(pool)
-        examined = 0
-        for i in range(len(rows)):
-            if eff[i] >= price or len(found) == count:
-                break
-            arow = int(rows[i])
-            nrow = int(a.node[arow])
-            if a.status[arow] != RUNNING or nrow in taken:
-                continue
-            taken.add(nrow)
-            examined += 1
-            if examined > self.config.eviction_scan_limit:
-                break
-            victims = self._victims_on(nrow, size, price)
-            if victims is not None:
-                found.append((nrow, victims))
-        return found if len(found) == count else None
+        limit = int(np.searchsorted(eff, price, side="left"))  # those it beats: eff < price
+        start = pool.scan_from  # (those before it run no more)
+        while start < limit and a.status[rows[start]] != RUNNING:
+            start += 1
+        pool.scan_from = start
+        examined, step = 0, 32
+        while start < limit:  # weakest first, a slice at a time (nothing changes meanwhile)
+            part = rows[start : min(limit, start + step)]
+            statuses, nodes = a.status[part].tolist(), a.node[part].tolist()
+            for status, nrow in zip(statuses, nodes, strict=True):
+                if status != RUNNING or nrow in taken:
+                    continue
+                taken.add(nrow)
+                examined += 1
+                if examined > self.config.eviction_scan_limit:
+                    return None
+                victims = self._victims_on(nrow, size, price)
+                if victims is not None:
+                    found.append((nrow, victims))
+                    if len(found) == count:
+                        return found
+            start += step
+            step *= 2
+        return None
 
     def _notice_gang(self, arow: int, reason: NoticeReason, deadline: float, now: float) -> None:
         """Notice every running member of a gang; reserve where it resumes (module doc)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 # Tokens that name a form factor or memory type, not a different product for the buyer.
 _NOISE_TOKENS = frozenset(
@@ -34,6 +35,7 @@ _NOISE_TOKENS = frozenset(
 _MEMORY_TOKEN = re.compile(r"^(\d+)(?:GB|G)$")
 
 
+@lru_cache(maxsize=4096)  # every bid's model goes through it: the few spellings, once each
 def name_key(name: str) -> str:
     """Reduce a GPU name to a comparison key: ``"NVIDIA A100-SXM4-80GB"`` -> ``"A10080G"``.
 

@@ -9,6 +9,8 @@ The parts of the market each subclass it and use only what it declares:
 
 - ``allocations.py`` (``AllocationsMixin``): create, notice, promote and end allocations;
 - ``clearing.py`` (``ClearingMixin``): the clearing loop, which places and evicts;
+- ``bulk.py`` (``BulkAdmissionMixin``, under ``ClearingMixin``): the cold tick of empty pools;
+- ``gangs.py`` (``GangsMixin``): placing, noticing and ending gangs;
 - ``pricing.py`` (``PricingMixin``): quotes and charges.
 
 The three methods one part calls in another are declared at the end of the class, with the
@@ -82,7 +84,7 @@ class MarketIndex:
         self.n_res_mig: list[int] = []  # of n_reserved: migration reservations (on free GPUs)
         self.n_free: list[int] = []  # -1: offers no capacity (not live)
         self.n_images: list[frozenset[int]] = []  # the image ids the node holds
-        self._csr: tuple[np.ndarray, np.ndarray] | None = None  # node -> alloc rows index
+        self._csr: tuple[list[int], list[int]] | None = None  # node -> alloc rows index
         self._node_extra: dict[int, list[int]] = {}  # alloc rows added since the index
         self._extra_count = 0
         self._n_reserve_np: np.ndarray | None = None  # n_reserve as an array (None: stale)
@@ -224,8 +226,15 @@ class MarketIndex:
 
         Migration reservations sit on GPUs that were free; takeover reservations on GPUs that
         noticed allocations will free (plus free ones when those are not enough), hence
-        ``cap - running - migrations - max(noticed, takeovers)``.
+        ``cap - running - migrations - max(noticed, takeovers)``. Every change to a node's
+        counters ends here, so it also keeps the pool's ``claimable`` nodes.
         """
+        pool = self._pools[self.n_pool[row]]
+        unclaimed = self.n_cap[row] - self.n_running[row] - self.n_reserved[row]
+        if unclaimed > 0 and row in pool.noticed_nodes:
+            pool.claimable.add(row)
+        else:
+            pool.claimable.discard(row)
         if self.n_state[row].offers_capacity():
             migrating = self.n_res_mig[row]
             free = (
@@ -239,9 +248,9 @@ class MarketIndex:
         old = self.n_free[row]
         if free != old or force:
             self.n_free[row] = free
-            self._pools[self.n_pool[row]].free += max(free, 0) - max(old, 0)
+            pool.free += max(free, 0) - max(old, 0)
             if free > 0:
-                pool, key = self._pools[self.n_pool[row]], (self.n_id[row] << ROW_BITS) | row
+                key = (self.n_id[row] << ROW_BITS) | row
                 pool.capacity.push(key, self.n_reserve[row], free)
                 for image in self.n_images[row]:
                     holders = pool.image_capacity.get(image)
@@ -309,22 +318,6 @@ class MarketIndex:
             if held is not None:
                 return (free, reserve, 0, held)
         return (free, reserve, 1, key)
-
-    def _distinct_fits(
-        self, pool: Pool, size: int, price: float, image: int, count: int, exclude: set[int]
-    ) -> list[int]:
-        """Up to ``count`` node rows of a pool, each with a free fit, none twice and none in
-        ``exclude`` (the gang's nodes so far), tightest first."""
-        taken = set(exclude)
-        rows = []
-        while len(rows) < count:
-            found = self._fit(pool, size, price, image, taken)
-            if found is None:
-                break
-            row = found[-1] & ROW_MASK
-            rows.append(row)
-            taken.add(row)
-        return rows
 
     def _rebuild_capacity(self, pool: Pool, rows: list[int]) -> None:
         """Rebuild a pool's free-GPU buckets (and its image holders') from its node ``rows``."""
@@ -401,17 +394,22 @@ class MarketIndex:
 
     def _node_allocs(self, nrow: int) -> list[int]:
         """Active allocation rows on a node, by allocation id."""
+        return sorted(self._node_alloc_rows(nrow), key=lambda r: int(self.a.id[r]))
+
+    def _node_alloc_rows(self, nrow: int) -> list[int]:
+        """Active allocation rows on a node, in no particular order."""
         a = self.a
         if self._csr is None or self._extra_count > 65536:
             n = a.n
             active = np.flatnonzero(a.status[:n] < PREEMPTED)
             rows = active[np.argsort(a.node[active], kind="stable")]
             starts = np.searchsorted(a.node[rows], np.arange(len(self.n_id) + 1))
-            self._csr, self._node_extra, self._extra_count = (rows, starts), {}, 0
+            self._csr = (rows.tolist(), starts.tolist())  # lists: sliced one node at a time
+            self._node_extra, self._extra_count = {}, 0
         rows, starts = self._csr
-        found = rows[starts[nrow] : starts[nrow + 1]].tolist() if nrow + 1 < len(starts) else []
+        found = rows[starts[nrow] : starts[nrow + 1]] if nrow + 1 < len(starts) else []
         found.extend(self._node_extra.get(nrow, ()))
-        return sorted((r for r in found if a.status[r] < PREEMPTED), key=lambda r: int(a.id[r]))
+        return [r for r in found if a.status[r] < PREEMPTED]
 
     def _track_window(self, arow: int, running: bool) -> None:
         window = int(self.b.window[self.a.bid[arow]])

@@ -70,7 +70,9 @@ def charges(
     owed = price_micros(price).astype(dtype) * np.asarray(gpus, np.int64).astype(dtype) * ms.astype(
         dtype
     ) + np.asarray(carry, np.int64).astype(dtype)
-    return (owed // MS_PER_HOUR).astype(np.int64), (owed % MS_PER_HOUR).astype(np.int64)
+    if dtype is object:  # (np.divmod takes no objects)
+        return (owed // MS_PER_HOUR).astype(np.int64), (owed % MS_PER_HOUR).astype(np.int64)
+    return np.divmod(owed, MS_PER_HOUR)
 
 
 def charge(*, price: float, gpus: int, milliseconds: int, carry: int = 0) -> tuple[int, int]:

@@ -101,33 +101,30 @@ class PricingMixin(MarketIndex):
         if len(rows) == 0:
             return Charges.empty()
         ms = elapsed_ms(a.charged[rows], now)
-        gpus = a.gpus[rows].astype(np.int64)
-        price = a.price[rows]
-        bill = ms > 0
         brows = a.bid[rows]
-        charged = rows[bill]
-        order = np.argsort(a.id[charged], kind="stable")
-        charged = charged[order]
-        c_price, c_ms = price[bill][order], ms[bill][order]
-        c_gpus = gpus[bill][order]
+        billed = np.flatnonzero(ms > 0)
+        billed = billed[np.argsort(a.id[rows[billed]], kind="stable")]  # by allocation id
+        charged, c_brows = rows[billed], brows[billed]
+        c_price, c_ms = a.price[charged], ms[billed]
+        c_gpus = a.gpus[charged].astype(np.int64)
+        c_seconds = c_ms / 1000
         amount, a.carry[charged] = owed(c_price, c_gpus, c_ms, a.carry[charged])
         charges = Charges(
-            a.id[charged].copy(),
-            b.id[a.bid[charged]],
-            b.tenant[a.bid[charged]],
+            a.id[charged],
+            b.id[c_brows],
+            b.tenant[c_brows],
             c_gpus,
-            c_price.copy(),
-            c_ms / 1000,
+            c_price,
+            c_seconds,
             amount,
         )
-        # the price in force from now on
+        # the price in force from now on: the pool's, at least the node's reserve (the reserve
+        # alone where the pool has no price), at most the bid's maximum
         if self._n_reserve_np is None:
             self._n_reserve_np = np.asarray(self.n_reserve, np.float64)
         node_reserve = self._n_reserve_np[a.node[rows]]
-        pool_price = clearing[a.pool[rows]]
-        pool_price = np.where(np.isnan(pool_price), node_reserve, pool_price)
-        a.price[rows] = np.minimum(np.maximum(pool_price, node_reserve), b.price[brows])
-        a.charged[charged] += c_ms / 1000  # whole milliseconds billed: the rest bills next
+        a.price[rows] = np.minimum(np.fmax(clearing[a.pool[rows]], node_reserve), b.price[brows])
+        a.charged[charged] += c_seconds  # whole milliseconds billed: the rest bills next
         return charges
 
     def _final_charge(self, arow: int, at: float) -> None:

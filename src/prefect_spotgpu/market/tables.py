@@ -28,18 +28,18 @@ class Columns:
 
     def __init__(self, **dtypes: object) -> None:
         self.n = 0
+        self._cap = 16
         self._dtypes = dtypes
         for name, dtype in dtypes.items():
-            setattr(self, name, np.zeros(16, dtype))
+            setattr(self, name, np.zeros(self._cap, dtype))
 
     def reserve(self, extra: int) -> slice:
         need = self.n + extra
-        cap = len(getattr(self, next(iter(self._dtypes))))
-        if need > cap:
-            new_cap = max(need, cap * 2)
+        if need > self._cap:
+            self._cap = max(need, self._cap * 2)
             for name, dtype in self._dtypes.items():
                 old = getattr(self, name)
-                new = np.zeros(new_cap, dtype)
+                new = np.zeros(self._cap, dtype)
                 new[: self.n] = old[: self.n]
                 setattr(self, name, new)
         s = slice(self.n, need)
@@ -59,6 +59,8 @@ class Pool:
     incumbent_eff: np.ndarray | None = None
     scan_from: int = 0  # incumbents before this index are no longer running
     noticed_nodes: set[int] = field(default_factory=set)  # nodes with noticed GPUs
+    claimable: set[int] = field(default_factory=set)  # of those, nodes with unclaimed GPUs
+    # (cap > running + reserved), kept by MarketIndex._refresh_free
     evict_failed_size: int = MAX_GPUS_PER_NODE + 1
     busy: int = 0  # GPUs running, noticed or reserved on its nodes
     free: int = 0  # sum of free GPUs of its live nodes
