@@ -79,6 +79,8 @@ PURE_CORES = (
     "economics/replay.py",
     "economics/steering.py",
     "economics/anywhere.py",
+    "economics/regions.py",
+    "economics/bound.py",
     "worker/reactions.py",
     "worker/report.py",
     "worker/pacing.py",

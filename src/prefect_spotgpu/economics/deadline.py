@@ -64,6 +64,7 @@ class JobView:
     region: str | None = None  # where it ran on spot during the last step (None: nowhere)
     migrate_h: float = 0.0  # lost on top of restart_h when it resumes in another region
     noticed: bool = False  # its spot allocation got a notice during the last step
+    checkpoint_region: str | None = None  # where it last made progress on spot (None: nowhere)
 
     @property
     def left_h(self) -> float:

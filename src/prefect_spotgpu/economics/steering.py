@@ -1,96 +1,77 @@
-"""``deadline-aware``: the bidding policy that uses what the market tells it (issue 20).
+"""``deadline-aware``: uniform progress, across regions, with on-demand as a bridge (issue 20).
 
-Greedy spot bids the cap in one place and waits there; on the traces availability binds, not
-price, so the lever is *where* to run. Each step this policy reads every region's quote
-(:class:`~prefect_spotgpu.economics.deadline.RegionQuote`: open at the cap or not, the floor
-that wins now, the free nodes, the forecast) and the deadline's slack:
+What it adds to ``uniform-progress`` (``deadline.py``), from what the market tells it:
 
-1. **The deadline first.** When the slack can no longer absorb one more start (a restart, plus
-   the migration when the checkpoint would move regions) and a step of bad luck, it runs on
-   on-demand capacity to the end (:func:`must_finish_on_demand`).
-2. **Holding GPUs, keep them**: bid the cap where it runs (an eviction costs a restart), unless
-   a notice came: then the job resumes wherever step 3 says.
-3. **Not holding any, go where capacity is, at the best price.** Among the open regions, the one
-   whose floor is cheapest for the rest of the work, counting the migration's lost time (at
-   that region's floor) when it is not where the checkpoint is. Bid the cap there, so the job
-   is placed now and kept; with plenty of slack (more than ``patience`` of the work left) and a
-   floor dearer than the region's forecast, it bids the forecast instead and lets the dearer
-   hours pass. No region open: bid the cap in every region at once (``region=None``, the
-   market's ``any``), so the first capacity anywhere takes it.
+1. **Every region at once.** It reads every region's quote (:class:`RegionQuote`) and bids in
+   ``any`` region (``Action.region=None``): the market places it where a node fits now and, at
+   a notice, reserves the migration target in any region before the job stops. Pinning the
+   cheapest region measured worse: a pinned bid that has to move is a new bid and loses the
+   reservation (``benchmarks/replay.py``).
+2. **Its price follows the deadline**, as uniform progress: the cap when on pace or behind, a
+   lower bid when far ahead (the dearer hours pass); holding GPUs, the cap (an eviction costs
+   a restart). Shading a running bid under the clearing price, which the market's hysteresis
+   would allow, was measured too: it is evicted at every rise of demand (74 preemptions a job).
+3. **On-demand as a bridge, not an end.** When spot is open nowhere and the slack falls below
+   ``BRIDGE_H``, it runs on on-demand capacity instead of waiting the slack away, and goes back
+   to spot as soon as some region opens while the slack still pays for that start and for the
+   one back. The deadline's last resort stays (:func:`must_finish_on_demand`), counting the
+   migration when the checkpoint's region is closed.
 
-Example (10 h of work, deadline 20 h, cap 1.40, restart 0.2 h, migration 0.5 h, steps of
-0.5 h; regions a and b)::
+Measured on the shared traces (``benchmarks/results/replay.json``), this is level with
+uniform progress and greedy spot: on these traces availability binds and the demand is not
+predictable from one replay's history, and what the lower bound has beyond it is mostly a
+clairvoyant's bid shading (``bound.py``). Example (10 h of work, deadline 20 h, cap 1.40,
+restart 0.2 h, migration 0.5 h, steps of 0.5 h)::
 
-    t=0   nothing ran; a open at 1.10, b open at 0.95     -> spot in b at 1.40 (cheaper)
-    t=3   running in b                                    -> spot in b at 1.40 (keep it)
-    t=4   noticed in b; a open at 1.00, b closed          -> spot in a at 1.40 (migrate)
-    t=6   nothing open anywhere                           -> spot anywhere at 1.40
-    t=18  4 h left, slack below a start                   -> on-demand to the end
+    t=0   on pace, two regions open                        -> spot anywhere at 1.40
+    t=4   2.6 h ahead, waiting                              -> spot anywhere at 1.05
+    t=9   nothing open anywhere, slack 1.5 h < 2 h           -> on-demand (the bridge)
+    t=10  on-demand, a region opens, slack 1.5 h > 2 starts  -> spot anywhere at 1.40
+    t=19  slack below one start                              -> on-demand to the end
 """
 
 from __future__ import annotations
 
-from prefect_spotgpu.economics.deadline import Action, JobView, RegionQuote
+from prefect_spotgpu.economics.deadline import (
+    Action,
+    JobView,
+    uniform_progress,
+)
 
-PATIENCE = 0.5
-"""The share of the remaining work the slack must exceed before the policy lets dear hours
-pass (bids the forecast instead of the cap)."""
+BRIDGE_H = 2.0
+"""Below this slack, a job that finds spot open nowhere runs on on-demand capacity until some
+region opens again (it keeps its slack for later spot hours instead of waiting it away)."""
 
 
 def must_finish_on_demand(view: JobView) -> bool:
-    """Whether the slack can no longer absorb one more start and a step of bad luck.
-
-    A start elsewhere than the checkpoint also pays the migration: the margin counts it when
-    the job would have to move (it ran in a region and that region is closed now)."""
-    start = view.restart_h + (view.migrate_h if _would_migrate(view) else 0.0)
+    """Whether the slack can no longer absorb one more start and a step of bad luck; a start
+    away from the checkpoint pays the migration too (its region is closed now)."""
+    start = _start_h(view)
     if view.mode == "on_demand" and view.ran and view.slack_h < 2 * start + view.step_h:
         return True  # already there: switching back would cost a start we cannot afford
     return view.slack_h <= start + view.step_h
 
 
-def deadline_aware(view: JobView, patience: float = PATIENCE) -> Action:
+def deadline_aware(view: JobView, bridge_h: float = BRIDGE_H) -> Action:
     if must_finish_on_demand(view):
         return Action("on_demand")
-    home = _checkpoint_region(view)
+    spot_open = any(q.open for q in view.regions) if view.regions else view.spot_open
+    if view.mode == "on_demand" and view.ran:
+        back = spot_open and view.slack_h - 2 * _start_h(view) - 2 * view.step_h > 0
+        return Action("spot", view.cap) if back else Action("on_demand")
     if view.mode == "spot" and view.ran and not view.noticed:
-        return Action("spot", view.cap, home)  # holding GPUs: keep them
-    quotes = _quotes(view)
-    open_ = [q for q in quotes if q.open]
-    if not open_:
-        return Action("spot", view.cap, quotes[0].region if len(quotes) == 1 else None)
-    best = min(open_, key=lambda q: _cost_of_the_rest(view, q, home))
-    bid = view.cap
-    if (
-        view.slack_h > patience * view.left_h
-        and best.forecast is not None
-        and best.floor > best.forecast
-    ):
-        bid = min(view.cap, best.forecast)  # below the floor: the dear hours pass
-    return Action("spot", round(bid, 4), best.region)
+        return Action("spot", view.cap)  # holding GPUs: keep them
+    if not spot_open and view.slack_h < bridge_h:
+        return Action("on_demand")  # the bridge
+    paced = uniform_progress(view)
+    return Action(paced.mode, paced.bid)  # region None: any region
 
 
-def _quotes(view: JobView) -> tuple[RegionQuote, ...]:
-    """Every region's quote; a single-region view's own quote as one region (named None)."""
-    if view.regions:
-        return view.regions
-    return (RegionQuote(None, view.spot_open, view.spot_floor),)  # type: ignore[arg-type]
-
-
-def _checkpoint_region(view: JobView) -> str | None:
-    return view.region
-
-
-def _would_migrate(view: JobView) -> bool:
-    home = _checkpoint_region(view)
+def _start_h(view: JobView) -> float:
+    """What the next spot start costs: a restart, and the migration when the checkpoint's
+    region is not open (in a single-region view, never)."""
+    home = view.checkpoint_region
     if home is None or not view.regions:
-        return False
-    return not any(q.open for q in view.regions if q.region == home)
-
-
-def _cost_of_the_rest(view: JobView, quote: RegionQuote, home: str | None) -> float:
-    """What the rest of the work costs in ``quote``'s region at its floor: the work left,
-    a restart, and the migration when the checkpoint is elsewhere."""
-    hours = view.left_h + view.restart_h
-    if home is not None and quote.region != home:
-        hours += view.migrate_h
-    return hours * max(quote.floor, 0.0)
+        return view.restart_h
+    home_open = any(q.open for q in view.regions if q.region == home)
+    return view.restart_h + (0.0 if home_open else view.migrate_h)
