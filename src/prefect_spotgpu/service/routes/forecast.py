@@ -31,13 +31,19 @@ router = APIRouter(prefix=API, tags=["prices"])
 Days = Annotated[float, Query(gt=0, le=365, description="Days of history to learn from.")]
 
 
-def _history(db, gpu_model: str, region: str, days: float):
-    """Hourly closes of a pool (or of every pool of the model, for region "any")."""
+def _model_and_since(gpu_model: str, days: float) -> tuple[str, int]:
+    """The catalogue's name of ``gpu_model`` (a 422 naming the field) and the first minute of
+    ``days`` of history."""
     try:
         model = DEFAULT_CATALOG.normalize(gpu_model)
     except ValueError as exc:
         raise Invalid(str(exc), field="gpu_model") from None
-    since = int((time.time() - days * 86400) // 60)
+    return model, int((time.time() - days * 86400) // 60)
+
+
+def _history(db, gpu_model: str, region: str, days: float):
+    """Hourly closes of a pool (or of every pool of the model, for region "any")."""
+    model, since = _model_and_since(gpu_model, days)
     with db.begin() as session:
         rows = queries.list_minute_bars(
             session=session,
@@ -158,11 +164,7 @@ def _regions_history(db, gpu_model: str, region: str, days: float) -> tuple[str,
     if region != "any":
         model, bars = _history(db, gpu_model, region, days)
         return model, {region: bars}
-    try:
-        model = DEFAULT_CATALOG.normalize(gpu_model)
-    except ValueError as exc:
-        raise Invalid(str(exc), field="gpu_model") from None
-    since = int((time.time() - days * 86400) // 60)
+    model, since = _model_and_since(gpu_model, days)
     with db.begin() as session:
         regions = queries.list_bar_regions(session=session, gpu_model=model, since_minute=since)
     if not regions:
