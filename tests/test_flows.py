@@ -28,8 +28,8 @@ def drive(flow: str, work: Path, out: Path, notice_at: int = -1, env=None, **arg
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, **(env or {})},
-    )
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )  # one thread: a CPU reduction split over threads may round otherwise on a busy machine
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
