@@ -158,6 +158,7 @@ def process_group() -> Iterator[tuple[int, int]]:
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size)
     try:
         yield rank, world_size
+        dist.barrier()  # leave together: rank 0 hosts the store the others may still be using
     finally:
         dist.destroy_process_group()
 
