@@ -43,6 +43,31 @@ class RegionQuote:
     free_nodes: int = 0  # nodes free for the job's size there now
     forecast: float | None = None  # expected clearing price, next hours (None: no history)
 
+    @classmethod
+    def read(
+        cls,
+        region: str,
+        *,
+        clearing_price: float | None,
+        reserve: float,
+        gpus_total: int,
+        gpus_free: int,
+        gpus_per_node: int,
+        cap: float,
+        hysteresis: float,
+        mine: bool = False,
+        forecast: float | None = None,
+    ) -> RegionQuote:
+        """A pool's quote as a policy reads it (the replay's and the worker's one rule): open
+        when a bid at ``cap`` would hold GPUs there now (it holds some already, a node's worth
+        is free, or the cap beats the clearing price by the hysteresis margin), and the floor,
+        the lowest price that can win there now."""
+        floor = max(reserve, clearing_price or reserve)
+        outbids = floor * (1 + hysteresis) < cap
+        free_nodes = gpus_free // max(1, gpus_per_node)
+        is_open = gpus_total > 0 and (mine or free_nodes > 0 or outbids)
+        return cls(region, is_open, floor, free_nodes, forecast)
+
 
 @dataclass(frozen=True, slots=True)
 class JobView:
@@ -91,11 +116,13 @@ class Action:
 Policy = Callable[[JobView], Action]
 
 
-def must_finish_on_demand(view: JobView) -> bool:
-    """Whether the slack can no longer absorb one more restart (and a step of bad luck)."""
-    if view.mode == "on_demand" and view.ran and view.slack_h < 2 * view.restart_h + view.step_h:
-        return True  # already there: switching back would cost a restart we cannot afford
-    return view.slack_h <= view.restart_h + view.step_h
+def must_finish_on_demand(view: JobView, start_h: float | None = None) -> bool:
+    """Whether the slack can no longer absorb one more start (and a step of bad luck);
+    ``start_h``: what that start costs (default: a restart)."""
+    start = view.restart_h if start_h is None else start_h
+    if view.mode == "on_demand" and view.ran and view.slack_h < 2 * start + view.step_h:
+        return True  # already there: switching back would cost a start we cannot afford
+    return view.slack_h <= start + view.step_h
 
 
 def always_on_demand(view: JobView) -> Action:

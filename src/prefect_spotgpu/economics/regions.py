@@ -161,10 +161,9 @@ def region_quote(
     mine: bool,
     forecast: float | None,
 ) -> RegionQuote:
-    """What a policy sees of one pool after a tick: would a bid at ``cap`` hold GPUs there (it
-    holds some already, GPUs are free, or it outbids the clearing price beyond the hysteresis),
-    the lowest price that can win there, its free nodes and the forecast."""
-    floor = max(reserve, quote.clearing_price or reserve)
-    outbids = floor * (1 + hysteresis) < cap
-    is_open = quote.gpus_total > 0 and (mine or quote.gpus_free > 0 or outbids)
-    return RegionQuote(quote.region, is_open, floor, quote.gpus_free // gpus_per_node, forecast)
+    """What a policy sees of one pool after a tick (``RegionQuote.read``)."""
+    return RegionQuote.read(
+        quote.region, clearing_price=quote.clearing_price, reserve=reserve,
+        gpus_total=quote.gpus_total, gpus_free=quote.gpus_free, gpus_per_node=gpus_per_node,
+        cap=cap, hysteresis=hysteresis, mine=mine, forecast=forecast,
+    )  # fmt: skip

@@ -37,6 +37,7 @@ from prefect_spotgpu.economics.deadline import (
     JobView,
     uniform_progress,
 )
+from prefect_spotgpu.economics.deadline import must_finish_on_demand as _must_finish
 
 BRIDGE_H = 2.0
 """Below this slack, a job that finds spot open nowhere runs on on-demand capacity until some
@@ -44,12 +45,9 @@ region opens again (it keeps its slack for later spot hours instead of waiting i
 
 
 def must_finish_on_demand(view: JobView) -> bool:
-    """Whether the slack can no longer absorb one more start and a step of bad luck; a start
-    away from the checkpoint pays the migration too (its region is closed now)."""
-    start = _start_h(view)
-    if view.mode == "on_demand" and view.ran and view.slack_h < 2 * start + view.step_h:
-        return True  # already there: switching back would cost a start we cannot afford
-    return view.slack_h <= start + view.step_h
+    """``deadline.must_finish_on_demand`` with the next start's cost: a start away from the
+    checkpoint pays the migration too (its region is closed now)."""
+    return _must_finish(view, _start_h(view))
 
 
 def deadline_aware(view: JobView, bridge_h: float = BRIDGE_H) -> Action:

@@ -115,11 +115,14 @@ def region_quotes(pace: Pace, quotes: list[dict]) -> tuple[RegionQuote, ...]:
             continue
         if pace.region != "any" and q.get("region") != pace.region:
             continue
-        reserve = float(q.get("reserve_price") or 0.0)
-        floor = max(reserve, float(q.get("clearing_price") or reserve))
-        free_nodes = int(q.get("gpus_free") or 0) // max(1, pace.gpu_count)
-        outbids = floor * (1 + hysteresis) < pace.cap
-        found.append(RegionQuote(q["region"], free_nodes > 0 or outbids, floor, free_nodes))
+        clearing = q.get("clearing_price")
+        seen = RegionQuote.read(
+            q["region"], clearing_price=None if clearing is None else float(clearing),
+            reserve=float(q.get("reserve_price") or 0.0),
+            gpus_total=int(q.get("gpus_total", 1)), gpus_free=int(q.get("gpus_free") or 0),
+            gpus_per_node=pace.gpu_count, cap=pace.cap, hysteresis=hysteresis,
+        )  # fmt: skip
+        found.append(seen)
     return tuple(sorted(found, key=lambda r: r.region))
 
 
