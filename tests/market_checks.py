@@ -66,8 +66,11 @@ def check_allocations(state: MarketState) -> None:
             assert bid.max_price >= node.reserve_price, (
                 f"bid {bid.id} at {bid.max_price} runs below reserve {node.reserve_price}"
             )
-        if a.status.is_charged():
+        if a.status is RUNNING:
             assert a.price <= bid.max_price + 1e-12, f"allocation {a.id} pays above its max"
+        if a.status is NOTICED:  # a release (its maximum under the reserve) pays the reserve
+            top = max(bid.max_price, node.reserve_price)
+            assert a.price <= top + 1e-12, f"noticed allocation {a.id} pays above {top}"
             if a.status is RUNNING and a.price > 0:
                 assert a.price >= node.reserve_price - 1e-12, f"{a.id} pays below reserve"
     for bid_id, allocs in per_bid.items():
@@ -190,8 +193,13 @@ def check_free_fit_used(state: MarketState, now: float) -> None:
                 raise AssertionError(f"bid {c.id} waits though node {node.id} has {free} free")
 
 
-def expected_prices(state: MarketState, decision: Decision) -> dict[int, float]:
-    """The price each charged allocation should be paying from now on (per GPU-hour)."""
+def expected_prices(
+    state: MarketState, decision: Decision, before: dict[int, float] | None = None
+) -> dict[int, float]:
+    """The price each charged allocation should be paying from now on (per GPU-hour); a
+    noticed one keeps ``before``'s (the price in force at its notice), lowered only by its
+    maximum, and never below its node's reserve by a release (engine.py's rule)."""
+    before = before or {}
     nodes = {n.id: n for n in state.nodes}
     bids = {b.id: b for b in state.bids}
     quotes = {(q.gpu_model, q.region, q.capacity): q for q in decision.quotes}
@@ -202,5 +210,9 @@ def expected_prices(state: MarketState, decision: Decision) -> dict[int, float]:
         node = nodes[a.node_id]
         quote = quotes[(node.gpu_model, node.region, node.capacity)]
         pool_price = quote.clearing_price if quote.clearing_price is not None else 0.0
-        prices[a.id] = min(max(pool_price, node.reserve_price), bids[a.bid_id].max_price)
+        bid_max = bids[a.bid_id].max_price
+        price = min(max(pool_price, node.reserve_price), bid_max)
+        if a.status is AllocationStatus.NOTICED:
+            price = min(before.get(a.id) or price, max(bid_max, node.reserve_price))
+        prices[a.id] = price
     return prices

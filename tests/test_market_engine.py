@@ -320,13 +320,60 @@ def test_a_late_ack_is_billed_only_to_the_notice_deadline():
     assert settled.endings[0].at == 310.0
 
 
-def test_a_lowered_bid_is_never_billed_above_its_new_maximum():
+def test_a_lowered_bid_is_billed_at_its_new_maximum_from_the_next_tick():
     m = market_with(Node(1, A100, "eu-west", 4, 0.5))
     m.add_bid(bid(1, 4, 2.0))
-    m.add_bid(bid(2, 4, 1.5))  # loses: the price is 1.5
+    m.add_bid(bid(2, 4, 1.2))  # loses: the price is 1.2
     m.tick(0.0)
-    m.reprice_bid(1, 1.0)
-    assert m.tick(10.0).charges.price.tolist() == [1.0]
+    m.reprice_bid(1, 1.19)  # still holds (1.2 is within the hysteresis margin)
+    first = m.tick(10.0).charges
+    assert first.price.tolist() == [1.2]  # the ten seconds ran under the old terms
+    assert m.tick(20.0).charges.price.tolist() == [1.19]
+
+
+def test_a_reprice_cannot_lower_the_price_of_seconds_already_run():
+    """A tenant who lowers its maximum just before each tick would otherwise have every
+    second billed at a price it never bid while it ran."""
+    m = market_with(Node(1, A100, "eu-west", 4, 0.5))
+    m.add_bid(bid(1, 4, 2.0))
+    m.add_bid(bid(2, 4, 1.5))
+    m.tick(0.0)
+    billed = []
+    for t in (10.0, 20.0, 30.0):
+        m.reprice_bid(1, 1.45)  # holds: 1.5 < 1.45 * 1.05
+        billed += m.tick(t).charges.price.tolist()
+        m.reprice_bid(1, 2.0)
+    assert billed == [1.5, 1.45, 1.45]  # never below what was in force while it ran
+
+
+def test_a_release_pays_its_nodes_reserve_until_it_ends():
+    """Lowering a running bid below the reserve notices its job (the worker's release); the
+    notice's minutes are billed at the reserve, not at the near-zero maximum: a tenant cannot
+    cycle reprices to run on notices for free."""
+    m = market_with(Node(1, A100, "eu-west", 4, 0.9))
+    m.add_bid(bid(1, 4, 1.4))
+    m.tick(0.0)
+    m.reprice_bid(1, 0.0001)
+    decision = m.tick(10.0)
+    (notice,) = decision.notices
+    assert notice.reason is NoticeReason.BELOW_RESERVE
+    assert decision.charges.price.tolist() == [0.9]
+    assert m.tick(70.0).charges.price.tolist() == [0.9]  # noticed: still the reserve
+    settled = m.end_allocation(notice.allocation_id, "preempted", 100.0)
+    assert settled.charges.price.tolist() == [0.9]
+    assert settled.charges.seconds.tolist() == [30.0]
+
+
+def test_a_raised_reserve_never_bills_a_job_above_its_maximum():
+    """The owner's raise notices the job too, but the tenant never agreed to more than its
+    maximum: its notice is billed at that maximum at most."""
+    m = market_with(Node(1, A100, "eu-west", 4, 0.9))
+    m.add_bid(bid(1, 4, 1.0))
+    m.tick(0.0)
+    m.upsert_node(Node(1, A100, "eu-west", 4, 1.5))
+    decision = m.tick(10.0)
+    assert [n.reason for n in decision.notices] == [NoticeReason.BELOW_RESERVE]
+    assert max(m.tick(20.0).charges.price.tolist()) <= 1.0
 
 
 def test_bulk_loading_rejects_fractional_and_out_of_range_values():

@@ -153,13 +153,7 @@ def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
                 next_bid += 1
         elif kind == "reprice" and state.bids:
             repriced = _pick(state.bids, step[1])
-            market.reprice_bid(repriced.id, step[2])
-            gang = {  # a gang's members share their price
-                b.id for b in state.bids if b.gang_id is not None and b.gang_id == repriced.gang_id
-            } | {repriced.id}
-            for a in state.allocations:  # billed at most the new maximum from now on
-                if a.bid_id in gang and a.id in expected:
-                    expected[a.id] = min(expected[a.id], step[2])
+            market.reprice_bid(repriced.id, step[2])  # running ones: from the next tick
         elif kind == "cancel" and state.bids:
             settled = market.cancel_bid(_pick(state.bids, step[1]).id, now)
             total_charged += settled.charges.total()
@@ -226,7 +220,7 @@ def check_tick(before, after, decision, expected, now):
         assert -1 - 1e-6 < c.amount - c.price * 1e6 * c.gpu_count * c.seconds / 3600 < 2 + 1e-6
         assert c.allocation_id in expected, f"charge for unknown allocation {c.allocation_id}"
         assert c.price == pytest.approx(expected[c.allocation_id])
-    prices = expected_prices(after, decision)
+    prices = expected_prices(after, decision, expected)
     for a in after.allocations:
         if a.status.is_charged():
             assert a.price == pytest.approx(prices[a.id]), (a, prices[a.id])

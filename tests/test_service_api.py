@@ -333,6 +333,25 @@ def test_charges_roll_up_and_balances_agree(service):
     assert [e["kind"] for e in ledger["entries"]] == ["starting_credit"]
 
 
+def test_a_release_pays_the_reserve_through_its_notice(service):
+    """A tenant lowering its running bid below the reserve gets its notice (the worker's
+    release), but its job's last minutes are billed at the reserve: repricing in cycles
+    cannot make the notices' minutes nearly free."""
+    alice, owner = service.tenant(), service.tenant()
+    service.node(owner, reserve=0.9)
+    b = bid(alice, gpu_count=4, max_price=1.2)
+    wait_event(alice, f"/bids/{b['id']}/events", "allocated")
+    assert alice.patch(f"/bids/{b['id']}", json={"max_price": 0.0001}).status_code == 200
+    notice = wait_event(alice, f"/bids/{b['id']}/events", "noticed")
+    assert notice["payload"]["reason"] == "below_reserve"
+    time.sleep(2.5)  # the notice's seconds run, and are billed (flushed about every second)
+    (charge,) = alice.get("/ledger").json()["charges"]
+    assert charge["charged_seconds"] > 1.0
+    assert charge["charged_amount"] == pytest.approx(
+        0.9 * 4 * charge["charged_seconds"] / 3600, abs=2e-6
+    )
+
+
 def test_out_of_credit_holds_bids_with_a_reason_and_a_credit_releases_them(service):
     poor = service.tenant(credit=0.0005)  # 0.0005 at 0.9 x 8 GPUs/h: gone in 0.25 s
     owner = service.tenant()

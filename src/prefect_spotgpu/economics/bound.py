@@ -9,11 +9,12 @@ Every bid wants one whole node. The market's rules (``market/clearing.py``, ``pr
 ``allocations.py``) then give necessary conditions for what the job can do and pay:
 
 1. *Price.* An allocation pays, for the interval after tick ``t``, the price set at ``t``:
-   ``min(max(clearing, reserve), own bid)``; repricing before tick ``t+1`` lowers it to the new
-   bid (``reprice_bid``: even below the reserve). A job still running after tick ``t`` that ran
-   before (or was promoted from a reservation) was an eviction candidate and was not taken, and
-   eviction takes the weakest candidate first: so every competitor above ``bid * (1 + h)``
-   (``h`` the hysteresis) holds a node, a reservation or a notice. At most
+   ``min(max(clearing, reserve), own bid)``; a reprice takes effect at the next tick, so it
+   never lowers the price of an interval already begun (``reprice_bid``). A job still running
+   after tick ``t`` that ran before (or was promoted from a reservation) was an eviction
+   candidate and was not taken, and eviction takes the weakest candidate first: so every
+   competitor above ``bid * (1 + h)`` (``h`` the hysteresis) holds a node, a reservation or a
+   notice. At most
    ``K = (S-1) + min(N-1, D + O)`` do: one running or reserved bid on each other live node, ``D``
    allocations noticed by a reclaim and still in their notice, ``O`` outbid ones (none when a
    tick outlasts the notice: a competitor above the job is never evicted before it; else up
@@ -21,10 +22,11 @@ Every bid wants one whole node. The market's rules (``market/clearing.py``, ``pr
    ``floor_run = max(reserve, P_(K+1) / (1 + h))``, where the job cannot hold a node at all if
    ``P_(K+1) > cap * (1 + h)``. A job placed new at ``t`` had no waiting competitor ranked above
    it, so its bid is at least the highest waiting one, ``P_(K'+1)`` (``K'`` also counting this
-   tick's victims); ``floor_first`` is the lesser of the two. An interval that the run goes on
-   after costs at least the lesser of the floors at ``t`` and at ``t+1`` (the reprice); the last
-   interval of a run costs at least ``floor_first`` when the bid is cancelled and only
-   ``MIN_BID`` when it is repriced and then noticed.
+   tick's victims); ``floor_first`` is the lesser of the two. So every interval costs at least
+   the floor at its start, the last one of a run too (cancelled, released or noticed: the
+   seconds before the tick are billed at the price in force; the replay acknowledges a notice
+   at once). Before the market's reprice took effect only at the next tick, a reprice lowered
+   the interval already run, and this bound allowed for it (about 1.4 points of saving).
 2. *Entry.* A waiting bid is placed (free fit, claim of noticed GPUs, eviction) only after
    every competitor ranked above it was placed: where more competitors bid above the cap than
    ``S - 1`` plus the noticed ones, the job cannot be placed. Placed new it also needs a node
@@ -62,7 +64,6 @@ import numpy as np
 from prefect_spotgpu.economics.regions import Regions, Trace, region_seed
 from prefect_spotgpu.economics.replay import (
     MARKET_CONFIG,
-    MIN_BID,
     ON_DEMAND,
     RESERVE,
     Demand,
@@ -113,8 +114,7 @@ def limits(regions: Regions, job: Job, start: int = 0, seed: int = 0) -> dict[st
     run), ``start_new`` (may be placed new: from any state), ``start_waiting`` (may start
     after waiting the step before: new, a takeover's or a migration's reservation), the least
     price in force per GPU-hour (``floor_run``: running the step before too; ``floor_first``:
-    a new allocation) and the least price of an interval that the run goes on after
-    (``carry_run``, ``carry_first``)."""
+    a new allocation)."""
     live, nodes, prices, gone = competing(regions, job, start, seed)
     cfg, cap = MARKET_CONFIG, job.cap
     h, gap = 1.0 + cfg.hysteresis, regions.gap_seconds
@@ -131,9 +131,6 @@ def limits(regions: Regions, job: Job, start: int = 0, seed: int = 0) -> dict[st
     p_run, p_new = _kth(prices, k_run + 1), _kth(prices, k_new + 1)
     floor_run = np.maximum(RESERVE, p_run / h)
     floor_first = np.maximum(RESERVE, np.minimum(p_run / h, p_new))
-    nxt = np.pad(p_run[:, 1:] / h, ((0, 0), (0, 1)), constant_values=INF)
-    carry_run = np.maximum(RESERVE, np.minimum(floor_run, nxt))
-    carry_first = np.maximum(RESERVE, np.minimum(floor_first, nxt))
     cont = up & ((p_run <= cap * h) | (p_new <= cap))
     above_cap = (prices > cap).sum(axis=2)
     threat = _window(((prices > cap * h).sum(axis=2) > 0).astype(int), back) > 0
@@ -154,8 +151,7 @@ def limits(regions: Regions, job: Job, start: int = 0, seed: int = 0) -> dict[st
     start_new = cont & enter & freed
     start_waiting = start_new | (cont & (taken | np.pad(freed[:, :-1], ((0, 0), (1, 0)))))
     return {"cont": cont, "start_new": start_new, "start_waiting": start_waiting,
-            "floor_run": floor_run, "floor_first": floor_first,
-            "carry_run": carry_run, "carry_first": carry_first}  # fmt: skip
+            "floor_run": floor_run, "floor_first": floor_first}  # fmt: skip
 
 
 def lower_bound(where: Trace | Regions, job: Job, start: int = 0, seed: int = 0) -> Outcome:
@@ -181,13 +177,12 @@ def _cheapest(lim: dict[str, np.ndarray], job: Job, gap: float, gpus: int) -> fl
     o_migrate = math.floor((job.restart_h + job.migrate_h) * 3600 / u + 1e-9)
     g_h, u_h, deadline_s = gap / 3600, u / 3600, job.deadline_h * 3600
     per_step = gpus * g_h
-    carry_run = np.where(cont, lim["carry_run"], INF) * per_step
-    carry_first = np.where(cont, lim["carry_first"], INF) * per_step
+    carry_run = np.where(cont, lim["floor_run"], INF) * per_step  # an interval, run before
+    carry_first = np.where(cont, lim["floor_first"], INF) * per_step  # ... placed new
     known = np.where(np.isfinite(carry_run), carry_run, 0.0)  # starts check ``run``
     carry_sum = np.pad(np.cumsum(known, axis=1), ((0, 0), (1, 0)))
     rate_run, rate_first = lim["floor_run"] * gpus, lim["floor_first"] * gpus
-    cancel = lim["floor_first"] * per_step  # a run's last interval when the bid is cancelled
-    stop = MIN_BID * per_step  # ... when it is repriced, then noticed
+    last = lim["floor_first"] * per_step  # a run's last interval, however it ends
     od_step, od_rate = ON_DEMAND * per_step, np.full(regions + 1, ON_DEMAND * gpus)
     run = np.zeros((regions, steps + 1), int)  # consecutive steps a run may go on from t
     for t in range(steps - 1, -1, -1):
@@ -230,8 +225,8 @@ def _cheapest(lim: dict[str, np.ndarray], job: Job, gap: float, gpus: int) -> fl
 
     for t in range(steps):
         prev = max(t - 1, 0)  # states are of the step before (none before step 0)
-        waited = np.minimum(np.minimum(wait, od), _with(spot, stop, regions))
-        direct = np.minimum(od, _with(spot, cancel[:, prev : prev + 1], regions))
+        waited = np.minimum(np.minimum(wait, od), _with(spot, last[:, prev : prev + 1], regions))
+        direct = np.minimum(od, _with(spot, last[:, prev : prev + 1], regions))
         new_spot = arrive_spot.pop(t, np.full((regions, need), INF))
         new_od = arrive_od.pop(t, np.full((regions + 1, need), INF))
         if t > 0:  # runs that go on

@@ -5,7 +5,12 @@ Invariants (each property-tested in ``tests/test_market_properties.py``):
 - no node ever has more GPUs in use (running + noticed) or promised (running + reserved) than
   it has; so no GPU is held by two allocations;
 - a running allocation pays ``min(max(pool clearing price, its node's reserve), its max price)``
-  per GPU-second: never above its own maximum, never below its node's reserve;
+  per GPU-second: never above its own maximum, never below its node's reserve. A maximum
+  changed while it runs is in force from the next tick (the seconds before are billed at the
+  terms they ran under). A noticed allocation pays at most the price in force at its notice
+  and at most its maximum, but never below its node's reserve because of its own bid: a
+  *release* (a maximum lowered below the reserve, which notices the job) pays the reserve
+  until it ends, so a tenant cannot buy its notice's minutes for nothing;
 - the same inputs give the same decision: ``Market`` carries its book between ticks, and its
   decision equals that of a market rebuilt cold from ``snapshot()``;
 - a waiting bid that outbids a running one in its pool by more than the hysteresis margin, and
@@ -301,7 +306,9 @@ class Market(AllocationsMixin, ClearingMixin, GangsMixin, PricingMixin):
             book.reset(merged[order], b.epoch[merged[order]])
 
     def reprice_bid(self, bid_id: int, max_price: float) -> None:
-        """Change a bid's maximum price; it keeps its age (and its GPUs, if it runs)."""
+        """Change a bid's maximum price; it keeps its age (and its GPUs, if it runs). A running
+        allocation is billed at the new maximum from the next tick on; lowered below its node's
+        reserve (a release: the tick notices it), it pays that reserve until it ends."""
         price = check_price("max_price", max_price)
         for row in self._members(self._bid_row_of(bid_id)):  # a gang's members share it
             self._reprice_row(row, price)
@@ -318,9 +325,7 @@ class Market(AllocationsMixin, ClearingMixin, GangsMixin, PricingMixin):
             for arow in (b.run[row], b.res[row]):  # below a reserve now?
                 if arow >= 0:
                     self._suspect_nodes.add(int(self.a.node[arow]))
-            if b.run[row] >= 0:  # never billed above the new maximum, from now on
-                run = int(b.run[row])
-                self.a.price[run] = min(float(self.a.price[run]), price)
+            # a running allocation takes the new maximum at the next tick (pricing.py)
 
     def cancel_bid(self, bid_id: int, at: float) -> Settlement:
         """Close a bid: it leaves the book; its allocations end FINISHED (reservations RELEASED)."""

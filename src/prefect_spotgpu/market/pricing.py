@@ -119,11 +119,17 @@ class PricingMixin(MarketIndex):
             amount,
         )
         # the price in force from now on: the pool's, at least the node's reserve (the reserve
-        # alone where the pool has no price), at most the bid's maximum
+        # alone where the pool has no price), at most the bid's maximum (engine.py's rule)
         if self._n_reserve_np is None:
             self._n_reserve_np = np.asarray(self.n_reserve, np.float64)
         node_reserve = self._n_reserve_np[a.node[rows]]
-        a.price[rows] = np.minimum(np.fmax(clearing[a.pool[rows]], node_reserve), b.price[brows])
+        bid_max = b.price[brows]
+        price = np.minimum(np.fmax(clearing[a.pool[rows]], node_reserve), bid_max)
+        # a noticed one keeps the price in force at its notice, lowered only by its maximum and
+        # never below the reserve by its own release (a maximum lowered under the reserve)
+        before = np.where(a.price[rows] > 0, a.price[rows], price)
+        held = np.minimum(before, np.fmax(bid_max, node_reserve))
+        a.price[rows] = np.where(status[rows] == NOTICED, held, price)
         a.charged[charged] += c_seconds  # whole milliseconds billed: the rest bills next
         return charges
 
