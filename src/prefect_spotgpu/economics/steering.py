@@ -19,8 +19,9 @@ What it adds to ``uniform-progress`` (``deadline.py``), from what the market tel
 
 Measured on the shared traces (``benchmarks/results/replay.json``), this is level with
 uniform progress and greedy spot: on these traces availability binds and the demand is not
-predictable from one replay's history, and what the lower bound has beyond it is mostly a
-clairvoyant's bid shading (``bound.py``). Example (10 h of work, deadline 20 h, cap 1.40,
+predictable from one replay's history, and what the lower bound has beyond it is mostly
+foresight of supply (which zone stays up, when every zone goes dark), not of price
+(README, "Market economics"). Example (10 h of work, deadline 20 h, cap 1.40,
 restart 0.2 h, migration 0.5 h, steps of 0.5 h)::
 
     t=0   on pace, two regions open                        -> spot anywhere at 1.40
