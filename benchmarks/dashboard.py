@@ -117,8 +117,11 @@ def bench(kind: str, bids: int, samples: int) -> dict:
                     figures["vs_baseline"] = round(figures["p50_ms"] / base_ms, 2)
                 page = {
                     name: len(client.get(f"/dashboard{suffix}").content)
-                    for name, suffix in (("html", ""), ("js", "/app.js"), ("css", "/app.css"))
-                }
+                    for name, suffix in (
+                        ("html", ""), ("js", "/app.js"), ("gangs_js", "/gangs.js"),
+                        ("css", "/app.css"),
+                    )
+                }  # fmt: skip
                 admin = httpx.Client(
                     base_url=base, headers={"Authorization": f"Bearer {ADMIN_KEY}"}
                 )

@@ -582,6 +582,28 @@ def test_on_demand_capacity_is_sold_at_the_on_demand_price_and_never_to_spot_bid
     assert quotes[("us-east", "on_demand")]["waiting_bids"] == 1
 
 
+def test_an_on_demand_job_is_released_with_a_notice_billed_at_the_on_demand_price(service):
+    """The worker moves a run back to spot by lowering its on-demand bid: the job gets the
+    usual notice and saves; its minutes are billed at the on-demand price to the end."""
+    alice, owner = service.tenant(), service.tenant()
+    service.node(owner, gpus=4, capacity="on_demand")
+    b = bid(alice, gpu_count=4, capacity="on_demand", max_price=None)
+    wait_event(alice, f"/bids/{b['id']}/events", "allocated")
+    assert alice.patch(f"/bids/{b['id']}", json={"max_price": 0.0001}).status_code == 200
+    notice = wait_event(alice, f"/bids/{b['id']}/events", "noticed")
+    assert notice["payload"]["reason"] == "below_reserve"
+    time.sleep(2.5)
+    (charge,) = alice.get("/ledger").json()["charges"]
+    assert charge["charged_seconds"] > 1.0
+    assert charge["charged_amount"] == pytest.approx(
+        2.1 * 4 * charge["charged_seconds"] / 3600, abs=2e-6
+    )
+    refused = alice.patch(f"/bids/{b['id']}", json={"max_price": 2.2})
+    assert refused.status_code == 409 and "on-demand price 2.1" in refused.json()["detail"]
+    back = alice.patch(f"/bids/{b['id']}", json={"max_price": 2.1})  # placed again at 2.1
+    assert back.status_code == 200 and back.json()["max_price"] == 2.1
+
+
 @pytest.mark.parametrize(
     ("body", "field", "words"),
     [

@@ -477,6 +477,75 @@ def test_a_paced_run_with_slack_stays_on_spot(stack, prefect, tmp_path):
     assert {a["node_id"] for a in allocations} <= set(stack.nodes)
 
 
+def test_a_deadline_aware_run_bridges_on_demand_and_goes_back_to_spot(stack, prefect, tmp_path):
+    """Spot is open nowhere (both spot nodes reclaimed) and the run has 1.5 h of slack, under
+    the 2 h bridge: deadline-aware starts it on on-demand capacity instead of waiting its
+    slack away. The spot nodes come back: the slack pays two more starts, so the worker
+    releases the on-demand job (its bid lowered: the usual notice, the final save, billed at
+    the on-demand price) and the run resumes on spot from that save, finishing with the
+    uninterrupted result."""
+    owner = stack.market(stack.owner_key)
+    for node_id in stack.nodes:
+        assert owner.patch(f"/nodes/{node_id}", json={"state": "reclaimed"}).status_code == 200
+    steps = 800
+    run_id, progress = start_run(
+        prefect, stack, tmp_path, steps=steps, gpu_hours=1.0, deadline_hours=2.5,
+        restart_minutes=0.1, bidding_policy="deadline-aware",
+    )  # fmt: skip
+    market = stack.market()
+
+    def bids_of_run(finished=False):
+        listed = market.get("/bids", params={"limit": 1000}).json()
+        mine = [b for b in listed if b["labels"].get("prefect.flow-run-id") == str(run_id)]
+        mine.sort(key=lambda b: b["id"])  # (listed newest first)
+        return mine if mine and (not finished or mine[-1]["status"] == "finished") else None
+
+    wait_for(lambda: any("start" in e for e in progress_of(progress)), 120, "the first start")
+    (first,) = bids_of_run()
+    assert first["capacity"] == "on_demand"  # the bridge: no spot anywhere, slack 1.5 h
+    for node_id in stack.nodes:
+        assert owner.patch(f"/nodes/{node_id}", json={"state": "live"}).status_code == 200
+    try:
+        wait_for(
+            lambda: len([e for e in progress_of(progress) if "start" in e]) == 2,
+            240,
+            "the run resumed on spot capacity",
+        )
+    except TimeoutError:
+        print([e for e in progress_of(progress) if "step" not in e], stack.log("worker", 5000))
+        raise
+    hurry(progress)
+    final = wait_state(prefect, run_id, lambda s: s.is_completed(), 300, "Completed")
+    assert final.is_completed() and prefect.read_flow_run(run_id).run_count == 2
+    bids = wait_for(lambda: bids_of_run(finished=True), 30, "the spot bid finished")
+    assert [(b["capacity"], b["status"]) for b in bids] == [
+        ("on_demand", "cancelled"),
+        ("spot", "finished"),
+    ]
+    on_demand_bid, spot_bid = bids
+    assert on_demand_bid["max_price"] == RELEASE_PRICE  # released: it was placed at 2.1
+    [od] = market.get(f"/bids/{on_demand_bid['id']}/allocations").json()
+    assert od["node_id"] == stack.on_demand_node and od["status"] == "preempted"
+    assert od["notice_reason"] == "below_reserve" and od["final_save"] == "ok"
+    assert od["price"] == 2.1  # its notice too: billed at the on-demand price
+    [spot] = market.get(f"/bids/{spot_bid['id']}/allocations").json()
+    assert spot["node_id"] in stack.nodes and spot["price"] <= 1.5
+    assert spot_bid["labels"]["spotgpu.replaces"] == str(on_demand_bid["id"])
+    entries = progress_of(progress)
+    starts = [e for e in entries if "start" in e]
+    assert [int(s["alloc"]) for s in starts] == [od["id"], spot["id"]]
+    saved = [e["saved"] for e in entries if "saved" in e]
+    assert starts[1]["start"] == saved[0] + 1 > 1  # resumed from the final save
+    reference = Checkpointer(LocalStorage(tmp_path / "reference"), "ref", every=1e9)
+    assert [e["done"] for e in entries if "done" in e] == [count(reference, steps, 0.0, None)]
+    events = wait_for(
+        lambda: (e := _spot_events(prefect, run_id)) and "spotgpu.bid.spot" in e and e,
+        30,
+        "the worker's events",
+    )
+    assert "spotgpu.bid.preempted" in events
+
+
 def test_a_spot_run_that_falls_behind_saves_and_finishes_on_demand(stack, prefect, tmp_path):
     """135 s of slack and 90 s lost per start: the policy starts on spot, but the start eats
     the slack, so about 40 s in it moves the running job to on-demand. Its spot bid

@@ -222,6 +222,7 @@ class WorkerEvent(StrEnum):
     NOTICED = "noticed"
     PREEMPTED = "preempted"
     ON_DEMAND = "on-demand"
+    SPOT = "spot"  # back to spot capacity from on-demand
 
     @property
     def event(self) -> str:

@@ -19,7 +19,7 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from prefect_spotgpu.market import NodeState
+from prefect_spotgpu.market import DEFAULT_CATALOG, NodeState
 from prefect_spotgpu.protocol import LIVE_BID_STATUSES, AllocationStatus, BidStatus, Capacity
 from prefect_spotgpu.service import gangs, images, schemas, webhooks
 from prefect_spotgpu.service.errors import Conflict, Forbidden, Invalid, NotFound
@@ -349,9 +349,15 @@ def list_bids(
 def reprice_bid(*, session: Session, bid: BidRow, max_price: float, now: datetime) -> BidRow:
     if bid.status not in LIVE_BID_STATUSES:
         raise Conflict(f"bid {bid.id} is {bid.status}: it cannot be repriced")
-    if bid.capacity == Capacity.ON_DEMAND:
+    on_demand = (
+        DEFAULT_CATALOG.get(bid.gpu_model).on_demand_price
+        if bid.capacity == Capacity.ON_DEMAND
+        else None
+    )
+    if on_demand is not None and max_price > on_demand:
         raise Conflict(
-            f"bid {bid.id} buys on-demand capacity at the on-demand price: it cannot be repriced",
+            f"bid {bid.id} buys on-demand capacity at the on-demand price {on_demand}: it cannot "
+            "be repriced above it (below it releases the GPUs: the job gets a notice and saves)",
             field="max_price",
         )
     for row in gangs.gang_rows(session=session, bid=bid):  # a gang's members share it

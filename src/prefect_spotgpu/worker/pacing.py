@@ -5,10 +5,16 @@ of ``prefect_spotgpu.economics.deadline``. The worker asks :func:`plan` when it 
 run's bid and every ``PACE_SECONDS`` while it follows it; the answer is one :class:`Plan`:
 
 - ``spot`` at a price: keep (or reprice) the spot bid to that maximum;
-- ``on_demand``: the slack can no longer absorb a restart, so the run moves to on-demand
-  capacity (never back). A waiting spot bid is cancelled and an on-demand bid placed; a
-  *running* spot job is first given the usual notice (the worker lowers its bid below every
-  reserve: ``RELEASE_PRICE``), saves its checkpoint, and resumes on-demand.
+- ``on_demand``: the policy moves the run to on-demand capacity (the slack can no longer
+  absorb a restart; or, for ``deadline-aware``, spot is open nowhere and the slack is short).
+  A waiting spot bid is cancelled and an on-demand bid placed; a *running* spot job is first
+  given the usual notice (the worker lowers its bid below every reserve: ``RELEASE_PRICE``),
+  saves its checkpoint, and resumes on-demand.
+- back to ``spot`` from on-demand, when the policy says so (``deadline-aware``: some region
+  opened and the slack pays this start and one more; ``greedy-spot`` and
+  ``uniform-progress`` never do, as they move only when the slack is gone): a running
+  on-demand job is released the same way (its bid lowered below the on-demand price: a
+  notice, billed at the on-demand price), and the run resumes on a spot bid.
 
 Progress is read from the bid's allocations: the seconds each ran, less ``restart_minutes``
 per start (provisioning and restore). It is an estimate: the flow's own step counter is not
@@ -153,13 +159,11 @@ def plan(
         ran=holding,
         cap=pace.cap,
         on_demand_price=on_demand_price,
-        spot_open=not regions or any(r.open for r in regions),
+        spot_open=quotes is None or any(r.open for r in regions),  # no spot pool: none open
         spot_floor=min((r.floor for r in regions), default=0.0),
         regions=regions,
     )
-    if bid is not None and bid.get("capacity") == "on_demand":
-        return Plan("on_demand", on_demand_price, view)  # never back: a switch costs a restart
-    action = get_policy(pace.policy)(view)
+    action = get_policy(pace.policy)(view)  # from on-demand too: the policy weighs the restart
     if action.mode == "on_demand" and pace.on_demand_fallback:
         return Plan("on_demand", on_demand_price, view)
     price = pace.cap if action.mode != "spot" else min(pace.cap, action.bid)

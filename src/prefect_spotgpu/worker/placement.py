@@ -76,8 +76,9 @@ class Placement:
         if configuration.notice_webhook:
             await self.market.set_webhook(configuration.notice_webhook)
         body = self.bid_body(course, await self.image())
-        if replaces is not None:
+        if replaces is not None:  # (its own key: a run may go back to a capacity it left)
             body["labels"][LABELS.REPLACES] = str(replaces["id"])
+            body["idempotency_key"] += f"-after-{replaces['id']}"
         bid = await self.run.retry("place the bid", lambda: self.market.place(body))
         await self.run.label({LABELS.BID: str(bid["id"])})
         why = f" ({course.describe()})" if course else ""
@@ -94,10 +95,18 @@ class Placement:
         course = plan(pace, datetime.now(UTC), bid, lead_allocations(allocations), quotes)
         if bid is None:
             return None, course, None
-        if course.mode == "on_demand" and bid.get("capacity") != Capacity.ON_DEMAND:
+        on_demand = bid.get("capacity") == Capacity.ON_DEMAND
+        if course.mode == "on_demand" and not on_demand:
             self.run.logger.warning("Moving to on-demand capacity: %s", course.describe())
             await self.market.cancel(bid["id"])
             self.run.emit(WorkerEvent.ON_DEMAND, bid, plan=course.describe())
+            return None, course, bid
+        if on_demand:
+            if course.mode == "on_demand" or course.view.ran:
+                return bid, course, None  # a running job is released by ``pace``, saving
+            self.run.logger.info("Moving back to spot capacity: %s", course.describe())
+            await self.market.cancel(bid["id"])
+            self.run.emit(WorkerEvent.SPOT, bid, plan=course.describe())
             return None, course, bid
         if course.mode == "spot" and bid["max_price"] != course.price:
             bid = await self.market.reprice(bid["id"], course.price)
@@ -106,25 +115,27 @@ class Placement:
 
     async def pace(self, pace: Pace, bid: dict, running: bool) -> SwitchBid | dict:
         """Every ``PACE_SECONDS`` of a paced attempt: a waiting bid is steered (repriced, or
-        replaced by an on-demand bid: ``SwitchBid``); a ``running`` spot job that must move to
-        on-demand gets the usual notice, through its bid lowered below every reserve, and
-        saves first. Returns the bid to follow from now on."""
+        replaced by a bid of the other capacity: ``SwitchBid``); a ``running`` job that must
+        move (spot to on-demand, or back) gets the usual notice, through its bid lowered below
+        every reserve, and saves first. Returns the bid to follow from now on."""
         if not running:
             kept, course, replaced = await self.steer(pace, bid)
             if kept is None:
                 return SwitchBid(await self.place(course, replaced))
             return kept
-        if bid.get("capacity") == Capacity.ON_DEMAND or bid["max_price"] == RELEASE_PRICE:
-            return bid
+        if bid["max_price"] == RELEASE_PRICE:
+            return bid  # released already: its job is saving
         allocations = await self.market.allocations(bid["id"])
         quotes = await self.market.quotes()
         course = plan(pace, datetime.now(UTC), bid, lead_allocations(allocations), quotes)
-        if course.mode != "on_demand":
+        on_demand = bid.get("capacity") == Capacity.ON_DEMAND
+        if (course.mode == "on_demand") == on_demand:
             return bid
+        where = "spot" if on_demand else "on-demand"
         self.run.logger.warning(
-            "Moving to on-demand capacity after a final save: %s", course.describe()
+            "Moving to %s capacity after a final save: %s", where, course.describe()
         )
-        return await self.market.reprice(bid["id"], RELEASE_PRICE, "release the spot GPUs")
+        return await self.market.reprice(bid["id"], RELEASE_PRICE, "release the GPUs")
 
     def bid_body(self, course: Plan | None = None, image: str | None = None) -> dict:
         """The ``POST /bids`` body: the run's GPUs (``node_count`` nodes of ``gpu_count``),
