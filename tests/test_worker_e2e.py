@@ -477,6 +477,47 @@ def test_a_paced_run_with_slack_stays_on_spot(stack, prefect, tmp_path):
     assert {a["node_id"] for a in allocations} <= set(stack.nodes)
 
 
+def bids_of_run(stack, run_id, finished=False) -> list[dict] | None:
+    """The run's bids, oldest first (None: none yet, or, with ``finished``, its last bid's
+    job has not ended)."""
+    listed = stack.market().get("/bids", params={"limit": 1000}).json()
+    mine = [b for b in listed if b["labels"].get("prefect.flow-run-id") == str(run_id)]
+    mine.sort(key=lambda b: b["id"])  # (listed newest first)
+    return mine if mine and (not finished or mine[-1]["status"] == "finished") else None
+
+
+def complete_after_a_second_start(stack, prefect, run_id, progress, what: str) -> None:
+    """Wait for the run's second start (``what``), let it finish at full speed, and check it
+    completed in two attempts."""
+    try:
+        wait_for(lambda: len([e for e in progress_of(progress) if "start" in e]) == 2, 240, what)
+    except TimeoutError:
+        print([e for e in progress_of(progress) if "step" not in e], stack.log("worker", 5000))
+        raise
+    hurry(progress)
+    final = wait_state(prefect, run_id, lambda s: s.is_completed(), 300, "Completed")
+    assert final.is_completed() and prefect.read_flow_run(run_id).run_count == 2
+
+
+def check_resumed_from_the_final_save(prefect, run_id, progress, tmp_path, steps, allocations,
+                                      event):  # fmt: skip
+    """The run started on ``allocations`` in turn, the second from the first's final save,
+    counted what an uninterrupted run counts, and the worker emitted ``event``."""
+    entries = progress_of(progress)
+    starts = [e for e in entries if "start" in e]
+    assert [int(s["alloc"]) for s in starts] == allocations
+    saved = [e["saved"] for e in entries if "saved" in e]
+    assert starts[1]["start"] == saved[0] + 1 > 1  # resumed from the final save
+    reference = Checkpointer(LocalStorage(tmp_path / "reference"), "ref", every=1e9)
+    assert [e["done"] for e in entries if "done" in e] == [count(reference, steps, 0.0, None)]
+    events = wait_for(
+        lambda: (e := _spot_events(prefect, run_id)) and f"spotgpu.bid.{event}" in e and e,
+        30,
+        "the worker's events",
+    )
+    assert "spotgpu.bid.preempted" in events
+
+
 def test_a_deadline_aware_run_bridges_on_demand_and_goes_back_to_spot(stack, prefect, tmp_path):
     """Spot is open nowhere (both spot nodes reclaimed) and the run has 1.5 h of slack, under
     the 2 h bridge: deadline-aware starts it on on-demand capacity instead of waiting its
@@ -493,31 +534,13 @@ def test_a_deadline_aware_run_bridges_on_demand_and_goes_back_to_spot(stack, pre
         restart_minutes=0.1, bidding_policy="deadline-aware",
     )  # fmt: skip
     market = stack.market()
-
-    def bids_of_run(finished=False):
-        listed = market.get("/bids", params={"limit": 1000}).json()
-        mine = [b for b in listed if b["labels"].get("prefect.flow-run-id") == str(run_id)]
-        mine.sort(key=lambda b: b["id"])  # (listed newest first)
-        return mine if mine and (not finished or mine[-1]["status"] == "finished") else None
-
     wait_for(lambda: any("start" in e for e in progress_of(progress)), 120, "the first start")
-    (first,) = bids_of_run()
+    (first,) = bids_of_run(stack, run_id)
     assert first["capacity"] == "on_demand"  # the bridge: no spot anywhere, slack 1.5 h
     for node_id in stack.nodes:
         assert owner.patch(f"/nodes/{node_id}", json={"state": "live"}).status_code == 200
-    try:
-        wait_for(
-            lambda: len([e for e in progress_of(progress) if "start" in e]) == 2,
-            240,
-            "the run resumed on spot capacity",
-        )
-    except TimeoutError:
-        print([e for e in progress_of(progress) if "step" not in e], stack.log("worker", 5000))
-        raise
-    hurry(progress)
-    final = wait_state(prefect, run_id, lambda s: s.is_completed(), 300, "Completed")
-    assert final.is_completed() and prefect.read_flow_run(run_id).run_count == 2
-    bids = wait_for(lambda: bids_of_run(finished=True), 30, "the spot bid finished")
+    complete_after_a_second_start(stack, prefect, run_id, progress, "the resume on spot")
+    bids = wait_for(lambda: bids_of_run(stack, run_id, True), 30, "the spot bid finished")
     assert [(b["capacity"], b["status"]) for b in bids] == [
         ("on_demand", "cancelled"),
         ("spot", "finished"),
@@ -531,19 +554,9 @@ def test_a_deadline_aware_run_bridges_on_demand_and_goes_back_to_spot(stack, pre
     [spot] = market.get(f"/bids/{spot_bid['id']}/allocations").json()
     assert spot["node_id"] in stack.nodes and spot["price"] <= 1.5
     assert spot_bid["labels"]["spotgpu.replaces"] == str(on_demand_bid["id"])
-    entries = progress_of(progress)
-    starts = [e for e in entries if "start" in e]
-    assert [int(s["alloc"]) for s in starts] == [od["id"], spot["id"]]
-    saved = [e["saved"] for e in entries if "saved" in e]
-    assert starts[1]["start"] == saved[0] + 1 > 1  # resumed from the final save
-    reference = Checkpointer(LocalStorage(tmp_path / "reference"), "ref", every=1e9)
-    assert [e["done"] for e in entries if "done" in e] == [count(reference, steps, 0.0, None)]
-    events = wait_for(
-        lambda: (e := _spot_events(prefect, run_id)) and "spotgpu.bid.spot" in e and e,
-        30,
-        "the worker's events",
+    check_resumed_from_the_final_save(
+        prefect, run_id, progress, tmp_path, steps, [od["id"], spot["id"]], "spot"
     )
-    assert "spotgpu.bid.preempted" in events
 
 
 def test_a_spot_run_that_falls_behind_saves_and_finishes_on_demand(stack, prefect, tmp_path):
@@ -561,28 +574,10 @@ def test_a_spot_run_that_falls_behind_saves_and_finishes_on_demand(stack, prefec
         deadline_hours=1.0 + 135 / 3600,
         restart_minutes=1.5,
     )
-    try:
-        wait_for(
-            lambda: len([e for e in progress_of(progress) if "start" in e]) == 2,
-            240,
-            "the run resumed on on-demand capacity",
-        )
-    except TimeoutError:
-        print([e for e in progress_of(progress) if "step" not in e], stack.log("worker", 5000))
-        raise
-    hurry(progress)
-    final = wait_state(prefect, run_id, lambda s: s.is_completed(), 300, "Completed")
-    assert final.is_completed() and prefect.read_flow_run(run_id).run_count == 2
+    complete_after_a_second_start(stack, prefect, run_id, progress, "the resume on on-demand")
 
     market = stack.market()
-
-    def bids_of_run():
-        listed = market.get("/bids", params={"limit": 1000}).json()
-        mine = [b for b in listed if b["labels"].get("prefect.flow-run-id") == str(run_id)]
-        mine.sort(key=lambda b: b["id"])  # (listed newest first)
-        return mine if mine and mine[-1]["status"] == "finished" else None  # its job has ended
-
-    bids = wait_for(bids_of_run, 30, "the on-demand bid finished")
+    bids = wait_for(lambda: bids_of_run(stack, run_id, True), 30, "the on-demand bid finished")
     assert [(b["capacity"], b["status"]) for b in bids] == [
         ("spot", "cancelled"),
         ("on_demand", "finished"),
@@ -595,19 +590,9 @@ def test_a_spot_run_that_falls_behind_saves_and_finishes_on_demand(stack, prefec
     [second] = market.get(f"/bids/{on_demand_bid['id']}/allocations").json()
     assert second["node_id"] == stack.on_demand_node and second["price"] == 2.1
 
-    entries = progress_of(progress)
-    starts = [e for e in entries if "start" in e]
-    assert [int(s["alloc"]) for s in starts] == [spot["id"], second["id"]]
-    saved = [e["saved"] for e in entries if "saved" in e]
-    assert starts[1]["start"] == saved[0] + 1 > 1  # resumed from the final save
-    reference = Checkpointer(LocalStorage(tmp_path / "reference"), "ref", every=1e9)
-    assert [e["done"] for e in entries if "done" in e] == [count(reference, steps, 0.0, None)]
-    events = wait_for(
-        lambda: (e := _spot_events(prefect, run_id)) and "spotgpu.bid.on-demand" in e and e,
-        30,
-        "the worker's events",
+    check_resumed_from_the_final_save(
+        prefect, run_id, progress, tmp_path, steps, [spot["id"], second["id"]], "on-demand"
     )
-    assert "spotgpu.bid.preempted" in events
     assert on_demand_bid["labels"]["spotgpu.replaces"] == str(spot_bid["id"])
     table = wait_for(  # each attempt publishes the table again: the last has both bids
         lambda: [
