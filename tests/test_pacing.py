@@ -218,3 +218,69 @@ def test_every_regions_quote_reaches_the_policy_which_picks_where_capacity_is():
     course = plan(pinned, T0 + timedelta(hours=1), SPOT, [], quotes)
     assert [r.region for r in course.view.regions] == ["eu-west"]
     assert plan(p, T0 + timedelta(hours=1), SPOT, [], None).view.regions == ()  # no quotes
+
+
+class _Market:
+    """The market's API as ``Placement.steer`` calls it, recording the cancels."""
+
+    def __init__(self, allocations, quotes):
+        self._allocations, self._quotes, self.cancelled = allocations, quotes, []
+
+    async def allocations(self, bid_id):
+        return self._allocations
+
+    async def quotes(self):
+        return self._quotes
+
+    async def cancel(self, bid_id):
+        self.cancelled.append(bid_id)
+
+
+class _Run:
+    def __init__(self):
+        self.logger = SimpleNamespace(info=print, warning=print)
+        self.events = []
+
+    def emit(self, what, bid, **payload):
+        self.events.append(str(what))
+
+
+OPEN_SPOT = [{"gpu_model": "A100-80G", "capacity": "spot", "region": "eu", "reserve_price": 0.9,
+              "clearing_price": None, "gpus_free": 2, "gpus_total": 2}]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("case", "policy", "bid", "status", "kept", "event"),
+    [
+        ("a running on-demand job is released by pace, not cancelled", "deadline-aware",
+         ON_DEMAND, "running", True, None),
+        ("a waiting on-demand bid is replaced by a spot bid", "deadline-aware",
+         ON_DEMAND, "preempted", False, "spot"),
+        ("a running spot job that must move is released by pace, not cancelled", "greedy-spot",
+         SPOT, "running", True, None),
+        ("a waiting spot bid that must move is replaced", "greedy-spot",
+         SPOT, "preempted", False, "on-demand"),
+    ],
+)  # fmt: skip
+def test_steering_never_cancels_a_running_job(case, policy, bid, status, kept, event):
+    """``steer`` runs when an attempt starts too (a run adopted with its job running): a
+    cancel there would stop the job without its final save."""
+    import asyncio
+
+    from prefect_spotgpu.worker.placement import Placement
+
+    now = datetime.now(UTC)
+    slack_h = 1.5 if policy == "deadline-aware" else 0.01  # greedy: no slack left
+    ended = None if status == "running" else now.timestamp()
+    ran = {"started_at": (now - timedelta(hours=0.5)).timestamp(), "status": status,
+           "ended_at": ended}  # fmt: skip
+    p = Pace(gpu_hours=2.0, deadline=now + timedelta(hours=2.0 - 0.5 + slack_h),
+             origin=now - timedelta(hours=0.5), policy=policy, restart_minutes=0.1, cap=1.2,
+             gpu_model="A100-80G", region="any")  # fmt: skip
+    market, run = _Market([ran], OPEN_SPOT), _Run()
+    placement = Placement(market=market, run=run, configuration=None, pool_name="p")
+    got, _course, replaced = asyncio.run(placement.steer(p, bid))
+    assert (got is bid) == kept, case
+    assert market.cancelled == ([] if kept else [bid["id"]]), case
+    assert run.events == ([] if event is None else [event]), case
+    assert (replaced is None) == kept, case

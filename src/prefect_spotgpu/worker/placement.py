@@ -89,24 +89,24 @@ class Placement:
     async def steer(self, pace: Pace, bid: dict | None):
         """Ask the run's bidding policy (``pacing.plan``); returns the bid to keep (None:
         place a new one), the plan, and the bid it cancelled. A waiting spot bid is repriced
-        to the plan's price, or cancelled when the plan moves the run to on-demand capacity."""
+        to the plan's price; a waiting bid is cancelled when the plan moves the run to the
+        other capacity. A bid whose job runs is kept: ``pace`` releases it with a notice, so
+        the job saves first (never a cancel, which stops it without a final save)."""
         allocations = [] if bid is None else await self.market.allocations(bid["id"])
         quotes = await self.market.quotes()
         course = plan(pace, datetime.now(UTC), bid, lead_allocations(allocations), quotes)
         if bid is None:
             return None, course, None
         on_demand = bid.get("capacity") == Capacity.ON_DEMAND
-        if course.mode == "on_demand" and not on_demand:
-            self.run.logger.warning("Moving to on-demand capacity: %s", course.describe())
+        if (course.mode == "on_demand") != on_demand:  # the other capacity
+            if course.view.ran:  # a running job moves through ``pace``: a notice, a save
+                return bid, course, None
+            where, what = (
+                ("spot", WorkerEvent.SPOT) if on_demand else ("on-demand", WorkerEvent.ON_DEMAND)
+            )
+            self.run.logger.warning("Moving to %s capacity: %s", where, course.describe())
             await self.market.cancel(bid["id"])
-            self.run.emit(WorkerEvent.ON_DEMAND, bid, plan=course.describe())
-            return None, course, bid
-        if on_demand:
-            if course.mode == "on_demand" or course.view.ran:
-                return bid, course, None  # a running job is released by ``pace``, saving
-            self.run.logger.info("Moving back to spot capacity: %s", course.describe())
-            await self.market.cancel(bid["id"])
-            self.run.emit(WorkerEvent.SPOT, bid, plan=course.describe())
+            self.run.emit(what, bid, plan=course.describe())
             return None, course, bid
         if course.mode == "spot" and bid["max_price"] != course.price:
             bid = await self.market.reprice(bid["id"], course.price)
