@@ -68,11 +68,11 @@ def check_allocations(state: MarketState) -> None:
             )
         if a.status is RUNNING:
             assert a.price <= bid.max_price + 1e-12, f"allocation {a.id} pays above its max"
+            if a.price > 0:
+                assert a.price >= node.reserve_price - 1e-12, f"{a.id} pays below reserve"
         if a.status is NOTICED:  # a release (its maximum under the reserve) pays the reserve
             top = max(bid.max_price, node.reserve_price)
             assert a.price <= top + 1e-12, f"noticed allocation {a.id} pays above {top}"
-            if a.status is RUNNING and a.price > 0:
-                assert a.price >= node.reserve_price - 1e-12, f"{a.id} pays below reserve"
     for bid_id, allocs in per_bid.items():
         assert sum(a.status in (RUNNING, NOTICED) for a in allocs) <= 1, bid_id
         assert sum(a.status is RESERVED for a in allocs) <= 1, bid_id
