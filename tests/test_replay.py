@@ -318,3 +318,49 @@ def test_the_replay_benchmark_prints_one_json_object():
     assert report["bound_beaten_in_jobs"] == {"single_region": 0, "multi_region": 0}
     assert set(report["targets"]) >= {"multi_region_ours_vs_bound", "deadlines_met_by_ours"}
     assert report["assumptions"]["restart_overhead_h"] == 0.2
+
+
+def test_with_no_competing_demand_every_spot_hour_costs_the_reserve():
+    """``Demand.share`` 0 (the decomposition benchmark's seam): no competing bid ever arrives,
+    so the job pays the owners' reserve for each spot hour, in the replay and in the bound."""
+    from prefect_spotgpu.economics.replay import ON_DEMAND, RESERVE, Demand
+
+    market = next(m for m in MARKETS if m.name.endswith("aws-10-26-2022/v100_1"))
+    job = Job(work_h=6.0, deadline_h=12.0)
+    with_demand = replay(market, "greedy-spot", job, start=100, seed=100)
+    Demand.share = 0.0
+    try:
+        alone = replay(market, "greedy-spot", job, start=100, seed=100)
+        bound = lower_bound(market, job, start=100, seed=100)
+    finally:
+        Demand.share = 1.0
+    assert alone.spot_h > 0 and alone.met
+    paid_for_spot = alone.cost - alone.on_demand_h * ON_DEMAND * market.gpus_per_node
+    assert paid_for_spot == pytest.approx(alone.spot_h * RESERVE * market.gpus_per_node, rel=1e-3)
+    assert bound.cost <= alone.cost + 1e-6
+    assert with_demand.cost > alone.cost  # the demand the benchmark has does cost something
+
+
+@pytest.mark.slow
+def test_the_decomposition_benchmark_prints_one_json_object():
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "replay_decomposition.py"),
+         "--markets", "1", "--starts", "1"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    worlds = report["mean_saving"]
+    assert len(worlds) == 6
+    for name, row in worlds.items():
+        assert row["deadlines_missed"] == 0, name
+        for policy in ("greedy-spot", "deadline-aware"):
+            assert row[policy] <= row["lower-bound"] + 1e-9, (name, policy)
+    easiest = worlds["no demand, no overheads"]["bound_lead_over_ours_points"]
+    benchmark = next(v for k, v in worlds.items() if k.endswith("(the benchmark)"))
+    assert easiest < benchmark["bound_lead_over_ours_points"]

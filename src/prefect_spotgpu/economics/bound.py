@@ -250,7 +250,8 @@ def _cheapest(lim: dict[str, np.ndarray], job: Job, gap: float, gpus: int) -> fl
             )
             ok = (run[:, t] >= k + 1)[:, None]
             if k == 0:  # the arrival step is the first: its interval is charged when it ends
-                spent = (carry_first[:, t] - carry_run[:, t])[:, None]
+                with np.errstate(invalid="ignore"):  # inf - inf where it cannot run: not ok
+                    spent = (carry_first[:, t] - carry_run[:, t])[:, None]
                 rate = rate_first[:, t]
             else:
                 spent = (carry_first[:, t] + carry_sum[:, t + k] - carry_sum[:, t + 1])[:, None]

@@ -118,7 +118,13 @@ class Outcome:
 class Demand:
     """Competing bids of one region: a daily cycle of how many whole nodes others want, and at
     what price. ``step(now)`` draws which bids leave and which arrive from its own random
-    stream only: the schedule is the same with or without the job (the bound relies on it)."""
+    stream only: the schedule is the same with or without the job (the bound relies on it).
+
+    ``share`` scales how many bids the cycle wants (1: the benchmark's demand; 0: no competing
+    demand at all), class-wide so that the replay and the bound see the same demand.
+    ``benchmarks/replay_decomposition.py`` sets it."""
+
+    share: float = 1.0
 
     def __init__(self, nodes: int, gpus: int, seed: int, first_id: int = 1) -> None:
         self.rng = random.Random(seed)
@@ -132,6 +138,7 @@ class Demand:
         hour_of_day = (now / 3600) % 24
         busy = 0.5 + 1.0 * max(0.0, math.sin(math.pi * (hour_of_day - 9) / 12))
         wanted = sum(self.rng.random() < busy / 2 for _ in range(2 * self.nodes))
+        wanted = round(wanted * self.share)
         keep = {b for b in self.live if self.rng.random() < 0.7}  # 30 % leave each tick
         gone = [b for b in self.live if b not in keep]
         self.live = {b: p for b, p in self.live.items() if b in keep}
