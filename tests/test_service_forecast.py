@@ -75,7 +75,9 @@ def test_an_estimate_for_any_region_takes_the_cheapest_region_hour_by_hour(db_ur
         assert abs(anywhere["expected_cost"] - 18 * 0.9) < 1e-6
         for alone in anywhere["regions"]:
             assert alone["p_meet_deadline_on_spot"] < 0.01  # 18 h of spot need both regions
-            assert alone["expected_cost"] > anywhere["expected_cost"] + 5
+            # a region alone is cheap 15 h of any 24 at most, so at least 3 of the 18 hours go
+            # on demand there (2.1, not 0.9): the 20 h window's start hour decides how many more
+            assert alone["expected_cost"] >= anywhere["expected_cost"] + 3 * (2.1 - 0.9) - 1e-6
         one = api.post("/estimate", json={**body, "region": "eu-west"}).json()
         assert one["region"] == "eu-west" and [r["region"] for r in one["regions"]] == ["eu-west"]
         assert one["expected_cost"] == next(
