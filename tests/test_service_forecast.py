@@ -132,7 +132,10 @@ def test_the_prices_and_estimate_commands(tmp_path):
             assert out.returncode == 0, out.stdout + out.stderr
             return out.stdout
 
-        table = service.wait_for(lambda: "A100-80G eu-west" in (t := spotgpu("prices")) and t)
+        # each command is a new Python process: seconds apiece on a loaded 2-core machine
+        table = service.wait_for(
+            lambda: "A100-80G eu-west" in (t := spotgpu("prices")) and t, timeout=90
+        )
         assert "2.10" in table and "8/8" in table
         ahead = spotgpu("prices", "--forecast", "--hours", "24")
         assert "0.90 / " in ahead and "(0.90)" in ahead and "naive" in ahead
