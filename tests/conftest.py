@@ -35,20 +35,6 @@ POSTGRES_URL = os.environ.get(
 ADMIN_KEY = "sgadm_test-admin-key-0123456789"
 
 
-DOCKER_FIXTURES = frozenset({"job_image", "registry", "flow_image"})
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Groups for pytest-xdist's ``--dist loadgroup`` (README's test command runs two workers):
-    a test file runs whole on one worker, so its module fixtures start once; and every test on
-    the Docker engine runs on the same worker, whatever its file, so one worker starts
-    ``dockerd`` and its session's end removes only containers of its own tests."""
-    for item in items:
-        on_docker = DOCKER_FIXTURES.intersection(getattr(item, "fixturenames", ()))
-        item.add_marker(pytest.mark.xdist_group("docker" if on_docker else item.module.__name__))
-
-
 @pytest.fixture(scope="session")
 def postgres_url() -> str:
     """The PostgreSQL server the tests use. Unreachable is a failure, never a skip."""
