@@ -300,3 +300,24 @@ def test_a_run_whose_image_is_not_in_the_catalogue_is_refused_with_the_list(
         asyncio.run(run())
     assert "known images: process, huggingface, ngc-pytorch, pytorch," in str(refused.value)
     assert buyer.get("/bids").json() == []
+
+
+def test_the_worker_asks_for_scheduled_runs_every_second(monkeypatch):
+    """Prefect's default (10 s) would make every start and resume wait up to 10 s. The
+    end-to-end pickup test's margin is wide enough for a loaded machine, so the setting the
+    worker's loop runs under is checked here (Prefect's loop itself is the seam replaced)."""
+    from prefect.settings import PREFECT_WORKER_QUERY_SECONDS
+    from prefect.workers.base import BaseWorker
+
+    from prefect_spotgpu.worker.worker import QUERY_SECONDS
+
+    seen = []
+
+    async def prefects_loop(self, *args, **kwargs):
+        seen.append(PREFECT_WORKER_QUERY_SECONDS.value())
+
+    monkeypatch.setattr(BaseWorker, "start", prefects_loop)
+    monkeypatch.delenv("PREFECT_WORKER_QUERY_SECONDS", raising=False)
+    asyncio.run(SpotGPUWorker(work_pool_name="p").start())
+    assert seen == [QUERY_SECONDS] and QUERY_SECONDS <= 1.0
+    assert PREFECT_WORKER_QUERY_SECONDS.value() != QUERY_SECONDS  # only for the loop
