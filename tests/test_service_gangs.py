@@ -6,6 +6,7 @@ rebuilds the gang from the database."""
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 
@@ -210,6 +211,44 @@ def test_repricing_through_any_member_reprices_every_member(service):
         assert alice.get(f"/bids/{member}").json()["max_price"] == 1.5
     allocs = gang_allocations(alice, b["id"])  # now above the reserve: placed whole
     assert {a["price"] for a in allocs} == {0.9}
+
+
+def test_a_reprice_committed_between_the_reads_of_a_gangs_first_tick_still_places_it(
+    service, db_url, monkeypatch
+):
+    """The tick reads a new gang's members one by one. On PostgreSQL (read committed) a
+    reprice can commit between the reads: rank 0 is read at the old price, rank 1 at the new.
+    The gang must still be placed whole at the new price, not hold rank 1 for a differing term.
+    (SQLite's tick holds the write lock, so there the reprice waits for the tick: no race.)"""
+    from prefect_spotgpu.service import market_rows
+
+    alice, owner = service.tenant(credit=100), service.tenant()
+    for _ in range(2):
+        node(service, owner)
+    repriced = threading.Event()
+    read = market_rows.market_bid
+
+    def reprice(bid_id):
+        response = alice.patch(f"/bids/{bid_id}", json={"max_price": 1.5})
+        assert response.status_code == 200, response.text
+        repriced.set()
+
+    def market_bid(row):  # the seam: the moment between reading rank 0 and rank 1
+        bid = read(row)
+        if row.gang_id == row.id and not repriced.is_set():
+            threading.Thread(target=reprice, args=(row.id,), daemon=True).start()
+            if db_url.startswith("postgresql"):
+                assert repriced.wait(10), "the reprice did not commit beside the tick"
+        return bid
+
+    monkeypatch.setattr(market_rows, "market_bid", market_bid)
+    b = gang_bid(alice, max_price=0.5)
+    allocs = gang_allocations(alice, b["id"])
+    assert repriced.is_set()
+    assert {a["price"] for a in allocs} == {0.9}
+    for member in b["members"]:
+        seen = alice.get(f"/bids/{member}").json()
+        assert (seen["status"], seen["max_price"]) == ("open", 1.5), seen
 
 
 def test_a_finished_member_finishes_every_member(service):

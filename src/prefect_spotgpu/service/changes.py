@@ -27,7 +27,7 @@ from prefect_spotgpu.protocol import (
     ReportOutcome,
 )
 from prefect_spotgpu.service import gangs, gate, ledger
-from prefect_spotgpu.service.market_rows import market_bid, market_node
+from prefect_spotgpu.service.market_rows import add_bid_row, market_node
 from prefect_spotgpu.service.models import AllocationRow, BidRow, MarketChange, NodeRow
 from prefect_spotgpu.service.outbox import Entity
 from prefect_spotgpu.service.tick_writes import TickWrites
@@ -52,7 +52,7 @@ def apply_change(writes: TickWrites, change: MarketChange, now: float) -> None:
             return
         if row.status == BidStatus.OPEN and not market.has_bid(row.id):
             try:
-                market.add_bid(market_bid(row))
+                add_bid_row(market, row)
             except ValueError as exc:  # e.g. a region no node offers yet: hold it
                 row.status, row.hold_reason = BidStatus.HELD.value, str(exc)
                 first = gangs.gang_rows(session=session, bid=row)[0]

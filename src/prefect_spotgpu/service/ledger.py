@@ -29,7 +29,7 @@ from prefect_spotgpu.market.money import from_micros
 from prefect_spotgpu.protocol import HELD_FOR_CREDIT, BidStatus
 from prefect_spotgpu.service import gate
 from prefect_spotgpu.service.errors import NotFound
-from prefect_spotgpu.service.market_rows import market_bid
+from prefect_spotgpu.service.market_rows import add_bid_row
 from prefect_spotgpu.service.models import AllocationRow, BidRow, LedgerEntry, NodeRow, Tenant
 from prefect_spotgpu.service.outbox import Entity, record_change
 
@@ -178,7 +178,7 @@ def release_credit_holds(writes: TickWrites, tenant_id: int) -> None:
             .execution_options(synchronize_session=False)
         ).rowcount
         if reopened and not writes.market.has_bid(bid.id):
-            writes.market.add_bid(market_bid(bid))
+            add_bid_row(writes.market, bid)
 
 
 class Accrued:

@@ -68,6 +68,20 @@ def market_bid(row: BidRow) -> Bid:
     )
 
 
+def add_bid_row(market: Market, row: BidRow) -> None:
+    """Add the row's bid to ``market`` (raising ``ValueError`` as ``Market.add_bid`` does).
+
+    A gang's member read after its rank 0 may carry a newer price: under PostgreSQL's read
+    committed, a reprice can commit between the two reads. The gang then takes the member's
+    price, so the member still shares every term of it (instead of being held); the reprice's
+    change, applied by a later tick, settles the price to the database's."""
+    bid = market_bid(row)
+    joins_a_gang = bid.gang_id not in (None, bid.id) and market.has_bid(bid.gang_id)
+    if joins_a_gang and market.bid_price(bid.gang_id) != bid.max_price:
+        market.reprice_bid(bid.gang_id, bid.max_price)
+    market.add_bid(bid)
+
+
 def market_allocation(row: AllocationRow) -> MarketAllocation:
     return MarketAllocation(
         id=row.id,
@@ -160,7 +174,7 @@ def load_market(*, session: Session, settings: ServiceSettings) -> Market:
             )
         )
     for row in sorted(others, key=lambda b: b.id):
-        market.add_bid(market_bid(row))
+        add_bid_row(market, row)
     for a in allocs:
         market.load_allocation(market_allocation(a))
     market.compact()
