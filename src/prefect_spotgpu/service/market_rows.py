@@ -71,10 +71,11 @@ def market_bid(row: BidRow) -> Bid:
 def add_bid_row(market: Market, row: BidRow) -> None:
     """Add the row's bid to ``market`` (raising ``ValueError`` as ``Market.add_bid`` does).
 
-    A gang's member read after its rank 0 may carry a newer price: under PostgreSQL's read
-    committed, a reprice can commit between the two reads. The gang then takes the member's
-    price, so the member still shares every term of it (instead of being held); the reprice's
-    change, applied by a later tick, settles the price to the database's."""
+    A gang's member may carry another price than its rank 0 when a reprice committed between
+    the two reads (PostgreSQL's read committed; in ``load_market``, between its two queries).
+    The gang then takes the member's price, so the member still shares every term of it
+    instead of being held; the reprice's outbox change, still to be applied, settles the price
+    to the database's."""
     bid = market_bid(row)
     joins_a_gang = bid.gang_id not in (None, bid.id) and market.has_bid(bid.gang_id)
     if joins_a_gang and market.bid_price(bid.gang_id) != bid.max_price:
