@@ -51,7 +51,13 @@ POSTGRES = os.environ.get(
 
 def start(db_url: str, home: Path, tick: float = 1.0) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    env = {**os.environ, "SPOTGPU_ADMIN_KEY": ADMIN_KEY, "SPOTGPU_HOME": str(home)}
+    env = {
+        **os.environ,
+        "SPOTGPU_ADMIN_KEY": ADMIN_KEY,
+        "SPOTGPU_HOME": str(home),
+        # one load tenant places every bid: the per-tenant cap is not what this measures
+        "SPOTGPU_MAX_OPEN_BIDS_PER_TENANT": "1000000",
+    }
     proc = subprocess.Popen(
         [
             sys.executable,

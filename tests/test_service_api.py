@@ -352,26 +352,6 @@ def test_a_release_pays_the_reserve_through_its_notice(service):
     )
 
 
-def test_out_of_credit_holds_bids_with_a_reason_and_a_credit_releases_them(service):
-    poor = service.tenant(credit=0.0005)  # 0.0005 at 0.9 x 8 GPUs/h: gone in 0.25 s
-    owner = service.tenant()
-    service.node(owner)
-    b = bid(poor, gpu_count=8, max_price=1.0)
-    wait_event(poor, f"/bids/{b['id']}/events", "allocated")
-    held = service.wait_for(
-        lambda: (r := poor.get(f"/bids/{b['id']}").json())["status"] == "held" and r
-    )
-    assert held["hold_reason"].startswith("out of credit")
-    wait_event(poor, f"/bids/{b['id']}/events", "finished")
-    late = poor.post("/bids", json={"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0})
-    assert late.json()["status"] == "held"
-    response = service.admin.post(
-        f"/tenants/{poor.tenant_id}/credits", json={"amount": 5.0, "reason": "top-up"}
-    )
-    assert response.status_code == 201
-    service.wait_for(lambda: poor.get(f"/bids/{b['id']}").json()["status"] == "open")
-
-
 def test_a_failed_final_save_is_compensated(service):
     alice, owner = service.tenant(), service.tenant()
     node, agent = service.node(owner)

@@ -18,7 +18,8 @@ Invariants (each property-tested in ``tests/test_market_properties.py``):
 
 The rule, per tick and per GPU model (pools of a model share its "any region" bids):
 
-1. notices for allocations on reclaimed nodes, over a raised reserve or whose window closes;
+1. the holds of bids out of credit (``holds.py``); notices for allocations on reclaimed nodes,
+   over a raised reserve or whose window closes;
    endings for lost nodes, passed notice deadlines and expired reservations; reservations whose
    GPUs are free start (RESERVED -> RUNNING);
 2. waiting bids, best first (price, then age), each take the tightest free fit on a node whose
@@ -50,6 +51,7 @@ from prefect_spotgpu.market.clearing import ClearingMixin
 from prefect_spotgpu.market.decision import Charges, Decision, Ending
 from prefect_spotgpu.market.gangs import GangsMixin
 from prefect_spotgpu.market.gpus import DEFAULT_CATALOG
+from prefect_spotgpu.market.holds import HoldsMixin
 from prefect_spotgpu.market.pricing import PricingMixin
 from prefect_spotgpu.market.tables import (
     FINISHED,
@@ -94,7 +96,7 @@ class Settlement:
     charges: Charges
 
 
-class Market(AllocationsMixin, ClearingMixin, GangsMixin, PricingMixin):
+class Market(AllocationsMixin, ClearingMixin, GangsMixin, HoldsMixin, PricingMixin):
     """The market's order book and allocations, cleared by :meth:`tick`.
 
     ``Market(config, next_allocation_id=1)`` is an empty market (its state is declared by
@@ -386,6 +388,7 @@ class Market(AllocationsMixin, ClearingMixin, GangsMixin, PricingMixin):
                 self._close_bid(row)
             if len(members) > 1:
                 del self._gangs[members[0]]
+            self._held.discard(members[0])
         finally:
             self._gang_ending = False
 
@@ -427,6 +430,7 @@ class Market(AllocationsMixin, ClearingMixin, GangsMixin, PricingMixin):
         self._compact_books()
         for pool in self._pools:
             pool.incumbents = None
+        self._holds_due(now)
         self._node_conditions(now)
         self._deadlines_due(now)
         self._windows_closing(now)

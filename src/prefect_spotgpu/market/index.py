@@ -113,6 +113,8 @@ class MarketIndex:
         # book entry; the members leave and rejoin the book together (all WAITING, or none)
         self._gangs: dict[int, list[int]] = {}
         self._gang_ending = False  # a whole gang is being ended: its members do not cascade
+        # bids held for credit (their first member's row): they leave the market once idle
+        self._held: set[int] = set()
         self._bid_row: dict[int, int] = {}  # id -> row of an open bid
         # allocations, one row each (status: an AllocationStatus code, from tables.py); reason:
         # the notice reason; mig: a migration reservation; tick: the tick that placed it
@@ -353,6 +355,15 @@ class MarketIndex:
     def _idle(self, row: int) -> bool:
         return self.b.run[row] < 0 and self.b.res[row] < 0
 
+    def _close_held(self, members: list[int]) -> None:
+        """A bid held for credit that holds nothing leaves the market (every gang member)."""
+        leader = members[0]
+        for m in members:
+            self._close_bid(m)
+        if len(members) > 1:
+            del self._gangs[leader]
+        self._held.discard(leader)
+
     def _to_waiting(self, row: int) -> None:
         """A bid with no allocation left waits again; a gang member only once every member
         has none (then the gang's first member rejoins its book)."""
@@ -360,6 +371,9 @@ class MarketIndex:
         members = self._members(row)
         if len(members) > 1 and not all(self._idle(m) for m in members):
             return  # parked (ACTIVE with no allocation) until the rest of the gang ends
+        if members[0] in self._held:  # held for credit: it leaves instead (market/holds.py)
+            self._close_held(members)
+            return
         for m in members:
             b.status[m] = WAITING
             b.epoch[m] += 1

@@ -113,6 +113,9 @@ class NoticeReason(StrEnum):
     BELOW_RESERVE = "below_reserve"
     """The node's reserve is now above the bid's maximum price (the owner raised the reserve,
     or the user lowered the bid)."""
+    OUT_OF_CREDIT = "out_of_credit"
+    """The tenant's balance covers no more than this notice (``market/credit.py``): the bid is
+    held, the job saves and stops, and the bid leaves the market."""
 
 
 class EndReason(StrEnum):
@@ -129,6 +132,7 @@ class EndReason(StrEnum):
     RESERVATION_EXPIRED = "reservation expired"
     BID_CANCELLED = "bid cancelled"
     BID_FINISHED = "bid finished"
+    BID_HELD = "bid held: out of credit"
     ENDED_PREEMPTED = "ended: preempted"
     ENDED_FINISHED = "ended: finished"
     ENDED_RELEASED = "ended: released"

@@ -7,9 +7,9 @@ written only by :func:`add_credit` (starting credit, top-ups, compensation); its
 ``gate``). The market decides what is charged and ``market.compensation`` what a loss is
 credited; this module writes what they decide.
 
-A tenant whose balance (less charges not written yet) reaches zero has its open bids held
-(:func:`hold_for_credit`), their ``hold_reason`` starting with ``HELD_FOR_CREDIT``; a credit
-reopens exactly those (:func:`release_credit_holds`).
+Credit is reserved at admission and bids are held when it runs short in ``service/credit.py``;
+a held bid's ``hold_reason`` is :func:`credit_hold_reason`'s, starting with
+``HELD_FOR_CREDIT``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections import defaultdict
 from datetime import datetime
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
 import numpy as np
 from sqlalchemy import select, update
@@ -26,15 +25,11 @@ from sqlalchemy.orm import Session
 from prefect_spotgpu.market import Market
 from prefect_spotgpu.market.compensation import Loss, LossCause, compensation
 from prefect_spotgpu.market.money import from_micros
-from prefect_spotgpu.protocol import HELD_FOR_CREDIT, BidStatus
+from prefect_spotgpu.protocol import HELD_FOR_CREDIT
 from prefect_spotgpu.service import gate
 from prefect_spotgpu.service.errors import NotFound
-from prefect_spotgpu.service.market_rows import add_bid_row
-from prefect_spotgpu.service.models import AllocationRow, BidRow, LedgerEntry, NodeRow, Tenant
+from prefect_spotgpu.service.models import AllocationRow, LedgerEntry, NodeRow, Tenant
 from prefect_spotgpu.service.outbox import Entity, record_change
-
-if TYPE_CHECKING:
-    from prefect_spotgpu.service.tick_writes import TickWrites
 
 
 class CreditKind(StrEnum):
@@ -132,53 +127,6 @@ def compensate(
         now=now,
         reason=decided.reason,
     )
-
-
-def hold_for_credit(writes: TickWrites, owed: dict[int, int], now: float) -> None:
-    """Hold the open bids of tenants whose balance, less ``owed`` (charges not written yet),
-    reached zero; their allocations end at once."""
-    for tenant_id, (credits, spent) in writes.balances(list(owed)).items():
-        balance = credits - spent - owed[tenant_id]
-        if balance > 0:
-            continue
-        reason = credit_hold_reason(balance)
-        bids = writes.session.scalars(
-            select(BidRow.id).where(BidRow.tenant_id == tenant_id, BidRow.status == BidStatus.OPEN)
-        ).all()
-        for bid_id in bids:
-            held = writes.session.execute(  # compare-and-set: a cancel may have won
-                update(BidRow)
-                .where(BidRow.id == bid_id, BidRow.status == BidStatus.OPEN)
-                .values(status=BidStatus.HELD, hold_reason=reason)
-                .execution_options(synchronize_session=False)
-            ).rowcount
-            if held and writes.market.has_bid(bid_id):
-                writes.settlement(writes.market.cancel_bid(bid_id, now), reason=reason)
-
-
-def release_credit_holds(writes: TickWrites, tenant_id: int) -> None:
-    """Reopen the bids held for the tenant's credit, once its balance is positive again."""
-    tenant = writes.session.get(Tenant, tenant_id)
-    if tenant is None or tenant.balance_micros <= 0:
-        return
-    held = writes.session.scalars(
-        select(BidRow)
-        .where(
-            BidRow.tenant_id == tenant_id,
-            BidRow.status == BidStatus.HELD,
-            BidRow.hold_reason.startswith(HELD_FOR_CREDIT, autoescape=True),
-        )
-        .order_by(BidRow.id)  # a gang's rank 0 first, as the market takes them
-    ).all()
-    for bid in held:
-        reopened = writes.session.execute(  # compare-and-set: a cancel may have won
-            update(BidRow)
-            .where(BidRow.id == bid.id, BidRow.status == BidStatus.HELD)
-            .values(status=BidStatus.OPEN, hold_reason=None)
-            .execution_options(synchronize_session=False)
-        ).rowcount
-        if reopened and not writes.market.has_bid(bid.id):
-            add_bid_row(writes.market, bid)
 
 
 class Accrued:

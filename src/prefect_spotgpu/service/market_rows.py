@@ -24,7 +24,7 @@ from prefect_spotgpu.market import (
     Node,
     NodeState,
 )
-from prefect_spotgpu.protocol import BidStatus, Capacity, normal_image_reference
+from prefect_spotgpu.protocol import HELD_FOR_CREDIT, BidStatus, Capacity, normal_image_reference
 from prefect_spotgpu.service.models import AllocationRow, BidRow, NodeRow
 from prefect_spotgpu.service.settings import ServiceSettings
 
@@ -178,5 +178,14 @@ def load_market(*, session: Session, settings: ServiceSettings) -> Market:
         add_bid_row(market, row)
     for a in allocs:
         market.load_allocation(market_allocation(a))
+    for row in others:  # held for credit while it still holds GPUs: it leaves once idle
+        credit_held = row.status == BidStatus.HELD and is_credit_hold(row.hold_reason)
+        if credit_held and market.has_bid(row.id) and not market.is_held(row.id):
+            market.hold_bid(row.id)
     market.compact()
     return market
+
+
+def is_credit_hold(reason: str | None) -> bool:
+    """Whether a held bid's ``hold_reason`` says its tenant's credit ran short."""
+    return bool(reason) and reason.startswith(HELD_FOR_CREDIT)

@@ -10,6 +10,7 @@ their webhook deliveries, so a cold tick that places 100,000 bids stays a few st
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
@@ -27,6 +28,9 @@ from prefect_spotgpu.service.models import (
     WebhookDelivery,
 )
 
+if TYPE_CHECKING:
+    from prefect_spotgpu.service.credit import BidLimits
+
 S = AllocationStatus
 
 
@@ -34,8 +38,16 @@ class TickWrites:
     """The writes of one tick, in its transaction: allocations (through the gate), events,
     deliveries; and the tenants' balances and webhooks as read during it."""
 
-    def __init__(self, session: Session, market: Market, accrued: ledger.Accrued, now: float):
+    def __init__(
+        self,
+        session: Session,
+        market: Market,
+        accrued: ledger.Accrued,
+        now: float,
+        limits: BidLimits | None = None,
+    ):
         self.session = session
+        self.limits = limits  # the operator's limits on bids (the credit holds read them)
         self.market = market
         self.accrued = accrued
         self.now = now

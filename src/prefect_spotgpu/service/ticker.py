@@ -30,7 +30,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from prefect_spotgpu.market import Decision, Market
-from prefect_spotgpu.service import leader, ledger, outbox
+from prefect_spotgpu.service import credit, leader, ledger, outbox
 from prefect_spotgpu.service.changes import apply_change, lose_silent_nodes
 from prefect_spotgpu.service.leader import Leadership, LostLeadership
 from prefect_spotgpu.service.market_rows import load_market
@@ -42,8 +42,10 @@ logger = logging.getLogger("prefect_spotgpu.service.ticker")
 
 
 class Notifier:
-    """Wakes long-polls in this process when the local leader commits new events, and counts
-    the commits that changed a pool's quote (``market_version``, for the dashboard's stream)."""
+    """Says when this process's leader commits new events (``version``: the event watcher of
+    :mod:`~prefect_spotgpu.service.event_watch` then reads the newest id, which wakes the
+    waiting long-polls), and counts the commits that changed a pool's quote
+    (``market_version``, for the dashboard's stream)."""
 
     def __init__(self) -> None:
         self._condition = threading.Condition()
@@ -86,6 +88,7 @@ class Ticker:
         self.leading_since = 0.0  # when this replica last became the tick leader
         self.market: Market | None = None
         self.accrued = ledger.Accrued()  # charged by the market, not yet written
+        self.limits = credit.BidLimits.from_settings(settings)
         self.quotes = PoolQuotes()
         self.last_flush = 0.0
         self.tick_seconds_last = 0.0
@@ -135,14 +138,14 @@ class Ticker:
                 self.market = load_market(session=session, settings=self.settings)
                 self.last_flush = now
             changes = outbox.take_changes(session=session)
-            writes = TickWrites(session, self.market, self.accrued, now)
+            writes = TickWrites(session, self.market, self.accrued, now, limits=self.limits)
             for change in changes:
                 apply_change(writes, change, now)
             # a new leader (a restart, a failover) gives every agent a timeout to check in
             timeout = self.settings.heartbeat_timeout_seconds
             if now - self.leading_since >= timeout:
                 lose_silent_nodes(writes, timeout, now)
-            ledger.hold_for_credit(writes, self.accrued.tenants, now)
+            credit.hold_short_of_credit(writes, self.accrued.tenants, self.limits.hold_seconds)
             decision = self.market.tick(now)
             writes.decision(decision)
             writes.flush_events()

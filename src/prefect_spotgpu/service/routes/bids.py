@@ -34,7 +34,10 @@ router = APIRouter(prefix=API, tags=["bids"])
     status_code=201,
     response_model=schemas.BidResponse,
     summary="Place a bid (an idempotency key makes retries safe)",
-    responses={200: {"description": "The bid this idempotency key created before"}},
+    responses={
+        200: {"description": "The bid this idempotency key created before"},
+        402: {"description": "The balance does not cover the credit the bid reserves"},
+    },
 )
 def create_bid(
     data: schemas.BidCreate, tenant_id: CurrentTenant, db: Db, response: Response, request: Request
@@ -46,6 +49,7 @@ def create_bid(
             data=data,
             now=now(),
             sealer=request.app.state.sealer,
+            limits=request.app.state.bid_limits,
         )
         if not created:
             response.status_code = 200
@@ -84,12 +88,19 @@ def get_bid(bid_id: Id, tenant_id: CurrentTenant, db: Db):
 @router.patch(
     "/bids/{bid_id}", response_model=schemas.BidResponse, summary="Change a bid's maximum price"
 )
-def update_bid(bid_id: Id, data: schemas.BidUpdate, tenant_id: CurrentTenant, db: Db):
+def update_bid(
+    bid_id: Id, data: schemas.BidUpdate, tenant_id: CurrentTenant, db: Db, request: Request
+):
     with db.begin() as session:
         bid = crud.get_bid(session=session, tenant_id=tenant_id, bid_id=bid_id)
-        return _response(
-            session, crud.reprice_bid(session=session, bid=bid, max_price=data.max_price, now=now())
+        repriced = crud.reprice_bid(
+            session=session,
+            bid=bid,
+            max_price=data.max_price,
+            now=now(),
+            limits=request.app.state.bid_limits,
         )
+        return _response(session, repriced)
 
 
 @router.post(

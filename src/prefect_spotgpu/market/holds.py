@@ -1,0 +1,95 @@
+"""Bids held for their tenant's credit (``market/credit.py`` decides which; this applies it).
+
+A held bid takes no new GPUs from the next tick on: its reservations are released, its running
+allocations get a notice (``out_of_credit``, with no migration: there is nothing to resume on
+until the tenant has credit), and it leaves the market once it holds nothing — the service
+keeps it ``held`` and adds it again, as a new bid of the book, when credit returns. A hold
+taken back before that (:meth:`HoldsMixin.unhold_bid`) lets the bid wait again as before.
+
+Invariant: a row in ``_held`` is the first member of an open bid (a gang's, or a one-node
+bid); :meth:`MarketIndex._to_waiting` closes such a bid instead of returning it to its book.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from prefect_spotgpu.market.index import MarketIndex
+from prefect_spotgpu.market.tables import ACTIVE, GONE, RELEASED, RESERVED, RUNNING
+from prefect_spotgpu.market.types import EndReason, NoticeReason
+
+
+class HoldsMixin(MarketIndex):
+    def hold_bid(self, bid_id: int) -> None:
+        """Hold an open bid (every member of its gang) from the next tick (module doc)."""
+        self._held.add(self._members(self._bid_row_of(bid_id))[0])
+
+    def unhold_bid(self, bid_id: int) -> bool:
+        """Take a hold back while the bid is still in the market; whether it was."""
+        row = self._bid_row.get(bid_id)
+        if row is None or self.b.status[row] == GONE:
+            return False
+        leader = self._members(row)[0]
+        held = leader in self._held
+        self._held.discard(leader)
+        return held
+
+    def is_held(self, bid_id: int) -> bool:
+        row = self._bid_row.get(bid_id)
+        return row is not None and self._members(row)[0] in self._held
+
+    def credit_rates(self) -> dict[int, tuple[float, float]]:
+        """Each tenant's open bids as GPU-hour rates: ``(all, holding GPUs)``, the sums of
+        maximum price x GPUs over its bids in the market (gang members each), not held."""
+        b = self.b
+        n = b.n
+        live = b.status[:n] != GONE
+        if self._held:
+            for leader in self._held:
+                live[self._members(leader)] = False
+        if not live.any():
+            return {}
+        tenants, inverse = np.unique(b.tenant[:n][live], return_inverse=True)
+        rate = b.price[:n][live] * b.gpus[:n][live]
+        holding = b.status[:n][live] == ACTIVE
+        every = np.bincount(inverse, weights=rate, minlength=len(tenants))
+        active = np.bincount(inverse, weights=np.where(holding, rate, 0.0), minlength=len(tenants))
+        return {
+            int(t): (float(e), float(h))
+            for t, e, h in zip(tenants.tolist(), every.tolist(), active.tolist(), strict=True)
+        }
+
+    def tenant_bids(self, tenant_id: int) -> list[tuple[int, float, int, bool]]:
+        """A tenant's open bids not held, one per gang (its first member's id):
+        ``(bid id, maximum price, GPUs of every member, holds GPUs)``, by id."""
+        b = self.b
+        n = b.n
+        rows = np.flatnonzero((b.tenant[:n] == tenant_id) & (b.status[:n] != GONE)).tolist()
+        out = []
+        for row in rows:
+            members = self._members(row)
+            if members[0] != row or row in self._held:
+                continue
+            gpus = int(sum(int(b.gpus[m]) for m in members))
+            active = any(b.status[m] == ACTIVE for m in members)
+            out.append((int(b.id[row]), float(b.price[row]), gpus, active))
+        return sorted(out)
+
+    def _holds_due(self, now: float) -> None:
+        """Apply the holds: release reservations, notice what runs, close what is idle."""
+        a, b = self.a, self.b
+        deadline = now + self.config.notice_seconds
+        for leader in sorted(self._held, key=lambda r: int(b.id[r])):
+            members = self._members(leader)
+            for m in members:
+                res = int(b.res[m])
+                if res >= 0 and a.status[res] == RESERVED:
+                    self._end(res, RELEASED, EndReason.BID_HELD, now)
+            if leader not in self._held:
+                continue  # it left with its last reservation
+            for m in members:
+                run = int(b.run[m])
+                if run >= 0 and a.status[run] == RUNNING:
+                    self._notice(run, NoticeReason.OUT_OF_CREDIT, deadline, now)
+            if all(self._idle(m) for m in members):
+                self._close_held(members)
