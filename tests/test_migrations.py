@@ -133,3 +133,64 @@ def test_the_money_migration_turns_floats_into_micros_whose_totals_agree(db_url)
             assert tuple(back.one()) == (10.1, 0.3)
     finally:
         engine.dispose()
+
+
+def test_the_sealed_secrets_migration_keeps_plaintext_for_the_start_to_seal(db_url):
+    """0007 -> 0008 widens ``tenants.webhook_secret`` for a sealed value and keeps the
+    plaintext ones (a migration has no key); the service's start seals them, once; down again,
+    sealed secrets (no key opens them) are cleared and plaintext ones kept."""
+    from sqlalchemy.orm import Session
+
+    from prefect_spotgpu.service.sealing import (
+        SEALED,
+        Sealer,
+        new_key,
+        open_secret,
+        seal_plaintext_webhook_secrets,
+    )
+
+    plain, longest = "a-webhook-secret-of-some-length", "é" * 200  # 200 characters, 400 bytes
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as connection:
+            command.upgrade(_config(connection), "0007")
+        with engine.begin() as connection:
+            connection.execute(
+                sa.text(
+                    "INSERT INTO tenants (id, name, credits_micros, spent_micros, webhook_secret, "
+                    "created_at) VALUES (1, 'a', 0, 0, :a, CURRENT_TIMESTAMP), "
+                    "(2, 'b', 0, 0, :b, CURRENT_TIMESTAMP), (3, 'c', 0, 0, NULL, CURRENT_TIMESTAMP)"
+                ),
+                {"a": plain, "b": longest},
+            )
+        with engine.begin() as connection:
+            command.upgrade(_config(connection), "head")
+
+        def secrets() -> dict[int, str | None]:
+            with engine.connect() as connection:
+                rows = connection.execute(sa.text("SELECT id, webhook_secret FROM tenants"))
+                return dict(rows.all())
+
+        assert secrets() == {1: plain, 2: longest, 3: None}
+        sealer = Sealer(new_key())
+        with Session(engine) as session, session.begin():
+            assert seal_plaintext_webhook_secrets(session=session, sealer=sealer) == 2
+        sealed = secrets()
+        assert sealed[3] is None and all(sealed[i].startswith(SEALED) for i in (1, 2))
+        assert len(sealed[2]) > 200  # what the old VARCHAR(200) could not hold
+        assert [open_secret(sealed[i], sealer) for i in (1, 2)] == [plain, longest]
+        with Session(engine) as session, session.begin():  # idempotent: a sealed value stays
+            assert seal_plaintext_webhook_secrets(session=session, sealer=sealer) == 0
+        assert secrets() == sealed
+        with engine.begin() as connection:
+            connection.execute(
+                sa.text("UPDATE tenants SET webhook_secret = :a WHERE id = 3"), {"a": plain}
+            )
+        with engine.begin() as connection:
+            command.downgrade(_config(connection), "0007")
+        assert secrets() == {1: None, 2: None, 3: plain}
+        with engine.begin() as connection:
+            command.upgrade(_config(connection), "head")
+        assert secrets() == {1: None, 2: None, 3: plain}
+    finally:
+        engine.dispose()

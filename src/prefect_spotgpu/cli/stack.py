@@ -29,6 +29,7 @@ import httpx
 
 from prefect_spotgpu.api_client import api_base, api_client
 from prefect_spotgpu.protocol import JOB_ENV
+from prefect_spotgpu.service.at_rest import private_dir
 
 
 class StackError(RuntimeError):
@@ -71,9 +72,9 @@ class LocalStack:
         heartbeat_timeout_seconds: float = 30.0,
         admin_key: str | None = None,
     ) -> None:
-        self.home = Path(home)
+        self.home = private_dir(Path(home))  # a new home is 0700 (an existing one keeps its mode)
         self.logs = self.home / "logs"
-        self.logs.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(exist_ok=True)
         self.prefect_api_url = prefect_api_url.rstrip("/")
         self.gpu_model, self.region = gpu_model, region
         self.tick_seconds = tick_seconds

@@ -26,8 +26,8 @@ from prefect_spotgpu.protocol import (
     NoticeReason,
     ReportOutcome,
 )
-from prefect_spotgpu.service import gangs, gate, ledger
-from prefect_spotgpu.service.market_rows import add_bid_row, market_node
+from prefect_spotgpu.service import credit, gangs, gate
+from prefect_spotgpu.service.market_rows import add_bid_row, is_credit_hold, market_node
 from prefect_spotgpu.service.models import AllocationRow, BidRow, MarketChange, NodeRow
 from prefect_spotgpu.service.outbox import Entity
 from prefect_spotgpu.service.tick_writes import TickWrites
@@ -60,6 +60,9 @@ def apply_change(writes: TickWrites, change: MarketChange, now: float) -> None:
                     row.hold_reason = first.hold_reason
         elif row.status == BidStatus.OPEN and market.bid_price(row.id) != row.max_price:
             market.reprice_bid(row.id, row.max_price)
+        elif row.status == BidStatus.HELD and is_credit_hold(row.hold_reason):
+            if market.has_bid(row.id) and not market.is_held(row.id):
+                market.hold_bid(row.id)  # its jobs get a notice, never a kill (service/credit.py)
         elif row.status in (BidStatus.CANCELLED, BidStatus.FINISHED, BidStatus.HELD) and (
             market.has_bid(row.id)
         ):
@@ -73,7 +76,7 @@ def apply_change(writes: TickWrites, change: MarketChange, now: float) -> None:
         apply_report(writes, change, now)
     elif change.entity == Entity.TENANT:
         writes.refresh_tenant(change.entity_id)
-        ledger.release_credit_holds(writes, change.entity_id)
+        credit.reopen_credit_holds(writes, change.entity_id, writes.limits.admission_seconds)
 
 
 def apply_report(writes: TickWrites, change: MarketChange, now: float) -> None:
@@ -139,19 +142,26 @@ def apply_report(writes: TickWrites, change: MarketChange, now: float) -> None:
         )
 
 
+SILENT_IS_LOST = (NodeState.LIVE.value, NodeState.DRAINING.value, NodeState.RECLAIMED.value)
+"""The node states in which silence is loss: every state but lost itself (DESIGN §4). A
+reclaimed node whose agent dies would otherwise bill its noticed jobs to their deadline."""
+
+
 def lose_silent_nodes(writes: TickWrites, timeout_seconds: float, now: float) -> None:
-    """Mark lost the live and draining nodes that sent no heartbeat for ``timeout_seconds``
-    (the market then ends their allocations)."""
+    """Mark lost the nodes that sent no heartbeat for ``timeout_seconds``, whatever their
+    state (``SILENT_IS_LOST``): the market ends their allocations at once (a noticed one
+    too, compensated as a loss without notice), and a bid resumes on its reservation."""
     cutoff = datetime.fromtimestamp(now - timeout_seconds, UTC)
     lost = writes.session.scalars(
         select(NodeRow)
         .where(
-            NodeRow.state.in_((NodeState.LIVE.value, NodeState.DRAINING.value)),
+            NodeRow.state.in_(SILENT_IS_LOST),
             NodeRow.last_heartbeat_at < cutoff,
         )
         .order_by(NodeRow.id)
     )
     for node in lost:
+        node.state_before_loss = node.state
         node.state = NodeState.LOST.value
         writes.market.upsert_node(market_node(node))
         logger.warning("node %s missed heartbeats for %ss: lost", node.id, timeout_seconds)

@@ -4,8 +4,9 @@ Tenants and keys, nodes, bids, and reads of allocations, events and prices. API 
 tick leader must see (bids, nodes, reports, credits) also record a change in the
 ``market_changes`` outbox (:func:`~prefect_spotgpu.service.outbox.record_change`) in the same
 transaction, so nothing accepted is lost. Nothing here writes an allocation row: the tick
-leader does, through ``gate``. The ledger (credits), the sealing of job environments and an
-agent's reports have modules of their own; the routes call them as ``crud.<name>`` too.
+leader does, through ``gate``. The ledger (credits), the sealing of job environments, an
+agent's reports and a tenant's webhook (``webhook_settings``) have modules of their own; the
+routes call them as ``crud.<name>`` too. Admission reserves a bid's credit (``credit``).
 """
 
 from __future__ import annotations
@@ -14,16 +15,15 @@ import hashlib
 import secrets
 from datetime import datetime
 
-import httpcore
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from prefect_spotgpu.market import DEFAULT_CATALOG, NodeState
 from prefect_spotgpu.protocol import LIVE_BID_STATUSES, AllocationStatus, BidStatus, Capacity
-from prefect_spotgpu.service import gangs, images, schemas, webhooks
-from prefect_spotgpu.service.errors import Conflict, Forbidden, Invalid, NotFound
-from prefect_spotgpu.service.ledger import CreditKind, add_credit, credit_hold_reason
+from prefect_spotgpu.service import credit, gangs, images, schemas
+from prefect_spotgpu.service.errors import Conflict, Forbidden, NotFound
+from prefect_spotgpu.service.ledger import CreditKind, add_credit
 from prefect_spotgpu.service.ledger import ledger_entries as ledger_entries
 from prefect_spotgpu.service.models import (
     AllocationRow,
@@ -33,7 +33,6 @@ from prefect_spotgpu.service.models import (
     NodeRow,
     PriceBar,
     Tenant,
-    WebhookDelivery,
 )
 from prefect_spotgpu.service.outbox import Entity, record_change
 from prefect_spotgpu.service.reports import audit_report as audit_report
@@ -42,6 +41,11 @@ from prefect_spotgpu.service.sealing import Sealer, seal_job
 from prefect_spotgpu.service.sealing import check_sealing_key as check_sealing_key
 from prefect_spotgpu.service.sealing import job_for_node as job_for_node
 from prefect_spotgpu.service.sealing import seal_plaintext_jobs as seal_plaintext_jobs
+from prefect_spotgpu.service.webhook_settings import (
+    check_webhook_destination as check_webhook_destination,
+)
+from prefect_spotgpu.service.webhook_settings import list_deliveries as list_deliveries
+from prefect_spotgpu.service.webhook_settings import set_webhook as set_webhook
 
 ACTIVE = tuple(s.value for s in AllocationStatus.active_statuses())
 
@@ -220,11 +224,16 @@ def heartbeat_node(
         node.images = sorted(set(images))
         if node.state != NodeState.LOST:  # a lost node's return records its change below
             record_change(session=session, entity=Entity.NODE, entity_id=node.id, op="upsert")
-    if node.state == NodeState.LOST:  # the agent is back: it offers its GPUs again, empty
+    if node.state == NodeState.LOST:  # the agent is back: the node as it was, empty
         owner = session.get(Tenant, node.owner_id)
-        # ... unless its owner is no longer a provider: then it takes no new work
-        offers = owner is not None and owner.provider
-        node.state = (NodeState.LIVE if offers else NodeState.DRAINING).value
+        # a live node offers its GPUs again, unless its owner is no longer a provider; a
+        # reclaimed or draining one stays so (the owner's word outlives the agent's outage)
+        before = NodeState(node.state_before_loss or NodeState.LIVE)
+        offers = before is NodeState.LIVE and owner is not None and owner.provider
+        node.state = (
+            NodeState.LIVE if offers else before if before != NodeState.LIVE else NodeState.DRAINING
+        ).value
+        node.state_before_loss = None
         record_change(session=session, entity=Entity.NODE, entity_id=node.id, op="upsert")
     return node
 
@@ -246,6 +255,7 @@ def update_node(
         )
     if data.state is not None:
         node.state = data.state
+        node.state_before_loss = None  # the owner's word replaces what a loss remembered
     if data.reserve_price is not None:
         node.reserve_price = data.reserve_price
     record_change(session=session, entity=Entity.NODE, entity_id=node.id, op="upsert")
@@ -256,12 +266,20 @@ def update_node(
 
 
 def create_bid(
-    *, session: Session, tenant_id: int, data: schemas.BidCreate, now: datetime, sealer: Sealer
+    *,
+    session: Session,
+    tenant_id: int,
+    data: schemas.BidCreate,
+    now: datetime,
+    sealer: Sealer,
+    limits: credit.BidLimits,
 ) -> tuple[BidRow, bool]:
     """The bid, and whether it was created now (False: the idempotency key found it).
 
-    The job's environment is sealed (encrypted) here: the row keeps the names in the clear
-    (``job.env_names``) and the values only in ``job_env_sealed``."""
+    Admission reserves its credit (``service/credit.py``: refused with a 402 naming the
+    balance and the amount needed) and counts it against the tenant's cap on open bids, under
+    the tenant's row lock. The job's environment is sealed (encrypted) here: the row keeps the
+    names in the clear (``job.env_names``) and the values only in ``job_env_sealed``."""
     fields = data.model_dump(exclude={"idempotency_key"})
     job = fields.pop("job", None)
     if job is not None:
@@ -279,16 +297,12 @@ def create_bid(
             return existing, False
     if data.node_count > 1:
         gangs.check_gang_fits(session=session, data=data)
-    tenant = session.get(Tenant, tenant_id)
-    status, reason = BidStatus.OPEN.value, None
-    if tenant is not None and tenant.balance_micros <= 0:
-        status = BidStatus.HELD.value
-        reason = credit_hold_reason(tenant.balance_micros)
+    credit.reserve_for_bid(session=session, tenant_id=tenant_id, data=data, limits=limits)
     bid = BidRow(
         tenant_id=tenant_id,
         idempotency_key=data.idempotency_key,
-        status=status,
-        hold_reason=reason,
+        status=BidStatus.OPEN.value,
+        hold_reason=None,
         created_at=now,
         updated_at=now,
         **fields,
@@ -346,7 +360,11 @@ def list_bids(
     return list(session.scalars(query.order_by(BidRow.id.desc()).limit(limit)))
 
 
-def reprice_bid(*, session: Session, bid: BidRow, max_price: float, now: datetime) -> BidRow:
+def reprice_bid(
+    *, session: Session, bid: BidRow, max_price: float, now: datetime, limits: credit.BidLimits
+) -> BidRow:
+    """A new maximum price for the bid (every member of its gang); a raise reserves its credit
+    first (``service/credit.py``)."""
     if bid.status not in LIVE_BID_STATUSES:
         raise Conflict(f"bid {bid.id} is {bid.status}: it cannot be repriced")
     on_demand = (
@@ -360,7 +378,11 @@ def reprice_bid(*, session: Session, bid: BidRow, max_price: float, now: datetim
             "be repriced above it (below it releases the GPUs: the job gets a notice and saves)",
             field="max_price",
         )
-    for row in gangs.gang_rows(session=session, bid=bid):  # a gang's members share it
+    rows = gangs.gang_rows(session=session, bid=bid)
+    credit.reserve_for_reprice(
+        session=session, bid=bid, rows=rows, max_price=max_price, limits=limits
+    )
+    for row in rows:  # a gang's members share it
         row.max_price = max_price
         row.updated_at = now
         record_change(
@@ -438,7 +460,7 @@ def page_allocations(
     return list(session.scalars(query.order_by(AllocationRow.id.desc()).limit(limit)))
 
 
-# ---------------------------------------------------------------- events, prices, webhooks
+# ---------------------------------------------------------------- events and prices
 
 
 def events_after(
@@ -478,49 +500,3 @@ def price_bars(
             .order_by(PriceBar.minute)
         )
     )
-
-
-def set_webhook(
-    *,
-    session: Session,
-    tenant: Tenant,
-    url: str | None,
-    secret: str | None,
-    allow_private: bool = False,
-) -> Tenant:
-    """Set a tenant's webhook. The URL must resolve to public addresses only, unless
-    ``allow_private`` (the ``webhook_allow_private`` setting); every delivery checks again."""
-    if url is not None and not (secret or tenant.webhook_secret):
-        raise Invalid("a webhook needs a secret to sign its deliveries", field="secret")
-    if url is not None:
-        check_webhook_destination(url=url, allow_private=allow_private)
-    tenant.webhook_url = url
-    if secret is not None:
-        tenant.webhook_secret = secret
-    return tenant
-
-
-def list_deliveries(*, session: Session, tenant_id: int, limit: int = 200) -> list[WebhookDelivery]:
-    return list(
-        session.scalars(
-            select(WebhookDelivery)
-            .where(WebhookDelivery.tenant_id == tenant_id)
-            .order_by(WebhookDelivery.id.desc())
-            .limit(limit)
-        )
-    )
-
-
-# ---------------------------------------------------------------- webhook helpers
-
-
-def check_webhook_destination(*, url: str, allow_private: bool) -> None:
-    """A 422 naming ``url`` unless it resolves to public addresses only (or ``allow_private``)."""
-    try:
-        webhooks.check_destination(url, allow_private=allow_private)
-    except webhooks.DestinationRefused as exc:
-        raise Invalid(f"webhook destinations must be public: {exc.reason}", field="url") from None
-    except httpcore.TimeoutException:
-        raise Invalid("the webhook's host did not resolve in time", field="url") from None
-    except httpcore.ConnectError:
-        raise Invalid("the webhook's host does not resolve", field="url") from None

@@ -1,4 +1,5 @@
-"""Engines, sessions and migrations. No engine exists at import time: ``make_engine`` makes one."""
+"""Engines, sessions and migrations. No engine exists at import time: ``make_engine`` makes one
+(and a new SQLite database's file, mode 0600)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,18 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from prefect_spotgpu.service.at_rest import create_private_file, sqlite_file
+
 MIGRATIONS = Path(__file__).parent / "migrations"
 
 
 def make_engine(url: str) -> Engine:
-    """An engine for ``url``; SQLite gets WAL mode, foreign keys and a busy timeout."""
+    """An engine for ``url``; SQLite gets WAL mode, foreign keys and a busy timeout, and a new
+    database file is created with mode 0600 before SQLite opens it (its ``-wal`` and ``-shm``
+    then get that mode too: service/at_rest.py)."""
     if url.startswith("sqlite"):
+        if (path := sqlite_file(url)) is not None:
+            create_private_file(path)
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
         @event.listens_for(engine, "connect")

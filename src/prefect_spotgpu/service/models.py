@@ -61,7 +61,8 @@ class Tenant(Base):
     credits_micros: Mapped[int] = mapped_column(BigInteger, default=0)  # all its ledger entries
     spent_micros: Mapped[int] = mapped_column(BigInteger, default=0)  # charges written so far
     webhook_url: Mapped[str | None] = mapped_column(String(2000))
-    webhook_secret: Mapped[str | None] = mapped_column(String(200))
+    # "sealed:" and a Fernet token (service/sealing.py), never the secret itself
+    webhook_secret: Mapped[str | None] = mapped_column(Text)
     provider: Mapped[bool] = mapped_column(
         Boolean, default=False, server_default=false()
     )  # the operator allowed it to register nodes (supply is vetted; anyone may buy)
@@ -107,6 +108,7 @@ class NodeRow(Base):
     reserve_price: Mapped[float] = mapped_column(Float)
     capacity: Mapped[str] = mapped_column(String(20), default="spot", server_default="spot")
     state: Mapped[str] = mapped_column(String(20), index=True)  # a market.NodeState
+    state_before_loss: Mapped[str | None] = mapped_column(String(20))  # while lost: what it was
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     declared: Mapped[bool] = mapped_column(Boolean, default=False)
     inventory: Mapped[dict | None] = mapped_column(JSON)

@@ -1,15 +1,21 @@
-"""Sealed job secrets: a bid's job environment is encrypted at rest (Fernet: AES-128-CBC and
-HMAC-SHA256, from ``cryptography``), and opened only to hand it to the agent of the node that
-holds an active allocation of that bid.
+"""Sealed secrets: a bid's job environment and a tenant's webhook signing secret are encrypted
+at rest (Fernet: AES-128-CBC and HMAC-SHA256, from ``cryptography``), with the same key. A job's
+environment is opened only to hand it to the agent of the node that holds an active allocation
+of that bid; a webhook secret only to sign that tenant's deliveries (``webhooks.WebhookSender``).
+Neither is ever returned by a route.
 
 The key comes from ``SPOTGPU_SECRET_KEY`` (a Fernet key: 32 url-safe base64-encoded bytes, as
 ``spotgpu admin new-secret-key`` prints), else from ``<home>/secret_key``, generated once with
-mode 0600. Every replica of a market must share the key; losing it loses the sealed
-environments of open bids (their jobs cannot start), never anything else.
+mode 0600 (``at_rest.create_once``). Every replica of a market must share the key; losing it
+loses the sealed environments of open bids (their jobs cannot start) and the webhook secrets
+(tenants set theirs again), never anything else.
 
 A bid row keeps its job's environment names in the clear (``job.env_names``) and the values
 only in ``job_env_sealed``: :func:`seal_job` makes that pair, :func:`job_for_node` opens it for
-the node's agent.
+the node's agent. ``tenants.webhook_secret`` holds ``sealed:`` and a Fernet token, written by
+``crud.set_webhook`` through :func:`seal_secret`; a value without the prefix is a plaintext
+secret written before sealing existed, which :func:`seal_plaintext_webhook_secrets` seals at
+start (migrations have no key), as :func:`seal_plaintext_jobs` does for job environments.
 
 Example::
 
@@ -19,19 +25,26 @@ Example::
     False
     >>> sealer.open(box)
     {'AWS_SECRET_ACCESS_KEY': 's3cr3t'}
+    >>> stored = seal_secret("a-webhook-secret-of-some-length", sealer)
+    >>> stored.startswith(SEALED), open_secret(stored, sealer)
+    (True, 'a-webhook-secret-of-some-length')
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from cryptography.fernet import Fernet, InvalidToken
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from prefect_spotgpu.service.models import BidRow
+from prefect_spotgpu.service.at_rest import create_once
+from prefect_spotgpu.service.models import BidRow, Tenant
+
+SEALED = "sealed:"
+"""How a sealed webhook secret begins (a Fernet token follows). ``crud.set_webhook`` seals every
+secret, so a value without it is one an older version stored in the clear."""
 
 
 class SealError(RuntimeError):
@@ -48,13 +61,19 @@ class Sealer:
             ) from exc
 
     def seal(self, env: dict[str, str]) -> str:
-        return self._fernet.encrypt(json.dumps(env, sort_keys=True).encode()).decode()
+        return self.seal_text(json.dumps(env, sort_keys=True))
 
     def open(self, sealed: str) -> dict[str, str]:
+        return json.loads(self.open_text(sealed))
+
+    def seal_text(self, text: str) -> str:
+        return self._fernet.encrypt(text.encode()).decode()
+
+    def open_text(self, sealed: str) -> str:
         try:
-            return json.loads(self._fernet.decrypt(sealed.encode()))
+            return self._fernet.decrypt(sealed.encode()).decode()
         except InvalidToken:
-            raise SealError("a sealed job environment does not open with this key") from None
+            raise SealError("a sealed value does not open with this key") from None
 
 
 def new_key() -> str:
@@ -62,21 +81,9 @@ def new_key() -> str:
 
 
 def key_from_home(home: Path) -> str:
-    """The key in ``<home>/secret_key``, created (mode 0600, never wider) on first use."""
-    path = home / "secret_key"
-    if not path.exists():
-        home.mkdir(parents=True, exist_ok=True)
-        tmp = home / f".secret_key.{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(new_key() + "\n")
-        try:  # atomic and exclusive: a replica starting beside us never reads half a key
-            os.link(tmp, path)
-        except FileExistsError:
-            pass
-        finally:
-            tmp.unlink()
-    return path.read_text().strip()
+    """The key in ``<home>/secret_key``, created (mode 0600, in a home of mode 0700) on first
+    use, atomically: a replica starting beside us never reads half a key."""
+    return create_once(home / "secret_key", new_key)
 
 
 def seal_job(job: dict, sealer: Sealer) -> tuple[dict, str | None]:
@@ -112,6 +119,35 @@ def seal_plaintext_jobs(*, session: Session, sealer: Sealer) -> int:
     return sealed
 
 
+def _is_sealed():
+    """SQL: the row's webhook secret is sealed (a case-sensitive prefix test, unlike LIKE on
+    SQLite)."""
+    return func.substr(Tenant.webhook_secret, 1, len(SEALED)) == SEALED
+
+
+def seal_secret(secret: str, sealer: Sealer) -> str:
+    """A webhook secret as ``tenants.webhook_secret`` keeps it."""
+    return SEALED + sealer.seal_text(secret)
+
+
+def open_secret(stored: str, sealer: Sealer) -> str:
+    """The webhook secret that ``stored`` keeps, to sign with (SealError: another key's)."""
+    if stored.startswith(SEALED):
+        return sealer.open_text(stored.removeprefix(SEALED))
+    return stored  # written in the clear by a replica that predates sealing (until sealed)
+
+
+def seal_plaintext_webhook_secrets(*, session: Session, sealer: Sealer) -> int:
+    """Seal the webhook secrets written in the clear before sealing existed (once, at start;
+    a sealed one is left as it is); how many were sealed."""
+    sealed = 0
+    plain = select(Tenant).where(Tenant.webhook_secret.is_not(None), ~_is_sealed())
+    for tenant in session.scalars(plain.execution_options(yield_per=1000)):
+        tenant.webhook_secret = seal_secret(tenant.webhook_secret, sealer)
+        sealed += 1
+    return sealed
+
+
 def check_sealing_key(*, session: Session, sealer: Sealer) -> None:
     """Refuse a key that cannot open what this market has sealed (a replica started with a
     home of its own, hence a key of its own, beside replicas that share one)."""
@@ -123,3 +159,8 @@ def check_sealing_key(*, session: Session, sealer: Sealer) -> None:
     )
     if sample is not None:
         sealer.open(sample)  # SealError: the wrong key
+    secret = session.scalar(
+        select(Tenant.webhook_secret).where(_is_sealed()).order_by(Tenant.id.desc()).limit(1)
+    )
+    if secret is not None:
+        open_secret(secret, sealer)

@@ -1,4 +1,7 @@
-"""Running the service: migrations, the app under uvicorn, a clean stop on SIGTERM/Ctrl-C."""
+"""Running the service: migrations, the app under uvicorn, a clean stop on SIGTERM/Ctrl-C.
+
+Start-up refuses, in one line naming each path and its ``chmod``, when other users of the host
+can reach the market's home, key files or SQLite files (service/at_rest.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import logging
 import uvicorn
 
 from prefect_spotgpu.service.api import create_app
+from prefect_spotgpu.service.at_rest import FilesExposed
 from prefect_spotgpu.service.settings import ServiceSettings
 
 
@@ -14,7 +18,10 @@ def serve(settings: ServiceSettings, log_level: str = "info") -> None:
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except FilesExposed as exc:  # the message, not a traceback; exit status 1
+        raise SystemExit(str(exc)) from None
     config = uvicorn.Config(
         app,
         host=settings.host,

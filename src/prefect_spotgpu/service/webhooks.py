@@ -15,7 +15,9 @@ error class and never what the destination answered, is written on the row the t
 this attempt) and ``webhook-signature: v1,<base64 HMAC-SHA256 of "{id}.{timestamp}.{body}">``.
 The HMAC key is the base64 after ``whsec_`` for a ``whsec_...`` secret, and the UTF-8 bytes of
 any other secret, whose Standard Webhooks form is therefore ``"whsec_" + base64(secret)``
-(:func:`standard_secret`). :func:`verify` refuses timestamps outside a replay window.
+(:func:`standard_secret`). :func:`verify` refuses timestamps outside a replay window. A tenant's
+secret is kept sealed (service/sealing.py); the sender opens it for each attempt, and nothing
+else here keeps or logs it.
 
 **Destinations** must be public: a URL whose host resolves to a loopback, private, link-local,
 multicast, reserved or unspecified address (IPv4 or IPv6, IPv4 inside IPv6 included) is refused
@@ -50,6 +52,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from prefect_spotgpu.service.metrics import ServiceMetrics
 from prefect_spotgpu.service.models import EventRow, Tenant, WebhookDelivery
+from prefect_spotgpu.service.sealing import Sealer, open_secret
 from prefect_spotgpu.service.settings import ServiceSettings
 
 logger = logging.getLogger("prefect_spotgpu.service.webhooks")
@@ -364,8 +367,10 @@ class WebhookSender:
         *,
         resolve: Resolver = socket.getaddrinfo,
         reads: sessionmaker[Session] | None = None,
+        sealer: Sealer | None = None,
     ) -> None:
         self.settings = settings
+        self._sealer = sealer  # opens tenants' sealed secrets to sign (default: the settings')
         self.sessions = sessions
         self.reads = reads or sessions  # the poll is a read: never SQLite's write lock
         self.metrics = metrics or ServiceMetrics()
@@ -375,6 +380,12 @@ class WebhookSender:
         self._turns: dict[int, float] = {}  # when each tenant's last turn on a worker ended
         self._lock = threading.Lock()
         self._wake = threading.Event()  # an attempt finished: its tenant may have more
+
+    @property
+    def sealer(self) -> Sealer:
+        if self._sealer is None:
+            self._sealer = Sealer(self.settings.resolved_secret_key())
+        return self._sealer
 
     def run(self, stop: threading.Event) -> None:
         workers = self.settings.webhook_workers
@@ -465,13 +476,14 @@ class WebhookSender:
             delivery = session.get(WebhookDelivery, delivery_id)
             event = session.get(EventRow, delivery.event_id)
             tenant = session.get(Tenant, delivery.tenant_id)
-            url, secret, payload = delivery.url, tenant.webhook_secret, event.payload
+            url, sealed, payload = delivery.url, tenant.webhook_secret, event.payload
             event_kind, event_id = event.kind, event.id
         body = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
         code, error = None, None
         try:
-            if not secret:
+            if not sealed:
                 raise DestinationRefused("no secret to sign with")
+            secret = open_secret(sealed, self.sealer)
             headers = {
                 "Content-Type": "application/json",
                 "User-Agent": USER_AGENT,

@@ -32,6 +32,7 @@ def set_webhook(data: schemas.WebhookConfig, tenant_id: CurrentTenant, db: Db, r
             tenant=tenant,
             url=url,
             secret=data.secret,
+            sealer=request.app.state.sealer,
             allow_private=allow_private,
         )
         crud.record_change(session=session, entity=Entity.TENANT, entity_id=tenant_id, op="webhook")
