@@ -549,7 +549,9 @@ def test_an_agent_started_by_the_cli_keeps_its_key_from_argv_and_from_its_jobs(s
     service.grant_provider(owner)
     owner_key = owner.headers["Authorization"].removeprefix("Bearer ")
     state = sandbox / "state"
-    agent = cli_agent(service, owner_key, state, "iso-node")
+    # the test's own interpreter may lie under root's home (0700), which the agent refuses
+    # (test_agent_preflight.py): its job users get one they can run
+    agent = cli_agent(service, owner_key, state, "iso-node", "--job-python", PYTHON)
     try:
         nodes = wait_for(lambda: owner.get("/nodes").json(), 30, "the node registered")
         cmdline = Path(f"/proc/{agent.pid}/cmdline").read_bytes()

@@ -29,6 +29,7 @@ BODIES = {  # a well-formed body where one is needed, so an admitted caller reac
     ("PATCH", "/api/v1/bids/{bid_id}"): {"max_price": 1.1},
     ("PATCH", "/api/v1/nodes/{node_id}"): {"state": "draining"},
     ("POST", "/api/v1/nodes/{node_id}/heartbeat"): {},
+    ("POST", "/api/v1/nodes/{node_id}/drain"): {"reason": "walk"},
     ("POST", "/api/v1/allocations/{allocation_id}/report"): {"epoch": 1, "outcome": "failed"},
     ("PUT", "/api/v1/webhook"): {"url": None},
     ("POST", "/api/v1/estimate"): {"gpu_model": "A100-80G", "gpu_hours": 1.0},

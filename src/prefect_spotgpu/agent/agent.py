@@ -11,10 +11,11 @@ stops the job, then reports the outcome with the allocation's epoch (the fencing
 ``reports`` for the outcomes and their causes, ``reporter`` for their delivery); on an ending
 event (``preempted``/``finished``/``released``) it stops whatever still runs. A job that exits
 by itself is reported ``finished`` (exit 0) or ``failed``, with its exit code and its last line
-of output (``reports.exit_detail``). Every durable save a job's checkpointer records in its
-saved file is reported as a ``checkpoint`` within about a second. On start it reconciles:
-local jobs the market no longer assigns to this node are killed (each runner finds its own
-earlier jobs: ``Runner.reconcile``).
+of output (``reports.exit_detail``); one that cannot start is reported failed, and a node whose
+jobs cannot start, several in a row, drains itself (``start_failures``). Every durable save a
+job's checkpointer records in its saved file is reported as a ``checkpoint`` within about a
+second. On start it reconciles: local jobs the market no longer assigns to this node are
+killed (each runner finds its own earlier jobs: ``Runner.reconcile``).
 
 Its credential is the node's token (``credentials``); the runner isolates the jobs
 (``runners``, ``isolation``).
@@ -48,6 +49,7 @@ from prefect_spotgpu.agent.reports import (
 )
 from prefect_spotgpu.agent.runners import JobHandle, JobRequest, Runner
 from prefect_spotgpu.agent.runners.runner import GangPlace
+from prefect_spotgpu.agent.start_failures import StartFailures, drain_node, report_not_started
 from prefect_spotgpu.api_client import api_client
 from prefect_spotgpu.protocol import (
     ENDING_EVENTS,
@@ -111,6 +113,7 @@ class Agent:
         self.client: httpx.Client | None = None
         self.reporter: Reporter | None = None
         self.images = NodeImages(runner.local_images)
+        self.start_failures = StartFailures()  # the node's jobs in a row that did not start
 
     # ---------------------------------------------------------------- registration
 
@@ -278,7 +281,7 @@ class Agent:
                 gang = GangPlace.from_assignment(assignment.get("gang"))
             except ValueError as exc:  # never run: its ranks could not meet
                 logger.error("allocation %s: %s", alloc_id, exc)
-                self._report_failed(alloc_id, assignment["epoch"], str(exc))
+                self.reporter.report_failed(alloc_id, assignment["epoch"], str(exc))
                 return
             count = assignment["gpu_count"]
             if len(self.free) < count:  # a stopping job still holds them: retry each loop
@@ -290,7 +293,7 @@ class Agent:
                 logger.error(
                     "allocation %s needs %s GPUs, %s free", alloc_id, count, len(self.free)
                 )
-                self._report_failed(alloc_id, assignment["epoch"])
+                self.reporter.report_failed(alloc_id, assignment["epoch"])
                 return
             self.waiting_for_gpus.pop(alloc_id, None)
             indices = sorted(self.free)[:count]
@@ -371,6 +374,7 @@ class Agent:
             self._not_started(request, exc)
             return
         self.jobs[alloc_id] = handle
+        self.start_failures.started()
         logger.info(
             "allocation %s: started %s %s on GPUs %s",
             alloc_id,
@@ -381,17 +385,18 @@ class Agent:
 
     def _not_started(self, request: JobRequest, exc: Exception) -> None:
         """A job that could not start (under the lock): its GPUs back, its allocation
-        reported failed, saying why."""
+        reported failed, saying why; the node drained first when it is the node's fault, too
+        many times in a row (``start_failures``)."""
         alloc_id = request.allocation_id
         self.free |= set(request.gpu_indices)
         logger.error("allocation %s: the job could not start: %s", alloc_id, exc)
-        self._report_failed(alloc_id, request.epoch, f"the job could not start: {exc}")
-
-    def _report_failed(self, alloc_id: int, epoch: int, detail: str | None = None) -> None:
-        body = {"epoch": epoch, "outcome": ReportOutcome.FAILED}
-        if detail:  # one line of plain text, as the market takes it
-            body["detail"] = one_line(detail)
-        self.reporter.report_later(alloc_id, body)
+        detail = f"the job could not start: {exc}"
+        report_not_started(
+            self.start_failures,
+            exc,
+            drain=lambda why: drain_node(self.client, self.node_id, why),
+            report=lambda: self.reporter.report_failed(alloc_id, request.epoch, detail),
+        )
 
     def notice(self, alloc_id: int, deadline: float, epoch: int | None) -> None:
         with self.lock:
@@ -441,28 +446,7 @@ class Agent:
             exit_code=exit_code,
             now=time.time(),
         )
-        response = self.reporter.report(alloc_id, body)  # retried until the market has it
-        if response is None:
-            return
-        if body["outcome"] == ReportOutcome.SAVED:
-            logger.info(
-                "allocation %s: final save at step %s acknowledged (%s)",
-                alloc_id,
-                body["step"],
-                response.status_code,
-            )
-        elif body["outcome"] == ReportOutcome.FINISHED:
-            logger.info(
-                "allocation %s: finished during its notice (%s)", alloc_id, response.status_code
-            )
-        else:  # the market decides whether that is compensated, by its cause
-            logger.warning(
-                "allocation %s: no final save (cause: %s%s); reported (%s)",
-                alloc_id,
-                body["cause"],
-                f", {str(ack.get('error'))[:200]!r}" if ack and ack.get("error") else "",
-                response.status_code,
-            )
+        self.reporter.report_notice(alloc_id, body, ack)  # retried until the market has it
 
     def _report_saves(self) -> None:
         with self.lock:

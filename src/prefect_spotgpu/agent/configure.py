@@ -11,11 +11,11 @@ import logging
 import os
 import pwd
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from prefect_spotgpu.agent.isolation import UID_BASE, JobUsers, unreachable
+from prefect_spotgpu.agent.preflight import check_job_interpreter
 from prefect_spotgpu.agent.runners import Runner, get_runner
 
 logger = logging.getLogger("prefect_spotgpu.agent")
@@ -33,6 +33,7 @@ class RunnerOptions:
     job_uid_base: int = UID_BASE
     pids_limit: int = 4096
     memory: str | None = None
+    job_python: Path | None = None  # the process runner's job interpreter (None: the agent's)
 
 
 def agent_token(token_file: str | None) -> str | None:
@@ -62,7 +63,9 @@ def default_state_dir(name: str) -> Path:
 
 
 def build_runner(options: RunnerOptions, state_dir: Path) -> Runner:
-    """The runner, and the state directory ready for it; ValueError names a bad option.
+    """The runner, and the state directory ready for it; ValueError names a bad option, or a
+    node its jobs could not run on (a job interpreter its job users cannot execute:
+    ``preflight``).
 
     The checkpoint root defaults to ``<state dir>/checkpoints`` for the docker runner and for
     isolated process jobs; a process runner without isolation and without a root keeps each
@@ -81,16 +84,24 @@ def build_runner(options: RunnerOptions, state_dir: Path) -> Runner:
         )
     if docker and users.for_job(allocation_id=0, tenant_id=0).root:
         raise ValueError("the docker runner never runs a job as root: --job-user auto or a user")
+    if docker and options.job_python is not None:
+        raise ValueError("--job-python is the process runner's: a container has its own")
     root = options.checkpoint_root
     if root is None and (docker or users.isolated):
         root = state_dir / "checkpoints"
-    extra = {"pids_limit": options.pids_limit, "memory": options.memory} if docker else {}
+    extra = (
+        {"pids_limit": options.pids_limit, "memory": options.memory}
+        if docker
+        else {"interpreter": options.job_python}
+    )
     runner = get_runner(
         options.kind,
         users=users,
         checkpoint_root=None if root is None else Path(root).absolute(),
         **extra,
     )
+    if not docker:  # before anything is made: a node whose 'python' jobs cannot run
+        check_job_interpreter(runner.interpreter, users)
     state_dir.mkdir(parents=True, exist_ok=True)
     if users.isolated:  # job users reach their own directories and list none of ours
         state_dir.chmod(0o711)
@@ -100,10 +111,4 @@ def build_runner(options: RunnerOptions, state_dir: Path) -> Runner:
                     f"{needed} is out of reach of job users ({blocked} is not o+x): choose "
                     "--state-dir and --checkpoint-root elsewhere, e.g. under /var/lib"
                 )
-        if blocked := unreachable(Path(sys.executable)):
-            logger.warning(
-                "jobs that run 'python' get %s, which job users cannot reach (%s is not o+x)",
-                sys.executable,
-                blocked,
-            )
     return runner

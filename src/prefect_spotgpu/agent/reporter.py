@@ -21,8 +21,9 @@ from weakref import WeakKeyDictionary
 import httpx
 
 from prefect_spotgpu.agent.isolation import read_job_file
-from prefect_spotgpu.agent.reports import checkpoint_report, save_marker
+from prefect_spotgpu.agent.reports import checkpoint_report, one_line, save_marker
 from prefect_spotgpu.agent.runners import JobHandle
+from prefect_spotgpu.protocol import ReportOutcome
 
 logger = logging.getLogger("prefect_spotgpu.agent")
 
@@ -85,6 +86,40 @@ class Reporter:
             name=f"spotgpu-report-{alloc_id}",
             daemon=True,
         ).start()
+
+    def report_failed(self, alloc_id: int, epoch: int, detail: str | None = None) -> None:
+        """Report (in the background) that the allocation's job failed, saying why in
+        ``detail`` (made one line of plain text, as the market takes it)."""
+        body = {"epoch": epoch, "outcome": ReportOutcome.FAILED}
+        if detail:
+            body["detail"] = one_line(detail)
+        self.report_later(alloc_id, body)
+
+    def report_notice(self, alloc_id: int, body: dict, ack: dict | None) -> None:
+        """``report`` a notice's outcome (``reports.notice_report``: ``body``; ``ack``: the
+        job's acknowledgement, if any), and log what it was."""
+        response = self.report(alloc_id, body)
+        if response is None:
+            return
+        if body["outcome"] == ReportOutcome.SAVED:
+            logger.info(
+                "allocation %s: final save at step %s acknowledged (%s)",
+                alloc_id,
+                body["step"],
+                response.status_code,
+            )
+        elif body["outcome"] == ReportOutcome.FINISHED:
+            logger.info(
+                "allocation %s: finished during its notice (%s)", alloc_id, response.status_code
+            )
+        else:  # the market decides whether that is compensated, by its cause
+            logger.warning(
+                "allocation %s: no final save (cause: %s%s); reported (%s)",
+                alloc_id,
+                body["cause"],
+                f", {str(ack.get('error'))[:200]!r}" if ack and ack.get("error") else "",
+                response.status_code,
+            )
 
     def report_progress(self, alloc_id: int, body: dict) -> None:
         """Send a progress report in the background, after the ones before it: it replaces

@@ -75,6 +75,12 @@ def agent_start(
         help="First uid of --job-user auto, also the base of the tenant gids; "
         "uids BASE..BASE+99999 and gids BASE+TENANT must be unused on the host.",
     ),
+    job_python: str = typer.Option(
+        None,
+        help="Process runner: the interpreter a job whose command starts with python runs "
+        "(default: the agent's own, which has the packages it was installed with). Under root "
+        "the job users must be able to run it: the agent refuses to start otherwise.",
+    ),
     job_pids_limit: int = typer.Option(
         4096, min=16, help="Docker runner: the most processes (and threads) per container."
     ),
@@ -93,7 +99,9 @@ def agent_start(
 
     On a notice it sends SIGUSR1 to the job's main process and writes the notice file; after
     the job's final save (or at the deadline) it stops the job and reports the outcome. Run as
-    root, it runs each job as an unprivileged user of its own (see --job-user).
+    root, it runs each job as an unprivileged user of its own (see --job-user), and refuses to
+    start when that user cannot execute the job interpreter (see --job-python). A node whose
+    jobs cannot start, three in a row, drains itself until its owner offers it again.
     """
     import logging
     import signal as signals
@@ -131,6 +139,7 @@ def agent_start(
         job_uid_base=job_uid_base,
         pids_limit=job_pids_limit,
         memory=job_memory,
+        job_python=Path(job_python) if job_python else None,
     )
     try:
         token = agent_token(token_file)

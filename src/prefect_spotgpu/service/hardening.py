@@ -124,6 +124,8 @@ class SecurityHeaders:
 def install_security_headers(app) -> None:
     """Every response of ``app`` carries the hardening headers (``CSP``, ``HARDENING``).
 
+    Install it after every other middleware: it is then the outermost, and an answer a
+    middleware writes itself (the body limit's 413, ``limits.BodyLimit``) carries them too.
     Responses the server itself writes for an unhandled exception (Starlette's
     ``ServerErrorMiddleware``, outside every added middleware) are plain text without them.
     """

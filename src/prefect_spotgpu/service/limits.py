@@ -1,6 +1,8 @@
 """Request bodies are bounded: one larger than ``MAX_BODY_BYTES`` is refused with a 413 before
 the app reads it (by its ``Content-Length``, or, when it streams without one, as soon as what has
-arrived passes the limit). A pure ASGI middleware, so streaming responses are untouched."""
+arrived passes the limit). A pure ASGI middleware, so streaming responses are untouched; it
+reads no body itself and sits just inside the security headers (``hardening``), so its 413
+carries them as every other answer does."""
 
 from __future__ import annotations
 

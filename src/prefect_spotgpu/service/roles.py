@@ -82,6 +82,7 @@ ROUTE_ROLES: dict[tuple[str, str], frozenset[Role]] = {
         # a node's agent: only its own node and allocations
         ("GET", f"{API}/nodes/me"): {N},
         ("POST", f"{API}/nodes/{{node_id}}/heartbeat"): {N},
+        ("POST", f"{API}/nodes/{{node_id}}/drain"): {N},
         ("GET", f"{API}/nodes/{{node_id}}/allocations"): {N},
         ("GET", f"{API}/nodes/{{node_id}}/events"): {N},
         ("POST", f"{API}/allocations/{{allocation_id}}/report"): {N},

@@ -2,7 +2,7 @@
 of each heartbeat. A schema, never any JSON: the telemetry is shown to anonymous visitors of
 the dashboard, so every field is a bounded number or a short string of plain characters
 (letters, digits, space and ``._:()+/-``), unknown fields are refused, and a bad field is a 422
-that names it.
+that names it (a number is strict: ``true`` or ``"1"`` is no number).
 
 The shapes are the agent's own (``agent/discovery.py``): an inventory item is
 ``GpuInfo.to_json()``, a heartbeat's telemetry is ``{"jobs", "declared", "gpus"}`` with
@@ -33,15 +33,16 @@ MAX_POWER_W = 5_000.0
 MAX_JOBS = 1_000
 
 Text = Annotated[str, Field(max_length=100, pattern=PLAIN_TEXT)]
-GpuIndex = Annotated[int, Field(ge=0, lt=MAX_GPUS_PER_NODE)]
-MemoryMb = Annotated[int, Field(ge=0, le=MAX_MEMORY_MB)]
+GpuIndex = Annotated[int, Field(ge=0, lt=MAX_GPUS_PER_NODE, strict=True)]
+MemoryMb = Annotated[int, Field(ge=0, le=MAX_MEMORY_MB, strict=True)]
 ThrottleReason = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z0-9_]+$")]
 
 
 def _reading(low: float, high: float, description: str):
     """A finite measurement between ``low`` and ``high``; ``None`` where the GPU did not say."""
     return Annotated[
-        float | None, Field(None, ge=low, le=high, allow_inf_nan=False, description=description)
+        float | None,
+        Field(None, ge=low, le=high, allow_inf_nan=False, strict=True, description=description),
     ]
 
 
@@ -59,7 +60,7 @@ class GpuInventoryItem(_Closed):
     memory_mb: MemoryMb
     driver: Text | None = None
     mig_mode: bool | None = None
-    ecc_errors: int | None = Field(None, ge=0, le=1 << 53)
+    ecc_errors: int | None = Field(None, ge=0, le=1 << 53, strict=True)
     throttle_reasons: list[ThrottleReason] = Field(default_factory=list, max_length=32)
 
 
@@ -76,7 +77,7 @@ class GpuTelemetry(_Closed):
 class Telemetry(_Closed):
     """A heartbeat's telemetry: jobs running, whether the inventory was declared, each GPU."""
 
-    jobs: int | None = Field(None, ge=0, le=MAX_JOBS)
+    jobs: int | None = Field(None, ge=0, le=MAX_JOBS, strict=True)
     declared: bool | None = None
     gpus: list[GpuTelemetry] | None = Field(None, max_length=MAX_GPUS_PER_NODE)
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from prefect_spotgpu.agent.runners.docker import DockerRunner
 from prefect_spotgpu.agent.runners.process import ProcessRunner
-from prefect_spotgpu.agent.runners.runner import JobHandle, JobRequest, Runner
+from prefect_spotgpu.agent.runners.runner import JobFault, JobHandle, JobRequest, Runner
 
 __all__ = [
     "RUNNERS",
     "DockerRunner",
+    "JobFault",
     "JobHandle",
     "JobRequest",
     "ProcessRunner",

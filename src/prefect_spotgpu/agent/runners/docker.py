@@ -40,6 +40,7 @@ from prefect_spotgpu.agent.runners.pull import PullProgress
 from prefect_spotgpu.agent.runners.runner import (
     MOST_NODE_IMAGES,
     MOST_REFERENCE_CHARS,
+    JobFault,
     JobHandle,
     JobRequest,
     Progress,
@@ -121,7 +122,7 @@ class DockerRunner:
         import docker
 
         if not request.image:
-            raise ValueError("the Docker runner needs a job image")
+            raise JobFault("the Docker runner needs a job image")
         user = self.users.for_job(allocation_id=request.allocation_id, tenant_id=request.tenant_id)
         if user.root:
             raise ValueError("a container never runs as root: use --job-user auto or a user")
@@ -185,7 +186,12 @@ class DockerRunner:
         prepare_job_dirs(request.workdir, host_dir, user, chown=self.users.euid == 0)
         clear_job_files(request)
         self._remove(request.allocation_id)  # an earlier try's container holds the name
-        container = self._run(spec)
+        try:
+            container = self._run(spec)
+        except Exception as exc:  # the job's own command, not there in its image: its fault
+            if command_refused(str(getattr(exc, "explanation", None) or exc)):
+                raise JobFault(str(exc)) from exc
+            raise
         container.reload()
         pid = int(container.attrs["State"]["Pid"])
         record_pid(request, pid)  # (``reconcile`` looks for a container where one ran)
@@ -322,6 +328,26 @@ class DockerRunner:
         for container in containers:
             container.remove(force=True)
         return bool(containers)
+
+
+_COMMAND_REFUSED = re.compile(
+    r'exec: "[^"]*": (?:stat [^:]*: )?'
+    r"(?:executable file not found|no such file or directory|permission denied|exec format error)"
+)
+
+
+def command_refused(message: str) -> bool:
+    """Whether the engine refused to start a container because of the job's own command (the
+    program it names is not in its image, or not executable there), by its message.
+
+    >>> command_refused('failed to create task for container: failed to create shim task: '
+    ...     'OCI runtime create failed: runc create failed: unable to start container process: '
+    ...     'exec: "trian.py": executable file not found in $PATH: unknown')
+    True
+    >>> command_refused("driver failed programming external connectivity: port in use")
+    False
+    """
+    return _COMMAND_REFUSED.search(message) is not None
 
 
 def _unavailable(image: str, why) -> ImageUnavailable:

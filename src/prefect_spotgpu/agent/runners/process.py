@@ -14,6 +14,7 @@ under root, a user of its own. Its pid is recorded in its directory (``isolation
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -36,6 +37,7 @@ from prefect_spotgpu.agent.isolation import (
     uids_in_use,
 )
 from prefect_spotgpu.agent.runners.runner import (
+    JobFault,
     JobHandle,
     JobRequest,
     Progress,
@@ -71,12 +73,14 @@ class ProcessJob(JobHandle):
         return self.process.poll()
 
 
-def process_environment(request: JobRequest, checkpoint_url: str | None) -> dict[str, str]:
+def process_environment(
+    request: JobRequest, checkpoint_url: str | None, interpreter: str = sys.executable
+) -> dict[str, str]:
     """A process job's whole environment: safe defaults, the job's own variables, then the
     GPUs and the ``SPOTGPU_*`` variables — nothing of the agent's (its token included)."""
     workdir = str(request.workdir)
     return {
-        "PATH": f"{Path(sys.executable).parent}:{SAFE_PATH}",
+        "PATH": f"{Path(interpreter).parent}:{SAFE_PATH}",
         "HOME": workdir,
         "LANG": os.environ.get("LANG") or "C.UTF-8",
         "PREFECT_HOME": f"{workdir}/.prefect",
@@ -86,12 +90,35 @@ def process_environment(request: JobRequest, checkpoint_url: str | None) -> dict
     }
 
 
-def _resolve_python(command: list[str]) -> list[str]:
-    """A process job's ``python`` is the agent's own interpreter (its environment has the
-    packages the agent was installed with); any other program is taken as given."""
+def _resolve_python(command: list[str], interpreter: str = sys.executable) -> list[str]:
+    """A process job's ``python`` is the node's job interpreter (by default the agent's own:
+    its environment has the packages the agent was installed with); any other program is
+    taken as given."""
     if command and command[0] in ("python", "python3"):
-        return [sys.executable, *command[1:]]
+        return [interpreter, *command[1:]]
     return command
+
+
+def blames_the_job(exc: OSError, *, program: str, interpreter: str) -> bool:
+    """Whether a process job that could not be started (``exc``, from ``Popen``) failed for
+    a reason of its own: its arguments and environment are too long, or the program its
+    command names (not the node's interpreter) could not be executed. Anything else is the
+    node's: its interpreter, the job's directory, its user.
+
+    >>> gone = FileNotFoundError(errno.ENOENT, "No such file or directory", "/opt/x")
+    >>> blames_the_job(gone, program="/opt/x", interpreter="/venv/bin/python")
+    True
+    >>> denied = PermissionError(errno.EACCES, "Permission denied", "/venv/bin/python")
+    >>> blames_the_job(denied, program="/venv/bin/python", interpreter="/venv/bin/python")
+    False
+    >>> chdir = FileNotFoundError(errno.ENOENT, "No such file or directory", "/state/alloc-7")
+    >>> blames_the_job(chdir, program="/opt/x", interpreter="/venv/bin/python")
+    False
+    """
+    if exc.errno == errno.E2BIG:
+        return True
+    executing = exc.filename == program  # (Popen names the program only when exec failed)
+    return executing and program != interpreter
 
 
 class ProcessRunner:
@@ -100,15 +127,23 @@ class ProcessRunner:
 
     ``checkpoint_root``: when given, local checkpoint URLs become the tenant's directory
     under it (the agent gives one under root isolation); otherwise they are kept.
+    ``interpreter``: what a job whose command starts with ``python`` runs (default: the
+    agent's own, ``sys.executable``); job users must be able to run it
+    (``preflight.check_job_interpreter``).
     """
 
     name = "process"
 
     def __init__(
-        self, *, users: JobUsers | None = None, checkpoint_root: Path | None = None
+        self,
+        *,
+        users: JobUsers | None = None,
+        checkpoint_root: Path | None = None,
+        interpreter: Path | str | None = None,
     ) -> None:
         self.users = users or JobUsers()
         self.checkpoint_root = None if checkpoint_root is None else Path(checkpoint_root)
+        self.interpreter = os.path.abspath(interpreter or sys.executable)
         if not self.users.isolated:
             logger.warning("process runner: jobs are not isolated (%s)", self.users.describe())
 
@@ -127,10 +162,11 @@ class ProcessRunner:
         log = open_job_log(request.workdir / "job.log")
         try:
             reader = os.open(f"/proc/self/fd/{log}", os.O_RDONLY)  # that file, to read its end
+            argv = _resolve_python(request.command, self.interpreter)
             try:
                 process = subprocess.Popen(
-                    _resolve_python(request.command),
-                    env=process_environment(request, url),
+                    argv,
+                    env=process_environment(request, url, self.interpreter),
                     cwd=request.workdir,
                     stdin=subprocess.DEVNULL,
                     stdout=log,
@@ -138,8 +174,12 @@ class ProcessRunner:
                     start_new_session=True,
                     **switch,
                 )
-            except BaseException:
+            except BaseException as exc:
                 os.close(reader)
+                if isinstance(exc, OSError) and blames_the_job(
+                    exc, program=argv[0], interpreter=self.interpreter
+                ):
+                    raise JobFault(str(exc)) from exc
                 raise
         finally:
             os.close(log)

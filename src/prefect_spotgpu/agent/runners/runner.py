@@ -53,6 +53,14 @@ Progress = Callable[[str], None]
 """Where a runner says how far a long preparation is: one plain line at a time."""
 
 
+class JobFault(ValueError):
+    """The job cannot start for a reason of its own, whatever the node: the program its
+    command names is missing or not executable, its arguments are too long, its checkpoint
+    URL or its image is not one this runner takes. A runner raises it (from the original
+    error, with the same message) so that the agent does not count the failure against the
+    node (``start_failures``): a tenant's broken job must not drain a healthy node."""
+
+
 @dataclass(frozen=True, slots=True)
 class GangPlace:
     """Where a gang member stands in its gang, as the market's assignment says."""
@@ -277,6 +285,6 @@ def checkpoint_location(
     if url.startswith("s3://"):
         return None, url
     if not is_local_url(url):
-        raise ValueError(f"checkpoint URL {url!r} refused: give a path or s3://bucket/prefix")
+        raise JobFault(f"checkpoint URL {url!r} refused: give a path or s3://bucket/prefix")
     host = tenant_checkpoint_dir(root, request.tenant_id, request.bid_id)
     return host, seen_at or str(host)

@@ -3,7 +3,8 @@ the node with ``GET /nodes/me``, a ``nodes`` route). It sends heartbeats with te
 reconciles against the node's active allocations (each running one with its job, environment
 opened), long-polls the node's assignments and notices, and reports checkpoints, the final
 save and the job's end. Every report, accepted or refused, is kept in the audit table
-``node_reports``."""
+``node_reports``. An agent whose jobs cannot start drains its own node (``drain``), as its
+owner would: the node then takes no new work until its owner offers it again."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import logging
 
 from fastapi import APIRouter, Request
 
+from prefect_spotgpu.market import NodeState
 from prefect_spotgpu.protocol import HOLDING_STATUSES
 from prefect_spotgpu.service import crud, gangs, queries, schemas
 from prefect_spotgpu.service.deps import CurrentNode, Db
@@ -48,6 +50,29 @@ def heartbeat(node_id: Id, data: schemas.Heartbeat, caller_node: CurrentNode, db
                 now=now(),
             )
         )
+
+
+@router.post(
+    "/nodes/{node_id}/drain",
+    response_model=schemas.NodeResponse,
+    summary="The node agent drains its own node: its jobs cannot start",
+)
+def drain(node_id: Id, data: schemas.NodeDrain, caller_node: CurrentNode, db: Db):
+    """A live node becomes draining, as its owner's ``PATCH /nodes/{node_id}`` makes it: its
+    running jobs go on, it takes no new work until its owner offers it again (``state``
+    live). A node in any other state is left as it is (an agent never undoes its owner's
+    reclaim). The reason goes to the service's log."""
+    _same_node(node_id, caller_node)
+    with db.begin() as session:
+        node = crud.get_node(session=session, node_id=node_id, owner_id=None)
+        if node.state == NodeState.LIVE:
+            crud.update_node(
+                session=session,
+                node=node,
+                data=schemas.NodeUpdate(state=NodeState.DRAINING.value),
+            )
+            logger.warning("node %s drained by its agent: %s", node_id, data.reason)
+        return schemas.node_response(node)
 
 
 @router.get(

@@ -52,15 +52,15 @@ class Assignment(AllocationResponse):
 class AllocationReport(Strict):
     """What a node agent (or a worker) reports about an allocation, fenced by its epoch."""
 
-    epoch: int = Field(ge=1, le=2**31 - 1)
+    epoch: int = Field(ge=1, le=2**31 - 1, strict=True)
     outcome: ReportOutcome
     cause: Literal["storage", "job", "deadline"] | None = Field(
         None,
         description="Why a final save failed: storage (the write failed: compensated), job "
         "(the job exited without saving) or deadline (still unsaved at the deadline).",
     )
-    checkpoint_at: float | None = Field(None, ge=0, allow_inf_nan=False)
-    step: int | None = Field(None, ge=0, le=2**62)
+    checkpoint_at: float | None = Field(None, ge=0, allow_inf_nan=False, strict=True)
+    step: int | None = Field(None, ge=0, le=2**62, strict=True)
     detail: str | None = Field(
         None,
         max_length=REPORT_DETAIL_CHARS,

@@ -1,6 +1,10 @@
 """The fields every body shares: GPU model, region, price, GPU count, capacity, name, and
 ``Strict``, the base of every request body. Each reuses the market's own check, so a bad
-value is a 422 that names its field."""
+value is a 422 that names its field.
+
+Every number of a request body is strict (``strict=True``): ``true`` or ``"1"`` is refused
+with a 422 naming the field, never read as 1. JSON does not tell 2 from 2.0, so a float field
+takes an integer; an integer field takes only an integer."""
 
 from __future__ import annotations
 
@@ -50,11 +54,12 @@ Price = Annotated[
         gt=0,
         le=1000,
         allow_inf_nan=False,
+        strict=True,
         description="Per GPU-hour, one currency unit, at most six decimals (rounded to them).",
     ),
     AfterValidator(whole_micros),
 ]
-GpuCount = Annotated[int, Field(ge=1, le=MAX_GPUS_PER_NODE)]
+GpuCount = Annotated[int, Field(ge=1, le=MAX_GPUS_PER_NODE, strict=True)]
 CapacityKind = Annotated[
     Capacity,
     Field(

@@ -13,7 +13,13 @@ from prefect_spotgpu.service.schemas.fields import Strict, whole_micros
 class CreditCreate(Strict):
     amount: Annotated[
         float,
-        Field(gt=0, le=1e9, allow_inf_nan=False, description="Units, six decimals at most."),
+        Field(
+            gt=0,
+            le=1e9,
+            allow_inf_nan=False,
+            strict=True,
+            description="Units, six decimals at most.",
+        ),
         AfterValidator(whole_micros),
     ]
     reason: str = Field(min_length=1, max_length=500)

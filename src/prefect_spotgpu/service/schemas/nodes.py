@@ -8,7 +8,12 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 
 from prefect_spotgpu.market import MAX_GPUS_PER_NODE
-from prefect_spotgpu.protocol import MAX_NODE_IMAGES, NODE_ADDRESS_PATTERN, unfit_node_address
+from prefect_spotgpu.protocol import (
+    MAX_NODE_IMAGES,
+    NODE_ADDRESS_PATTERN,
+    REPORT_DETAIL_CHARS,
+    unfit_node_address,
+)
 from prefect_spotgpu.service.schemas.fields import (
     CapacityKind,
     GpuCount,
@@ -19,7 +24,7 @@ from prefect_spotgpu.service.schemas.fields import (
     Strict,
     fixed_price,
 )
-from prefect_spotgpu.service.schemas.images import ImageReference
+from prefect_spotgpu.service.schemas.images import ImageReference, PlainLine
 from prefect_spotgpu.service.telemetry import GpuInventoryItem, Telemetry
 
 NodeAddress = Annotated[
@@ -74,6 +79,17 @@ class NodeUpdate(Strict):
         if self.reserve_price is None and self.state is None:
             raise ValueError("give reserve_price or state")
         return self
+
+
+class NodeDrain(Strict):
+    """Why a node's agent drains its own node (``POST /nodes/{node_id}/drain``): its jobs
+    could not start, several in a row."""
+
+    reason: PlainLine = Field(
+        min_length=1,
+        max_length=REPORT_DETAIL_CHARS,
+        description="One line of plain text: what kept the jobs from starting.",
+    )
 
 
 class NodeResponse(BaseModel):

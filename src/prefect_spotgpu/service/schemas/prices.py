@@ -33,7 +33,7 @@ class PriceBarResponse(BaseModel):
 class EstimateRequest(Strict):
     gpu_model: GpuModelName
     region: Region = "any"
-    gpu_hours: float = Field(gt=0, le=1e6, allow_inf_nan=False)
+    gpu_hours: float = Field(gt=0, le=1e6, allow_inf_nan=False, strict=True)
     gpus: GpuCount = 1
     max_price: Price
     start: datetime | None = Field(None, description="Not before (default: now).")

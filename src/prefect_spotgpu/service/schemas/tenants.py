@@ -11,7 +11,7 @@ from prefect_spotgpu.service.schemas.fields import Name, Strict
 
 class TenantCreate(Strict):
     name: Name
-    starting_credit: float | None = Field(None, ge=0, le=1e9, allow_inf_nan=False)
+    starting_credit: float | None = Field(None, ge=0, le=1e9, allow_inf_nan=False, strict=True)
 
 
 class TenantResponse(BaseModel):
