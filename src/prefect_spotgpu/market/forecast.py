@@ -163,8 +163,9 @@ def estimate(
     spot_cost = gpus * float((used * price_if_used).sum())
     fallback = max(0.0, need - spot_hours)
     cost = spot_cost + gpus * fallback * on_demand_price
-    # P(at least `need` spot hours by the deadline): Poisson-binomial, by dynamic programming
-    need_whole = math.ceil(need - 1e-9)
+    # P(at least `need` spot hours by the deadline): Poisson-binomial, by dynamic programming;
+    # a count above the window's hours is never reached: the table stops one past them
+    need_whole = min(math.ceil(need - 1e-9), len(p) + 1)
     dist = np.zeros(need_whole + 1)
     dist[0] = 1.0
     for q in p:

@@ -1,10 +1,13 @@
 """The app factory: ``create_app`` builds the service as an ASGI app.
 
-It checks the database (and migrates it) and the sealing key, adds the middleware (body limit,
-request timer, public cache, security headers), maps domain errors (``errors.ServiceError``)
-and request validation errors to JSON, includes every router of ``routes`` (and ``/metrics``),
-refuses to start with a route that has no roles (``roles.check_route_table``), and, with
-``background``, runs the tick loop and the webhook sender in its lifespan.
+It checks the database (and migrates it), that no other user can reach the market's files
+(``at_rest``) and the sealing key, and seals what older versions kept in the clear; it adds
+the middleware (body limit, request timer, public cache, security headers), keeps the fair
+shares' state (``fairness``, ``event_watch``, ``forecasts``), maps domain errors
+(``errors.ServiceError``; a 429 with its ``Retry-After``) and request validation errors to
+JSON, includes every router of ``routes`` (and ``/metrics``), refuses to start with a route
+that has no roles (``roles.check_route_table``), and, with ``background``, runs the tick loop
+and the webhook sender in its lifespan.
 """
 
 from __future__ import annotations
@@ -21,12 +24,20 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import Engine
 
 import prefect_spotgpu
-from prefect_spotgpu.service import crud
+from prefect_spotgpu.service import credit, crud
+from prefect_spotgpu.service.at_rest import check_private_files, sqlite_file
 from prefect_spotgpu.service.db import make_reading_sessionmaker, make_sessionmaker
-from prefect_spotgpu.service.errors import ServiceError
+from prefect_spotgpu.service.errors import ServiceError, TooManyRequests
+from prefect_spotgpu.service.event_watch import EventWatch
+from prefect_spotgpu.service.fairness import FairShares
+from prefect_spotgpu.service.forecasts import ForecastCache
 from prefect_spotgpu.service.hardening import install_security_headers
 from prefect_spotgpu.service.limits import BodyLimit
-from prefect_spotgpu.service.public_cache import PublicCache, declared_query_names
+from prefect_spotgpu.service.public_cache import (
+    PublicCache,
+    SharedSnapshot,
+    declared_query_names,
+)
 from prefect_spotgpu.service.roles import api_route_contexts, authorize, check_route_table
 from prefect_spotgpu.service.routes import (
     access,
@@ -43,7 +54,7 @@ from prefect_spotgpu.service.routes import (
     tenants,
     webhook,
 )
-from prefect_spotgpu.service.sealing import Sealer, SealError
+from prefect_spotgpu.service.sealing import Sealer, SealError, seal_plaintext_webhook_secrets
 from prefect_spotgpu.service.settings import ServiceSettings
 from prefect_spotgpu.service.ticker import Notifier, Ticker
 from prefect_spotgpu.service.webhooks import WebhookSender
@@ -74,7 +85,11 @@ def _error_response(request: Request, exc: ServiceError) -> JSONResponse:
             body["detail"] = [
                 {"loc": ["body", exc.field], "msg": exc.message, "type": "value_error"}
             ]
-    return JSONResponse(body, status_code=exc.status_code)
+    headers = None
+    if isinstance(exc, TooManyRequests):  # a caller over its fair share: when to come back
+        body["retry_after"] = exc.retry_after
+        headers = {"Retry-After": str(exc.retry_after)}
+    return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
 
 def _safe(value):
@@ -141,7 +156,7 @@ def create_app(
             ticker = Ticker(settings, engine, sessions, notifier, metrics)
             app.state.ticker = ticker
             sender = WebhookSender(
-                settings, sessions, metrics, reads=make_reading_sessionmaker(engine)
+                settings, sessions, metrics, reads=make_reading_sessionmaker(engine), sealer=sealer
             )
             # what start-up allocated lives for good: out of the collector's full passes,
             # which otherwise stall the tick thread (holding the GIL) under many readers
@@ -153,11 +168,15 @@ def create_app(
                 threads.append(thread)
         yield
         stop.set()
+        app.state.event_watch.stop()
         for thread in threads:
             thread.join(timeout=10)
         if own_engine:
             engine.dispose()
 
+    # FilesExposed: the home, a key file or the SQLite files are open to other users (judged
+    # before SQLite opens the database and gives a new -wal or -shm the database's mode)
+    check_private_files(home=settings.home, database=sqlite_file(engine.url))
     check_database(engine)  # one line naming the database and the fix, not a traceback
     migrate(engine)
     with sessions.begin() as session:
@@ -165,10 +184,11 @@ def create_app(
             crud.check_sealing_key(session=session, sealer=sealer)
         except SealError:
             raise RuntimeError(
-                "this replica's secret key does not open the job environments this market "
-                "has sealed: give every replica the same SPOTGPU_SECRET_KEY"
+                "this replica's secret key does not open the job environments and webhook "
+                "secrets this market has sealed: give every replica the same SPOTGPU_SECRET_KEY"
             ) from None
         crud.seal_plaintext_jobs(session=session, sealer=sealer)
+        seal_plaintext_webhook_secrets(session=session, sealer=sealer)
     app = FastAPI(
         dependencies=[Depends(authorize)],  # every route's roles: service/roles.py
         title="prefect-spotgpu market",
@@ -186,6 +206,16 @@ def create_app(
     app.state.ticker = None
     app.state.admin_key = settings.resolved_admin_key()
     app.state.sealer = sealer
+    # fair shares: caps and buckets, one event watcher, forecasts per bar, one stream read
+    app.state.fair_shares = FairShares.from_settings(settings)
+    app.state.event_watch = EventWatch(
+        engine=engine,
+        notifier=notifier,
+        leading=lambda: app.state.ticker is not None and app.state.ticker.epoch is not None,
+    )
+    app.state.forecasts = ForecastCache()
+    app.state.stream_snapshot = SharedSnapshot(seconds=1.0)
+    app.state.bid_limits = credit.BidLimits.from_settings(settings)
     app.add_exception_handler(ServiceError, _error_response)
     app.add_exception_handler(RequestValidationError, _validation_response)
     app.add_middleware(  # inside the timer: hits are counted and timed too
@@ -199,7 +229,7 @@ def create_app(
         app.include_router(routes.router)
     app.include_router(service_metrics.router)
     app.include_router(dashboard.router)
-    install_security_headers(app)
-    app.add_middleware(BodyLimit)  # outermost: a huge body is refused before anything reads it
+    app.add_middleware(BodyLimit)  # a huge body is refused before anything reads it
+    install_security_headers(app)  # outermost: on every answer, the body limit's 413 too
     check_route_table(app)
     return app

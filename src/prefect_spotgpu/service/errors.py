@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 
 class ServiceError(Exception):
     status_code = 400
@@ -34,5 +36,21 @@ class Invalid(ServiceError):
     status_code = 422
 
 
+class PaymentRequired(ServiceError):
+    """The tenant's balance does not cover the credit a request must reserve."""
+
+    status_code = 402
+
+
 class TransitionRejected(Conflict):
     """An allocation status change that the transition rules do not allow."""
+
+
+class TooManyRequests(ServiceError):
+    """A caller over its fair share (``service.fairness``): answered 429 with ``Retry-After``."""
+
+    status_code = 429
+
+    def __init__(self, message: str, *, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = max(1, math.ceil(retry_after))

@@ -12,6 +12,10 @@ that only another replica saw (a heartbeat's telemetry) show within ``public_cac
 At most :data:`MAX_ENTRIES` answers are kept, and only for query strings made of the parameters
 these routes declare: a caller who varies a made-up parameter (``/prices?x=1``, ``?x=2``, ...)
 is answered from the database like any uncached read, and cannot evict the others' answers.
+
+The dashboard's stream is shared the same way (:class:`SharedSnapshot`): every open stream of
+the process sends the same message, read once per market version and at most every
+``seconds``, however many are open. Forecasts are kept per bar by ``service.forecasts``.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Hashable, Iterable
 from urllib.parse import parse_qsl
 
 CACHED = (
@@ -121,3 +125,27 @@ def declared_query_names(routes: Iterable) -> frozenset[str]:
             names.update(p.alias for p in current.query_params)
             todo.extend(current.dependencies)
     return frozenset(names)
+
+
+class SharedSnapshot:
+    """The latest answer of an async ``read``, shared by every caller for one ``version`` and
+    at most ``seconds``: one read at a time, the others wait for its answer."""
+
+    def __init__(self, *, seconds: float) -> None:
+        self.seconds = seconds
+        self.reads = 0  # how many times it read (a count for tests)
+        self._latest: tuple[Hashable, float, object] | None = None  # version, at, answer
+        self._lock: asyncio.Lock | None = None
+
+    async def get(self, version: Hashable, read: Callable[[], Awaitable]):
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            latest = self._latest
+            fresh = latest is not None and time.monotonic() - latest[1] < self.seconds
+            if fresh and latest[0] == version:
+                return latest[2]
+            answer = await read()
+            self.reads += 1
+            self._latest = (version, time.monotonic(), answer)
+            return answer

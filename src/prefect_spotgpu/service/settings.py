@@ -5,8 +5,10 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from prefect_spotgpu.service.at_rest import create_once, private_dir
 
 
 def default_home() -> Path:
@@ -31,8 +33,8 @@ class ServiceSettings(BaseSettings):
     )
     secret_key: SecretStr | None = Field(
         None,
-        description="Fernet key that seals bids' job environments at rest; default: "
-        "generated once into <home>/secret_key (mode 0600). Replicas must share it.",
+        description="Fernet key that seals bids' job environments and webhook secrets at rest; "
+        "default: generated once into <home>/secret_key (mode 0600). Replicas must share it.",
     )
     tick_seconds: float = Field(1.0, gt=0, le=60)
     starting_credit: float = Field(10.0, ge=0)
@@ -69,6 +71,82 @@ class ServiceSettings(BaseSettings):
         "first; 0: never (service/public_cache.py).",
     )
 
+    credit_horizon_seconds: float | None = Field(
+        None,
+        gt=0,
+        le=86400,
+        description="Credit a new bid reserves: its maximum price x GPUs x this many seconds "
+        "must fit the balance beside the tenant's open bids (a buyer must be able to pay for "
+        "the notice it will get); default: the notice plus 10 ticks. At least the notice "
+        "plus two ticks, the credit kept while bids run.",
+    )
+    max_open_bids_per_tenant: int = Field(
+        1000,
+        ge=1,
+        le=1_000_000,
+        description="Open or held bid rows a tenant may have at once (a gang counts each "
+        "member); more are refused with a 409.",
+    )
+
+    def admission_horizon_seconds(self) -> float:
+        """Seconds of a bid's maximum price reserved at admission (``credit_horizon_seconds``)."""
+        if self.credit_horizon_seconds is not None:
+            return self.credit_horizon_seconds
+        return self.notice_seconds + 10 * self.tick_seconds
+
+    @model_validator(mode="after")
+    def _credit_covers_the_notice(self) -> ServiceSettings:
+        least = self.notice_seconds + 2 * self.tick_seconds
+        if self.credit_horizon_seconds is not None and self.credit_horizon_seconds < least:
+            raise ValueError(
+                f"credit_horizon_seconds must be at least the notice plus two ticks ({least} s)"
+            )
+        return self
+
+    # fair shares (service/fairness.py): beyond these, a 429 with Retry-After
+    long_polls_per_caller: int = Field(
+        50,
+        ge=0,
+        le=100_000,
+        description="Long-polls (every .../events route) one tenant, or one node agent, may "
+        "hold at once (the worker holds one per running flow run, an agent one); 0: no cap.",
+    )
+    long_polls_per_address: int = Field(
+        200,
+        ge=0,
+        le=100_000,
+        description="Long-polls from one client address at once, whatever their keys (raise "
+        "it for many agents behind one NAT); 0: no cap.",
+    )
+    streams_per_address: int = Field(
+        8,
+        ge=0,
+        le=100_000,
+        description="Dashboard streams (GET /api/v1/stream) from one client address at once; "
+        "0: no cap.",
+    )
+    anonymous_estimates_per_minute: float = Field(
+        12.0,
+        ge=0,
+        le=60_000,
+        description="Estimates (POST /api/v1/estimate), and forecasts fitted afresh for an "
+        "anonymous read, one client address may start per minute without a key, after a "
+        "burst of anonymous_estimates_burst; 0: no limit.",
+    )
+    anonymous_estimates_burst: int = Field(
+        10, ge=1, le=100_000, description="Estimates an address may start at once, keyless."
+    )
+    tenant_estimates_per_minute: float = Field(
+        120.0,
+        ge=0,
+        le=60_000,
+        description="The same for a tenant's key (or the operator's), after a burst of "
+        "tenant_estimates_burst; 0: no limit.",
+    )
+    tenant_estimates_burst: int = Field(
+        60, ge=1, le=100_000, description="Estimates a tenant may start at once."
+    )
+
     @field_validator("db_url")
     @classmethod
     def _check_url(cls, value: str | None) -> str | None:
@@ -84,24 +162,21 @@ class ServiceSettings(BaseSettings):
         return value
 
     def database_url(self) -> str:
+        """``db_url``, else SQLite in the home (created with mode 0700: service/at_rest.py)."""
         if self.db_url:
             return self.db_url
-        self.home.mkdir(parents=True, exist_ok=True)
-        return f"sqlite:///{self.home / 'market.db'}"
+        return f"sqlite:///{private_dir(self.home) / 'market.db'}"
 
     def resolved_admin_key(self) -> str:
-        """The admin key: from the environment, else the key file (created on first use)."""
+        """The admin key: from the environment, else the key file (created on first use, mode
+        0600, in a home of mode 0700)."""
         if self.admin_key is not None:
             return self.admin_key.get_secret_value()
-        path = self.home / "admin_key"
-        if not path.exists():
-            self.home.mkdir(parents=True, exist_ok=True)
-            path.touch(mode=0o600)
-            path.write_text("sgadm_" + secrets.token_urlsafe(24) + "\n")
-        return path.read_text().strip()
+        return create_once(self.home / "admin_key", lambda: "sgadm_" + secrets.token_urlsafe(24))
 
     def resolved_secret_key(self) -> str:
-        """The key that seals job environments: from the environment, else the key file."""
+        """The key that seals job environments and webhook secrets: from the environment, else
+        the key file (created on first use, mode 0600, in a home of mode 0700)."""
         from prefect_spotgpu.service.sealing import key_from_home
 
         if self.secret_key is not None:

@@ -12,7 +12,10 @@ by hand) plus three read-only views here:
 - ``GET /api/v1/stream``: server-sent events. A ``market`` event carries every pool's quote
   whenever this process's tick leader commits new events or a changed quote, and at least
   every ``STREAM_SECONDS``; the page refreshes its views (and a signed-in tenant's own bids,
-  allocations and ledger, with the tenant's key, over the ordinary API) on each one.
+  allocations and ledger, with the tenant's key, over the ordinary API) on each one. Every
+  stream of the process sends the same message, read once (``public_cache.SharedSnapshot``),
+  and one client address holds at most ``streams_per_address`` open streams at once (``once``
+  ones, a single read, are not held): beyond, a 429 with ``Retry-After`` (``service.fairness``).
 
 A tenant signs in on the page with its API key; the key stays in the browser's session
 storage and goes only to this service, in the ``Authorization`` header, so a tenant sees
@@ -33,6 +36,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -46,7 +51,9 @@ from prefect_spotgpu.protocol import Capacity
 from prefect_spotgpu.service import crud, queries
 from prefect_spotgpu.service.deps import Db
 from prefect_spotgpu.service.errors import Invalid, NotFound
+from prefect_spotgpu.service.fairness import FairShares, client_address, take_or_refuse
 from prefect_spotgpu.service.models import PoolQuoteRow
+from prefect_spotgpu.service.public_cache import SharedSnapshot
 from prefect_spotgpu.service.routes.params import API
 from prefect_spotgpu.service.telemetry import public_gpus
 
@@ -140,16 +147,20 @@ def depth(
 async def stream(request: Request, db: Db, once: Annotated[bool, Query()] = False):
     """``event: market`` with ``{"version", "at", "pools"}``; ``once`` sends one and ends."""
     notifier = request.app.state.notifier
+    shares: FairShares = request.app.state.fair_shares
+    snapshot: SharedSnapshot = request.app.state.stream_snapshot
 
-    def pools():
+    def message(version: tuple[int, int]) -> str:
         with db.begin() as session:
-            return [
+            pools = [
                 {
                     **{c.name: getattr(r, c.name) for c in PoolQuoteRow.__table__.columns},
                     "on_demand_price": DEFAULT_CATALOG.get(r.gpu_model).on_demand_price,
                 }
                 for r in queries.list_quotes(session=session)
             ]
+        body = {"version": sum(version), "at": time.time(), "pools": pools}
+        return f"event: market\ndata: {json.dumps(body)}\n\n"
 
     async def events():
         seen, sent_at = None, 0.0
@@ -157,20 +168,34 @@ async def stream(request: Request, db: Db, once: Annotated[bool, Query()] = Fals
             version = (notifier.version, notifier.market_version)
             if version != seen or time.monotonic() - sent_at >= STREAM_SECONDS:
                 seen, sent_at = version, time.monotonic()
-                body = {
-                    "version": sum(version),
-                    "at": time.time(),
-                    "pools": await run_in_threadpool(pools),
-                }
-                yield f"event: market\ndata: {json.dumps(body)}\n\n"
+                yield await snapshot.get(version, lambda v=version: run_in_threadpool(message, v))
                 if once:
                     return
             if await request.is_disconnected():
                 return
             await asyncio.sleep(0.25)
 
+    slots = [] if once else [(shares.streams_by_address, client_address(request))]  # held
+    give_back = take_or_refuse(slots, what="streams", names=("client address",))
     headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
-    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+    return _HeldStream(
+        events(), give_back=give_back, media_type="text/event-stream", headers=headers
+    )
+
+
+class _HeldStream(StreamingResponse):
+    """A stream that gives its slot back however it ends (or, never sent, when collected)."""
+
+    def __init__(self, content, *, give_back: Callable[[], None], **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.give_back = give_back
+        weakref.finalize(self, give_back)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.give_back()
 
 
 router.include_router(api)

@@ -1,29 +1,39 @@
 """Forecast routes, public like the quotes (no tenant data is involved): a pool's price history
 at an hour's resolution, the expected price by hour with its band and measured error, and the
 cost estimator (the expected cost and finish of some GPU-hours by a deadline). The forecast is
-learnt from the pool's stored minute bars (``price_bars``) at each request
-(``market.forecast``, pure)."""
+learnt from the pool's stored minute bars (``price_bars``, ``market.forecast``, pure) and kept
+per pool, history window and bar (``service.forecasts``): a request refits only when a new bar
+has closed; an estimate for ``any`` region reuses each region's.
+
+Expensive work is rationed per caller (``service.fairness``): every estimate, and every
+forecast read that must fit afresh, spends a token of the caller's bucket (a tenant's or the
+operator's key: ``tenant_estimates_*``; anyone else: its client address,
+``anonymous_estimates_*``); an empty bucket is a 429 with ``Retry-After``."""
 
 from __future__ import annotations
 
+import hmac
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Annotated
 
 import numpy as np
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 
 from prefect_spotgpu.economics.anywhere import AnyRegionForecast
 from prefect_spotgpu.market import DEFAULT_CATALOG
-from prefect_spotgpu.market.forecast import (
-    HourOfWeekForecast,
-    estimate,
-    holdout_error,
-    hourly_bars,
-)
-from prefect_spotgpu.service import queries, schemas
+from prefect_spotgpu.market.forecast import estimate
+from prefect_spotgpu.service import crud, queries, schemas
 from prefect_spotgpu.service.deps import Db
-from prefect_spotgpu.service.errors import Conflict, Invalid
+from prefect_spotgpu.service.errors import Conflict, Invalid, TooManyRequests
+from prefect_spotgpu.service.fairness import FairShares, client_address
+from prefect_spotgpu.service.forecasts import (
+    Fitted,
+    ForecastCache,
+    count_bars_by_region,
+    fit_history,
+)
 from prefect_spotgpu.service.routes.params import API, ModelPath, RegionPath
 
 router = APIRouter(prefix=API, tags=["prices"])
@@ -41,28 +51,74 @@ def _model_and_since(gpu_model: str, days: float) -> tuple[str, int]:
     return model, int((time.time() - days * 86400) // 60)
 
 
-def _history(db, gpu_model: str, region: str, days: float):
-    """Hourly closes of a pool (or of every pool of the model, for region "any")."""
+def _fitted(
+    request: Request, db, gpu_model: str, region: str, days: float, admit: Callable[[], None]
+) -> tuple[str, Fitted]:
+    """``(model, fitted history)`` of a pool (of every pool of the model merged, for region
+    "any"), from the cache while no bar has closed since (``admit``: before fitting afresh)."""
     model, since = _model_and_since(gpu_model, days)
+    one = None if region == "any" else region
     with db.begin() as session:
-        rows = queries.list_minute_bars(
-            session=session,
-            gpu_model=model,
-            region=None if region == "any" else region,
-            since_minute=since,
+        fingerprint = count_bars_by_region(
+            session=session, gpu_model=model, region=one, since_minute=since
         )
-    if not rows:
+    fitted = None
+    if fingerprint:
+        fitted = _cache(request).fitted(
+            (model, region, days), fingerprint, lambda: _fit(db, model, one, since), admit
+        )
+    if fitted is None:
         raise Conflict(f"no price history for {model} in {region} yet")
-    cols = np.array(rows, dtype=np.float64).T
-    return model, hourly_bars(cols[0].astype(np.int64), *cols[1:])
+    return model, fitted
+
+
+def _fit(db, model: str, region: str | None, since: int) -> Fitted | None:
+    with db.begin() as session:
+        return fit_history(session=session, gpu_model=model, region=region, since_minute=since)
+
+
+def _cache(request: Request) -> ForecastCache:
+    return request.app.state.forecasts
+
+
+def _spend(request: Request) -> None:
+    """Spend a token of the caller's bucket for expensive work, or raise a 429."""
+    shares: FairShares = request.app.state.fair_shares
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    buckets, whose, who = shares.anonymous_work, client_address(request), "client address"
+    if scheme.lower() == "bearer" and key:
+        if hmac.compare_digest(key.encode(), request.app.state.admin_key.encode()):
+            buckets, whose, who = shares.tenant_work, "admin", "key"
+        elif (tenant := _tenant_of_key(request, key)) is not None:
+            buckets, whose, who = shares.tenant_work, ("tenant", tenant), "tenant"
+    wait = buckets.take(whose, now=time.monotonic())
+    if wait:
+        raise TooManyRequests(
+            f"too many estimates and forecasts from this {who}: retry in {wait:.0f} s "
+            "(a tenant's key gets a larger share)",
+            retry_after=wait,
+        )
+
+
+def _tenant_of_key(request: Request, key: str) -> int | None:
+    """The tenant of a live API key (one indexed read outside any transaction), else None:
+    these routes are public, so a bad key is only no key."""
+    options = {"isolation_level": "AUTOCOMMIT"}
+    with request.app.state.engine.connect().execution_options(**options) as connection:
+        tenant = queries.find_tenant_by_key(connection=connection, key_hash=crud.hash_secret(key))
+    return None if tenant is None else tenant.id
 
 
 @router.get(
     "/prices/{gpu_model}/{region}/hourly",
     summary="A pool's clearing price per hour (OHLC)",
 )
-def hourly_history(gpu_model: ModelPath, region: RegionPath, db: Db, days: Days = 7.0):
-    _, bars = _history(db, gpu_model, region, days)
+def hourly_history(
+    gpu_model: ModelPath, region: RegionPath, db: Db, request: Request, days: Days = 7.0
+):
+    _, fitted = _fitted(request, db, gpu_model, region, days, lambda: _spend(request))
+    bars = fitted.bars
     return [
         {
             "hour": datetime.fromtimestamp(int(h) * 3600, UTC),
@@ -85,18 +141,14 @@ def forecast(
     gpu_model: ModelPath,
     region: RegionPath,
     db: Db,
+    request: Request,
     days: Days = 28.0,
     hours: Annotated[int, Query(ge=1, le=24 * 14)] = 48,
 ):
-    model, bars = _history(db, gpu_model, region, days)
-    times = bars["hour"] * 3600.0
-    fitted = HourOfWeekForecast.fit(times, bars["close"])
+    model, fitted = _fitted(request, db, gpu_model, region, days, lambda: _spend(request))
     ahead = (np.floor(time.time() / 3600) + np.arange(1, hours + 1)) * 3600.0
-    expected, low, high = fitted.predict(ahead)
-    span_days = (times.max() - times.min()) / 86400
-    error = None  # measured on the last quarter of the history (at most a week), if 2 days+
-    if span_days >= 2:
-        error = holdout_error(times, bars["close"], holdout_days=min(7.0, span_days / 4))
+    expected, low, high = fitted.forecast.predict(ahead)
+    times, error = fitted.bars["hour"], fitted.error
     return {
         "gpu_model": model,
         "region": region,
@@ -114,16 +166,18 @@ def forecast(
     }
 
 
-@router.post("/estimate", summary="Expected cost and finish of some GPU-hours by a deadline")
-def estimate_cost(data: schemas.EstimateRequest, db: Db, days: Days = 28.0):
+@router.post(
+    "/estimate",
+    summary="Expected cost and finish of some GPU-hours by a deadline",
+    responses={429: {"description": "Too many estimates from this caller: see Retry-After"}},
+)
+def estimate_cost(data: schemas.EstimateRequest, db: Db, request: Request, days: Days = 28.0):
     """For one region, from its pool's forecast; for ``any``, from every region's at once
     (``economics.anywhere``: spot usable when some region's price is at most the cap, at the
     cheapest region's price), with each region's own estimate beside it."""
-    model, by_region = _regions_history(db, data.gpu_model, data.region, days)
-    fitted = {
-        region: HourOfWeekForecast.fit(bars["hour"] * 3600.0, bars["close"])
-        for region, bars in by_region.items()
-    }
+    _spend(request)
+    model, by_region = _regions_history(request, db, data.gpu_model, data.region, days)
+    fitted = {region: f.forecast for region, f in by_region.items()}
     start = (data.start or datetime.now(UTC)).timestamp()
     on_demand = DEFAULT_CATALOG.get(model).on_demand_price
 
@@ -159,14 +213,24 @@ def estimate_cost(data: schemas.EstimateRequest, db: Db, days: Days = 28.0):
     }
 
 
-def _regions_history(db, gpu_model: str, region: str, days: float) -> tuple[str, dict]:
-    """``(model, {region: hourly bars})``: the one region's, or each region's for ``any``."""
+def _regions_history(request: Request, db, gpu_model: str, region: str, days: float):
+    """``(model, {region: fitted history})``: the one region's, or each region's for ``any``
+    (from one read of every region's fingerprint; only the regions with a new bar refit)."""
     if region != "any":
-        model, bars = _history(db, gpu_model, region, days)
-        return model, {region: bars}
+        model, fitted = _fitted(request, db, gpu_model, region, days, lambda: None)
+        return model, {region: fitted}
     model, since = _model_and_since(gpu_model, days)
     with db.begin() as session:
-        regions = queries.list_bar_regions(session=session, gpu_model=model, since_minute=since)
-    if not regions:
+        regions = count_bars_by_region(
+            session=session, gpu_model=model, region=None, since_minute=since
+        )
+    cache = _cache(request)
+    by_region = {}
+    for one in regions:
+        name = one[0]
+        fitted = cache.fitted((model, name, days), (one,), lambda r=name: _fit(db, model, r, since))
+        if fitted is not None:
+            by_region[name] = fitted
+    if not by_region:
         raise Conflict(f"no price history for {model} in any region yet")
-    return model, {r: _history(db, model, r, days)[1] for r in regions}
+    return model, by_region
