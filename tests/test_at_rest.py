@@ -91,7 +91,9 @@ def test_another_user_reads_none_of_the_markets_files(db_url, tmp_path):
         svc.tenant()  # a write: the WAL holds it
         files = [home / "secret_key"]
         if db_url.startswith("sqlite"):
-            files += sqlite_files(db_url)
+            # the leader's lock file too: a user who could open it could flock it, and no
+            # replica would ever lead
+            files += [*sqlite_files(db_url), Path(sa.make_url(db_url).database + ".leader")]
         for path in files:
             assert path.exists(), path
             assert mode(path) == 0o600, f"{path}: {mode(path):o}"

@@ -102,6 +102,9 @@ def build_runner(options: RunnerOptions, state_dir: Path) -> Runner:
     )
     if not docker:  # before anything is made: a node whose 'python' jobs cannot run
         check_job_interpreter(runner.interpreter, users)
+    if not state_dir.parent.exists():  # a home it makes is private (the market may share
+        # it: service/at_rest.py refuses one others can list); job users may only traverse it
+        state_dir.parent.mkdir(parents=True, mode=0o711 if users.isolated else 0o700)
     state_dir.mkdir(parents=True, exist_ok=True)
     if users.isolated:  # job users reach their own directories and list none of ours
         state_dir.chmod(0o711)

@@ -49,11 +49,18 @@ class HoldsMixin(MarketIndex):
                 live[self._members(leader)] = False
         if not live.any():
             return {}
-        tenants, inverse = np.unique(b.tenant[:n][live], return_inverse=True)
+        tenant = b.tenant[:n][live]
         rate = b.price[:n][live] * b.gpus[:n][live]
-        holding = b.status[:n][live] == ACTIVE
-        every = np.bincount(inverse, weights=rate, minlength=len(tenants))
-        active = np.bincount(inverse, weights=np.where(holding, rate, 0.0), minlength=len(tenants))
+        holding = np.where(b.status[:n][live] == ACTIVE, rate, 0.0)
+        if int(tenant.min()) >= 0 and int(tenant.max()) < 1 << 22:  # ids: one linear pass
+            every = np.bincount(tenant, weights=rate)
+            active = np.bincount(tenant, weights=holding, minlength=len(every))
+            tenants = np.flatnonzero(np.bincount(tenant, minlength=len(every)))
+            every, active = every[tenants], active[tenants]
+        else:
+            tenants, inverse = np.unique(tenant, return_inverse=True)
+            every = np.bincount(inverse, weights=rate, minlength=len(tenants))
+            active = np.bincount(inverse, weights=holding, minlength=len(tenants))
         return {
             int(t): (float(e), float(h))
             for t, e, h in zip(tenants.tolist(), every.tolist(), active.tolist(), strict=True)

@@ -151,14 +151,15 @@ def hold_short_of_credit(writes: TickWrites, owed: dict[int, int], hold_seconds:
     for tenant_id, (credits, spent) in writes.balances(list(owed)).items():
         available = credits - spent - owed[tenant_id]
         every, _ = rates.get(tenant_id, (0.0, 0.0))
-        if available > exposure_micros(max_price=every, gpus=1, seconds=hold_seconds):
+        needed = exposure_micros(max_price=every, gpus=1, seconds=hold_seconds)
+        if available > needed:
             continue  # every bid it has open is covered (the common case: one vector pass)
         bids = [
             BidExposure(bid_id, exposure_micros(max_price=p, gpus=g, seconds=hold_seconds), run)
             for bid_id, p, g, run in market.tenant_bids(tenant_id)
         ]
         decided = credit_holds(available=available, bids=bids)
-        reason = credit_hold_reason(available)
+        reason = credit_hold_reason(available, needed)
         for bid_id in decided.held:
             if _set_status(writes.session, bid_id, BidStatus.OPEN, BidStatus.HELD, reason):
                 market.hold_bid(bid_id)

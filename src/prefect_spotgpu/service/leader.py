@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import os
 
 from sqlalchemy import Engine, text, update
 from sqlalchemy.orm import Session
@@ -43,7 +44,12 @@ class Leadership:
             self._connection.commit()
             return bool(got)
         path = self._lock_path()
-        self._file = open(path, "a+")  # noqa: SIM115 - held for as long as we lead
+        # 0600: another local user who could open it could flock it and stop every replica
+        # from leading (a file the service made before 0600 is narrowed: it owns it)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, 0o600)
+        self._file = os.fdopen(fd, "a+")  # held for as long as we lead
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

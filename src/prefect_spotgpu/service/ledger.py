@@ -80,9 +80,16 @@ def ledger_entries(
     return list(session.scalars(query.order_by(LedgerEntry.id.desc()).limit(limit)))
 
 
-def credit_hold_reason(balance_micros: int) -> str:
-    """The ``hold_reason`` of a bid held because its tenant's balance ran out."""
-    return f"{HELD_FOR_CREDIT}: balance {from_micros(balance_micros):.4f}"
+def credit_hold_reason(balance_micros: int, needed_micros: int | None = None) -> str:
+    """The ``hold_reason`` of a bid held because its tenant's balance ran short (of
+    ``needed_micros``: what its open bids keep for their notices, ``service/credit.py``)."""
+    reason = f"{HELD_FOR_CREDIT}: balance {from_micros(balance_micros):.4f}"
+    if needed_micros is None:
+        return reason
+    return (
+        f"{reason} does not cover the {from_micros(needed_micros):.4f} that the notices of "
+        "your open bids may cost"
+    )
 
 
 # ---------------------------------------------------------------- on the tick leader

@@ -88,6 +88,7 @@ class Ticker:
         self.leading_since = 0.0  # when this replica last became the tick leader
         self.market: Market | None = None
         self.accrued = ledger.Accrued()  # charged by the market, not yet written
+        self.charged: set[int] = set()  # the tenants the last tick charged
         self.limits = credit.BidLimits.from_settings(settings)
         self.quotes = PoolQuotes()
         self.last_flush = 0.0
@@ -145,8 +146,13 @@ class Ticker:
             timeout = self.settings.heartbeat_timeout_seconds
             if now - self.leading_since >= timeout:
                 lose_silent_nodes(writes, timeout, now)
-            credit.hold_short_of_credit(writes, self.accrued.tenants, self.limits.hold_seconds)
+            # every tenant the last tick charged, its charges flushed or not
+            owed = {
+                t: self.accrued.tenants.get(t, 0) for t in self.charged | {*self.accrued.tenants}
+            }
+            credit.hold_short_of_credit(writes, owed, self.limits.hold_seconds)
             decision = self.market.tick(now)
+            self.charged = set(decision.charges.tenant_id.tolist())
             writes.decision(decision)
             writes.flush_events()
             if writes.ended or now - self.last_flush >= self.settings.charge_flush_seconds:
