@@ -49,7 +49,10 @@ POSTGRES = os.environ.get(
 )
 
 
-def start(db_url: str, home: Path, tick: float = 1.0) -> tuple[subprocess.Popen, str]:
+def start(
+    db_url: str, home: Path, tick: float = 1.0, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str]:
+    """The service as its own process (more ``SPOTGPU_*`` settings in ``env``); its API root."""
     port = free_port()
     env = {
         **os.environ,
@@ -57,6 +60,7 @@ def start(db_url: str, home: Path, tick: float = 1.0) -> tuple[subprocess.Popen,
         "SPOTGPU_HOME": str(home),
         # one load tenant places every bid: the per-tenant cap is not what this measures
         "SPOTGPU_MAX_OPEN_BIDS_PER_TENANT": "1000000",
+        **(env or {}),
     }
     proc = subprocess.Popen(
         [
@@ -86,6 +90,8 @@ def start(db_url: str, home: Path, tick: float = 1.0) -> tuple[subprocess.Popen,
                 return proc, url
         except (httpx.HTTPError, ValueError):
             pass
+        if proc.poll() is not None:
+            break
         time.sleep(0.1)
     proc.kill()
     raise RuntimeError("service did not start")

@@ -52,7 +52,8 @@ import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from api import ADMIN_KEY, free_port, stop
+import api
+from api import ADMIN_KEY, stop
 
 TARGET_RATIO = 2.0
 MODEL = "A100-80G"
@@ -95,32 +96,16 @@ def seed_history(url: str, regions: list[str], days: int) -> int:
 
 
 def start(db_url: str, home: Path) -> tuple[subprocess.Popen, str]:
-    """The service as its own process (its default fair-share settings); its API root."""
-    port = free_port()
-    env = {
-        **os.environ,
-        "SPOTGPU_ADMIN_KEY": ADMIN_KEY,
-        "SPOTGPU_HOME": str(home),
-        "SPOTGPU_HEARTBEAT_TIMEOUT_SECONDS": "86400",  # declared nodes send no heartbeats
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prefect_spotgpu.cli", "server", "start", "--db", db_url,
-         "--port", str(port), "--tick-seconds", "1", "--log-level", "warning"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    root = f"http://127.0.0.1:{port}/api/v1"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(root + "/health", timeout=2).json().get("leader"):
-                return proc, root
-        except (httpx.HTTPError, ValueError):
-            pass
-        if proc.poll() is not None:
-            break
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("the service did not start")
+    """The service as its own process (its default fair-share settings, and no cap on open
+    bids: the victim's own book is not what this measures); its API root."""
+    return api.start(
+        db_url,
+        home,
+        env={
+            "SPOTGPU_HEARTBEAT_TIMEOUT_SECONDS": "86400",  # declared nodes send no heartbeats
+            "SPOTGPU_MAX_OPEN_BIDS_PER_TENANT": "1000",
+        },
+    )
 
 
 def setup(root: str, regions: list[str]) -> dict:

@@ -17,6 +17,8 @@ from prefect_spotgpu.service import hardening
 from prefect_spotgpu.service.api import ROUTES
 from prefect_spotgpu.service.limits import MAX_BODY_BYTES
 
+from helpers import post_streamed_oversized
+
 BID = {"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0}
 
 # ---------------------------------------------------------------- strict numbers
@@ -160,16 +162,7 @@ def test_every_answer_carries_the_security_headers_the_413_too(service):
     assert by_length.status_code == 413
     assert_hardened(by_length)
 
-    def chunks():  # no Content-Length: refused once what arrived passes the limit
-        for _ in range(40):
-            yield b" " * 65536
-
-    streamed = httpx.post(
-        service.base_url + "/api/v1/bids",
-        content=chunks(),
-        headers={**alice.headers, "content-type": "application/json"},
-        timeout=30,
-    )
+    streamed = post_streamed_oversized(service, alice.headers)
     assert streamed.status_code == 413 and "content-length" not in streamed.request.headers
     assert_hardened(streamed)
     missing = alice.get("/no-such-route")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-import httpx
-
 from prefect_spotgpu.service.limits import MAX_BODY_BYTES
+
+from helpers import post_streamed_oversized
 
 BID = {"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0}
 
@@ -37,16 +37,7 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(service):
     response = alice.post("/bids", content=huge, headers={"content-type": "application/json"})
     assert response.status_code == 413 and "larger than" in response.json()["detail"]
 
-    def chunks():  # no Content-Length: refused as soon as it passes the limit
-        for _ in range(40):
-            yield b" " * 65536
-
-    streamed = httpx.post(
-        service.base_url + "/api/v1/bids",
-        content=chunks(),
-        headers={**alice.headers, "content-type": "application/json"},
-        timeout=30,
-    )
+    streamed = post_streamed_oversized(service, alice.headers)
     assert streamed.status_code == 413
     telemetry = {"telemetry": {"gpus": [{"index": 0, "utilization": 1.0}], "x": "y" * 5_000_000}}
     _, agent = service.node(service.tenant(), gpus=1)
@@ -88,3 +79,4 @@ def test_a_refused_webhook_secret_is_never_echoed(service):
     secret = "whsec_not-base64-but-secret!!"
     response = alice.put("/webhook", json={"url": "https://example.com/hook", "secret": secret})
     assert response.status_code == 422 and secret not in response.text
+
