@@ -10,7 +10,10 @@ For SQLite and PostgreSQL side by side in one run:
   share is visible;
 - ``profile``: where the time of one bid creation and of one tick goes (cProfile, in process).
 
-    python benchmarks/api.py [--seconds 5] [--clients 8] [--books 10000,100000]
+- ``bulk``: bids per second through ``POST /bids/batch`` beside single bids, and single bids'
+  latency while batches run (``--only bulk`` runs just this);
+
+    python benchmarks/api.py [--seconds 5] [--clients 8] [--books 10000,100000] [--batch 100]
 
 Prints one JSON object. Needs PostgreSQL at SPOTGPU_TEST_POSTGRES_URL (default: local ``test``).
 """
@@ -177,6 +180,82 @@ def bench_create(kind: str, seconds: float, clients: int, job: dict | None = Non
             "requests": len(latencies),
             "errors": errors[0],
             "clients": clients,
+        }
+    finally:
+        stop(proc)
+        drop()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def bench_bulk(kind: str, seconds: float, batch: int, job: dict | None = None) -> dict:
+    """Bids per second through ``POST /bids/batch`` (one client, ``batch`` bids a request),
+    and the latency of single bids placed meanwhile by another tenant (one every 20 ms),
+    against the same single bids with no batch running (``idle``)."""
+    home = Path(tempfile.mkdtemp())
+    url, drop = new_database(kind, home)
+    proc, base = start(url, home)
+    try:
+        admin = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        keys = [
+            admin.post("/tenants", json={"name": name, "starting_credit": 1e9}).json()["api_key"]
+            for name in ("fan-out", "victim")
+        ]
+        rng = np.random.default_rng(batch)
+
+        def body() -> dict:
+            bid = {
+                "gpu_model": "A100-80G",
+                "region": "eu-west",
+                "gpu_count": int(rng.choice([1, 2, 4, 8])),
+                "max_price": round(float(rng.uniform(0.9, 2.1)), 2),
+                "idempotency_key": uuid.uuid4().hex,
+            }
+            return bid if job is None else {**bid, "job": job}
+
+        def singles(until: float) -> list[float]:
+            latencies = []
+            with httpx.Client(
+                base_url=base, timeout=30, headers={"Authorization": f"Bearer {keys[1]}"}
+            ) as c:
+                while time.monotonic() < until:
+                    t0 = time.perf_counter()
+                    assert c.post("/bids", json=body()).status_code == 201
+                    latencies.append(time.perf_counter() - t0)
+                    time.sleep(0.02)
+            return latencies
+
+        idle = singles(time.monotonic() + min(seconds, 3.0))
+        placed, batch_latencies, during = [0], [], []
+        end = time.monotonic() + seconds
+
+        def bulk() -> None:
+            with httpx.Client(
+                base_url=base, timeout=60, headers={"Authorization": f"Bearer {keys[0]}"}
+            ) as c:
+                while time.monotonic() < end:
+                    bids = [body() for _ in range(batch)]
+                    t0 = time.perf_counter()
+                    response = c.post("/bids/batch", json={"bids": bids})
+                    batch_latencies.append(time.perf_counter() - t0)
+                    assert response.status_code == 201, response.text
+                    placed[0] += batch
+
+        loader = threading.Thread(target=bulk)
+        started = time.monotonic()
+        loader.start()
+        during = singles(end)
+        loader.join()
+        elapsed = time.monotonic() - started
+        ms = lambda xs, q: round(float(np.percentile(np.array(xs) * 1000, q)), 2)  # noqa: E731
+        return {
+            "bids_per_second": round(placed[0] / elapsed, 1),
+            "batch": batch,
+            "batch_p50_ms": ms(batch_latencies, 50),
+            "batch_p99_ms": ms(batch_latencies, 99),
+            "single_bid_during_bulk_p50_ms": ms(during, 50),
+            "single_bid_during_bulk_p99_ms": ms(during, 99),
+            "single_bid_idle_p99_ms": ms(idle, 99),
+            "single_bids_during_bulk": len(during),
         }
     finally:
         stop(proc)
@@ -380,8 +459,16 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--books", default="10000,100000")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--batch", type=int, default=100, help="bids per POST /bids/batch")
+    parser.add_argument(
+        "--only", choices=["bulk"], help="only the bulk comparison (single bids vs batches)"
+    )
     args = parser.parse_args()
+    if args.only == "bulk":
+        print(json.dumps(bulk_comparison(args), indent=2))
+        return
     out: dict = {"benchmark": "api", "create": {}, "tick": {}, "market_only_tick_seconds": {}}
+    out["bulk"] = bulk_comparison(args)
     for kind in ("sqlite", "postgresql"):
         out["create"][kind] = bench_create(kind, args.seconds, args.clients)
         print(json.dumps({kind: out["create"][kind]}), file=sys.stderr)
@@ -400,6 +487,25 @@ def main() -> None:
     if not args.no_profile:
         out["profile"] = {kind: profile(kind) for kind in ("sqlite", "postgresql")}
     print(json.dumps(out, indent=2))
+
+
+def bulk_comparison(args) -> dict:
+    """Per database: single bids from C clients against batches from one (the target: at least
+    1,000 bids/s in batches, and single bids' p99 at most 50 ms while they run)."""
+    out: dict = {"benchmark": "api-bulk", "target": "bulk >= 1000 bids/s; single p99 <= 50 ms"}
+    for kind in ("sqlite", "postgresql"):
+        single = bench_create(kind, args.seconds, args.clients)
+        bulk = bench_bulk(kind, args.seconds, args.batch)
+        with_job = bench_bulk(kind, args.seconds, args.batch, job=JOB)
+        out[kind] = {
+            "single_bids": single,
+            "batches": bulk,
+            "batches_with_sealed_job": with_job,
+            "bulk_vs_single": round(bulk["bids_per_second"] / single["bids_per_second"], 1),
+            "met": bulk["bids_per_second"] >= 1000 and bulk["single_bid_during_bulk_p99_ms"] <= 50,
+        }
+        print(json.dumps({kind: out[kind]}), file=sys.stderr)
+    return out
 
 
 if __name__ == "__main__":

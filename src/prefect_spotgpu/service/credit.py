@@ -21,6 +21,7 @@ cancel may have won).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -67,6 +68,18 @@ def reserve_for_bid(
     *, session: Session, tenant_id: int, data: schemas.BidCreate, limits: BidLimits
 ) -> None:
     """Admit a new bid of the tenant, or raise (module doc). Call before inserting it."""
+    reserve_for_bids(session=session, tenant_id=tenant_id, items=[data], limits=limits)
+
+
+def reserve_for_bids(
+    *,
+    session: Session,
+    tenant_id: int,
+    items: Sequence[schemas.BidCreate],
+    limits: BidLimits,
+) -> None:
+    """Admit new bids of the tenant all together (a batch: every member of every gang), or
+    raise for all of them (module doc). Call before inserting them."""
     tenant = _locked(session, tenant_id)
     rows = session.scalar(
         select(func.count(BidRow.id)).where(
@@ -74,21 +87,26 @@ def reserve_for_bid(
             BidRow.status.in_((BidStatus.OPEN.value, BidStatus.HELD.value)),
         )
     )
-    if rows + data.node_count > limits.max_open_bids:
+    adding = sum(data.node_count for data in items)
+    if rows + adding > limits.max_open_bids:
+        more = "" if len(items) == 1 else f", these {len(items)} bids would add {adding},"
         raise Conflict(
-            f"you have {rows} open or held bid rows (a gang counts each member) and the "
-            f"operator's cap is {limits.max_open_bids}: cancel some before placing more",
+            f"you have {rows} open or held bid rows (a gang counts each member){more} and "
+            f"the operator's cap is {limits.max_open_bids}: cancel some before placing more",
         )
     _check_cover(
         session=session,
         tenant=tenant,
-        needed=exposure_micros(
-            max_price=data.max_price,
-            gpus=data.gpu_count * data.node_count,
-            seconds=limits.admission_seconds,
+        needed=sum(
+            exposure_micros(
+                max_price=data.max_price,
+                gpus=data.gpu_count * data.node_count,
+                seconds=limits.admission_seconds,
+            )
+            for data in items
         ),
         limits=limits,
-        what="this bid",
+        what="this bid" if len(items) == 1 else f"these {len(items)} bids",
     )
 
 
@@ -110,6 +128,11 @@ def reserve_for_reprice(
         limits=limits,
         what="this raise",
     )
+
+
+def lock_tenant(*, session: Session, tenant_id: int) -> Tenant:
+    """The tenant's row, locked until the transaction ends: admissions of its bids queue."""
+    return _locked(session, tenant_id)
 
 
 def _locked(session: Session, tenant_id: int) -> Tenant:

@@ -280,12 +280,7 @@ def create_bid(
     balance and the amount needed) and counts it against the tenant's cap on open bids, under
     the tenant's row lock. The job's environment is sealed (encrypted) here: the row keeps the
     names in the clear (``job.env_names``) and the values only in ``job_env_sealed``."""
-    fields = data.model_dump(exclude={"idempotency_key"})
-    job = fields.pop("job", None)
-    if job is not None:
-        if job.get("image") is not None:  # only the operator's images: name or reference
-            job["image"] = images.job_image(session=session, image=job["image"])
-        fields["job"], fields["job_env_sealed"] = seal_job(job, sealer)
+    fields = bid_fields(session=session, data=data, sealer=sealer)
     if data.idempotency_key is not None:
         existing = session.scalar(
             select(BidRow).where(
@@ -293,7 +288,7 @@ def create_bid(
             )
         )
         if existing is not None:
-            _same_bid_or_conflict(existing, fields)
+            same_bid_or_conflict(existing, fields)
             return existing, False
     if data.node_count > 1:
         gangs.check_gang_fits(session=session, data=data)
@@ -323,7 +318,7 @@ def create_bid(
             )
             if existing is None:
                 raise
-            _same_bid_or_conflict(existing, fields)
+            same_bid_or_conflict(existing, fields)
             return existing, False
     record_change(session=session, entity=Entity.BID, entity_id=bid.id, op="create")
     if bid.node_count > 1:  # a gang: its other members, after rank 0 (module gangs)
@@ -331,7 +326,21 @@ def create_bid(
     return bid, True
 
 
-def _same_bid_or_conflict(existing: BidRow, fields: dict) -> None:
+def bid_fields(*, session: Session, data: schemas.BidCreate, sealer: Sealer) -> dict:
+    """The columns of a new bid row from its request: the job's image resolved in the
+    operator's catalogue (a 422 naming ``job.image`` otherwise) and its environment sealed."""
+    fields = data.model_dump(exclude={"idempotency_key"})
+    job = fields.pop("job", None)
+    if job is not None:
+        if job.get("image") is not None:  # only the operator's images: name or reference
+            job["image"] = images.job_image(session=session, image=job["image"])
+        fields["job"], fields["job_env_sealed"] = seal_job(job, sealer)
+    return fields
+
+
+def same_bid_or_conflict(existing: BidRow, fields: dict) -> None:
+    """A 409 naming ``idempotency_key`` when ``existing`` (the bid the key found) differs
+    from the new request's ``fields`` in any term of the bid."""
     for name in ("gpu_model", "region", "gpu_count", "max_price", "capacity", "node_count"):
         if getattr(existing, name) != fields[name]:
             raise Conflict(

@@ -60,6 +60,7 @@ ROUTE_ROLES: dict[tuple[str, str], frozenset[Role]] = {
         ("GET", f"{API}/me"): {T},
         ("POST", f"{API}/me/key"): {T},
         ("POST", f"{API}/bids"): {T},
+        ("POST", f"{API}/bids/batch"): {T},
         ("GET", f"{API}/bids"): {T},
         ("GET", f"{API}/bids/{{bid_id}}"): {T},
         ("PATCH", f"{API}/bids/{{bid_id}}"): {T},

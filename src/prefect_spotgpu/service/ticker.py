@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from prefect_spotgpu.market import Decision, Market
 from prefect_spotgpu.service import credit, leader, ledger, outbox
-from prefect_spotgpu.service.changes import apply_change, lose_silent_nodes
+from prefect_spotgpu.service.changes import apply_change, lose_silent_nodes, read_bid_rows
 from prefect_spotgpu.service.leader import Leadership, LostLeadership
 from prefect_spotgpu.service.market_rows import load_market
 from prefect_spotgpu.service.metrics import ServiceMetrics
@@ -139,6 +139,7 @@ class Ticker:
                 self.market = load_market(session=session, settings=self.settings)
                 self.last_flush = now
             changes = outbox.take_changes(session=session)
+            read_bid_rows(session, changes)
             writes = TickWrites(session, self.market, self.accrued, now, limits=self.limits)
             for change in changes:
                 apply_change(writes, change, now)

@@ -1,6 +1,7 @@
-"""Bid routes: a tenant places a bid (an idempotency key makes a retry return the first bid),
-lists its bids a page at a time, reads, reprices and cancels one, lists a bid's allocations,
-and long-polls the events of one bid or of all its bids. A tenant sees only its own bids.
+"""Bid routes: a tenant places a bid (an idempotency key makes a retry return the first bid)
+or a batch of them (``bulk_bids``: all or none), lists its bids a page at a time, reads,
+reprices and cancels one, lists a bid's allocations, and long-polls the events of one bid or
+of all its bids. A tenant sees only its own bids.
 
 A gang bid (``node_count`` above 1) is one row per member (``gangs``): any member's id reads,
 reprices or cancels the gang, and a member's allocations and events are the whole gang's."""
@@ -11,7 +12,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
 from prefect_spotgpu.protocol import BidStatus
-from prefect_spotgpu.service import crud, gangs, schemas
+from prefect_spotgpu.service import bulk_bids, crud, gangs, schemas
 from prefect_spotgpu.service.deps import CurrentTenant, Db
 from prefect_spotgpu.service.routes.long_poll import long_poll
 from prefect_spotgpu.service.routes.params import (
@@ -54,6 +55,43 @@ def create_bid(
         if not created:
             response.status_code = 200
         return _response(session, bid)
+
+
+@router.post(
+    "/bids/batch",
+    status_code=201,
+    response_model=schemas.BidBatchResponse,
+    summary="Place many bids at once: all of them or none (idempotent per bid)",
+    responses={
+        200: {"description": "Every bid's idempotency key found an earlier bid"},
+        402: {"description": "The balance does not cover the credit the bids reserve"},
+        409: {"description": "A key found a bid with other terms, or the cap on open bids"},
+    },
+)
+def create_bids(
+    data: schemas.BidBatchCreate,
+    tenant_id: CurrentTenant,
+    db: Db,
+    response: Response,
+    request: Request,
+):
+    with db.begin() as session:
+        placed = bulk_bids.create_bids(
+            session=session,
+            tenant_id=tenant_id,
+            items=data.bids,
+            now=now(),
+            sealer=request.app.state.sealer,
+            limits=request.app.state.bid_limits,
+        )
+        if not any(created for _, created in placed):
+            response.status_code = 200
+        rows = [bid for bid, _ in placed]
+        members = gangs.members_of(session=session, bids=rows)
+        return schemas.BidBatchResponse(
+            bids=[schemas.bid_response(b, members[b.id]) for b in rows],
+            created=[created for _, created in placed],
+        )
 
 
 @router.get(

@@ -14,6 +14,8 @@ from prefect_spotgpu.service.schemas.allocations import (
 )
 from prefect_spotgpu.service.schemas.bids import (
     MAX_JOB_ENV_BYTES,
+    BidBatchCreate,
+    BidBatchResponse,
     BidCreate,
     BidResponse,
     BidUpdate,
@@ -85,6 +87,8 @@ __all__ = [
     "AllocationReport",
     "AllocationResponse",
     "Assignment",
+    "BidBatchCreate",
+    "BidBatchResponse",
     "BidCreate",
     "BidResponse",
     "BidUpdate",

@@ -117,6 +117,22 @@ class BidCreate(Strict):
         return self
 
 
+MAX_BIDS_PER_BATCH = 500
+"""The most bids one ``POST /bids/batch`` places (and the body limit still holds: about 2 KB
+of job environment a bid fits 500 in a request)."""
+
+
+class BidBatchCreate(Strict):
+    """Many bids at once: written all together or not at all (``service/bulk_bids.py``)."""
+
+    bids: list[BidCreate] = Field(
+        min_length=1,
+        max_length=MAX_BIDS_PER_BATCH,
+        description=f"The bids, 1 to {MAX_BIDS_PER_BATCH}; each as for POST /bids, with its "
+        "own idempotency key (recommended: a retried batch then writes only what is missing).",
+    )
+
+
 class BidUpdate(Strict):
     max_price: Price
 
@@ -147,6 +163,14 @@ class BidResponse(BaseModel):
     members: list[int] = Field(
         default_factory=list,
         description="A gang's member bid ids in rank order ([] for a one-node bid).",
+    )
+
+
+class BidBatchResponse(BaseModel):
+    bids: list[BidResponse] = Field(description="The batch's bids, in the request's order.")
+    created: list[bool] = Field(
+        description="Per bid: true when this request created it, false when its idempotency "
+        "key found an earlier one."
     )
 
 
