@@ -12,12 +12,11 @@ import pytest
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
+from helpers import post_streamed_oversized
 from prefect_spotgpu.protocol import REPORT_DETAIL_CHARS
 from prefect_spotgpu.service import hardening
 from prefect_spotgpu.service.api import ROUTES
 from prefect_spotgpu.service.limits import MAX_BODY_BYTES
-
-from helpers import post_streamed_oversized
 
 BID = {"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0}
 

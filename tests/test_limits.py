@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 
-from prefect_spotgpu.service.limits import MAX_BODY_BYTES
-
 from helpers import post_streamed_oversized
+from prefect_spotgpu.service.limits import MAX_BODY_BYTES
 
 BID = {"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0}
 

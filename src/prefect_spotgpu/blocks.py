@@ -6,8 +6,10 @@ found through the ``prefect.collections`` entry point). Secrets are ``SecretStr`
 
 from __future__ import annotations
 
+import anyio
 import httpx
 from prefect.blocks.core import Block
+from prefect.filesystems import WritableFileSystem
 from pydantic import Field, SecretStr, model_validator
 
 from prefect_spotgpu.api_client import DEFAULT_TIMEOUT, api_client, async_api_client
@@ -16,6 +18,8 @@ from prefect_spotgpu.protocol import JOB_ENV
 LOGO = "https://raw.githubusercontent.com/prefect-spotgpu/prefect-spotgpu/main/src/prefect_spotgpu/logo.png"
 """The packaged ``logo.png`` (64x64), where the project publishes it."""
 DOCS = "https://pypi.org/project/prefect-spotgpu/"
+RESULTS = "results"
+"""Where a storage block keeps Prefect results (the flow runs' return values)."""
 
 
 class SpotMarket(Block):
@@ -51,8 +55,12 @@ class SpotMarket(Block):
         return async_api_client(self.url, self.api_key.get_secret_value(), timeout)
 
 
-class CheckpointStorage(Block):
+class CheckpointStorage(WritableFileSystem):
     """Where spot flows keep their checkpoints: a local (shared) directory, or S3.
+
+    It is also where everything else of a run lives that another host must find: the bundles
+    of decorated flows (``bundles/``), their results (``results/``: this block serves as
+    Prefect result storage, ``read_path``/``write_path``) and a flow's outputs (``outputs/``).
 
     Example:
         Give a flow its checkpointer:
@@ -110,6 +118,29 @@ class CheckpointStorage(Block):
             aws_access_key_id=self.aws_access_key_id,
             aws_secret_access_key=secret.get_secret_value() if secret else None,
         )
+
+    def objects(self):
+        """The storage's named objects (``checkpoint.objects``), with this block's credentials."""
+        from prefect_spotgpu.checkpoint.objects import LocalObjects, S3Objects
+
+        if self.path is not None:
+            return LocalObjects(self.path)
+        return S3Objects(self.bucket, self.prefix, client=self.get_storage().client)
+
+    def read_path(self, path: str) -> bytes:
+        """Prefect result storage: the result stored as ``path`` (under ``results/``)."""
+        return self.objects().get(f"{RESULTS}/{path}")
+
+    def write_path(self, path: str, content: bytes) -> str:
+        """Prefect result storage: store ``content`` as ``path`` (under ``results/``)."""
+        self.objects().put(f"{RESULTS}/{path}", content)
+        return path
+
+    async def aread_path(self, path: str) -> bytes:
+        return await anyio.to_thread.run_sync(self.read_path, path)
+
+    async def awrite_path(self, path: str, content: bytes) -> str:
+        return await anyio.to_thread.run_sync(self.write_path, path, content)
 
     def job_env(self) -> dict[str, str]:
         """Environment for a job on a node: ``SPOTGPU_CHECKPOINT_URL`` and S3 credentials."""

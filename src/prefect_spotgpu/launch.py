@@ -46,11 +46,26 @@ from prefect_spotgpu.protocol import JOB_ENV, LABELS, TORCH_ENV
 
 
 def main() -> int:
+    code = wait_for_go()
+    if code is not None:
+        return code
+    if os.environ.get(TORCH_ENV.RANK, "0") != "0":  # a gang member of rank > 0
+        flow_run_id = os.environ["PREFECT__FLOW_RUN_ID"]
+        code = run_flow_function(flow_run_id)
+        return code or until_the_run_ends(flow_run_id)
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "prefect.engine"])
+    return 0  # pragma: no cover - exec does not return
+
+
+def wait_for_go() -> int | None:
+    """Wait for the worker's go (the module doc): None once it is given, or the exit code
+    this job ends with instead (0: over or noticed before it started; 3: no go in time)."""
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     flow_run_id = os.environ["PREFECT__FLOW_RUN_ID"]
     allocation = os.environ.get(JOB_ENV.ALLOCATION_ID, "")
-    notice_file = Path(os.environ.get(JOB_ENV.NOTICE_FILE, "/nonexistent/notice"))
-    timeout = float(os.environ.get(JOB_ENV.LAUNCH_TIMEOUT, "600"))
+    notice_file = _notice_file()
+    timeout = _timeout()
     follower = os.environ.get(TORCH_ENV.RANK, "0") != "0"  # a gang member of rank > 0
     lead = os.environ.get(JOB_ENV.GANG_LEAD_ALLOCATION, "")
 
@@ -71,23 +86,24 @@ def main() -> int:
                 return 0  # (Crashed is not the end: the worker reschedules a preempted run)
             if follower:
                 if _gang_go(flow_run, lead):
-                    break
+                    return None
             elif (
                 state is not None
                 and state.is_pending()
                 and (flow_run.labels or {}).get(LABELS.ALLOCATION) == allocation
             ):
-                break
+                return None
             time.sleep(0.1 if time.monotonic() - started < 10 else 1.0)  # then ease off
-        else:
-            print(f"spotgpu: no go from the worker within {timeout:.0f} s", file=sys.stderr)
-            return 3
-    if follower:
-        code = run_flow_function(flow_run_id)
-        return code or _until_the_run_ends(flow_run_id, notice_file, timeout)
-    sys.stdout.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "prefect.engine"])
-    return 0  # pragma: no cover - exec does not return
+    print(f"spotgpu: no go from the worker within {timeout:.0f} s", file=sys.stderr)
+    return 3
+
+
+def _notice_file() -> Path:
+    return Path(os.environ.get(JOB_ENV.NOTICE_FILE, "/nonexistent/notice"))
+
+
+def _timeout() -> float:
+    return float(os.environ.get(JOB_ENV.LAUNCH_TIMEOUT, "600"))
 
 
 def _gang_go(flow_run, lead: str) -> bool:
@@ -99,10 +115,12 @@ def _gang_go(flow_run, lead: str) -> bool:
     return state.is_running() or (state.is_pending() and state.name == "Starting")
 
 
-def _until_the_run_ends(flow_run_id: str, notice_file: Path, timeout: float) -> int:
+def until_the_run_ends(flow_run_id: str) -> int:
     """A member of rank > 0 whose function returned: wait while rank 0's engine finishes the
     flow run (its end is the gang's), then 0. A notice meanwhile is acknowledged at once."""
     from prefect.client.orchestration import get_client
+
+    notice_file, timeout = _notice_file(), _timeout()
 
     print(f"spotgpu: rank {os.environ.get(TORCH_ENV.RANK)} done; waiting for the flow run's end")
     sys.stdout.flush()
@@ -121,9 +139,11 @@ def _until_the_run_ends(flow_run_id: str, notice_file: Path, timeout: float) -> 
     return 0
 
 
-def run_flow_function(flow_run_id: str) -> int:
+def run_flow_function(flow_run_id: str, load=None) -> int:
     """Rank > 0 of a gang: the flow's function with the run's parameters, in this process,
-    leaving the flow run's state to rank 0's engine. 0 when it returns, 1 when it raises."""
+    leaving the flow run's state to rank 0's engine. 0 when it returns, 1 when it raises.
+    ``load``: how to get the flow and its parameters (default: the deployment's entrypoint;
+    a decorated flow's executor loads them from its bundle)."""
     import asyncio
     import inspect
     import traceback
@@ -132,7 +152,7 @@ def run_flow_function(flow_run_id: str) -> int:
     from prefect.flows import load_flow_from_flow_run
     from prefect.utilities.callables import parameters_to_args_kwargs
 
-    async def load():
+    async def from_deployment():
         async with get_client() as client:
             flow_run = await client.read_flow_run(flow_run_id)
             flow = await load_flow_from_flow_run(flow_run, use_placeholder_flow=False)
@@ -140,7 +160,7 @@ def run_flow_function(flow_run_id: str) -> int:
 
     rank = os.environ.get(TORCH_ENV.RANK)
     try:
-        flow, parameters = asyncio.run(load())
+        flow, parameters = load() if load is not None else asyncio.run(from_deployment())
         if flow.should_validate_parameters:
             parameters = flow.validate_parameters(parameters)
         args, kwargs = parameters_to_args_kwargs(flow.fn, parameters)

@@ -251,6 +251,9 @@ class _Labels:
     """On a bid: the work pool of its flow run (adoption looks only at its own pool's)."""
     REPLACES: str = "spotgpu.replaces"
     """On a bid that replaced an earlier bid of the same run (spot -> on-demand): that id."""
+    BUNDLE_SHA256: str = "spotgpu.bundle-sha256"
+    """On a flow run of a decorated flow: the SHA-256 of its bundle, set by the caller that
+    uploaded it; the node runs the bundle only when the bytes it read match."""
 
 
 LABELS = _Labels()

@@ -152,9 +152,11 @@ class _Refused(Exception):
 async def _setup(pool: str, market_block: str, storage_block: str, replace: bool) -> list[str]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
+    from prefect.client.schemas.objects import WorkPoolStorageConfiguration
     from prefect.exceptions import ObjectNotFound
 
     from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
+    from prefect_spotgpu.bundles import storage_configuration
     from prefect_spotgpu.worker import SpotGPUWorker
 
     out = []
@@ -202,13 +204,33 @@ async def _setup(pool: str, market_block: str, storage_block: str, replace: bool
                 f"its form offers {len(catalogue)} catalogue image(s) ({names}) "
                 f"and {PROCESS_IMAGE!r} (no container)"
             )
+        storage = WorkPoolStorageConfiguration(
+            **storage_configuration(
+                block_name=storage_block,
+                url=(await CheckpointStorage.aload(storage_block)).url(),
+                block_id=storage_id,
+            )
+        )
         if existing is None:
             await client.create_work_pool(
-                WorkPoolCreate(name=pool, type="spot-gpu", base_job_template=template)
+                WorkPoolCreate(
+                    name=pool,
+                    type="spot-gpu",
+                    base_job_template=template,
+                    storage_configuration=storage,
+                )
             )
             out.append(f"created work pool {pool!r} of type spot-gpu")
         else:
-            await client.update_work_pool(pool, WorkPoolUpdate(base_job_template=template))
+            await client.update_work_pool(
+                pool,
+                WorkPoolUpdate(base_job_template=template, storage_configuration=storage),
+            )
+        out.append(
+            f"flows decorated with @spot_gpu(work_pool={pool!r}) travel as bundles through "
+            f"{storage_block!r}, which also keeps their results (prefect work-pool storage "
+            f"inspect {pool})"
+        )
         out.append(
             f"{pool!r} runs bid through {market_block!r} and checkpoint to {storage_block!r}; "
             f"start its worker with: prefect worker start --pool {pool} --type spot-gpu"

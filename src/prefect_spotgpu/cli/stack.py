@@ -337,8 +337,10 @@ class LocalStack:
     async def _create_pool(self, pool: str, checkpoint_dir, defaults: dict) -> str:
         from prefect.client.orchestration import get_client
         from prefect.client.schemas.actions import WorkPoolCreate
+        from prefect.client.schemas.objects import WorkPoolStorageConfiguration
         from pydantic import SecretStr
 
+        from prefect_spotgpu import bundles
         from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
         from prefect_spotgpu.worker import SpotGPUWorker
 
@@ -356,11 +358,21 @@ class LocalStack:
         }
         for key, value in values.items():
             template["variables"]["properties"][key]["default"] = value
+        storage_configuration = WorkPoolStorageConfiguration(
+            **bundles.storage_configuration(
+                block_name=f"{pool}-checkpoints", url=storage.url(), block_id=str(storage_id)
+            )
+        )
         async with get_client() as client:
             with contextlib.suppress(Exception):
                 await client.delete_work_pool(pool)
             await client.create_work_pool(
-                WorkPoolCreate(name=pool, type="spot-gpu", base_job_template=template)
+                WorkPoolCreate(
+                    name=pool,
+                    type="spot-gpu",
+                    base_job_template=template,
+                    storage_configuration=storage_configuration,
+                )
             )
         return pool
 

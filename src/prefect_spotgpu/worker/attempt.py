@@ -313,7 +313,9 @@ class Attempt:
             lambda: Scheduled(
                 name="Preempted", scheduled_time=reschedule.when, message=reschedule.message
             ),
-            force=False,
+            # a flow called from code has no deployment, and Prefect lets such a run leave
+            # its engine's Crashed for Scheduled only by force (over was ruled out above)
+            force=run.flow_run.deployment_id is None,
             check=then.insist,
         )
 

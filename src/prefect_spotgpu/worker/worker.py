@@ -111,10 +111,12 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._following: set[str] = set()
+        self._polling = False  # True under start(): Prefect's loop picks rescheduled runs
 
     async def start(self, *args: Any, **kwargs: Any) -> None:
         """Prefect's worker loop, asking for scheduled runs every second (see QUERY_SECONDS);
         when it ends, a bounded flush of Prefect's logs and events (see the class docstring)."""
+        self._polling = True
         try:
             if "PREFECT_WORKER_QUERY_SECONDS" in os.environ:
                 return await super().start(*args, **kwargs)
@@ -171,6 +173,51 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
         configuration: SpotGPUJobConfiguration,
         task_status: anyio.abc.TaskStatus | None = None,
     ) -> SpotGPUWorkerResult:
+        """One attempt of the run; for a worker that Prefect's loop does not drive (a flow
+        called from code: ``BaseWorker.submit`` in the caller's process), every attempt until
+        the run is over, so the caller's call follows the run across its preemptions. A
+        rescheduled run is taken again as Prefect's loop would take it (Pending, compare-and-
+        set on the server): when the pool's own worker takes it first, this one lets it go."""
+        result = await self._attempt(flow_run, configuration, task_status)
+        while not self._polling and result.status_code == 0:
+            flow_run = await self._take_again(flow_run)
+            if flow_run is None:
+                break
+            result = await self._attempt(flow_run, configuration, None)
+        return result
+
+    async def _take_again(self, flow_run):
+        """The run, Pending again for this worker, once it is rescheduled (Preempted now, or
+        paused until its window opens); None when it is over or another worker took it."""
+        while True:
+            flow_run = await self.client.read_flow_run(flow_run.id)
+            state = flow_run.state
+            if state is None or not state.is_scheduled():
+                self._logger.info(
+                    "Flow run %s is %s: this worker follows it no further",
+                    flow_run.id,
+                    state.name if state else "without a state",
+                )
+                return None
+            wait = (state.state_details.scheduled_time or datetime.now(UTC)).timestamp() - (
+                datetime.now(UTC).timestamp()
+            )
+            if wait <= 0:
+                break
+            self._logger.info("Flow run %s resumes in %.0f s (its schedule)", flow_run.id, wait)
+            await anyio.sleep(min(wait, 60.0))
+        if not await self._propose_pending_state(flow_run):
+            self._logger.info("Flow run %s was taken by another worker", flow_run.id)
+            return None
+        self._logger.info("Following flow run %s again after its preemption", flow_run.id)
+        return await self.client.read_flow_run(flow_run.id)
+
+    async def _attempt(
+        self,
+        flow_run,
+        configuration: SpotGPUJobConfiguration,
+        task_status: anyio.abc.TaskStatus | None,
+    ) -> SpotGPUWorkerResult:
         market = market_of(configuration)
         check_storage(configuration)
         self._following.add(str(flow_run.id))  # from its first step: no adoption pass takes it
@@ -215,7 +262,8 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
     async def sync_with_backend(self) -> None:
         """Prefect's heartbeat, and then a look for runs an earlier worker left behind."""
         await super().sync_with_backend()
-        if self._work_pool is not None and self._runs_task_group:
+        # a worker in a caller's process (a flow called from code) follows its own run only
+        if self._polling and self._work_pool is not None and self._runs_task_group:
             try:
                 await self._adopt_orphans()
             except Exception:
