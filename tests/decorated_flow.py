@@ -19,6 +19,8 @@ from prefect_spotgpu import spot_gpu
 from spot_flow import count
 
 POOL, PROGRESS, STEPS = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if "--steps-long" in sys.argv:  # a run that lasts until it is stopped
+    STEPS = 100_000
 RAISE = "--raise" in sys.argv
 
 

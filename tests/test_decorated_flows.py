@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -248,3 +249,47 @@ def test_a_pool_without_bundle_storage_is_refused_with_the_command_to_fix_it(sta
 
     with pytest.raises(RuntimeError, match="spotgpu pool setup --pool no-such-pool"):
         nowhere()
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_the_caller_cancels_the_run_and_its_bid(stack, tmp_path):
+    caller = call_script(stack, tmp_path, "--steps-long")
+    progress = tmp_path / "progress.jsonl"
+    wait_for(lambda: sum("step" in e for e in progress_of(progress)) >= 3, 120, "progress")
+    allocation = int(next(e["alloc"] for e in progress_of(progress) if "start" in e))
+    caller.send_signal(signal.SIGINT)
+    caller.communicate(timeout=60)
+    market = stack.market()
+    bid = market.get(f"/allocations/{allocation}").json()["bid_id"]
+    wait_for(
+        lambda: market.get(f"/bids/{bid}").json()["status"] == "cancelled", 30, "bid cancelled"
+    )
+    run_id = UUID(market.get(f"/bids/{bid}").json()["labels"][LABELS.FLOW_RUN])
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(run_id).state
+    assert state.is_cancelled() and "Ctrl-C" in state.message
+    ended = wait_for(
+        lambda: (a := market.get(f"/allocations/{allocation}").json())["ended_at"] and a,
+        30,
+        "the job stopped",
+    )
+    assert ended["status"] == "finished"
+
+
+@pytest.mark.slow
+def test_submit_returns_at_once_and_the_pools_worker_serves_submit_to_work_pool(stack):
+    @spot_gpu(work_pool=POOL, gpu_count=1)
+    @flow(name="add")
+    def add(x: int, y: int) -> int:
+        return x + y
+
+    t0 = time.monotonic()
+    here = add.submit(1, 2)  # followed by a worker in this process
+    assert time.monotonic() - t0 < 30 and not here.state.is_final()
+    stack.start_worker(POOL, name="pool-worker")
+    try:
+        there = add.submit_to_work_pool(3, 4)  # taken by the pool's worker
+        assert here.result(timeout=180) == 3
+        assert there.result(timeout=180) == 7
+    finally:
+        stack.kill("pool-worker", signal.SIGTERM)

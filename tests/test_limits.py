@@ -78,4 +78,3 @@ def test_a_refused_webhook_secret_is_never_echoed(service):
     secret = "whsec_not-base64-but-secret!!"
     response = alice.put("/webhook", json={"url": "https://example.com/hook", "secret": secret})
     assert response.status_code == 422 and secret not in response.text
-

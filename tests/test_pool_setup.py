@@ -84,13 +84,30 @@ def test_blocks_save_and_pool_setup_link_a_spot_gpu_pool(prefect_api_url, servic
             str(market.id),
             str(storage.id),
             storage.data,
+            found.storage_configuration,
         )
 
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings({PREFECT_API_URL: prefect_api_url}):
-        kind, market_ref, storage_ref, market_id, storage_id, data = asyncio.run(linked())
+        kind, market_ref, storage_ref, market_id, storage_id, data, bundles = asyncio.run(
+            linked()
+        )
     assert kind == "spot-gpu"
+    # decorated flows: bundles and results through the same storage, no uv at run time
+    assert bundles.bundle_upload_step == {
+        "prefect_spotgpu.bundles.upload": {"launcher": ["python"], "block": "s-x"}
+    }
+    assert bundles.bundle_execution_step == {
+        "prefect_spotgpu.bundles.execute": {"launcher": ["python"], "url": str(ckpt)}
+    }
+    assert str(bundles.default_result_storage_block_id) == storage_id
+    inspected = subprocess.run(
+        [sys.executable, "-m", "prefect", "work-pool", "storage", "inspect", pool],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert "upload.block" in inspected.stdout and "s-x" in inspected.stdout, inspected.stdout
+    assert "execution.url" in inspected.stdout
     assert market_ref == {"$ref": {"block_document_id": market_id}}
     assert storage_ref == {"$ref": {"block_document_id": storage_id}}
     assert data["path"] == str(ckpt)

@@ -32,6 +32,7 @@ unknown GPU model lists the ones the market sells.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import os
 import sys
@@ -192,7 +193,11 @@ class SpotGPUFlow(InfrastructureBoundFlow):
             finally:
                 holder.started.set()
 
-        thread = threading.Thread(target=follow, name=f"spot-gpu {self.name}", daemon=True)
+        _share_prefect_settings()
+        context = contextvars.copy_context()  # this caller's Prefect settings, in the thread
+        thread = threading.Thread(
+            target=context.run, args=(follow,), name=f"spot-gpu {self.name}", daemon=True
+        )
         thread.start()
         while holder.flow_run_id is None and not holder.started.wait(0.05):
             pass
