@@ -2,17 +2,20 @@
 
 The scene: a torus and two spheres over a checkered floor, lit by one sun with soft shadows
 and ambient occlusion, the camera circling once over the animation. Each frame is sphere-traced
-(signed distance fields), shaded, written as ``frame-NNNN.png`` (atomically), and then recorded
+(signed distance fields), shaded, written as ``frame-NNNN.png`` into the run's storage
+(``outputs/<out>/``, atomically: the next attempt may run on another host), and then recorded
 in the checkpoint; a resumed run skips the frames already done. At the end the frames become
 ``animation.gif``. Rendering is deterministic: an interrupted and an uninterrupted run write the
-same bytes.
+same bytes. ``render_frames`` renders one range of frames of a render queue (``render_queue``
+in ``flows/render_queue.py`` fans a queue out over many spot runs).
 
     python flows/render.py OUT [--frames 24] [--width 160 --height 120]
 """
 
 from __future__ import annotations
 
-import os
+import io
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +23,7 @@ import numpy as np
 from PIL import Image
 
 from prefect_spotgpu.checkpoint import Checkpointer
+from prefect_spotgpu.checkpoint.objects import ObjectStore
 
 MAX_STEPS, FAR, EPSILON = 96, 30.0, 1e-3
 
@@ -111,47 +115,100 @@ def render_frame(index: int, frames: int, width: int, height: int) -> np.ndarray
 
 def render(
     ckpt: Checkpointer,
-    out: Path,
+    out: ObjectStore,
     on_notice: Callable[[Checkpointer], None],
     frames: int = 24,
     width: int = 160,
     height: int = 120,
     on_frame: Callable[[int, int], None] = lambda done, total: None,
+    prefix: str = "",
 ) -> dict:
-    """Render every frame not yet done (per the checkpoint), then the GIF; a summary."""
-    out.mkdir(parents=True, exist_ok=True)
+    """Render every frame not yet done (per the checkpoint) into ``out`` (the run's storage:
+    ``<prefix>/frame-NNNN.png``, each written atomically), then the GIF; a summary."""
     restored = ckpt.restore()
     done = np.zeros(frames, dtype=bool) if restored is None else restored.state["done"].copy()
     for index in range(frames):
         if done[index]:
             continue
-        pixels = render_frame(index, frames, width, height)
-        path = out / f"frame-{index:04d}.png"
-        tmp = out / f".frame-{index:04d}.png.tmp"
-        Image.fromarray(pixels).save(tmp, format="PNG")
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        out.put(frame_name(prefix, index), png(render_frame(index, frames, width, height)))
         done[index] = True
         on_frame(int(done.sum()), frames)
         ckpt.maybe_save({"done": done}, index)
         if ckpt.notice_received:
             on_notice(ckpt)
-    images = [Image.open(out / f"frame-{i:04d}.png") for i in range(frames)]
-    gif = out / "animation.gif"
-    images[0].save(gif, save_all=True, append_images=images[1:], duration=80, loop=0)
-    return {"frames": frames, "size": [width, height], "animation": str(gif)}
+    gif = join(prefix, "animation.gif")
+    out.put(gif, animation(out, [frame_name(prefix, i) for i in range(frames)]))
+    return {"frames": frames, "size": [width, height], "animation": gif}
+
+
+def render_range(
+    ckpt: Checkpointer,
+    out: ObjectStore,
+    on_notice: Callable[[Checkpointer], None],
+    first: int,
+    stop: int,
+    frames: int,
+    width: int,
+    height: int,
+    prefix: str,
+    pace_seconds: float = 0.0,
+) -> list[str]:
+    """Frames ``first`` to ``stop - 1`` of the animation into ``out``, each **once**: a frame
+    already there (an earlier attempt of this shard, on any host) is not rendered again, and
+    of two writers of one frame only the first stores it (``put_new``). The frames' names.
+    ``pace_seconds``: a frame takes at least this long (a GPU's time, where the CPU of a test
+    machine is the limit)."""
+    names = [frame_name(prefix, i) for i in range(first, stop)]
+    for index, name in zip(range(first, stop), names, strict=True):
+        if not out.exists(name):
+            began = time.monotonic()
+            pixels = render_frame(index, frames, width, height)
+            time.sleep(max(0.0, pace_seconds - (time.monotonic() - began)))
+            out.put_new(name, png(pixels))
+        ckpt.maybe_save({"next": np.array([index + 1])}, index)  # acknowledges a notice
+        if ckpt.notice_received:
+            on_notice(ckpt)
+    return names
+
+
+def png(pixels: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def animation(out: ObjectStore, names: list[str]) -> bytes:
+    """The frames as one looping GIF (deterministic: the same frames, the same bytes)."""
+    images = [Image.open(io.BytesIO(out.get(name))) for name in names]
+    buffer = io.BytesIO()
+    images[0].save(
+        buffer, format="GIF", save_all=True, append_images=images[1:], duration=80, loop=0
+    )
+    return buffer.getvalue()
+
+
+def frame_name(prefix: str, index: int) -> str:
+    return join(prefix, f"frame-{index:04d}.png")
+
+
+def join(prefix: str, name: str) -> str:
+    return f"{prefix.strip('/')}/{name}" if prefix.strip("/") else name
 
 
 def _prefect_flow():
     from prefect import flow, get_run_logger
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-    from prefect_spotgpu.checkpoint.flow import checkpointer_for_run, wait_to_be_stopped
+    from prefect_spotgpu.checkpoint.flow import (
+        checkpointer_for_run,
+        run_outputs,
+        wait_to_be_stopped,
+    )
 
     @flow(name="render-animation")
     def render_animation(out: str, frames: int = 24, width: int = 160, height: int = 120):
-        """Render the ray-marched animation into ``out``; done frames are skipped on resume."""
+        """Render the ray-marched animation into ``outputs/<out>/`` of the run's storage
+        (durable, seen from every host); done frames are skipped on resume."""
         logger = get_run_logger()
         progress = create_progress_artifact(0.0, description="frames rendered (%)")
 
@@ -160,12 +217,32 @@ def _prefect_flow():
             logger.info("frame %d/%d", done, total)
 
         ckpt = checkpointer_for_run(every=0.001)  # every frame: a frame is the unit of work
-        return render(ckpt, Path(out), wait_to_be_stopped, frames, width, height, on_frame)
+        store, prefix = run_outputs(out)
+        return render(ckpt, store, wait_to_be_stopped, frames, width, height, on_frame, prefix)
 
-    return render_animation
+    @flow(name="render-frames")
+    def render_frames(
+        out: str,
+        first: int,
+        stop: int,
+        frames: int,
+        width: int = 160,
+        height: int = 120,
+        pace_seconds: float = 0.0,
+    ) -> list[str]:
+        """One shard of a render queue (``render_queue``): frames ``first`` to ``stop - 1``
+        into ``outputs/<out>/`` of the run's storage, each exactly once."""
+        store, prefix = run_outputs(out)
+        ckpt = checkpointer_for_run(every=0.001)
+        return render_range(
+            ckpt, store, wait_to_be_stopped, first, stop, frames, width, height, prefix,
+            pace_seconds,
+        )  # fmt: skip
+
+    return render_animation, render_frames
 
 
-render_animation = _prefect_flow()
+render_animation, render_frames = _prefect_flow()
 
 
 if __name__ == "__main__":
@@ -174,6 +251,7 @@ if __name__ == "__main__":
 
     from prefect_spotgpu.checkpoint import LocalStorage
     from prefect_spotgpu.checkpoint.flow import wait_to_be_stopped
+    from prefect_spotgpu.checkpoint.objects import LocalObjects
 
     parser = argparse.ArgumentParser(description="render the ray-marched animation")
     parser.add_argument("out", type=Path)
@@ -184,7 +262,7 @@ if __name__ == "__main__":
     ckpt = Checkpointer(LocalStorage(tempfile.mkdtemp(prefix="render-")), "render", every=0.001)
     summary = render(
         ckpt,
-        args.out,
+        LocalObjects(args.out),
         wait_to_be_stopped,
         args.frames,
         args.width,

@@ -45,6 +45,8 @@ elif flow == "clean":
 else:
     from render import render
 
-    result = render(ckpt, out, stopped, on_frame=lambda d, t: at_unit(d - 1), **args)
+    from prefect_spotgpu.checkpoint.objects import LocalObjects
+
+    result = render(ckpt, LocalObjects(out), stopped, on_frame=lambda d, t: at_unit(d - 1), **args)
 out.mkdir(parents=True, exist_ok=True)
 (out / "result.json").write_text(json.dumps(result))

@@ -22,6 +22,8 @@ MODULES = [
     "prefect_spotgpu.agent.reports",
     "prefect_spotgpu.agent.runners.pull",
     "prefect_spotgpu.agent.runners.runner",
+    "prefect_spotgpu.fanout",
+    "prefect_spotgpu.checkpoint.flow",
 ]
 
 

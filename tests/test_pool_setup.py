@@ -90,9 +90,7 @@ def test_blocks_save_and_pool_setup_link_a_spot_gpu_pool(prefect_api_url, servic
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings({PREFECT_API_URL: prefect_api_url}):
-        kind, market_ref, storage_ref, market_id, storage_id, data, bundles = asyncio.run(
-            linked()
-        )
+        kind, market_ref, storage_ref, market_id, storage_id, data, bundles = asyncio.run(linked())
     assert kind == "spot-gpu"
     # decorated flows: bundles and results through the same storage, no uv at run time
     assert bundles.bundle_upload_step == {

@@ -234,6 +234,22 @@ class SpotRunFuture(PrefectFlowRunFuture):
     def __init__(self, flow_run_id: UUID, work_pool: str, *, thread=None, holder=None) -> None:
         super().__init__(flow_run_id)
         self.work_pool, self._thread, self._holder = work_pool, thread, holder
+        self._crashed_since: float | None = None
+
+    def following(self) -> bool:
+        """Whether a thread of this process still follows the run (``submit``)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def settled(self) -> bool:
+        """Whether the run's state is its end: final, and if Crashed, Crashed for
+        ``CRASH_SETTLE_SECONDS`` (no worker turned it into Preempted meanwhile)."""
+        state = self.state
+        if not state.is_crashed():
+            self._crashed_since = None
+            return state.is_final()
+        now = time.monotonic()
+        self._crashed_since = self._crashed_since or now
+        return now - self._crashed_since >= CRASH_SETTLE_SECONDS
 
     async def wait_async(self, timeout: float | None = None) -> None:
         from prefect.client.orchestration import get_client

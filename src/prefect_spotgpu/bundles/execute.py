@@ -31,7 +31,7 @@ from uuid import UUID
 
 from prefect_spotgpu import launch
 from prefect_spotgpu.bundles import bundle_name
-from prefect_spotgpu.protocol import LABELS, TORCH_ENV
+from prefect_spotgpu.protocol import JOB_ENV, LABELS, TORCH_ENV
 
 
 class BundleRefused(Exception):
@@ -39,16 +39,26 @@ class BundleRefused(Exception):
 
 
 def read_bundle(url: str, key: str, expected_sha256: str | None) -> dict:
-    """The bundle ``key`` at ``url``, once its bytes match ``expected_sha256``."""
+    """The bundle ``key`` from the job's own storage (``SPOTGPU_CHECKPOINT_URL``: in a
+    container, the tenant's directory as mounted there) or else from ``url`` (the pool's
+    storage as the caller wrote it), once its bytes match ``expected_sha256``."""
     from prefect_spotgpu.checkpoint.objects import objects_from_url
 
     name = bundle_name(key)
-    try:
-        data = objects_from_url(url).get(name)
-    except Exception as exc:
+    places = list(dict.fromkeys(u for u in (os.environ.get(JOB_ENV.CHECKPOINT_URL), url) if u))
+    errors = []
+    for place in places:
+        try:
+            data = objects_from_url(place).get(name)
+            break
+        except Exception as exc:
+            errors.append(f"{place}: {type(exc).__name__}: {exc}")
+    else:
         raise BundleRefused(
-            f"the flow's bundle {name} could not be read from {url}: {type(exc).__name__}: {exc}"
-        ) from None
+            f"the flow's bundle {name} could not be read ({'; '.join(errors)}): for local "
+            "storage the pool's directory must be one every node reaches at that path; "
+            "S3 storage reaches every node"
+        )
     if expected_sha256 is None:
         raise BundleRefused(
             f"the flow run has no {LABELS.BUNDLE_SHA256} label: its bundle {name} was not "

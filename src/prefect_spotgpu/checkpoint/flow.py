@@ -73,6 +73,27 @@ def checkpointer_for_run(
     )
 
 
+OUTPUTS = "outputs"
+"""Where a run's storage keeps flows' outputs: ``outputs/<name>/...``."""
+
+
+def run_outputs(name: str, storage_url: str | None = None):
+    """Where a flow writes its outputs ``name``: the run's storage (the argument or
+    ``SPOTGPU_CHECKPOINT_URL``, as for checkpoints) and the prefix ``outputs/<name>``. Never a
+    path relative to the job: the next attempt may run on another host, in another container.
+
+    >>> store, prefix = run_outputs("renders/night-1", "/mnt/ckpt")
+    >>> store, prefix
+    (LocalObjects('/mnt/ckpt'), 'outputs/renders/night-1')
+    """
+    from prefect_spotgpu.checkpoint.objects import check_name, objects_from_url
+
+    url = storage_url or os.environ.get(JOB_ENV.CHECKPOINT_URL)
+    if not url:
+        raise ValueError(f"no run storage for outputs: pass one or set {JOB_ENV.CHECKPOINT_URL}")
+    return objects_from_url(url), f"{OUTPUTS}/{check_name(name)}"
+
+
 def rank_from_environment(environ=os.environ) -> tuple[int, int]:
     """``(rank, world_size)`` from torch.distributed's standard environment: ``RANK`` and
     ``WORLD_SIZE`` (torchrun), else ``NODE_RANK`` and ``NNODES`` (one process per node), else

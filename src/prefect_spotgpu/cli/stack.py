@@ -325,7 +325,10 @@ class LocalStack:
         checkpoint_dir: Path | None = None,
         defaults: dict[str, Any] | None = None,
     ) -> str:
-        """Save the market and checkpoint blocks and create a spot-gpu work pool using them."""
+        """Save the market and checkpoint blocks and create a spot-gpu work pool using them.
+        The checkpoint block's directory is, by default, the one the stack's agents keep the
+        buyer's checkpoints and outputs in (``node-checkpoints/tenant-<id>``): the caller of a
+        decorated flow and a fan-out's parent read the outputs the nodes wrote there."""
         with self._prefect_settings():
             return asyncio.run(self._create_pool(pool, checkpoint_dir, defaults or {}))
 
@@ -346,7 +349,10 @@ class LocalStack:
 
         market = SpotMarket(url=self.market_url, api_key=SecretStr(self.buyer_key))
         market_id = await market.save(f"{pool}-market", overwrite=True)
-        storage = CheckpointStorage(path=str(checkpoint_dir or self.home / "checkpoints"))
+        if checkpoint_dir is None:  # where the nodes keep this tenant's files (its outputs)
+            buyer = self.market(self.buyer_key).get("/me").json()["id"]
+            checkpoint_dir = self.home / "node-checkpoints" / f"tenant-{buyer}"
+        storage = CheckpointStorage(path=str(checkpoint_dir))
         storage_id = await storage.save(f"{pool}-checkpoints", overwrite=True)
         template = SpotGPUWorker.get_default_base_job_template()
         values = {

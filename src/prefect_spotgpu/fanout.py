@@ -1,0 +1,310 @@
+"""Fan-out: a parent flow spreads work over many spot runs, each shard exactly once.
+
+    from prefect_spotgpu.fanout import fan_out
+
+    @flow
+    def render_queue(frames: int = 96):
+        shards = [{"first": i, "stop": min(i + 16, frames)} for i in range(0, frames, 16)]
+        return fan_out(render_frames, shards, cap=8)   # render_frames: a @spot_gpu flow
+
+How it holds (DESIGN.md, "How users reach it"):
+
+- **One owner per shard.** The parent keeps the assignment: a shard is given to one child run
+  at a time, and given again only when that run is over without its result (Failed, or
+  Crashed and not resumed). Children write each output with ``put_new`` into the run's
+  storage (``checkpoint.objects``), so even two attempts racing on one output store it once.
+- **Preemptions are the children's own.** A reclaimed child resumes on another node (its
+  worker follows it) and continues from what its storage already holds; the parent waits.
+- **Width follows the market.** At most ``cap`` children run at once, and no more than the
+  market can place: the GPUs free at or below the children's maximum price in every region
+  (``GET /prices``), plus those the running children hold. Waiting shards are not failures.
+- **Prefect shows it.** The children are the parent's subflows; the parent's run page has a
+  progress artifact and a table (shards done / running / waiting, preemptions, cost so far),
+  and its result is the manifest: every shard's outputs, the cost against on-demand.
+
+The rules are pure (:func:`plan`, :func:`market_width`); :func:`fan_out` is the thin shell that
+submits, follows and reports.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from prefect_spotgpu.market import DEFAULT_CATALOG
+
+
+class ShardStatus(StrEnum):
+    WAITING = "waiting"
+    """Not given to any child (yet, or again after a child ended without its result)."""
+    RUNNING = "running"
+    """Given to one child run, which is not over (it may be preempted and resuming)."""
+    DONE = "done"
+    """Its child run completed: its outputs are in storage."""
+    FAILED = "failed"
+    """Its children ended without a result ``max_attempts`` times: the fan-out fails."""
+
+
+@dataclass
+class Shard:
+    index: int
+    params: dict
+    status: ShardStatus = ShardStatus.WAITING
+    attempts: int = 0
+    run_id: Any = None
+    result: Any = None
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Plan:
+    submit: tuple[int, ...]
+    """Shards to give to new child runs now, in order."""
+    failed: tuple[int, ...] = ()
+
+
+def market_width(
+    quotes: list[dict], *, gpu_model: str, region: str, max_price: float, gpus_per_child: int
+) -> int:
+    """How many more children the market can place now: the GPUs free in the model's spot
+    pools (every region, or ``region``) whose price is at or below ``max_price``, in whole
+    children.
+
+    >>> q = [{"gpu_model": "A100-80G", "region": "eu", "capacity": "spot", "gpus_free": 5,
+    ...       "clearing_price": 0.9, "reserve_price": 0.9},
+    ...      {"gpu_model": "A100-80G", "region": "us", "capacity": "spot", "gpus_free": 4,
+    ...       "clearing_price": 2.0, "reserve_price": 0.9}]
+    >>> market_width(q, gpu_model="A100-80G", region="any", max_price=1.2, gpus_per_child=2)
+    2
+    """
+    free = 0
+    for q in quotes:
+        if q["gpu_model"] != gpu_model or q.get("capacity", "spot") != "spot":
+            continue
+        if region not in ("any", q["region"]):
+            continue
+        price = q.get("clearing_price") or q.get("reserve_price") or 0.0
+        if price <= max_price:
+            free += q["gpus_free"]
+    return free // max(1, gpus_per_child)
+
+
+def plan(shards: Sequence[Shard], *, cap: int, market_room: int, max_attempts: int) -> Plan:
+    """Which waiting shards to submit: while fewer than ``cap`` run and the market has room
+    (at least one child, so the work always moves: a child waits for capacity, it never
+    fails for want of it); and which shards have failed for good.
+
+    >>> s = [Shard(0, {}), Shard(1, {}, ShardStatus.RUNNING), Shard(2, {}), Shard(3, {})]
+    >>> plan(s, cap=3, market_room=5, max_attempts=3)
+    Plan(submit=(0, 2), failed=())
+    >>> plan(s, cap=8, market_room=0, max_attempts=3)
+    Plan(submit=(), failed=())
+    >>> plan([Shard(0, {}, attempts=3)], cap=1, market_room=1, max_attempts=3)
+    Plan(submit=(), failed=(0,))
+    """
+    failed = tuple(
+        s.index for s in shards if s.status is ShardStatus.WAITING and s.attempts >= max_attempts
+    )
+    running = sum(s.status is ShardStatus.RUNNING for s in shards)
+    room = min(cap - running, market_room if running else max(market_room, 1))
+    waiting = [
+        s.index for s in shards if s.status is ShardStatus.WAITING and s.attempts < max_attempts
+    ]
+    return Plan(submit=tuple(waiting[: max(0, room)]), failed=failed)
+
+
+def summary(shards: Sequence[Shard]) -> dict[str, int]:
+    counts = {status.value: 0 for status in ShardStatus}
+    for s in shards:
+        counts[s.status.value] += 1
+    return counts
+
+
+def cost_report(bids: list[tuple[dict, list[dict]]]) -> dict:
+    """Spot cost of the children's bids against the same GPU-hours on demand (money in the
+    market's units), and their preemptions."""
+    from prefect_spotgpu.worker.report import bid_costs
+
+    costs = [bid_costs(bid, allocations) for bid, allocations in bids]
+    spot = sum(c["spot_cost"] for c in costs)
+    on_demand = sum(c["on_demand_cost"] for c in costs)
+    return {
+        "gpu_hours": round(sum(c["gpu_hours"] for c in costs), 6),
+        "spot_cost": round(spot, 6),
+        "on_demand_cost": round(on_demand, 6),
+        "saving": round(1 - spot / on_demand, 4) if on_demand > 0 else None,
+        "preemptions": sum(c["preemptions"] for c in costs),
+    }
+
+
+# ---------------------------------------------------------------- the shell
+
+
+def fan_out(
+    child,
+    params: Sequence[dict],
+    *,
+    cap: int = 8,
+    max_attempts: int = 3,
+    poll_seconds: float = 1.0,
+    on_progress: Callable[[dict], None] | None = None,
+) -> dict:
+    """Run ``child`` (a ``@spot_gpu`` flow) once per item of ``params`` (its keyword
+    arguments), at most ``cap`` at a time and no wider than the market (module doc); the
+    manifest: each shard's result in order, the counts, and the cost against on-demand.
+    Raises RuntimeError naming the shards whose children failed ``max_attempts`` times."""
+    from prefect_spotgpu.decorators import SpotGPUFlow
+
+    if not isinstance(child, SpotGPUFlow):
+        raise TypeError("fan_out's child must be a flow decorated with @spot_gpu")
+    shards = [Shard(i, dict(p)) for i, p in enumerate(params)]
+    market = _Market(child)
+    futures: dict[int, Any] = {}
+    report = _Progress(len(shards))
+    started = time.monotonic()
+    while any(s.status in (ShardStatus.WAITING, ShardStatus.RUNNING) for s in shards):
+        decided = plan(shards, cap=cap, market_room=market.room(), max_attempts=max_attempts)
+        if decided.failed:
+            raise RuntimeError(
+                "fan-out failed: shard(s) "
+                + ", ".join(f"{i} ({shards[i].errors[-1]})" for i in decided.failed)
+                + f" ended without a result {max_attempts} times"
+            )
+        for index in decided.submit:
+            shard = shards[index]
+            futures[index] = child.submit(**shard.params)
+            shard.status, shard.run_id = ShardStatus.RUNNING, futures[index].flow_run_id
+            shard.attempts += 1
+        for index, future in list(futures.items()):
+            if future.following() or not future.settled():
+                continue
+            state, shard = future.state, shards[index]
+            del futures[index]
+            if state.is_completed():
+                shard.status, shard.result = ShardStatus.DONE, future.result()
+            else:  # over without its result: the shard is given to a new child
+                shard.status = ShardStatus.WAITING
+                shard.errors.append(f"{state.name}: {state.message}")
+        counts = summary(shards)
+        if counts != report.counts or time.monotonic() - report.shown_at > COST_SECONDS:
+            report.show(counts, market.costs(shards))
+        if on_progress is not None:
+            on_progress(counts)
+        time.sleep(poll_seconds)
+    costs = market.costs(shards)
+    report.show(summary(shards), costs)
+    return {
+        "shards": len(shards),
+        "results": [s.result for s in shards],
+        "children": [str(s.run_id) for s in shards],
+        "attempts": sum(s.attempts for s in shards),
+        "seconds": round(time.monotonic() - started, 2),
+        "cost": costs,
+    }
+
+
+def storage_of(child):
+    """The run storage of ``child``'s pool (its checkpoint storage block), as named objects:
+    where the children's outputs are, for the parent to read or assemble."""
+    storage = _Market(child).configuration.checkpoint_storage
+    if storage is None:
+        raise ValueError(f"work pool {child.work_pool!r} has no checkpoint storage")
+    return storage.objects()
+
+
+class _Market:
+    """The market as the parent sees it: room for children, and their bids' costs."""
+
+    def __init__(self, child) -> None:
+        from prefect.client.orchestration import get_client
+        from prefect.utilities.asyncutils import run_coro_as_sync
+
+        from prefect_spotgpu.worker.config import SpotGPUJobConfiguration, market_of
+
+        with get_client(sync_client=True) as client:
+            pool = client.read_work_pool(child.work_pool)
+        self.configuration = run_coro_as_sync(
+            SpotGPUJobConfiguration.from_template_and_values(
+                pool.base_job_template, child.job_variables
+            )
+        )
+        self.market = market_of(self.configuration)
+
+    def room(self) -> int:
+        c = self.configuration
+        with self.market.get_client() as http:
+            response = http.get("/prices")
+        if response.status_code != 200:
+            return 0
+        return market_width(
+            response.json(),
+            gpu_model=DEFAULT_CATALOG.normalize(c.gpu_model),
+            region=c.region,
+            max_price=c.max_price,
+            gpus_per_child=c.gpu_count * c.node_count,
+        )
+
+    def costs(self, shards: Sequence[Shard]) -> dict:
+        from prefect.client.orchestration import get_client
+
+        from prefect_spotgpu.protocol import LABELS
+
+        bids = []
+        with get_client(sync_client=True) as client, self.market.get_client() as http:
+            for shard in shards:
+                if shard.run_id is None:
+                    continue
+                bid_id = (client.read_flow_run(shard.run_id).labels or {}).get(LABELS.BID)
+                if bid_id is None:
+                    continue
+                bid = http.get(f"/bids/{bid_id}")
+                allocations = http.get(f"/bids/{bid_id}/allocations")
+                if bid.status_code == 200 and allocations.status_code == 200:
+                    bids.append((bid.json(), allocations.json()))
+        return cost_report(bids)
+
+
+COST_SECONDS = 10.0
+"""How often the parent reads its children's costs when no shard changed status."""
+
+
+class _Progress:
+    """The parent's artifacts: a progress bar and a table of the shards, kept current."""
+
+    def __init__(self, total: int) -> None:
+        from prefect.context import FlowRunContext
+
+        self.total, self.last = total, None
+        self.counts: dict | None = None
+        self.shown_at = 0.0
+        self.inside = FlowRunContext.get() is not None
+        self.bar = None
+        if self.inside:
+            from prefect.artifacts import create_progress_artifact
+
+            self.bar = create_progress_artifact(0.0, description="shards done (%)")
+
+    def show(self, counts: dict, costs: dict) -> None:
+        self.counts, self.shown_at = counts, time.monotonic()
+        if not self.inside or (counts, costs) == self.last:
+            return
+        from prefect.artifacts import create_markdown_artifact, update_progress_artifact
+        from prefect.runtime import flow_run
+
+        self.last = (counts, costs)
+        update_progress_artifact(self.bar, 100.0 * counts["done"] / max(1, self.total))
+        saving = "n/a" if costs["saving"] is None else f"{costs['saving']:.0%}"
+        create_markdown_artifact(
+            key=f"fan-out-{flow_run.get_id()}",
+            markdown=(
+                "| shards | done | running | waiting | failed | preemptions | spot cost | "
+                "on-demand | saved |\n|---|---|---|---|---|---|---|---|---|\n"
+                f"| {self.total} | {counts['done']} | {counts['running']} | "
+                f"{counts['waiting']} | {counts['failed']} | {costs['preemptions']} | "
+                f"{costs['spot_cost']:.4f} | {costs['on_demand_cost']:.4f} | {saving} |"
+            ),
+            description="fan-out progress",
+        )

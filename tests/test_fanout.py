@@ -1,0 +1,180 @@
+"""Fan-out exactly once (``prefect_spotgpu.fanout``; issue 30, item 2): the pure rules, and a
+render queue of 96 frames over 6 spot runs on 4 real agents, with reclaims at random moments
+and one agent killed with SIGKILL, whose every frame is stored once and is byte for byte the
+frame of one uninterrupted render."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+from prefect_spotgpu.cli.stack import LocalStack
+from prefect_spotgpu.fanout import Shard, ShardStatus, cost_report, market_width, plan
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "flows"))
+
+POOL = "spot-fanout"
+
+
+# ---------------------------------------------------------------- the rules
+
+
+def test_the_width_never_passes_the_cap_and_a_running_shard_is_never_given_twice():
+    shards = [Shard(i, {}) for i in range(10)]
+    first = plan(shards, cap=4, market_room=9, max_attempts=2)
+    assert first.submit == (0, 1, 2, 3)
+    for i in first.submit:
+        shards[i].status, shards[i].attempts = ShardStatus.RUNNING, 1
+    assert plan(shards, cap=4, market_room=9, max_attempts=2).submit == ()
+    shards[2].status = ShardStatus.WAITING  # its child ended without a result
+    again = plan(shards, cap=4, market_room=9, max_attempts=2)
+    assert again.submit == (2,)  # taken again, first in line; the cap still holds
+    shards[2].attempts = 2
+    assert plan(shards, cap=4, market_room=9, max_attempts=2).failed == (2,)
+
+
+def test_the_market_sets_the_width_but_work_always_moves():
+    quotes = [
+        {"gpu_model": "A100-80G", "region": "a", "capacity": "spot", "gpus_free": 3,
+         "clearing_price": 1.0, "reserve_price": 0.9},
+        {"gpu_model": "A100-80G", "region": "b", "capacity": "on_demand", "gpus_free": 8,
+         "clearing_price": None, "reserve_price": None},
+        {"gpu_model": "H100-80G", "region": "a", "capacity": "spot", "gpus_free": 8,
+         "clearing_price": 2.0, "reserve_price": 2.0},
+    ]  # fmt: skip
+    assert market_width(quotes, gpu_model="A100-80G", region="any", max_price=1.2,
+                        gpus_per_child=1) == 3  # fmt: skip
+    assert market_width(quotes, gpu_model="A100-80G", region="any", max_price=0.95,
+                        gpus_per_child=1) == 0  # fmt: skip
+    shards = [Shard(i, {}) for i in range(3)]
+    assert plan(shards, cap=8, market_room=0, max_attempts=1).submit == (0,)  # one waits
+    assert cost_report([])["saving"] is None
+
+
+# ---------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def stack(prefect_api_url, tmp_path_factory):
+    home = tmp_path_factory.mktemp("fanout")
+    with LocalStack(home, prefect_api_url, heartbeat_timeout_seconds=3) as stack:
+        stack.start_market()
+        stack.nodes = {stack.start_agent(f"node-{c}"): f"node-{c}" for c in "abcd"}
+        stack.create_pool(POOL, defaults={"gpu_count": 1, "max_price": 1.5})
+        yield stack
+
+
+class Trouble(threading.Thread):
+    """Reclaims three nodes running children, at random moments once frames appear, and kills
+    one agent (and its jobs) with SIGKILL; every node comes back a moment later."""
+
+    def __init__(self, stack, frames_dir: Path, seed: int) -> None:
+        super().__init__(daemon=True)
+        self.stack, self.frames_dir, self.rng = stack, frames_dir, random.Random(seed)
+        self.done = threading.Event()
+        self.log: list[tuple[float, str, int]] = []
+
+    def busy_nodes(self) -> list[int]:
+        allocations = self.stack.market().get("/allocations?status=running").json()
+        return sorted({a["node_id"] for a in allocations if a["status"] == "running"})
+
+    def frames(self) -> int:
+        return len(list(self.frames_dir.glob("frame-*.png"))) if self.frames_dir.exists() else 0
+
+    def run(self) -> None:
+        owner = self.stack.market(self.stack.owner_key)
+        t0 = time.monotonic()
+        plan = ["reclaim", "reclaim", "kill", "reclaim"]
+        for step, what in enumerate(plan):
+            target = 12 + step * 14 + self.rng.randint(0, 8)
+            while self.frames() < target and not self.done.is_set():
+                time.sleep(0.05)
+            nodes = self.busy_nodes()
+            if self.done.is_set() or not nodes:
+                break
+            node = self.rng.choice(nodes)
+            name = self.stack.nodes[node]
+            if what == "reclaim":
+                owner.patch(f"/nodes/{node}", json={"state": "reclaimed"})
+                self.log.append((round(time.monotonic() - t0, 2), what, node))
+                time.sleep(1.5)
+                owner.patch(f"/nodes/{node}", json={"state": "live"})
+            else:
+                jobs = self.stack.job_pids(name)
+                self.stack.kill(f"agent-{name}")
+                for pid in jobs:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pid, signal.SIGKILL)
+                self.log.append((round(time.monotonic() - t0, 2), what, node))
+                time.sleep(4)  # past the heartbeat timeout: the node is lost
+                self.stack.start_agent(name)
+
+
+@pytest.mark.slow
+def test_a_render_queue_fans_out_and_stores_every_frame_once_through_reclaims(stack, tmp_path):
+    from render import animation, frame_name, png, render_frame
+    from render_queue import render_queue
+
+    from prefect_spotgpu.checkpoint.objects import LocalObjects
+
+    frames, size = 96, (32, 24)
+    out = "queue-e2e"
+    buyer = stack.market(stack.buyer_key).get("/me").json()["id"]
+    storage = stack.home / "node-checkpoints" / f"tenant-{buyer}"  # the pool's storage
+    trouble = Trouble(stack, storage / "outputs" / out, seed=30)
+
+    @flow(name="parent")
+    def parent() -> dict:
+        return render_queue(
+            out=out, frames=frames, per_child=16, width=size[0], height=size[1],
+            work_pool=POOL, gpu_model="A100-80G", max_price=1.5, cap=6, pace_seconds=0.25,
+        )  # fmt: skip
+
+    trouble.start()
+    started = time.monotonic()
+    try:
+        manifest = parent()
+    finally:
+        trouble.done.set()
+        trouble.join(timeout=30)
+    elapsed = time.monotonic() - started
+    kinds = [what for _, what, _ in trouble.log]
+    assert kinds.count("reclaim") >= 3 and kinds.count("kill") == 1, trouble.log
+
+    store = LocalObjects(storage)
+    names = [frame_name(f"outputs/{out}", i) for i in range(frames)]
+    assert manifest["frames"] == names and manifest["shards"] == 6
+    for index, name in enumerate(names):  # each frame once, the uninterrupted render's bytes
+        assert store.get(name) == png(render_frame(index, frames, *size)), name
+    assert store.names(f"outputs/{out}") == sorted([*names, f"outputs/{out}/animation.gif"])
+    assert store.get(f"outputs/{out}/animation.gif") == animation(store, names)
+    assert manifest["cost"]["preemptions"] >= 3
+    assert manifest["cost"]["spot_cost"] < manifest["cost"]["on_demand_cost"]
+
+    with get_client(sync_client=True) as client:
+        children = [client.read_flow_run(run) for run in manifest["children"]]
+        parent_run = children[0].parent_task_run_id and client.read_task_run(
+            children[0].parent_task_run_id
+        )
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[parent_run.flow_run_id])
+            )
+        )
+    assert all(c.state.is_completed() for c in children)
+    assert {c.parent_task_run_id is not None for c in children} == {True}  # its subflows
+    assert any(a.type == "progress" and a.data == 100.0 for a in artifacts)
+    table = next(a for a in artifacts if a.type == "markdown")
+    assert "| 6 | 6 | 0 | 0 | 0 |" in table.data
+    print({"fan_out_seconds": round(elapsed, 1), "trouble": trouble.log, "cost": manifest["cost"]})
