@@ -21,8 +21,8 @@ import base64
 import hashlib
 import io
 import json
-import os
 import random
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +31,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageEnhance, ImageFilter
 
 from prefect_spotgpu.checkpoint import Checkpointer
+from prefect_spotgpu.checkpoint.objects import LocalObjects, ObjectStore
 
 MIN_SIDE = 32  # pixels
 MIN_WORDS, MAX_CHARS = 3, 300
@@ -50,7 +51,15 @@ def dhash(image: Image.Image) -> int:
 
 
 def verdict(pair: dict, sha: set[str], hashes: list[int]) -> tuple[str | None, str, int]:
-    """Why ``pair`` is dropped (None: kept), its image's SHA-256 and difference hash."""
+    """Why ``pair`` is dropped (None: kept), its image's SHA-256 and difference hash, given
+    the images kept before it (``sha``, ``hashes``): :func:`signature` then :func:`dedup`."""
+    return dedup(*signature(pair), sha, hashes)
+
+
+def signature(pair: dict) -> tuple[str | None, str, int]:
+    """What a pair's own content says, whatever else is in the set: why it is dropped on its
+    own (None: it may be kept), its image's SHA-256 and difference hash. The costly part
+    (decoding, hashing): a fan-out computes it shard by shard on many spot runs."""
     caption = (pair.get("caption") or "").strip()
     try:
         raw = base64.b64decode(pair["image"], validate=True)
@@ -67,9 +76,20 @@ def verdict(pair: dict, sha: set[str], hashes: list[int]) -> tuple[str | None, s
         return "short_caption", digest, 0
     if len(caption) > MAX_CHARS:
         return "long_caption", digest, 0
+    return None, digest, dhash(image)
+
+
+def dedup(
+    reason: str | None, digest: str, h: int, sha: set[str], hashes: list[int]
+) -> tuple[str | None, str, int]:
+    """A pair's verdict from its :func:`signature`, against the images kept before it in
+    the set's order: an exact copy (same SHA-256) or a near copy (difference hashes at most
+    ``NEAR_DUPLICATE_BITS`` apart) of a kept image is dropped. Cheap, and in order: how the
+    set was split never changes a decision."""
+    if reason is not None:
+        return reason, digest, h
     if digest in sha:
         return "exact_duplicate", digest, 0
-    h = dhash(image)
     if hashes:
         known = np.array(hashes, dtype=np.uint64)
         distance = np.unpackbits((known ^ np.uint64(h)).view(np.uint8).reshape(-1, 8), axis=1)
@@ -80,14 +100,17 @@ def verdict(pair: dict, sha: set[str], hashes: list[int]) -> tuple[str | None, s
 
 def clean(
     ckpt: Checkpointer,
-    source: Path,
-    out: Path,
+    source: ObjectStore | Path,
+    out: ObjectStore | Path,
     on_notice: Callable[[Checkpointer], None],
     on_shard: Callable[[int, int, dict], None] = lambda done, total, counts: None,
+    source_prefix: str = "",
+    out_prefix: str = "",
 ) -> dict:
-    """Clean every shard of ``source`` into ``out`` (resuming from ``ckpt``); the report."""
-    shards = sorted(source.glob("shard-*.jsonl"))
-    out.mkdir(parents=True, exist_ok=True)
+    """Clean every shard of ``source`` (``<source_prefix>/shard-*.jsonl``) into ``out`` (the
+    run's storage: ``<out_prefix>/``), resuming from ``ckpt``; the report."""
+    source, out = as_store(source), as_store(out)
+    shards = shard_names(source, source_prefix)
     cursor, sha, hashes, counts = 0, set(), [], Counter()
     restored = ckpt.restore()
     if restored is not None:
@@ -98,7 +121,7 @@ def clean(
         counts = Counter({k: int(v) for k, v in state["counts"].items()})
     for index in range(cursor, len(shards)):
         kept = []
-        for line in shards[index].read_text().splitlines():
+        for line in source.get(shards[index]).decode().splitlines():
             pair = json.loads(line)
             counts["seen"] += 1
             reason, digest, h = verdict(pair, sha, hashes)
@@ -109,7 +132,7 @@ def clean(
             hashes.append(h)
             kept.append(line)
             counts["kept"] += 1
-        _write_atomically(out / shards[index].name, "".join(f"{k}\n" for k in kept))
+        out.put(join(out_prefix, base(shards[index])), "".join(f"{k}\n" for k in kept).encode())
         state = {
             "cursor": index + 1,
             "sha": sorted(sha),
@@ -120,18 +143,91 @@ def clean(
         ckpt.maybe_save(state, index)  # after the shard is durable: never ahead of the output
         if ckpt.notice_received:
             on_notice(ckpt)
-    report = {"shards": len(shards), **{k: counts.get(k, 0) for k in ("seen", "kept", *REASONS)}}
-    _write_atomically(out / "report.json", json.dumps(report, indent=2) + "\n")
+    return write_report(out, out_prefix, len(shards), counts)
+
+
+def write_report(out: ObjectStore, prefix: str, shards: int, counts: Counter) -> dict:
+    report = {"shards": shards, **{k: counts.get(k, 0) for k in ("seen", "kept", *REASONS)}}
+    out.put(join(prefix, "report.json"), (json.dumps(report, indent=2) + "\n").encode())
     return report
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+# ---------------------------------------------------------------- split over many runs
+
+
+def shard_signatures(
+    ckpt: Checkpointer,
+    source: ObjectStore,
+    names: list[str],
+    out: ObjectStore,
+    out_prefix: str,
+    on_notice: Callable[[Checkpointer], None],
+    pace_seconds: float = 0.0,
+) -> list[str]:
+    """One child of a cleaning fan-out: each input shard's :func:`signature` list, stored
+    **once** as ``<out_prefix>/signatures/<shard>.json`` (one that is there already, from an
+    earlier attempt on any host, is not computed again). The names stored.
+    ``pace_seconds``: a shard takes at least this long (a GPU's time, in tests)."""
+    stored = []
+    for index, name in enumerate(names):
+        target = join(out_prefix, f"signatures/{base(name)}.json")
+        if not out.exists(target):
+            began = time.monotonic()
+            lines = source.get(name).decode().splitlines()
+            sigs = [signature(json.loads(line)) for line in lines]
+            time.sleep(max(0.0, pace_seconds - (time.monotonic() - began)))
+            out.put_new(target, json.dumps(sigs).encode())
+        stored.append(target)
+        ckpt.maybe_save({"next": np.array([index + 1])}, index)  # acknowledges a notice
+        if ckpt.notice_received:
+            on_notice(ckpt)
+    return stored
+
+
+def decide_and_write(
+    source: ObjectStore, names: list[str], out: ObjectStore, out_prefix: str
+) -> dict:
+    """The parent of a cleaning fan-out, once every shard's signatures are stored: the dedup
+    decisions in the set's order (:func:`dedup`: the same as one uninterrupted run's), the
+    clean shards and the report, written into ``out``; the report."""
+    sha: set[str] = set()
+    hashes: list[int] = []
+    counts: Counter = Counter()
+    for name in names:
+        sigs = json.loads(out.get(join(out_prefix, f"signatures/{base(name)}.json")))
+        lines = source.get(name).decode().splitlines()
+        if len(sigs) != len(lines):
+            raise ValueError(f"signatures of {name} do not match its {len(lines)} pairs")
+        kept = []
+        for line, (reason, digest, h) in zip(lines, sigs, strict=True):
+            counts["seen"] += 1
+            reason, digest, h = dedup(reason, digest, int(h), sha, hashes)
+            if reason is not None:
+                counts[reason] += 1
+                continue
+            sha.add(digest)
+            hashes.append(h)
+            kept.append(line)
+            counts["kept"] += 1
+        out.put(join(out_prefix, base(name)), "".join(f"{k}\n" for k in kept).encode())
+    return write_report(out, out_prefix, len(names), counts)
+
+
+def shard_names(store: ObjectStore, prefix: str) -> list[str]:
+    return [n for n in store.names(prefix) if base(n).startswith("shard-") and n.endswith(".jsonl")]
+
+
+def as_store(place: ObjectStore | Path) -> ObjectStore:
+    """A local directory as named objects (the command line and the tests); a store as is."""
+    return LocalObjects(place) if isinstance(place, (str, Path)) else place
+
+
+def base(name: str) -> str:
+    return name.rsplit("/", 1)[-1]
+
+
+def join(prefix: str, name: str) -> str:
+    return f"{prefix.strip('/')}/{name}" if prefix.strip("/") else name
 
 
 # ---------------------------------------------------------------- a realistic test set
@@ -149,11 +245,14 @@ WORDS = [
 ]
 
 
-def make_dataset(directory: Path, pairs: int = 2000, shards: int = 20, seed: int = 0) -> dict:
+def make_dataset(
+    directory: ObjectStore | Path, pairs: int = 2000, shards: int = 20, seed: int = 0, prefix=""
+) -> dict:
     """Shards of synthetic photos with planted defects: broken bytes, tiny images, bad
-    captions, exact copies and near copies (resized, recompressed, brightened, blurred)."""
+    captions, exact copies and near copies (resized, recompressed, brightened, blurred),
+    written as ``<prefix>/shard-NNNNN.jsonl`` into ``directory`` (a store, or a local path)."""
     rng = random.Random(seed)
-    directory.mkdir(parents=True, exist_ok=True)
+    store = as_store(directory)
     originals: list[bytes] = []
     planted = Counter()
     lines: list[str] = []
@@ -182,7 +281,7 @@ def make_dataset(directory: Path, pairs: int = 2000, shards: int = 20, seed: int
     per_shard = -(-pairs // shards)
     for s in range(shards):
         chunk = lines[s * per_shard : (s + 1) * per_shard]
-        (directory / f"shard-{s:05d}.jsonl").write_text("".join(f"{c}\n" for c in chunk))
+        store.put(join(prefix, f"shard-{s:05d}.jsonl"), "".join(f"{c}\n" for c in chunk).encode())
     return dict(planted)
 
 
@@ -221,21 +320,28 @@ def _prefect_flow():
     from prefect import flow, get_run_logger
     from prefect.artifacts import create_table_artifact
 
-    from prefect_spotgpu.checkpoint.flow import checkpointer_for_run, wait_to_be_stopped
+    from prefect_spotgpu.checkpoint.flow import (
+        checkpointer_for_run,
+        run_outputs,
+        wait_to_be_stopped,
+    )
 
     @flow(name="clean-pairs")
     def clean_pairs(source: str, out: str, make_test_set: int = 0) -> dict:
-        """Clean the image-caption shards in ``source`` into ``out``; ``make_test_set=N``
-        first generates N synthetic pairs in ``source`` (if it is empty)."""
+        """Clean the image-caption shards ``outputs/<source>/`` of the run's storage into
+        ``outputs/<out>/`` (durable, seen from every host); ``make_test_set=N`` first
+        generates N synthetic pairs in ``source`` (if it has no shards)."""
         logger = get_run_logger()
-        src = Path(source)
-        if make_test_set and not any(src.glob("shard-*.jsonl")):
-            logger.info("generated a test set: %s", make_dataset(src, make_test_set))
+        store, src = run_outputs(source)
+        _, dst = run_outputs(out)
+        if make_test_set and not shard_names(store, src):
+            logger.info("generated a test set: %s", make_dataset(store, make_test_set, prefix=src))
 
         def on_shard(done: int, total: int, counts: dict) -> None:
             logger.info("shard %d/%d: kept %d of %d", done, total, counts["kept"], counts["seen"])
 
-        report = clean(checkpointer_for_run(every=60), src, Path(out), wait_to_be_stopped, on_shard)
+        ckpt = checkpointer_for_run(every=60)
+        report = clean(ckpt, store, store, wait_to_be_stopped, on_shard, src, dst)
         create_table_artifact(
             [{"outcome": k, "pairs": v} for k, v in report.items() if k != "shards"],
             key="clean-pairs-report",
@@ -243,10 +349,19 @@ def _prefect_flow():
         )
         return report
 
-    return clean_pairs
+    @flow(name="clean-signatures")
+    def clean_signatures(names: list[str], out: str, pace_seconds: float = 0.0) -> list[str]:
+        """One child of a cleaning fan-out (``clean_fanout``): the signatures of the input
+        shards ``names`` (objects of the run's storage) into ``outputs/<out>/signatures/``,
+        each once."""
+        store, dst = run_outputs(out)
+        ckpt = checkpointer_for_run(every=0.001)
+        return shard_signatures(ckpt, store, names, store, dst, wait_to_be_stopped, pace_seconds)
+
+    return clean_pairs, clean_signatures
 
 
-clean_pairs = _prefect_flow()
+clean_pairs, clean_signatures = _prefect_flow()
 
 
 if __name__ == "__main__":

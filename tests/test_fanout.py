@@ -76,12 +76,14 @@ def stack(prefect_api_url, tmp_path_factory):
 
 
 class Trouble(threading.Thread):
-    """Reclaims three nodes running children, at random moments once frames appear, and kills
-    one agent (and its jobs) with SIGKILL; every node comes back a moment later."""
+    """Reclaims three nodes running children, at random moments as outputs appear (``at``:
+    the stretches of stored outputs each one falls in), and kills one agent (and its jobs)
+    with SIGKILL; every node comes back a moment later."""
 
-    def __init__(self, stack, frames_dir: Path, seed: int) -> None:
+    def __init__(self, stack, outputs: Path, pattern: str, at: list[int], seed: int) -> None:
         super().__init__(daemon=True)
-        self.stack, self.frames_dir, self.rng = stack, frames_dir, random.Random(seed)
+        self.stack, self.outputs, self.pattern = stack, outputs, pattern
+        self.at, self.rng = at, random.Random(seed)
         self.done = threading.Event()
         self.log: list[tuple[float, str, int]] = []
 
@@ -89,16 +91,16 @@ class Trouble(threading.Thread):
         allocations = self.stack.market().get("/allocations?status=running").json()
         return sorted({a["node_id"] for a in allocations if a["status"] == "running"})
 
-    def frames(self) -> int:
-        return len(list(self.frames_dir.glob("frame-*.png"))) if self.frames_dir.exists() else 0
+    def stored(self) -> int:
+        return len(list(self.outputs.glob(self.pattern))) if self.outputs.exists() else 0
 
     def run(self) -> None:
         owner = self.stack.market(self.stack.owner_key)
         t0 = time.monotonic()
         plan = ["reclaim", "reclaim", "kill", "reclaim"]
-        for step, what in enumerate(plan):
-            target = 12 + step * 14 + self.rng.randint(0, 8)
-            while self.frames() < target and not self.done.is_set():
+        for what, (low, high) in zip(plan, self.at, strict=True):
+            target = self.rng.randint(low, high)  # a random moment in this stretch of work
+            while self.stored() < target and not self.done.is_set():
                 time.sleep(0.05)
             nodes = self.busy_nodes()
             if self.done.is_set() or not nodes:
@@ -132,7 +134,10 @@ def test_a_render_queue_fans_out_and_stores_every_frame_once_through_reclaims(st
     out = "queue-e2e"
     buyer = stack.market(stack.buyer_key).get("/me").json()["id"]
     storage = stack.home / "node-checkpoints" / f"tenant-{buyer}"  # the pool's storage
-    trouble = Trouble(stack, storage / "outputs" / out, seed=30)
+    trouble = Trouble(
+        stack, storage / "outputs" / out, "frame-*.png",
+        at=[(10, 20), (26, 34), (40, 50), (56, 66)], seed=30,
+    )  # fmt: skip
 
     @flow(name="parent")
     def parent() -> dict:
@@ -175,6 +180,53 @@ def test_a_render_queue_fans_out_and_stores_every_frame_once_through_reclaims(st
     assert all(c.state.is_completed() for c in children)
     assert {c.parent_task_run_id is not None for c in children} == {True}  # its subflows
     assert any(a.type == "progress" and a.data == 100.0 for a in artifacts)
-    table = next(a for a in artifacts if a.type == "markdown")
+    table = max((a for a in artifacts if a.type == "markdown"), key=lambda a: a.created)
     assert "| 6 | 6 | 0 | 0 | 0 |" in table.data
     print({"fan_out_seconds": round(elapsed, 1), "trouble": trouble.log, "cost": manifest["cost"]})
+
+
+@pytest.mark.slow
+def test_a_cleaning_job_fans_out_and_its_report_is_the_uninterrupted_runs(stack, tmp_path):
+    from clean import clean, make_dataset
+    from clean_fanout import clean_fanout
+
+    from prefect_spotgpu.checkpoint import Checkpointer, LocalStorage
+    from prefect_spotgpu.checkpoint.flow import wait_to_be_stopped
+    from prefect_spotgpu.checkpoint.objects import LocalObjects
+
+    buyer = stack.market(stack.buyer_key).get("/me").json()["id"]
+    storage = stack.home / "node-checkpoints" / f"tenant-{buyer}"
+    store = LocalObjects(storage)
+    planted = make_dataset(store, pairs=400, shards=40, seed=11, prefix="outputs/pairs")
+    reference = tmp_path / "reference"  # one uninterrupted run, on this host
+    whole = clean(
+        Checkpointer(LocalStorage(tmp_path / "ckpt"), "ref", every=1e9),
+        store, LocalObjects(reference), wait_to_be_stopped, source_prefix="outputs/pairs",
+    )  # fmt: skip
+    trouble = Trouble(
+        stack, storage / "outputs" / "pairs-clean" / "signatures", "*.json",
+        at=[(4, 8), (11, 15), (18, 23), (26, 31)], seed=31,
+    )  # fmt: skip
+
+    @flow(name="clean-parent")
+    def parent() -> dict:
+        return clean_fanout(
+            source="pairs", out="pairs-clean", per_child=5, work_pool=POOL,
+            gpu_model="A100-80G", max_price=1.5, cap=6, pace_seconds=0.6,
+        )  # fmt: skip
+
+    trouble.start()
+    try:
+        manifest = parent()
+    finally:
+        trouble.done.set()
+        trouble.join(timeout=30)
+    kinds = [what for _, what, _ in trouble.log]
+    assert kinds.count("reclaim") >= 3 and kinds.count("kill") == 1, trouble.log
+    assert manifest["shards"] == 8 and manifest["report"] == whole
+    assert whole["seen"] == 400 and whole["near_duplicate"] + whole["exact_duplicate"] > 0
+    assert planted["near"] + planted["exact"] > 0
+    for name in [f"shard-{i:05d}.jsonl" for i in range(40)] + ["report.json"]:
+        assert store.get(f"outputs/pairs-clean/{name}") == (reference / name).read_bytes(), name
+    assert len(store.names("outputs/pairs-clean/signatures")) == 40
+    print({"clean_fan_out": trouble.log, "cost": manifest["cost"]})

@@ -48,7 +48,7 @@ class ObjectStore(Protocol):
     def exists(self, name: str) -> bool: ...
 
     def names(self, prefix: str) -> list[str]:
-        """The names under ``prefix`` (a folder: ``outputs/run``), sorted."""
+        """The names under ``prefix`` (a folder: ``outputs/run``; "" for all), sorted."""
 
 
 class LocalObjects:
@@ -96,7 +96,7 @@ class LocalObjects:
         return self._path(name).is_file()
 
     def names(self, prefix: str) -> list[str]:
-        base = self._path(prefix)
+        base = self._path(prefix) if prefix else self.root
         if not base.is_dir():
             return []
         return sorted(
@@ -156,7 +156,7 @@ class S3Objects:
         return True
 
     def names(self, prefix: str) -> list[str]:
-        base = self._key(prefix) + "/"
+        base = self._key(prefix) + "/" if prefix else (f"{self.prefix}/" if self.prefix else "")
         cut = len(self.prefix) + 1 if self.prefix else 0
         found = []
         for page in self.client.get_paginator("list_objects_v2").paginate(
