@@ -21,6 +21,7 @@ import base64
 import hashlib
 import io
 import json
+import os
 import random
 import time
 from collections import Counter
@@ -172,6 +173,7 @@ def shard_signatures(
     for index, name in enumerate(names):
         target = join(out_prefix, f"signatures/{base(name)}.json")
         if not out.exists(target):
+            log_work(target)
             began = time.monotonic()
             lines = source.get(name).decode().splitlines()
             sigs = [signature(json.loads(line)) for line in lines]
@@ -211,6 +213,14 @@ def decide_and_write(
             counts["kept"] += 1
         out.put(join(out_prefix, base(name)), "".join(f"{k}\n" for k in kept).encode())
     return write_report(out, out_prefix, len(names), counts)
+
+
+def log_work(name: str) -> None:
+    """A unit of work begun, in ``$FLOWS_WORK_LOG`` when it is set (``render.log_work``)."""
+    path = os.environ.get("FLOWS_WORK_LOG")
+    if path:
+        with open(path, "a") as log:
+            log.write(f"{name}\n")
 
 
 def shard_names(store: ObjectStore, prefix: str) -> list[str]:

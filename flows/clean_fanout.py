@@ -36,12 +36,14 @@ def clean_fanout(
     cap: int = 8,
     make_test_set: int = 0,
     pace_seconds: float = 0.0,
+    child_env: dict[str, str] | None = None,
+    pool_worker: bool | None = None,
 ) -> dict:
     """Clean ``outputs/<source>/shard-*.jsonl`` of the pool's storage into
     ``outputs/<out>/``, ``per_child`` input shards a spot run; the manifest and the report."""
-    child = spot_gpu(work_pool=work_pool, gpu_model=gpu_model, max_price=max_price)(
-        clean_signatures
-    )
+    child = spot_gpu(
+        work_pool=work_pool, gpu_model=gpu_model, max_price=max_price, env=child_env or {}
+    )(clean_signatures)
     store = storage_of(child)
     src, dst = f"{OUTPUTS}/{source}", f"{OUTPUTS}/{out}"
     if make_test_set and not shard_names(store, src):
@@ -51,7 +53,7 @@ def clean_fanout(
         {"names": names[i : i + per_child], "out": out, "pace_seconds": pace_seconds}
         for i in range(0, len(names), per_child)
     ]
-    manifest = fan_out(child, shards, cap=cap)
+    manifest = fan_out(child, shards, cap=cap, pool_worker=pool_worker)
     report = decide_and_write(store, names, store, dst)
     return {
         **manifest,

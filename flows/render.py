@@ -15,6 +15,7 @@ in ``flows/render_queue.py`` fans a queue out over many spot runs).
 from __future__ import annotations
 
 import io
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -161,6 +162,7 @@ def render_range(
     names = [frame_name(prefix, i) for i in range(first, stop)]
     for index, name in zip(range(first, stop), names, strict=True):
         if not out.exists(name):
+            log_work(name)
             began = time.monotonic()
             pixels = render_frame(index, frames, width, height)
             time.sleep(max(0.0, pace_seconds - (time.monotonic() - began)))
@@ -169,6 +171,16 @@ def render_range(
         if ckpt.notice_received:
             on_notice(ckpt)
     return names
+
+
+def log_work(name: str) -> None:
+    """A unit of work begun: one line in ``$FLOWS_WORK_LOG``, when it is set (the fan-out
+    benchmark counts the units begun more than once with it: work redone after a reclaim; a
+    shared file, as on the local stack)."""
+    path = os.environ.get("FLOWS_WORK_LOG")
+    if path:
+        with open(path, "a") as log:
+            log.write(f"{name}\n")
 
 
 def png(pixels: np.ndarray) -> bytes:

@@ -32,16 +32,20 @@ def render_queue(
     max_price: float = 0.4,
     cap: int = 8,
     pace_seconds: float = 0.0,
+    child_env: dict[str, str] | None = None,
+    pool_worker: bool | None = None,
 ) -> dict:
     """Render ``frames`` frames into ``outputs/<out>/`` of the pool's storage, ``per_child``
     frames a spot run, at most ``cap`` runs at once; the manifest."""
-    child = spot_gpu(work_pool=work_pool, gpu_model=gpu_model, max_price=max_price)(render_frames)
+    child = spot_gpu(
+        work_pool=work_pool, gpu_model=gpu_model, max_price=max_price, env=child_env or {}
+    )(render_frames)
     shards = [
         {"out": out, "first": first, "stop": min(first + per_child, frames), "frames": frames,
          "width": width, "height": height, "pace_seconds": pace_seconds}
         for first in range(0, frames, per_child)
     ]  # fmt: skip
-    manifest = fan_out(child, shards, cap=cap)
+    manifest = fan_out(child, shards, cap=cap, pool_worker=pool_worker)
     store = storage_of(child)
     names = [name for shard in manifest["results"] for name in shard]
     gif = join(f"{OUTPUTS}/{out}", "animation.gif")

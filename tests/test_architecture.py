@@ -232,6 +232,9 @@ ARROWS = {
     "blocks": {"api_client", "checkpoint", "protocol"},
     "launch": {"protocol", "checkpoint"},
     "deploy": {"worker", "economics", "market"},
+    "bundles": {"protocol", "checkpoint", "launch", "blocks"},
+    "decorators": {"worker", "protocol", "market"},
+    "fanout": {"market", "decorators", "worker", "protocol"},
 }
 """What each room of ours may import of ours (DESIGN §2: the arrows point one way). The worker
 and the agent reach the service over HTTP only; ``cli`` (the outermost) may import anything."""

@@ -1,7 +1,9 @@
-"""Fan-out exactly once (``prefect_spotgpu.fanout``; issue 30, item 2): the pure rules, and a
-render queue of 96 frames over 6 spot runs on 4 real agents, with reclaims at random moments
-and one agent killed with SIGKILL, whose every frame is stored once and is byte for byte the
-frame of one uninterrupted render."""
+"""Fan-out exactly once (``prefect_spotgpu.fanout``; issue 30, item 2): the pure rules; a
+render queue of 96 frames over 6 spot runs on 4 real agents, served by a ``prefect worker start
+--type spot-gpu`` process, with reclaims at random moments and one agent killed with SIGKILL,
+whose every frame is stored once and is byte for byte the frame of one uninterrupted render;
+and a cleaning job of 40 shards over 8 runs followed from the parent's own process, whose
+report and clean shards are an uninterrupted run's."""
 
 from __future__ import annotations
 
@@ -60,6 +62,25 @@ def test_the_market_sets_the_width_but_work_always_moves():
     shards = [Shard(i, {}) for i in range(3)]
     assert plan(shards, cap=8, market_room=0, max_attempts=1).submit == (0,)  # one waits
     assert cost_report([])["saving"] is None
+
+
+def test_a_deadline_needs_the_shards_work_and_its_variables_are_checked():
+    from datetime import UTC, datetime, timedelta
+
+    from prefect_spotgpu import spot_gpu
+    from prefect_spotgpu.fanout import fan_out
+
+    @spot_gpu(work_pool="p")
+    @flow(name="unit")
+    def unit() -> None: ...
+
+    soon = datetime.now(UTC) + timedelta(hours=1)
+    with pytest.raises(ValueError, match="needs shard_gpu_hours"):
+        fan_out(unit, [{}], deadline=soon)
+    with pytest.raises(ValueError, match=r"gpu_hours .* cannot fit"):
+        unit.with_options(job_variables={"gpu_hours": 5, "deadline_hours": 1})
+    with pytest.raises(TypeError, match="decorated with @spot_gpu"):
+        fan_out(flow(lambda: None), [{}])
 
 
 # ---------------------------------------------------------------- end to end
@@ -146,6 +167,7 @@ def test_a_render_queue_fans_out_and_stores_every_frame_once_through_reclaims(st
             work_pool=POOL, gpu_model="A100-80G", max_price=1.5, cap=6, pace_seconds=0.25,
         )  # fmt: skip
 
+    stack.start_worker(POOL, name="pool-worker")  # the children go to the pool's worker
     trouble.start()
     started = time.monotonic()
     try:
@@ -153,6 +175,7 @@ def test_a_render_queue_fans_out_and_stores_every_frame_once_through_reclaims(st
     finally:
         trouble.done.set()
         trouble.join(timeout=30)
+        stack.kill("pool-worker", signal.SIGTERM)
     elapsed = time.monotonic() - started
     kinds = [what for _, what, _ in trouble.log]
     assert kinds.count("reclaim") >= 3 and kinds.count("kill") == 1, trouble.log
@@ -213,6 +236,7 @@ def test_a_cleaning_job_fans_out_and_its_report_is_the_uninterrupted_runs(stack,
         return clean_fanout(
             source="pairs", out="pairs-clean", per_child=5, work_pool=POOL,
             gpu_model="A100-80G", max_price=1.5, cap=6, pace_seconds=0.6,
+            pool_worker=False,  # each child followed from this process
         )  # fmt: skip
 
     trouble.start()

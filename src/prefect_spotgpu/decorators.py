@@ -137,6 +137,8 @@ class SpotGPUFlow(InfrastructureBoundFlow):
     """A flow bound to a spot-gpu pool: calling it runs it on spot GPUs (module doc)."""
 
     def with_options(self, **options: Any) -> SpotGPUFlow:
+        if options.get("job_variables") is not None:
+            check_job_variables(options["job_variables"])
         bound = super().with_options(**options)
         bound.__class__ = SpotGPUFlow
         return bound
@@ -209,7 +211,7 @@ class SpotGPUFlow(InfrastructureBoundFlow):
         """Create the run for the pool's running worker to take (no worker in this process).
         Refused at once, saying what to start, when no worker of the pool is alive."""
         _share_prefect_settings()
-        if not run_coro_as_sync(_live_workers(self.work_pool)):
+        if not run_coro_as_sync(live_workers(self.work_pool)):
             raise RuntimeError(
                 f"no worker of work pool {self.work_pool!r} is running to take the run: start "
                 f"one with `prefect worker start --pool {self.work_pool} --type spot-gpu`, or "
@@ -277,7 +279,7 @@ class SpotRunFuture(PrefectFlowRunFuture):
                     if state is not None and state.is_scheduled():
                         idle_since = idle_since or now
                         if now - idle_since >= NO_WORKER_SECONDS:
-                            if not await _live_workers(self.work_pool):
+                            if not await live_workers(self.work_pool):
                                 raise RuntimeError(
                                     f"flow run {self.flow_run_id} waits for a worker, and no "
                                     f"worker of pool {self.work_pool!r} is running: start one "
@@ -341,7 +343,7 @@ async def _check_pool(worker, pool: str) -> None:
         )
 
 
-async def _live_workers(pool: str) -> list[str]:
+async def live_workers(pool: str) -> list[str]:
     """Names of the pool's workers whose last heartbeat is recent."""
     from datetime import UTC, datetime
 

@@ -28,9 +28,11 @@ submits, follows and reports.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
@@ -92,6 +94,20 @@ def market_width(
     return free // max(1, gpus_per_child)
 
 
+def deadline_width(*, remaining: int, shard_seconds: float, seconds_left: float) -> int:
+    """How many children must run at once for ``remaining`` shards of ``shard_seconds`` each
+    to finish in ``seconds_left`` (all of them at once when no time is left).
+
+    >>> deadline_width(remaining=10, shard_seconds=600, seconds_left=1800)
+    4
+    >>> deadline_width(remaining=3, shard_seconds=600, seconds_left=0)
+    3
+    """
+    if seconds_left <= 0:
+        return remaining
+    return min(remaining, math.ceil(remaining * shard_seconds / seconds_left))
+
+
 def plan(shards: Sequence[Shard], *, cap: int, market_room: int, max_attempts: int) -> Plan:
     """Which waiting shards to submit: while fewer than ``cap`` run and the market has room
     (at least one child, so the work always moves: a child waits for capacity, it never
@@ -151,35 +167,68 @@ def fan_out(
     max_attempts: int = 3,
     poll_seconds: float = 1.0,
     on_progress: Callable[[dict], None] | None = None,
+    deadline: datetime | None = None,
+    shard_gpu_hours: float | None = None,
+    pool_worker: bool | None = None,
 ) -> dict:
     """Run ``child`` (a ``@spot_gpu`` flow) once per item of ``params`` (its keyword
     arguments), at most ``cap`` at a time and no wider than the market (module doc); the
     manifest: each shard's result in order, the counts, and the cost against on-demand.
-    Raises RuntimeError naming the shards whose children failed ``max_attempts`` times."""
+    Raises RuntimeError naming the shards whose children failed ``max_attempts`` times.
+
+    With a ``deadline`` (and ``shard_gpu_hours``, a shard's GPU work), the width is at least
+    what finishes the rest in time (:func:`deadline_width`, still within ``cap``): children
+    beyond what the market offers at their price wait for GPUs, and each child carries the
+    deadline and its work to its worker's ``deadline-aware`` policy, which bids up when it
+    falls behind and moves to on-demand capacity only when spot can no longer make it.
+
+    ``pool_worker``: hand the children to the pool's running worker (``submit_to_work_pool``:
+    it places their bids together), or follow each from a thread of this process (``submit``);
+    by default the pool's worker when one is alive."""
     from prefect_spotgpu.decorators import SpotGPUFlow
 
     if not isinstance(child, SpotGPUFlow):
         raise TypeError("fan_out's child must be a flow decorated with @spot_gpu")
+    if deadline is not None:
+        if shard_gpu_hours is None:
+            raise ValueError("a fan-out with a deadline needs shard_gpu_hours (a shard's work)")
+        child = child.with_options(
+            job_variables={
+                **child.job_variables,
+                "deadline": deadline.isoformat(),
+                "gpu_hours": shard_gpu_hours,
+                "bidding_policy": "deadline-aware",
+            }
+        )
     shards = [Shard(i, dict(p)) for i, p in enumerate(params)]
     market = _Market(child)
     futures: dict[int, Any] = {}
     report = _Progress(len(shards))
+    unserved = _Unserved(child.work_pool)
     started = time.monotonic()
     while any(s.status in (ShardStatus.WAITING, ShardStatus.RUNNING) for s in shards):
-        decided = plan(shards, cap=cap, market_room=market.room(), max_attempts=max_attempts)
+        room = market.room()
+        if deadline is not None:
+            room = max(room, _needed(shards, deadline, shard_gpu_hours))
+        decided = plan(shards, cap=cap, market_room=room, max_attempts=max_attempts)
         if decided.failed:
             raise RuntimeError(
                 "fan-out failed: shard(s) "
                 + ", ".join(f"{i} ({shards[i].errors[-1]})" for i in decided.failed)
                 + f" ended without a result {max_attempts} times"
             )
+        to_pool = pool_worker
+        if decided.submit and to_pool is None:
+            to_pool = bool(_live_workers(child.work_pool))
         for index in decided.submit:
             shard = shards[index]
-            futures[index] = child.submit(**shard.params)
+            submit = child.submit_to_work_pool if to_pool else child.submit
+            futures[index] = submit(**shard.params)
             shard.status, shard.run_id = ShardStatus.RUNNING, futures[index].flow_run_id
             shard.attempts += 1
         for index, future in list(futures.items()):
             if future.following() or not future.settled():
+                unserved.check(future)
                 continue
             state, shard = future.state, shards[index]
             del futures[index]
@@ -204,6 +253,49 @@ def fan_out(
         "seconds": round(time.monotonic() - started, 2),
         "cost": costs,
     }
+
+
+def _needed(shards: Sequence[Shard], deadline: datetime, shard_gpu_hours: float) -> int:
+    """Children beyond those running that the deadline needs now."""
+    waiting = sum(s.status is ShardStatus.WAITING for s in shards)
+    running = sum(s.status is ShardStatus.RUNNING for s in shards)
+    left = (deadline - datetime.now(UTC)).total_seconds()
+    width = deadline_width(
+        remaining=waiting + running, shard_seconds=shard_gpu_hours * 3600, seconds_left=left
+    )
+    return max(0, width - running)
+
+
+def _live_workers(pool: str) -> list[str]:
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    from prefect_spotgpu.decorators import live_workers
+
+    return run_coro_as_sync(live_workers(pool))
+
+
+class _Unserved:
+    """Children handed to the pool's worker that no worker takes: after ``NO_WORKER_SECONDS``
+    still Scheduled with no worker of the pool alive, the fan-out stops with what to start
+    (it never waits for ever)."""
+
+    def __init__(self, pool: str) -> None:
+        self.pool, self.since = pool, {}
+
+    def check(self, future) -> None:
+        from prefect_spotgpu.decorators import NO_WORKER_SECONDS
+
+        if future.following() or not future.state.is_scheduled():
+            self.since.pop(future.flow_run_id, None)
+            return
+        since = self.since.setdefault(future.flow_run_id, time.monotonic())
+        if time.monotonic() - since < NO_WORKER_SECONDS or _live_workers(self.pool):
+            return
+        raise RuntimeError(
+            f"child flow run {future.flow_run_id} waits for a worker, and no worker of pool "
+            f"{self.pool!r} is running: start one with `prefect worker start --pool "
+            f"{self.pool} --type spot-gpu`, or fan out with pool_worker=False"
+        )
 
 
 def storage_of(child):

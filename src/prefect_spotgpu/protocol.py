@@ -258,6 +258,9 @@ class _Labels:
 
 LABELS = _Labels()
 
+MAX_BIDS_PER_BATCH = 500
+"""The most bids one ``POST /bids/batch`` places (the service's limit; the worker's batches)."""
+
 PID_PREFIX = "spotgpu-bid-"
 """A flow run's infrastructure id: ``spotgpu-bid-<the bid serving it>``."""
 

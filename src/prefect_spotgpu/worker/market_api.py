@@ -16,6 +16,7 @@ import anyio
 import httpx
 
 from prefect_spotgpu.protocol import LIVE_BID_STATUSES
+from prefect_spotgpu.worker.bid_batch import batcher_for
 from prefect_spotgpu.worker.report import quote_summary
 
 T = TypeVar("T")
@@ -114,7 +115,9 @@ class MarketApi:
         return checked(await self.http.get("/images"), "read the image catalogue")
 
     async def place(self, body: dict) -> dict:
-        return checked(await self.http.post("/bids", json=body), "place the bid")
+        """Place a bid: in one ``/bids/batch`` with the process's other new bids
+        (``bid_batch``), answered for this bid alone."""
+        return checked(await batcher_for(self.http).place(body), "place the bid")
 
     async def reprice(self, bid_id: int, price: float, doing: str = "reprice the bid") -> dict:
         return checked(await self.http.patch(f"/bids/{bid_id}", json={"max_price": price}), doing)

@@ -8,6 +8,7 @@ from typing import Annotated
 from pydantic import BaseModel, Field, model_validator
 
 from prefect_spotgpu.market.types import MAX_GANG_NODES
+from prefect_spotgpu.protocol import MAX_BIDS_PER_BATCH
 from prefect_spotgpu.service.schemas.fields import (
     CapacityKind,
     GpuCount,
@@ -117,9 +118,8 @@ class BidCreate(Strict):
         return self
 
 
-MAX_BIDS_PER_BATCH = 500
-"""The most bids one ``POST /bids/batch`` places (and the body limit still holds: about 2 KB
-of job environment a bid fits 500 in a request)."""
+# MAX_BIDS_PER_BATCH (protocol): the body limit still holds, and about 2 KB of job
+# environment a bid fits 500 in a request
 
 
 class BidBatchCreate(Strict):

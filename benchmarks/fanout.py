@@ -1,0 +1,197 @@
+"""Fan-out benchmark: a render queue and a cleaning job over many spot runs, with reclaims.
+
+On a local stack (a Prefect server, the market, N agents of 2 declared GPUs, process runners),
+each workload runs three ways side by side:
+
+- ``one_run``: all of its work as a single spot run (the naive way);
+- ``fan_out``: split over child runs (``prefect_spotgpu.fanout``), nothing reclaimed;
+- ``fan_out_reclaimed``: the same, while three nodes running children are reclaimed at random
+  moments and one agent is killed with SIGKILL (its jobs too), each node back a moment later.
+
+A unit's GPU work is simulated time (``--pace``: this machine has 2 cores, and real frames
+would make the CPU the limit). Reported per workload: makespans, against the ideal (total
+work / GPUs) and against the no-reclaim fan-out; GPU-seconds billed and the share lost to
+preemption (billed beyond the no-reclaim fan-out's); cost against on-demand; units redone
+(units begun more than once: ``FLOWS_WORK_LOG`` has a line per unit begun). Targets:
+``fan_out_reclaimed`` makespan <= 1.3 x ``fan_out``, redone units <= one shard per reclaim.
+
+    python benchmarks/fanout.py [--agents 4] [--pace 0.3]
+
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "flows"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+POOL = "spot-bench"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--agents", type=int, default=4)
+    parser.add_argument("--pace", type=float, default=0.3, help="GPU seconds per frame")
+    args = parser.parse_args()
+    home = Path(tempfile.mkdtemp(prefix="fanout-bench-"))
+    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    from prefect_spotgpu.cli.stack import LocalStack
+
+    with LocalStack(home, heartbeat_timeout_seconds=3) as stack:
+        url = stack.start_prefect_server()
+        os.environ["PREFECT_API_URL"] = url
+        stack.start_market()
+        stack.nodes = {stack.start_agent(f"node-{i}"): f"node-{i}" for i in range(args.agents)}
+        stack.create_pool(POOL, defaults={"gpu_count": 1, "max_price": 1.5})
+        gpus = 2 * args.agents
+        out = {
+            "benchmark": "fanout",
+            "render": render_runs(stack, args.pace, gpus),
+            "clean": clean_runs(stack, args.pace * 2, gpus),
+            "config": {
+                "agents": args.agents,
+                "gpus": gpus,
+                "pace_seconds": args.pace,
+                "cores": os.cpu_count(),
+            },
+            "targets": "fan_out_reclaimed makespan <= 1.3 x fan_out; redone <= 1 shard/reclaim",
+        }
+        for name in ("render", "clean"):
+            w = out[name]
+            w["met"] = (
+                w["fan_out_reclaimed"]["makespan_vs_fan_out"] <= 1.3
+                and w["fan_out_reclaimed"]["redone_units"]
+                <= w["fan_out_reclaimed"]["reclaims"] * w["units_per_shard"]
+            )
+    print(json.dumps(out, indent=2))
+
+
+def render_runs(stack, pace: float, gpus: int) -> dict:
+    from prefect import flow
+    from render_queue import render_queue
+
+    frames, per_child = 96, 12
+
+    def run(tag: str, per: int, trouble) -> dict:
+        log = stack.home / f"work-{tag}.log"
+
+        @flow(name=f"bench-render-{tag}")
+        def parent() -> dict:
+            return render_queue(
+                out=f"bench-{tag}", frames=frames, per_child=per, width=32, height=24,
+                work_pool=POOL, gpu_model="A100-80G", max_price=1.5, cap=gpus,
+                pace_seconds=pace, child_env={"FLOWS_WORK_LOG": str(log)},
+            )  # fmt: skip
+
+        return timed(parent, log, frames, trouble)
+
+    return compare(stack, run, units=frames, per_child=per_child, pace=pace, gpus=gpus,
+                   outputs="frame-*.png", at=[(8, 18), (24, 34), (40, 50), (56, 66)])  # fmt: skip
+
+
+def clean_runs(stack, pace: float, gpus: int) -> dict:
+    from clean import make_dataset
+    from clean_fanout import clean_fanout
+    from prefect import flow
+
+    from prefect_spotgpu.checkpoint.objects import LocalObjects
+
+    shards, per_child = 40, 5
+    store = LocalObjects(tenant_dir(stack))
+    make_dataset(store, pairs=400, shards=shards, seed=5, prefix="outputs/bench-pairs")
+
+    def run(tag: str, per: int, trouble) -> dict:
+        log = stack.home / f"work-clean-{tag}.log"
+
+        @flow(name=f"bench-clean-{tag}")
+        def parent() -> dict:
+            return clean_fanout(
+                source="bench-pairs", out=f"bench-clean-{tag}", per_child=per,
+                work_pool=POOL, gpu_model="A100-80G", max_price=1.5, cap=gpus,
+                pace_seconds=pace, child_env={"FLOWS_WORK_LOG": str(log)},
+            )  # fmt: skip
+
+        return timed(parent, log, shards, trouble)
+
+    return compare(stack, run, units=shards, per_child=per_child, pace=pace, gpus=gpus,
+                   outputs="signatures/*.json", at=[(4, 8), (11, 16), (19, 24), (27, 32)],
+                   prefix="bench-clean-")  # fmt: skip
+
+
+def compare(stack, run, *, units, per_child, pace, gpus, outputs, at, prefix="bench-") -> dict:
+    from test_fanout import Trouble
+
+    one = run("one", units, None)
+    fan = run("fan", per_child, None)
+    glob_dir = tenant_dir(stack) / "outputs" / f"{prefix}reclaimed"
+    if outputs.startswith("signatures/"):
+        glob_dir, outputs = glob_dir / "signatures", outputs.split("/", 1)[1]
+    trouble = Trouble(stack, glob_dir, outputs, at=at, seed=7)
+    hit = run("reclaimed", per_child, trouble)
+    ideal = units * pace / gpus
+    reclaims = len(trouble.log)
+    hit.update(
+        reclaims=reclaims,
+        events=trouble.log,
+        makespan_vs_fan_out=round(hit["makespan_seconds"] / fan["makespan_seconds"], 3),
+        lost_gpu_share=round(1 - fan["gpu_seconds"] / hit["gpu_seconds"], 3)
+        if hit["gpu_seconds"]
+        else None,
+    )
+    for r in (one, fan, hit):
+        r["makespan_vs_ideal"] = round(r["makespan_seconds"] / ideal, 2)
+    return {
+        "units": units,
+        "units_per_shard": per_child,
+        "shards": units // per_child,
+        "ideal_seconds": round(ideal, 2),
+        "one_run": one,
+        "fan_out": fan
+        | {"vs_one_run": round(fan["makespan_seconds"] / one["makespan_seconds"], 3)},
+        "fan_out_reclaimed": hit,
+    }
+
+
+def timed(parent, log: Path, units: int, trouble) -> dict:
+    if trouble is not None:
+        trouble.start()
+    started = time.monotonic()
+    try:
+        manifest = parent()
+    finally:
+        if trouble is not None:
+            trouble.done.set()
+            trouble.join(timeout=30)
+    makespan = time.monotonic() - started
+    begun = log.read_text().splitlines() if log.exists() else []
+    cost = manifest["cost"]
+    return {
+        "makespan_seconds": round(makespan, 2),
+        "children": manifest["shards"],
+        "attempts": manifest["attempts"],
+        "gpu_seconds": round(cost["gpu_hours"] * 3600, 1),
+        "preemptions": cost["preemptions"],
+        "spot_cost": cost["spot_cost"],
+        "on_demand_cost": cost["on_demand_cost"],
+        "saving": cost["saving"],
+        "units_begun": len(begun),
+        "redone_units": len(begun) - len(set(begun)),
+    }
+
+
+def tenant_dir(stack) -> Path:
+    buyer = stack.market(stack.buyer_key).get("/me").json()["id"]
+    return stack.home / "node-checkpoints" / f"tenant-{buyer}"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Bids of many flow runs, placed together: one ``POST /bids/batch`` for the bids a worker
+process places within a few milliseconds of each other (a fan-out's children, a pool worker
+taking a queue of runs), instead of one request each.
+
+Every run still gets its own answer. A batch is all or nothing on the market
+(``service/bulk_bids.py``), so one run's bad bid must not sink the others: when the market
+refuses an item by its index (``bids[3]...``), that run gets the refusal and the rest are sent
+again; any other refusal of the whole batch (a balance that covers some of the bids but not all)
+sends each bid alone, so each run gets its own answer. Bids carry their runs' idempotency keys,
+so a batch sent again never places a bid twice.
+
+One batcher per market connection (URL and key) per process, on a thread of its own: the runs
+may follow from different event loops (``SpotGPUFlow.submit`` runs each in its thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import re
+import threading
+from concurrent.futures import Future
+
+import httpx
+
+from prefect_spotgpu.protocol import MAX_BIDS_PER_BATCH
+
+WINDOW_SECONDS = 0.02
+"""How long the first bid of a batch waits for others to join it."""
+
+_batchers: dict[tuple[str, str], BidBatcher] = {}
+_lock = threading.Lock()
+
+
+def batcher_for(http: httpx.AsyncClient) -> BidBatcher:
+    """The process's batcher for the market and tenant of ``http``."""
+    key = (str(http.base_url), http.headers.get("Authorization", ""))
+    with _lock:
+        if key not in _batchers:
+            _batchers[key] = BidBatcher(key[0], key[1], timeout=http.timeout)
+        return _batchers[key]
+
+
+class BidBatcher:
+    def __init__(self, base_url: str, authorization: str, timeout=30.0) -> None:
+        self.base_url, self.authorization, self.timeout = base_url, authorization, timeout
+        self.pending: queue.Queue[tuple[dict, Future]] = queue.Queue()
+        self.requests = 0  # batch requests sent (for tests and benchmarks)
+        threading.Thread(target=self._run, name="spot-gpu bids", daemon=True).start()
+
+    async def place(self, body: dict) -> httpx.Response:
+        """Place ``body`` in the next batch; the market's answer for it alone, as a response
+        of ``POST /bids`` would be (201/200 with the bid, or the refusal)."""
+        future: Future = Future()
+        self.pending.put((body, future))
+        return await asyncio.wrap_future(future)
+
+    def _run(self) -> None:
+        headers = {"Authorization": self.authorization} if self.authorization else {}
+        with httpx.Client(base_url=self.base_url, headers=headers, timeout=self.timeout) as http:
+            while True:
+                items = [self.pending.get()]
+                deadline = WINDOW_SECONDS
+                try:
+                    while len(items) < MAX_BIDS_PER_BATCH:
+                        items.append(self.pending.get(timeout=deadline))
+                        deadline = 0.002  # keep gathering while bids keep coming
+                except queue.Empty:
+                    pass
+                try:
+                    self._send(http, items)
+                except Exception as exc:  # no answer at all: each run retries its own
+                    for _, future in items:
+                        if not future.done():
+                            future.set_exception(exc)
+
+    def _send(self, http: httpx.Client, items: list[tuple[dict, Future]]) -> None:
+        while items:
+            if len(items) == 1:
+                body, future = items[0]
+                future.set_result(http.post("/bids", json=body))
+                return
+            self.requests += 1
+            response = http.post("/bids/batch", json={"bids": [body for body, _ in items]})
+            if response.status_code in (200, 201):
+                placed = response.json()
+                for (_, future), bid, created in zip(
+                    items, placed["bids"], placed["created"], strict=True
+                ):
+                    future.set_result(_single(response, bid, 201 if created else 200))
+                return
+            index = _refused_index(response)
+            if index is None or response.status_code >= 500:
+                for body, future in items:  # each alone: each run gets its own answer
+                    future.set_result(http.post("/bids", json=body))
+                return
+            items[index][1].set_result(_without_index(response, index))
+            items = items[:index] + items[index + 1 :]
+
+
+def _refused_index(response: httpx.Response) -> int | None:
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    field = body.get("field")
+    if field is None and isinstance(body.get("detail"), list) and body["detail"]:
+        loc = body["detail"][0].get("loc", [])
+        if len(loc) >= 3 and loc[:2] == ["body", "bids"] and isinstance(loc[2], int):
+            return loc[2]
+    match = re.match(r"bids\[(\d+)\]", field or "")
+    return int(match[1]) if match else None
+
+
+def _single(batch: httpx.Response, bid: dict, status: int) -> httpx.Response:
+    return httpx.Response(status, json=bid, request=batch.request)
+
+
+def _without_index(response: httpx.Response, index: int) -> httpx.Response:
+    """The refusal of item ``index`` as a refusal of that bid alone (its field and message
+    without the ``bids[i]`` prefix)."""
+    body = response.json()
+    prefix = f"bids[{index}]"
+    if isinstance(body.get("field"), str):
+        body["field"] = body["field"].removeprefix(prefix).lstrip(".") or None
+    detail = body.get("detail")
+    if isinstance(detail, str):
+        body["detail"] = detail.removeprefix(f"{prefix}: ")
+    elif isinstance(detail, list):
+        for error in detail:
+            loc = error.get("loc", [])
+            if loc[:3] == ["body", "bids", index]:  # pydantic's own
+                error["loc"] = ["body", *loc[3:]]
+            elif len(loc) == 2 and isinstance(loc[1], str) and loc[1].startswith(prefix):
+                error["loc"] = ["body", loc[1].removeprefix(prefix).lstrip(".")]  # the service's
+            if isinstance(error.get("msg"), str):
+                error["msg"] = error["msg"].removeprefix(f"{prefix}: ")
+    return httpx.Response(response.status_code, json=body, request=response.request)
