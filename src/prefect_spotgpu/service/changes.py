@@ -38,13 +38,17 @@ logger = logging.getLogger("prefect_spotgpu.service.ticker")  # the tick loop's 
 S = AllocationStatus
 
 
-def read_bid_rows(session: Session, changes: list[MarketChange]) -> None:
+def read_bid_rows(session: Session, changes: list[MarketChange]) -> list[BidRow]:
     """Read the bid rows that ``changes`` name, a chunk of ids a query, into the session: a
     fan-out's batch of bids then costs the tick a few queries, not one per bid (each change
-    still reads its row through ``session.get``, which finds it here)."""
+    still reads its row through ``session.get``, which finds it here). Keep the list while
+    the changes are applied: the session's identity map holds its rows only weakly."""
     ids = sorted({c.entity_id for c in changes if c.entity == Entity.BID})
+    rows: list[BidRow] = []
     for start in range(0, len(ids), 1000):
-        session.scalars(select(BidRow).where(BidRow.id.in_(ids[start : start + 1000]))).all()
+        chunk = ids[start : start + 1000]
+        rows.extend(session.scalars(select(BidRow).where(BidRow.id.in_(chunk))))
+    return rows
 
 
 def apply_change(writes: TickWrites, change: MarketChange, now: float) -> None:

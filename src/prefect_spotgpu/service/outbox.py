@@ -46,4 +46,7 @@ def take_changes(*, session: Session) -> list[MarketChange]:
 def clear_changes(*, session: Session, changes: list[MarketChange]) -> None:
     """Delete the changes applied (those recorded meanwhile stay for the next tick)."""
     if changes:
-        session.execute(delete(MarketChange).where(MarketChange.id.in_([c.id for c in changes])))
+        session.execute(
+            delete(MarketChange).where(MarketChange.id.in_([c.id for c in changes])),
+            execution_options={"synchronize_session": False},  # the tick holds them no more
+        )

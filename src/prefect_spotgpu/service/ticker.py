@@ -139,10 +139,11 @@ class Ticker:
                 self.market = load_market(session=session, settings=self.settings)
                 self.last_flush = now
             changes = outbox.take_changes(session=session)
-            read_bid_rows(session, changes)
+            bid_rows = read_bid_rows(session, changes)  # held while the changes apply
             writes = TickWrites(session, self.market, self.accrued, now, limits=self.limits)
             for change in changes:
                 apply_change(writes, change, now)
+            del bid_rows
             # a new leader (a restart, a failover) gives every agent a timeout to check in
             timeout = self.settings.heartbeat_timeout_seconds
             if now - self.leading_since >= timeout:
