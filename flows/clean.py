@@ -121,18 +121,9 @@ def clean(
         hashes = [int(h) for h in state["hashes"]]
         counts = Counter({k: int(v) for k, v in state["counts"].items()})
     for index in range(cursor, len(shards)):
-        kept = []
-        for line in source.get(shards[index]).decode().splitlines():
-            pair = json.loads(line)
-            counts["seen"] += 1
-            reason, digest, h = verdict(pair, sha, hashes)
-            if reason is not None:
-                counts[reason] += 1
-                continue
-            sha.add(digest)
-            hashes.append(h)
-            kept.append(line)
-            counts["kept"] += 1
+        lines = source.get(shards[index]).decode().splitlines()
+        sigs = [signature(json.loads(line)) for line in lines]
+        kept = sift(lines, sigs, sha, hashes, counts)
         out.put(join(out_prefix, base(shards[index])), "".join(f"{k}\n" for k in kept).encode())
         state = {
             "cursor": index + 1,
@@ -145,6 +136,26 @@ def clean(
         if ckpt.notice_received:
             on_notice(ckpt)
     return write_report(out, out_prefix, len(shards), counts)
+
+
+def sift(
+    lines: list[str], sigs: list, sha: set[str], hashes: list[int], counts: Counter
+) -> list[str]:
+    """The lines of one shard that are kept, given their :func:`signature` s, in order, each
+    against the images kept before it (``sha``, ``hashes``: extended here); ``counts`` gets
+    every pair's outcome."""
+    kept = []
+    for line, (reason, digest, h) in zip(lines, sigs, strict=True):
+        counts["seen"] += 1
+        reason, digest, h = dedup(reason, digest, int(h), sha, hashes)
+        if reason is not None:
+            counts[reason] += 1
+            continue
+        sha.add(digest)
+        hashes.append(h)
+        kept.append(line)
+        counts["kept"] += 1
+    return kept
 
 
 def write_report(out: ObjectStore, prefix: str, shards: int, counts: Counter) -> dict:
@@ -200,17 +211,7 @@ def decide_and_write(
         lines = source.get(name).decode().splitlines()
         if len(sigs) != len(lines):
             raise ValueError(f"signatures of {name} do not match its {len(lines)} pairs")
-        kept = []
-        for line, (reason, digest, h) in zip(lines, sigs, strict=True):
-            counts["seen"] += 1
-            reason, digest, h = dedup(reason, digest, int(h), sha, hashes)
-            if reason is not None:
-                counts[reason] += 1
-                continue
-            sha.add(digest)
-            hashes.append(h)
-            kept.append(line)
-            counts["kept"] += 1
+        kept = sift(lines, sigs, sha, hashes, counts)
         out.put(join(out_prefix, base(name)), "".join(f"{k}\n" for k in kept).encode())
     return write_report(out, out_prefix, len(names), counts)
 

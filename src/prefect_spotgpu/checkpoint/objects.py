@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlparse
 
+from prefect_spotgpu.checkpoint.storage import _fsync_dir
+
 NAME = re.compile(r"^(?!.*(^|/)\.\.?(/|$))[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")
 
 
@@ -175,11 +177,3 @@ def objects_from_url(url: str, **options) -> ObjectStore:
     if parsed.scheme == "s3":
         return S3Objects(parsed.netloc, parsed.path.lstrip("/"), **options)
     raise ValueError(f"storage URL must be a path, file:// or s3://, got {url!r}")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
