@@ -1,6 +1,6 @@
 """Many bids in one request (``POST /bids/batch``, ``service/bulk_bids.py``): all or none,
 idempotent per bid, the bad item named by its index, and credit reserved for the whole batch,
-against the real service on SQLite and PostgreSQL (issue 30, item 3).
+against the real service on SQLite and PostgreSQL.
 
 Both databases, because what a batch must hold is about locking and transactions: parallel
 batches of one tenant queue on its row (PostgreSQL ``FOR UPDATE``; SQLite's write lock) and a

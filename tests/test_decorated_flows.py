@@ -1,5 +1,5 @@
-"""Flows decorated for spot GPUs (``@spot_gpu``, ``prefect_spotgpu.decorators``; issue 30,
-item 1), end to end: a real Prefect server, the real market, two real agents, and a plain
+"""Flows decorated for spot GPUs (``@spot_gpu``, ``prefect_spotgpu.decorators``), end to
+end: a real Prefect server, the real market, two real agents, and a plain
 Python script that calls the flow. No pool worker runs unless a test starts one: the call's
 own worker follows the run, across a reclaim, to its result. Also: what the decorator refuses
 at decoration time, and the bundle executor refusing a bundle changed in storage."""

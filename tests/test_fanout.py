@@ -1,4 +1,4 @@
-"""Fan-out exactly once (``prefect_spotgpu.fanout``; issue 30, item 2): the pure rules; a
+"""Fan-out exactly once (``prefect_spotgpu.fanout``): the pure rules; a
 render queue of 96 frames over 6 spot runs on 4 real agents, served by a ``prefect worker start
 --type spot-gpu`` process, with reclaims at random moments and one agent killed with SIGKILL,
 whose every frame is stored once and is byte for byte the frame of one uninterrupted render;
