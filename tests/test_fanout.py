@@ -254,3 +254,28 @@ def test_a_cleaning_job_fans_out_and_its_report_is_the_uninterrupted_runs(stack,
         assert store.get(f"outputs/pairs-clean/{name}") == (reference / name).read_bytes(), name
     assert len(store.names("outputs/pairs-clean/signatures")) == 40
     print({"clean_fan_out": trouble.log, "cost": manifest["cost"]})
+
+
+def test_children_no_worker_takes_stop_the_fan_out_with_what_to_start(prefect_api_url, monkeypatch):
+    """A child handed to the pool's worker that stays Scheduled with no worker of the pool
+    alive ends the fan-out with the command to run (``NO_WORKER_SECONDS``, here 0), never a
+    wait for ever."""
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.states import Scheduled
+
+    from prefect_spotgpu import decorators
+    from prefect_spotgpu.decorators import SpotRunFuture
+    from prefect_spotgpu.fanout import _Unserved
+
+    @flow(name="orphan-child")
+    def orphan() -> None: ...
+
+    with get_client(sync_client=True) as client:
+        client.create_work_pool(WorkPoolCreate(name="fanout-unserved", type="spot-gpu"))
+        run = client.create_flow_run(orphan, state=Scheduled())
+    waiting = SpotRunFuture(run.id, "fanout-unserved")
+    monkeypatch.setattr(decorators, "NO_WORKER_SECONDS", 60.0)
+    _Unserved("fanout-unserved").check(waiting)  # within the grace: no verdict yet
+    monkeypatch.setattr(decorators, "NO_WORKER_SECONDS", 0.0)
+    with pytest.raises(RuntimeError, match="prefect worker start --pool fanout-unserved"):
+        _Unserved("fanout-unserved").check(waiting)
