@@ -124,6 +124,10 @@ class Trouble(threading.Thread):
             while self.stored() < target and not self.done.is_set():
                 time.sleep(0.05)
             nodes = self.busy_nodes()
+            waited = time.monotonic() + 15  # children between attempts: wait for one to run
+            while not nodes and not self.done.is_set() and time.monotonic() < waited:
+                time.sleep(0.1)
+                nodes = self.busy_nodes()
             if self.done.is_set() or not nodes:
                 break
             node = self.rng.choice(nodes)
