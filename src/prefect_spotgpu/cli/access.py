@@ -160,6 +160,29 @@ def tenants(market: str = MARKET) -> None:
     console.print(table)
 
 
+@admin_app.command("credit")
+def credit(
+    tenant: str = typer.Argument(..., help="The tenant's name."),
+    amount: float = typer.Argument(..., help="Units to add to its balance (> 0)."),
+    reason: str = typer.Option(..., "--reason", help="Why: the tenant sees it in its ledger."),
+    market: str = MARKET,
+) -> None:
+    """Credit a tenant's balance: one ledger entry, with the reason the tenant reads."""
+    with admin_client(market) as client:
+        entry = call(
+            client,
+            "POST",
+            f"/tenants/{_tenant_id(client, tenant)}/credits",
+            201,
+            json={"amount": amount, "reason": reason},
+        )
+        balance = next(t["balance"] for t in call(client, "GET", "/tenants") if t["name"] == tenant)
+    console.print(
+        f"credited [bold]{tenant}[/bold] {entry['amount']:.6f} (ledger entry {entry['id']}); "
+        f"balance {balance:.4f}"
+    )
+
+
 @keys_app.command("rotate")
 def rotate(
     api_key_file: Path | None = API_KEY_FILE,

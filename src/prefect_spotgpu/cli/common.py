@@ -56,10 +56,16 @@ def market_client(market: str, api_key: str | None = None) -> Iterator[httpx.Cli
 def admin_client(market: str):
     """A client of the market's API as its admin (``SPOTGPU_ADMIN_KEY``, or the key file the
     service generated), as a context manager; an unreachable market is one line
-    (:func:`market_client`)."""
-    from prefect_spotgpu.service.settings import ServiceSettings
+    (:func:`market_client`). Without a key the command ends at once, saying where one goes
+    (never a new key: the market would refuse it)."""
+    from prefect_spotgpu.service.settings import NoAdminKey, ServiceSettings
 
-    return market_client(market, ServiceSettings().resolved_admin_key())
+    try:
+        key = ServiceSettings().existing_admin_key()
+    except NoAdminKey as exc:
+        console.print(str(exc), style="red", soft_wrap=True, markup=False)
+        raise typer.Exit(2) from None
+    return market_client(market, key)
 
 
 def fail(response: httpx.Response) -> None:

@@ -1,7 +1,13 @@
-"""``spotgpu server start``: the market service (its API, migrations, the clearing tick and the
-webhooks) in this process, until it is stopped."""
+"""``spotgpu server start`` (the market service: its API, the clearing tick and the webhooks, in
+this process until it is stopped) and ``spotgpu server migrate`` (the database's schema, once
+per upgrade: replicas do not migrate as they start; docs/operators/backup-and-upgrade.md).
+
+The database URL comes from ``SPOTGPU_DB_URL`` or a file (``--db-url-file``): a URL with a
+password on the command line would be readable by every user of the host (``ps``)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import typer
 
@@ -9,51 +15,158 @@ from prefect_spotgpu.cli.common import console
 
 server_app = typer.Typer(help="Run the market service.", no_args_is_help=True)
 
+DB = typer.Option(
+    None,
+    "--db",
+    envvar="SPOTGPU_DB_URL",
+    help="SQLAlchemy URL (default: SQLite in ~/.spotgpu). PostgreSQL: "
+    "postgresql+psycopg://user@host/db. One with a password: from SPOTGPU_DB_URL or "
+    "--db-url-file, never the command line.",
+    show_envvar=True,
+)
+DB_URL_FILE = typer.Option(
+    None,
+    "--db-url-file",
+    help="A file holding the database URL (e.g. /etc/spotgpu/db-url, mode 0600).",
+    exists=True,
+    dir_okay=False,
+    readable=True,
+)
 
-@server_app.command("start")
-def server_start(
-    db: str = typer.Option(
-        None,
-        "--db",
-        envvar="SPOTGPU_DB_URL",
-        help="SQLAlchemy URL (default: SQLite in ~/.spotgpu). PostgreSQL: "
-        "postgresql+psycopg://user@host/db",
-    ),
-    host: str = typer.Option("127.0.0.1", envvar="SPOTGPU_HOST", help="Interface to bind."),
-    port: int = typer.Option(4300, envvar="SPOTGPU_PORT", min=1, max=65535, help="Port."),
-    tick_seconds: float = typer.Option(None, help="Seconds between clearing ticks (1)."),
-    log_level: str = typer.Option("info", help="debug, info, warning or error."),
-) -> None:
-    """Start the market service: API, migrations, the per-second tick and webhooks.
 
-    Run several against one PostgreSQL database for more API capacity: exactly one of them
-    leads the tick loop at a time. The admin key is SPOTGPU_ADMIN_KEY, or generated once into
-    ~/.spotgpu/admin_key.
-    """
+def _database_url(db: str | None, db_url_file: Path | None) -> str | None:
+    """The URL from ``--db``/``SPOTGPU_DB_URL`` or ``--db-url-file`` (one of them); a
+    password given as ``--db`` on the command line is refused."""
+    import os
+
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    if db_url_file is not None:
+        if db is not None and os.environ.get("SPOTGPU_DB_URL") != db:
+            console.print("[red]give --db or --db-url-file, not both[/red]")
+            raise typer.Exit(2)
+        db = db_url_file.read_text().strip()
+        if not db:
+            console.print(f"[red]{db_url_file} is empty[/red]: it must hold the database URL")
+            raise typer.Exit(2)
+        return db
+    if db is not None and os.environ.get("SPOTGPU_DB_URL") != db:  # from argv
+        try:
+            password = make_url(db).password
+        except ArgumentError:
+            password = None  # the settings name the bad URL
+        if password:
+            console.print(
+                "[red]--db carries a password[/red], which every user of this host can read "
+                "in the process list: put the URL in SPOTGPU_DB_URL or in a file "
+                "(--db-url-file, mode 0600)"
+            )
+            raise typer.Exit(2)
+    return db
+
+
+def _settings(**overrides):
     from pydantic import ValidationError
 
-    from prefect_spotgpu.service.server import serve
     from prefect_spotgpu.service.settings import ServiceSettings
 
-    overrides = {"host": host, "port": port}
-    if db is not None:
-        overrides["db_url"] = db
-    if tick_seconds is not None:
-        overrides["tick_seconds"] = tick_seconds
     try:
-        settings = ServiceSettings(**overrides)
+        return ServiceSettings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
         console.print(f"[red]bad setting[/red]: {exc}")
         raise typer.Exit(2) from None
+
+
+@server_app.command("start")
+def server_start(
+    db: str = DB,
+    db_url_file: Path = DB_URL_FILE,
+    host: str = typer.Option("127.0.0.1", envvar="SPOTGPU_HOST", help="Interface to bind."),
+    port: int = typer.Option(4300, envvar="SPOTGPU_PORT", min=1, max=65535, help="Port."),
+    tick_seconds: float = typer.Option(None, help="Seconds between clearing ticks (1)."),
+    migrate: bool = typer.Option(
+        None,
+        "--migrate/--no-migrate",
+        help="Upgrade an existing database's schema at start (a single host; "
+        "SPOTGPU_MIGRATE_AT_START). Off: run `spotgpu server migrate` once per upgrade.",
+    ),
+    log_level: str = typer.Option("info", help="debug, info, warning or error."),
+) -> None:
+    """Start the market service: API, the per-second tick and webhooks.
+
+    Run several against one PostgreSQL database for more API capacity: exactly one of them
+    leads the tick loop at a time. An empty database gets its schema; one behind this version
+    is refused until `spotgpu server migrate` has run. The admin key is SPOTGPU_ADMIN_KEY, or
+    generated once into ~/.spotgpu/admin_key.
+    """
+    settings = _settings(
+        db_url=_database_url(db, db_url_file),
+        host=host,
+        port=port,
+        tick_seconds=tick_seconds,
+        migrate_at_start=migrate,
+    )
     console.print(
         f"market service on http://{settings.host}:{settings.port} "
         f"(database: {settings.database_url().split('@')[-1]}); "
         f"API docs at /docs"
     )
     from prefect_spotgpu.service.db import DatabaseUnavailable
+    from prefect_spotgpu.service.server import serve
 
     try:
         serve(settings, log_level=log_level)
     except DatabaseUnavailable as exc:
         console.print(str(exc), style="red", soft_wrap=True, markup=False)
         raise typer.Exit(1) from None
+
+
+@server_app.command("migrate")
+def server_migrate(
+    db: str = DB,
+    db_url_file: Path = DB_URL_FILE,
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Only list the migrations an upgrade would apply."
+    ),
+) -> None:
+    """Upgrade the market database's schema to this version's (once per upgrade, before the
+    replicas start; safe to run again: nothing to do is not an error)."""
+    from prefect_spotgpu.service.db import (
+        DatabaseUnavailable,
+        check_database,
+        make_engine,
+        migrate,
+        schema_status,
+    )
+
+    settings = _settings(db_url=_database_url(db, db_url_file))
+    engine = make_engine(settings.database_url())
+    try:
+        check_database(engine)
+        status = schema_status(engine)
+        where = settings.database_url().split("@")[-1]
+        if not status.known:
+            console.print(
+                f"[red]{where} is at revision {status.current}[/red], which this version "
+                f"({status.head}) does not know: a newer prefect-spotgpu migrated it"
+            )
+            raise typer.Exit(1)
+        console.print(
+            f"{where}: revision {status.current or '(empty)'}, this version {status.head}"
+        )
+        for revision, message in status.pending:
+            console.print(f"  {revision}  {message.strip()}", markup=False, soft_wrap=True)
+        if not status.pending:
+            console.print("up to date: nothing to migrate")
+            return
+        if dry_run:
+            console.print(f"dry run: {len(status.pending)} migration(s) would be applied")
+            return
+        migrate(engine)
+        console.print(f"migrated to {schema_status(engine).current}")
+    except DatabaseUnavailable as exc:
+        console.print(str(exc), style="red", soft_wrap=True, markup=False)
+        raise typer.Exit(1) from None
+    finally:
+        engine.dispose()

@@ -184,6 +184,7 @@ class LocalStack:
             env={
                 "SPOTGPU_ADMIN_KEY": self.admin_key,
                 "SPOTGPU_HOME": str(self.home / "market"),
+                "SPOTGPU_MIGRATE_AT_START": "true",  # one host, its own market
                 "SPOTGPU_CHARGE_FLUSH_SECONDS": "0.5",
                 "SPOTGPU_HEARTBEAT_TIMEOUT_SECONDS": str(self.heartbeat_timeout_seconds),
             },

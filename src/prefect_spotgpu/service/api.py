@@ -138,7 +138,7 @@ def create_app(
     """The service as an ASGI app. With ``background``, the app's lifespan runs the tick loop
     (one leader among replicas) and the webhook sender."""
     from prefect_spotgpu.service import metrics as service_metrics
-    from prefect_spotgpu.service.db import check_database, make_engine, migrate
+    from prefect_spotgpu.service.db import check_database, make_engine, prepare_schema
 
     settings = settings or ServiceSettings()
     sealer = Sealer(settings.resolved_secret_key())
@@ -178,7 +178,7 @@ def create_app(
     # before SQLite opens the database and gives a new -wal or -shm the database's mode)
     check_private_files(home=settings.home, database=sqlite_file(engine.url))
     check_database(engine)  # one line naming the database and the fix, not a traceback
-    migrate(engine)
+    prepare_schema(engine, migrate_existing=settings.migrate_at_start)
     with sessions.begin() as session:
         try:
             crud.check_sealing_key(session=session, sealer=sealer)

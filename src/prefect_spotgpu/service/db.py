@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -95,10 +98,88 @@ def check_database(engine: Engine) -> None:
         ) from None
 
 
-def migrate(engine: Engine) -> None:
-    """Bring the schema to the newest Alembic revision."""
+MIGRATION_LOCK = 0x5350_4D49  # PostgreSQL advisory lock: one migrating process at a time
+
+
+class SchemaBehind(DatabaseUnavailable):
+    """The database's schema is not the one this code needs (the message says what to run)."""
+
+
+@dataclass(frozen=True)
+class SchemaStatus:
+    """Where the database's schema stands against this code's migrations."""
+
+    current: str | None
+    """The database's revision; None: an empty database (no market yet)."""
+    head: str
+    pending: list[tuple[str, str]]
+    """The revisions an upgrade applies, oldest first: (revision, its message)."""
+    known: bool
+    """Whether this code knows the database's revision (False: a newer version migrated it)."""
+
+
+def _config() -> Config:
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
+    return config
+
+
+def schema_status(engine: Engine) -> SchemaStatus:
+    """The database's revision, this code's head and what lies between."""
+    scripts = ScriptDirectory.from_config(_config())
+    head = scripts.get_current_head()
+    with engine.connect() as connection:
+        current = MigrationContext.configure(connection).get_current_revision()
+    known = _known(scripts, current)
+    pending = []
+    if known:
+        for script in scripts.iterate_revisions(head, current):
+            pending.append((script.revision, script.doc or ""))
+        pending.reverse()
+    return SchemaStatus(current=current, head=head, pending=pending, known=known)
+
+
+def _known(scripts: ScriptDirectory, revision: str | None) -> bool:
+    if revision is None:
+        return True
+    try:
+        return scripts.get_revision(revision) is not None
+    except Exception:  # alembic: "Can't locate revision"
+        return False
+
+
+def migrate(engine: Engine) -> None:
+    """Bring the schema to the newest Alembic revision (one process at a time on
+    PostgreSQL: an advisory lock, held to the end of the migration's transaction)."""
+    config = _config()
     with engine.begin() as connection:
+        if connection.dialect.name == "postgresql":
+            connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
         config.attributes["connection"] = connection
         command.upgrade(config, "head")
+
+
+def prepare_schema(engine: Engine, *, migrate_existing: bool) -> None:
+    """At the service's start: create the schema of an empty database (a new market); upgrade
+    an existing one only when ``migrate_existing`` (``spotgpu server start --migrate``, one
+    host); otherwise refuse a schema behind or ahead of this code, naming the command. Replicas
+    of a market must not each upgrade its schema as they start: the operator runs ``spotgpu
+    server migrate`` once (docs/operators/backup-and-upgrade.md)."""
+    status = schema_status(engine)
+    if not status.known:
+        raise SchemaBehind(
+            f"the market's database is at revision {status.current}, which this version of "
+            f"prefect-spotgpu ({status.head}) does not know: a newer version migrated it. "
+            "Upgrade this host's prefect-spotgpu"
+        )
+    if not status.pending:
+        return
+    if status.current is None or migrate_existing:
+        migrate(engine)
+        return
+    steps = ", ".join(revision for revision, _ in status.pending)
+    raise SchemaBehind(
+        f"the market's database is at revision {status.current}; this version needs "
+        f"{status.head} ({len(status.pending)} migration(s): {steps}). Run `spotgpu server "
+        "migrate` once (`--dry-run` lists them), then start the service"
+    )

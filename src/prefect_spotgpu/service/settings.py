@@ -11,6 +11,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from prefect_spotgpu.service.at_rest import create_once, private_dir
 
 
+class NoAdminKey(Exception):
+    """No admin key is set or kept on this host (the message names where to put one)."""
+
+
 def default_home() -> Path:
     return Path.home() / ".spotgpu"
 
@@ -62,6 +66,12 @@ class ServiceSettings(BaseSettings):
         "stacks and tests); otherwise only public destinations are accepted and reached.",
     )
     run_ticker: bool = Field(True, description="Run the tick loop (one leader among replicas).")
+    migrate_at_start: bool = Field(
+        False,
+        description="Upgrade an existing database's schema at start (one host only). Off: an "
+        "empty database gets its schema, one behind the code is refused and the operator runs "
+        "`spotgpu server migrate` once before starting the replicas.",
+    )
     public_cache_seconds: float = Field(
         1.0,
         ge=0,
@@ -173,6 +183,26 @@ class ServiceSettings(BaseSettings):
         if self.admin_key is not None:
             return self.admin_key.get_secret_value()
         return create_once(self.home / "admin_key", lambda: "sgadm_" + secrets.token_urlsafe(24))
+
+    def existing_admin_key(self) -> str:
+        """The admin key a client of the market uses: from the environment, else the key file
+        the service wrote; never a new one (a new key only earns 401s). Raises
+        :class:`NoAdminKey` naming both places."""
+        if self.admin_key is not None:
+            return self.admin_key.get_secret_value()
+        path = self.home / "admin_key"
+        try:
+            key = path.read_text().strip()
+        except FileNotFoundError:
+            key = ""
+        except OSError as exc:
+            raise NoAdminKey(f"cannot read the admin key file {path}: {exc}") from None
+        if not key:
+            raise NoAdminKey(
+                f"no admin key: set SPOTGPU_ADMIN_KEY, or run this as the service's user on its "
+                f"host, where it keeps the key in {path} (not found). SPOTGPU_HOME moves it."
+            )
+        return key
 
     def resolved_secret_key(self) -> str:
         """The key that seals job environments and webhook secrets: from the environment, else

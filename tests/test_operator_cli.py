@@ -1,0 +1,129 @@
+"""The operator's commands, run as an operator would, against real databases and a real service:
+``spotgpu admin credit``, ``spotgpu server migrate`` (replicas do not migrate as they start),
+``spotgpu admin`` without an admin key, and the database URL kept out of argv."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from alembic import command
+
+from conftest import ADMIN_KEY
+from prefect_spotgpu.service.api import create_app
+from prefect_spotgpu.service.db import (
+    SchemaBehind,
+    _config,
+    make_engine,
+    schema_status,
+)
+from prefect_spotgpu.service.settings import ServiceSettings
+from test_cli import spotgpu
+
+
+def _env(**extra) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGPU_")}
+    return {**env, "COLUMNS": "200", **extra}
+
+
+def test_admin_credit_adds_a_ledger_entry_the_tenant_reads_with_its_reason(service):
+    tenant = service.tenant("dora", credit=1.0)
+    env = _env(SPOTGPU_MARKET_URL=service.base_url, SPOTGPU_ADMIN_KEY=ADMIN_KEY)
+    out = spotgpu("admin", "credit", "dora", "2.5", "--reason", "outage 2026-12-04", env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "credited dora 2.500000" in out.stdout and "balance 3.5000" in out.stdout
+    assert tenant.get("/me").json()["balance"] == pytest.approx(3.5)
+    credits = [e for e in tenant.get("/ledger").json()["entries"] if e["kind"] == "credit"]
+    assert [(e["amount"], e["reason"]) for e in credits] == [(2.5, "outage 2026-12-04")]
+
+    # bad input names the field and writes nothing; no reason is a usage error
+    out = spotgpu("admin", "credit", "dora", "0", "--reason", "x", env=env)
+    assert out.returncode == 1 and "amount" in out.stdout, out.stdout
+    out = spotgpu("admin", "credit", "dora", "1", env=env)
+    assert out.returncode == 2 and "--reason" in out.stderr
+    out = spotgpu("admin", "credit", "nobody", "1", "--reason", "x", env=env)
+    assert out.returncode == 1 and "no tenant named 'nobody'" in out.stdout
+    assert tenant.get("/me").json()["balance"] == pytest.approx(3.5)
+
+    # a tenant's own key is not the operator's: the route refuses it
+    hostile = _env(SPOTGPU_MARKET_URL=service.base_url, SPOTGPU_ADMIN_KEY=tenant_key(tenant))
+    out = spotgpu("admin", "credit", "dora", "1000", "--reason", "free money", env=hostile)
+    assert out.returncode == 1 and "error 40" in out.stdout
+    assert tenant.get("/me").json()["balance"] == pytest.approx(3.5)
+
+
+def tenant_key(client) -> str:
+    return client.headers["Authorization"].removeprefix("Bearer ")
+
+
+def test_admin_without_a_key_refuses_naming_where_one_goes_and_makes_none(tmp_path):
+    home = tmp_path / "home"
+    env = _env(SPOTGPU_HOME=str(home), SPOTGPU_MARKET_URL="http://127.0.0.1:9")
+    for args in (("tenants",), ("credit", "x", "1", "--reason", "r"), ("grant-provider", "x")):
+        out = spotgpu("admin", *args, env=env)
+        assert out.returncode == 2, out.stdout + out.stderr
+        text = " ".join(out.stdout.split())
+        assert "SPOTGPU_ADMIN_KEY" in text and str(home / "admin_key") in text, text
+    assert not (home / "admin_key").exists()  # no new key: the market would refuse it
+
+
+def test_a_password_in_db_on_the_command_line_is_refused(tmp_path):
+    url = "postgresql+psycopg://spot:hunter2@127.0.0.1:5432/test"
+    for command_ in (("server", "start"), ("server", "migrate")):
+        out = spotgpu(*command_, "--db", url, env=_env(SPOTGPU_HOME=str(tmp_path)))
+        assert out.returncode == 2
+        text = " ".join(out.stdout.split())
+        assert "SPOTGPU_DB_URL" in text and "--db-url-file" in text and "hunter2" not in text
+
+
+def test_migrate_dry_run_lists_the_steps_then_migrate_applies_them_once(db_url, tmp_path):
+    home = str(tmp_path / "home")
+    url_file = tmp_path / "db-url"
+    url_file.write_text(db_url + "\n")
+    url_file.chmod(0o600)
+    env = _env(SPOTGPU_HOME=home)
+    engine = make_engine(db_url)
+    try:
+        _alembic(engine, command.upgrade, "0007")  # a market of an older version
+        assert schema_status(engine).current == "0007"
+
+        out = spotgpu("server", "migrate", "--db-url-file", str(url_file), "--dry-run", env=env)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "revision 0007" in out.stdout and "0008" in out.stdout and "0009" in out.stdout
+        assert "2 migration(s) would be applied" in out.stdout
+        assert schema_status(engine).current == "0007"  # a dry run writes nothing
+
+        # a replica starting now refuses, naming the command; it does not migrate
+        settings = ServiceSettings(home=home, db_url=db_url, run_ticker=False)
+        with pytest.raises(SchemaBehind, match="spotgpu server migrate"):
+            create_app(settings)
+        assert schema_status(engine).current == "0007"
+
+        out = spotgpu("server", "migrate", "--db-url-file", str(url_file), env=env)
+        assert out.returncode == 0 and "migrated to 0009" in out.stdout, out.stdout
+        out = spotgpu("server", "migrate", env={**env, "SPOTGPU_DB_URL": db_url})
+        assert out.returncode == 0 and "nothing to migrate" in out.stdout
+        create_app(settings)  # now it starts
+    finally:
+        engine.dispose()
+
+
+def test_an_empty_database_gets_its_schema_at_start_and_migrate_at_start_upgrades(db_url, tmp_path):
+    engine = make_engine(db_url)
+    try:
+        settings = ServiceSettings(home=tmp_path / "home", db_url=db_url, run_ticker=False)
+        create_app(settings)  # a new market: nothing to lose, the schema is created
+        assert schema_status(engine).pending == []
+        _alembic(engine, command.downgrade, "0008")
+        create_app(settings.model_copy(update={"migrate_at_start": True}))  # one host
+        assert schema_status(engine).current == "0009"
+    finally:
+        engine.dispose()
+
+
+def _alembic(engine, verb, revision: str) -> None:
+    """Alembic's ``verb`` (upgrade, downgrade) to ``revision``, as ``db.migrate`` runs it."""
+    config = _config()
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        verb(config, revision)
