@@ -18,7 +18,13 @@ from conftest import ADMIN_KEY
 from conftest import wait_for as wait
 from prefect_spotgpu.agent.discovery import DiscoveryError, discover_nvml, parse_declared
 from prefect_spotgpu.agent.isolation import JobUsers
-from prefect_spotgpu.agent.runners import DockerRunner, JobRequest, ProcessRunner, get_runner
+from prefect_spotgpu.agent.runners import (
+    DockerRunner,
+    JobFault,
+    JobRequest,
+    ProcessRunner,
+    get_runner,
+)
 from prefect_spotgpu.protocol import REPORT_DETAIL_CHARS
 
 HERE = Path(__file__).parent
@@ -180,6 +186,25 @@ def test_the_process_runner_signals_the_main_process_only_and_stops_the_group(tm
     assert not running(child)  # the group went down with it
     out = (req.workdir / "job.log").read_text()
     assert out.startswith("1,3 ") and "notice.json" in out
+
+
+def test_the_process_runner_sigkills_at_no_grace_and_refuses_an_image_bid(tmp_path):
+    """At a notice's end the job gets no SIGTERM (its engine would write Crashed); a bid that
+    asks for an image is never run on the host with its image ignored."""
+    runner = ProcessRunner(users=AS_ME)
+    told = "import signal,time,pathlib\nsignal.signal(signal.SIGTERM, lambda *a: pathlib.Path('term').touch())\npathlib.Path('up').touch()\ntime.sleep(60)\n"  # noqa: E501
+    req = request(tmp_path, [sys.executable, "-c", told])
+    handle = runner.start(req)
+    deadline = time.monotonic() + 10
+    while not (req.workdir / "up").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    runner.stop(handle, grace=0)
+    assert handle.poll() == -signal.SIGKILL
+    assert not (req.workdir / "term").exists()
+    imaged = request(tmp_path / "2", [sys.executable, "-c", "pass"], image="pytorch/pytorch:2.4")
+    with pytest.raises(JobFault, match="only a Docker node"):
+        runner.start(imaged)
 
 
 def test_the_docker_runner_builds_the_container_spec(tmp_path):

@@ -18,7 +18,7 @@ import docker
 import pytest
 
 from prefect_spotgpu.agent.isolation import JobUsers
-from prefect_spotgpu.agent.runners import JobRequest
+from prefect_spotgpu.agent.runners import JobFault, JobRequest
 from prefect_spotgpu.agent.runners.docker import (
     DockerRunner,
     ImageUnavailable,
@@ -232,3 +232,45 @@ def test_a_container_gone_before_its_pid_was_read_is_not_alive():
     agent's own process group and succeeds, so such a job looked alive for ever."""
     assert _alive(0) is False and _alive(-1) is False
     assert _alive(os.getpid()) is True
+
+
+def test_stop_with_no_grace_is_sigkill_only_so_the_engine_writes_no_crashed_state(
+    tmp_path, runner, job_image
+):
+    """The end of a notice: a SIGTERM would let Prefect's engine write Crashed on the run."""
+    told = (
+        "import signal, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: open('/spotgpu/sigterm', 'w').close())\n"
+        "open('/spotgpu/up', 'w').close()\n"
+        "time.sleep(3600)\n"
+    )
+    req = request(tmp_path, 17, ["python3", "-c", told], job_image)
+    handle = runner.start(req)
+    deadline = time.monotonic() + 30
+    while not (req.workdir / "up").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    began = time.monotonic()
+    runner.stop(handle, grace=0)
+    assert time.monotonic() - began < 10
+    time.sleep(0.5)
+    assert not (req.workdir / "sigterm").exists()  # it never heard a SIGTERM
+    assert not runner.client.containers.list(all=True, filters={"id": handle.ref})
+
+
+def test_a_bid_without_an_image_runs_in_the_nodes_default_image_or_fails_naming_the_option(
+    tmp_path, job_image
+):
+    bare = DockerRunner(users=JobUsers("auto"), checkpoint_root=tmp_path / "c", gpu_devices=False)
+    req = request(tmp_path, 18, ["python3", "-c", "pass"], None)
+    with pytest.raises(JobFault, match="--default-image"):
+        bare.start(req)
+    default = DockerRunner(
+        users=JobUsers("auto"),
+        checkpoint_root=tmp_path / "c",
+        gpu_devices=False,
+        default_image=job_image,
+    )
+    assert default.container_spec(req)["image"] == job_image
+    handle = default.start(req)
+    assert wait_exit(default, handle) == 0
+    default.stop(handle, grace=0)

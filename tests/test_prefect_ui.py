@@ -10,9 +10,11 @@ states are read from the popover a click on the graph's state bar opens, as a us
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
+import tempfile
 import time
 from itertools import pairwise
 from pathlib import Path
@@ -26,6 +28,9 @@ pytestmark = pytest.mark.slow
 
 UI_TIMEOUT_MS = 60_000  # a Vue app on 2 slow cores, next to the whole demo stack
 BID_EVENTS = ("created", "allocated", "noticed", "preempted", "resumed")  # worker.py / placement.py
+SCREENSHOTS = Path(os.environ.get("SPOTGPU_SCREENSHOTS", tempfile.gettempdir()))
+"""Where the test saves its screenshot of the preempted run; ``SPOTGPU_SCREENSHOTS=docs/images``
+refreshes the docs' copy."""
 
 
 def state_at(page, x: float) -> str | None:
@@ -116,6 +121,10 @@ def check_the_ui(page, out: str) -> None:
     assert "Running" in states[:preempted], states
     assert "Running" in states[preempted + 1 :], states
     assert states[-1] == "Completed", states
+    assert "Crashed" not in states, states  # a preemption never reads as a crash
+    # the docs' picture of a preempted run (docs/users/watching-runs.md): the page as it is
+    page.keyboard.press("Escape")  # (close the state popover)
+    page.screenshot(path=SCREENSHOTS / "preempted-run.png")
 
     # (4) the cost artifact, from the run's Artifacts tab. The worker publishes it when an
     # attempt ends, as versions of one key, which the tab lists in no particular order; the

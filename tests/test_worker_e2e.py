@@ -17,7 +17,12 @@ from uuid import UUID
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
-from prefect.events.filters import EventFilter, EventNameFilter, EventRelatedFilter
+from prefect.events.filters import (
+    EventFilter,
+    EventNameFilter,
+    EventRelatedFilter,
+    EventResourceFilter,
+)
 from prefect.states import Cancelling
 
 from conftest import wait_for
@@ -162,6 +167,7 @@ def test_a_reclaim_mid_run_resumes_on_the_other_node_with_the_same_result(stack,
     preempted = names.index("Preempted")
     assert len(running) == 2 and running[0] < preempted < running[1], names
     assert names[-1] == "Completed"
+    assert "Crashed" not in names, names  # a preemption never reads as a crash
 
     second = int(run.labels["spotgpu.allocation"])
     assert second != first and node_of(stack, second) != first_node
@@ -192,6 +198,9 @@ def test_a_reclaim_mid_run_resumes_on_the_other_node_with_the_same_result(stack,
     )
     for name in ("created", "allocated", "noticed", "preempted", "resumed"):
         assert f"spotgpu.bid.{name}" in events, events
+    # what a "notify me when a run crashes" automation triggers on never happened
+    assert "prefect.flow-run.Crashed" not in _run_events(prefect, run_id, "prefect.flow-run.")
+    assert "prefect.flow-run.Preempted" in _run_events(prefect, run_id, "prefect.flow-run.")
     artifacts = {
         a.key: a
         for a in prefect.read_artifacts(
@@ -248,12 +257,19 @@ def test_a_run_that_finishes_during_its_notice_leaves_no_open_bid(stack, prefect
 
 
 def _spot_events(prefect, run_id) -> list[str]:
+    return _run_events(prefect, run_id, "spotgpu.bid.")
+
+
+def _run_events(prefect, run_id, prefix: str) -> list[str]:
+    """The names of the events about the run whose names start with ``prefix``."""
+    resource = f"prefect.flow-run.{run_id}"
     page = prefect.read_events(
         EventFilter(
-            event=EventNameFilter(prefix=["spotgpu.bid."]),
-            related=EventRelatedFilter(id=[f"prefect.flow-run.{run_id}"]),
+            event=EventNameFilter(prefix=[prefix]),
+            resource=EventResourceFilter(id=[resource]) if prefix.startswith("prefect.") else None,
+            related=None if prefix.startswith("prefect.") else EventRelatedFilter(id=[resource]),
         ),
-        limit=50,
+        limit=50,  # (Prefect's most)
     )
     return [e.event for e in page.events]
 
@@ -299,7 +315,11 @@ def test_a_lost_agent_is_a_preemption_without_notice(stack, prefect, tmp_path):
     final = wait_state(prefect, run_id, lambda s: s.is_completed(), 120, "Completed")
     assert final.is_completed()
     names = state_names(prefect, run_id)
-    assert "Preempted" in names
+    # no notice: a real crash reads as one, and still resumes
+    crashed = names.index("Crashed")
+    assert names[crashed - 1 : crashed + 2] == ["Running", "Crashed", "Preempted"], names
+    assert "Running" in names[crashed:] and names[-1] == "Completed", names
+    assert names.count("Crashed") == 1, names
     ended = stack.market().get(f"/allocations/{first}").json()
     assert ended["status"] == "preempted" and ended["final_save"] is None
     starts = [e for e in progress_of(progress) if "start" in e]
@@ -340,8 +360,9 @@ def test_a_worker_restarted_mid_run_adopts_it(stack, prefect, tmp_path):
 def test_a_preemption_while_no_worker_follows_is_caught_up_by_the_next_worker(
     stack, prefect, tmp_path
 ):
-    """The worker is killed, then the node is reclaimed: the job saves and stops, its engine
-    reports Crashed, and nobody reschedules the run. The next worker adopts it, sees the
+    """The worker is killed, then the node is reclaimed: the job saves and is stopped (the run
+    stays Running: the agent's SIGKILL leaves its engine no last word), and nobody reschedules
+    the run. The next worker adopts it, sees the
     preemption it missed, reschedules it as Preempted, and the run resumes and completes."""
     steps = 300
     run_id, progress = start_run(prefect, stack, tmp_path, steps=steps)

@@ -382,3 +382,26 @@ def test_a_job_that_failed_with_the_nodes_word_on_why_fails_the_run_saying_it():
     # a run its engine already ended keeps that end
     ended = react(e, True, follow.track, SETTINGS, NOW, Facts(run=run(Phase.FAILED)))
     assert isinstance(ended, CancelBid) and ended.status_code == 1
+
+
+def test_a_lost_node_without_a_notice_is_a_crash_and_with_one_a_preemption():
+    """A preemption never reads as a crash; a node lost with no notice does (and resumes)."""
+    now, settings = datetime(2026, 12, 1, 12, tzinfo=UTC), Settings(max_preemptions=3)
+    for noticed in (False, True):
+        track = Track()
+        started = {"kind": "allocated", "bid_id": 7, "node_id": 2, "allocation_id": 11,
+                   "payload": {}}  # fmt: skip
+        track.apply(started)
+        if noticed:
+            notice = {**started, "kind": "noticed", "payload": {"deadline": 1e12}}
+            track.apply(notice)
+        lost = {**started, "kind": "preempted", "payload": {"reason": "node lost"}}
+        reaction = react(lost, track.apply(lost), track, settings, now)
+        assert isinstance(reaction, Reschedule)
+        assert reaction.crashed is not noticed
+        assert reaction.message.startswith("Preempted" if noticed else "Crashed")
+    reclaimed = {**started, "kind": "preempted", "payload": {"reason": "final save acknowledged"}}
+    track = Track()
+    track.apply(started)
+    reaction = react(reclaimed, track.apply(reclaimed), track, settings, now)
+    assert not reaction.crashed and reaction.job_stopped

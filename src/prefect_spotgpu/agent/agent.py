@@ -256,8 +256,8 @@ class Agent:
             self.start(alloc_id)
         elif kind == EventKind.NOTICED:
             self.notice(alloc_id, payload["deadline"], payload.get("epoch"))
-        elif kind in ENDING_EVENTS:
-            self.stop(alloc_id, reason=kind)
+        elif kind in ENDING_EVENTS:  # a preemption: SIGKILL only, as at a notice's end
+            self.stop(alloc_id, reason=kind, grace=0 if kind == EventKind.PREEMPTED else None)
 
     def assignments(self) -> dict[int, dict]:
         response = self.client.get(f"/nodes/{self.node_id}/allocations")
@@ -430,16 +430,17 @@ class Agent:
         then report (``reports.notice_report``).
 
         The job is stopped *before* the report: the report ends the allocation, and the market
-        may start the bid's next allocation at once; the old process must be gone by then (its
-        engine writes its own Crashed state on SIGTERM, which must not land after the worker
-        has rescheduled the run)."""
+        may start the bid's next allocation at once; the old process must be gone by then.
+        It is stopped with SIGKILL, no SIGTERM first: the engine writes its own Crashed state on
+        SIGTERM, and a preemption must never read as a crash (users' "notify on crash"
+        automations). The notice was the job's warning; what it saved is durable."""
         ack_file = handle.request.ack_file
         while time.time() < deadline and not ack_file.exists() and self.runner.poll(handle) is None:
             time.sleep(0.02)
         ack = read_job_file(ack_file)
         exit_code = self.runner.poll(handle)
         self._report_save(alloc_id, handle)  # a periodic save not reported yet
-        self.stop(alloc_id, reason="notice")
+        self.stop(alloc_id, reason="notice", grace=0)
         body = notice_report(
             epoch=self.epochs.get(alloc_id, handle.request.epoch),
             ack=ack,
@@ -460,7 +461,8 @@ class Agent:
     def _report_save(self, alloc_id: int, handle: JobHandle) -> None:
         self.reporter.report_save(handle, epoch=self.epochs.get(alloc_id, handle.request.epoch))
 
-    def stop(self, alloc_id: int, reason: str) -> None:
+    def stop(self, alloc_id: int, reason: str, grace: float | None = None) -> None:
+        """Stop the allocation's job (``runner.stop``; ``grace`` None: the agent's own)."""
         with self.lock:
             handle = self.jobs.pop(alloc_id, None)
             unstarted = self.preparing.pop(alloc_id, None)
@@ -469,7 +471,7 @@ class Agent:
                 logger.info("allocation %s: ended (%s) before its job started", alloc_id, reason)
         if handle is None:
             return
-        self.runner.stop(handle, grace=self.grace_seconds)
+        self.runner.stop(handle, grace=self.grace_seconds if grace is None else grace)
         with self.lock:
             self.free |= set(handle.request.gpu_indices)
         logger.info("allocation %s: stopped (%s)", alloc_id, reason)

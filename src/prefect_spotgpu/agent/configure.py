@@ -34,6 +34,7 @@ class RunnerOptions:
     pids_limit: int = 4096
     memory: str | None = None
     job_python: Path | None = None  # the process runner's job interpreter (None: the agent's)
+    default_image: str | None = None  # the docker runner's image for bids without one
 
 
 def agent_token(token_file: str | None) -> str | None:
@@ -86,11 +87,17 @@ def build_runner(options: RunnerOptions, state_dir: Path) -> Runner:
         raise ValueError("the docker runner never runs a job as root: --job-user auto or a user")
     if docker and options.job_python is not None:
         raise ValueError("--job-python is the process runner's: a container has its own")
+    if not docker and options.default_image is not None:
+        raise ValueError("--default-image is the docker runner's: a process job runs on the host")
     root = options.checkpoint_root
     if root is None and (docker or users.isolated):
         root = state_dir / "checkpoints"
     extra = (
-        {"pids_limit": options.pids_limit, "memory": options.memory}
+        {
+            "pids_limit": options.pids_limit,
+            "memory": options.memory,
+            "default_image": options.default_image,
+        }
         if docker
         else {"interpreter": options.job_python}
     )

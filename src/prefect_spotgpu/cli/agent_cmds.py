@@ -81,6 +81,12 @@ def agent_start(
         "(default: the agent's own, which has the packages it was installed with). Under root "
         "the job users must be able to run it: the agent refuses to start otherwise.",
     ),
+    default_image: str = typer.Option(
+        None,
+        help="Docker runner: the image (a reference, e.g. one of the market's catalogue) that a "
+        "bid without an image (image 'process': the node's own environment) runs in. Without "
+        "it such bids fail on this node.",
+    ),
     job_pids_limit: int = typer.Option(
         4096, min=16, help="Docker runner: the most processes (and threads) per container."
     ),
@@ -140,6 +146,7 @@ def agent_start(
         pids_limit=job_pids_limit,
         memory=job_memory,
         job_python=Path(job_python) if job_python else None,
+        default_image=default_image or None,
     )
     try:
         token = agent_token(token_file)

@@ -20,7 +20,7 @@ import anyio
 from prefect.client.schemas.actions import ArtifactCreate
 from prefect.events import emit_event
 from prefect.exceptions import Abort
-from prefect.states import Cancelled, Failed, Pending, Scheduled
+from prefect.states import Cancelled, Crashed, Failed, Pending, Scheduled
 from prefect.utilities.engine import propose_state
 
 from prefect_spotgpu.protocol import HOLDING_STATUSES, LABELS, LIVE_BID_STATUSES, WorkerEvent
@@ -309,6 +309,8 @@ class Attempt:
             else:
                 run.logger.info("Not rescheduled: the run is %s", state.name)
             return
+        if reschedule.crashed and state.phase is Phase.RUNNING:  # a crash reads as one
+            await run.set_state(Crashed(message=reschedule.message), force=True)
         await run.insist(
             lambda: Scheduled(
                 name="Preempted", scheduled_time=reschedule.when, message=reschedule.message

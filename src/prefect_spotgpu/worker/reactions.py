@@ -12,7 +12,8 @@ the clock or imports Prefect or httpx: every rule is a unit test on plain data
     pulling (the current one)     Nothing (a log line: the node's image pull, how far)
     noticed (the current one)     Nothing (a warning and the event spotgpu.bid.noticed)
     preempted (not a failed job)  Reschedule "Preempted" (now, or at the next cheap window),
-                                  or Fail beyond max_preemptions (the bid is cancelled)
+                                  or Fail beyond max_preemptions (the bid is cancelled);
+                                  a lost node's allocation never noticed: Crashed first
     finished, the run not final   Ask for the bid: held (out of credit) -> Reschedule, keep it
     the job's own end             Ended (the engine wrote the run's final state) or
                                   CancelBid (a failed job, or an end without a final state);
@@ -33,8 +34,9 @@ last word (:func:`after_engine`), and which runs a worker may adopt (:func:`adop
     >>> react(started, track.apply(started), track, settings, now)
     Go(log=None, emit=None, allocation_id=11, node_id=2, preemptions=0)
     >>> lost = {**started, "kind": "preempted", "payload": {"reason": "node lost"}}
-    >>> print(react(lost, track.apply(lost), track, settings, now).message)
-    Preempted on node 2 (node lost); resumes from its checkpoint on the next allocation of bid 7
+    >>> reaction = react(lost, track.apply(lost), track, settings, now)
+    >>> reaction.crashed, reaction.message.split(";")[0]  # never noticed: a crash
+    (True, 'Crashed on node 2 (node lost, no notice)')
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ class Track:
         self.members: set[int] = set()
         self.member_failure: dict | None = None
         self.preemptions = 0
+        self.noticed: set[int] = set()
 
     @property
     def live(self) -> int | None:
@@ -155,6 +158,8 @@ class Track:
         if kind == EventKind.ALLOCATED and alloc not in self.ended and alloc not in self.running:
             self.running.append(alloc)
             self.member_failure = None  # the gang starts anew
+        elif kind == EventKind.NOTICED:
+            self.noticed.add(alloc)
         elif kind in (EventKind.PREEMPTED, EventKind.FINISHED, EventKind.RELEASED):
             self.ended.add(alloc)
             reason = event["payload"].get("reason")
@@ -173,6 +178,8 @@ class Track:
 JOB_FAILED = EndReason.JOB_FAILED
 SAVED_AND_STOPPED = EndReason.SAVED_AND_STOPPED
 GANG_MEMBER_ENDED = EndReason.GANG_MEMBER_ENDED
+WITHOUT_NOTICE = frozenset({EndReason.NODE_LOST, EndReason.GANG_MEMBER_ENDED})
+"""End reasons that may come with no notice: a crash, unless the allocation was noticed."""
 
 # ---------------------------------------------------------------- reactions
 
@@ -234,6 +241,10 @@ class Reschedule(Reaction):
     when: datetime
     job_stopped: bool = False
     cancel_if_over: bool = True
+    crashed: bool = False
+    """The allocation ended without a notice (its node was lost): the run shows ``Crashed``
+    first, as Prefect's own crashes do, then is rescheduled. A noticed preemption never
+    shows Crashed (the agent SIGKILLs its job: its engine cannot write one)."""
     ends_attempt = True
 
 
@@ -368,8 +379,11 @@ def preempted(event: dict, track: Track, settings: Settings, now: datetime) -> F
             f"{settings.max_preemptions}; bid {event['bid_id']} cancelled"
         )
         return Fail(message=message, emit=emit, log=("error", message))
+    crashed = reason in WITHOUT_NOTICE and event["allocation_id"] not in track.noticed
     message = (
-        f"Preempted on node {event['node_id']} ({reason}); resumes from its checkpoint "
+        f"{'Crashed' if crashed else 'Preempted'} on node {event['node_id']} ({reason}"
+        f"{', no notice' if crashed else ''}); resumes from its "
+        f"{'last periodic ' if crashed else ''}checkpoint "
         f"on the next allocation of bid {event['bid_id']}"
     )
     when = resume_time(now, settings)
@@ -379,6 +393,7 @@ def preempted(event: dict, track: Track, settings: Settings, now: datetime) -> F
         message=message,
         when=when,
         job_stopped=reason == SAVED_AND_STOPPED,
+        crashed=crashed,
         emit=emit,
         log=("warning", message),
     )

@@ -19,6 +19,7 @@ heartbeat.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -85,6 +86,8 @@ class DockerRunner:
     refused. ``pids_limit`` and ``memory`` (Docker's ``mem_limit``: ``"64g"``; None: no limit)
     bound each container. ``gpu_devices``: give the node's GPUs as a device request (None:
     when the NVIDIA container toolkit is installed; without it Docker refuses the request).
+    ``default_image``: the image a bid without one (``image: process``, "the node's own
+    environment") runs in; None: such bids fail here, naming the option.
     """
 
     name = "docker"
@@ -98,8 +101,10 @@ class DockerRunner:
         pids_limit: int = 4096,
         memory: str | None = None,
         gpu_devices: bool | None = None,
+        default_image: str | None = None,
     ) -> None:
         self._client = client
+        self.default_image = default_image
         self.users = users or JobUsers()
         self.checkpoint_root = None if checkpoint_root is None else Path(checkpoint_root)
         self.pids_limit = pids_limit
@@ -121,8 +126,12 @@ class DockerRunner:
         allocation's directory and the tenant's checkpoint directory, whatever the job says."""
         import docker
 
-        if not request.image:
-            raise JobFault("the Docker runner needs a job image")
+        image = self.image_for(request)
+        if not image:
+            raise JobFault(
+                "the Docker runner needs a job image: the bid asks for none (image 'process') "
+                "and this node has no default (spotgpu agent start --default-image)"
+            )
         user = self.users.for_job(allocation_id=request.allocation_id, tenant_id=request.tenant_id)
         if user.root:
             raise ValueError("a container never runs as root: use --job-user auto or a user")
@@ -150,7 +159,7 @@ class DockerRunner:
         if host_dir is not None:
             volumes[str(host_dir)] = {"bind": CONTAINER_CHECKPOINTS, "mode": "rw"}
         spec = {
-            "image": request.image,
+            "image": image,
             "command": request.command,
             "environment": env,
             "detach": True,
@@ -200,9 +209,14 @@ class DockerRunner:
         ).start()
         return ContainerJob(request, container.id, time.time(), pid=pid)
 
+    def image_for(self, request: JobRequest) -> str | None:
+        """The image the job runs in: the bid's, else this node's default (None: neither)."""
+        return request.image or self.default_image
+
     def ready(self, request: JobRequest) -> bool:
         """Whether the job's image is on this node (a job without one fails in ``start``)."""
-        return not request.image or self._has_image(request.image)
+        image = self.image_for(request)
+        return not image or self._has_image(image)
 
     def _has_image(self, image: str) -> bool:
         import docker
@@ -216,7 +230,7 @@ class DockerRunner:
     def prepare(self, request: JobRequest, progress: Progress) -> None:
         """Pull the job's image if it is not on this node, telling ``progress`` how far."""
         if not self.ready(request):
-            self.pull(request.image, progress)
+            self.pull(self.image_for(request), progress)
 
     def pull(self, image: str, progress: Progress) -> None:
         """Pull ``image`` with the engine's progress stream: ``progress`` gets a line when the
@@ -274,8 +288,14 @@ class DockerRunner:
         handle.signalled_at = time.time()
 
     def stop(self, handle: JobHandle, grace: float = 10.0) -> None:
+        import docker
+
         container = self.client.containers.get(handle.ref)
-        container.stop(timeout=int(grace))
+        if grace > 0:
+            container.stop(timeout=int(grace))
+        else:  # the end of a notice: SIGKILL only (no Crashed state from the engine)
+            with contextlib.suppress(docker.errors.APIError):  # (already exited)
+                container.kill()
         container.remove(force=True)
         if self.users.euid == 0:
             retire_workdir(handle.request.workdir)

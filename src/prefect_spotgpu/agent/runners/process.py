@@ -2,9 +2,10 @@
 
 Signals (DESIGN §4): the notice is SIGUSR1 to the job's *main process only* — never its group:
 SIGUSR1's default action is to terminate, so every process without a handler (DataLoader
-workers, wrappers) would die. The stop at the end of a notice is SIGTERM to the whole group, a
-grace period, then SIGKILL to the group and to every other process of the job (its own uid, see
-``isolation``): a process that left the group with ``setsid`` is stopped too.
+workers, wrappers) would die. The stop at the end of a notice is SIGKILL to the whole group and
+to every other process of the job (its own uid, see ``isolation``): a process that left the
+group with ``setsid`` is stopped too. Other stops (a cancelled run, the agent shutting down)
+send SIGTERM first and SIGKILL after a grace period.
 
 Jobs are hostile (DESIGN §7): a job gets a clean environment (:func:`process_environment`) and,
 under root, a user of its own. Its pid is recorded in its directory (``isolation.PID_NAME``);
@@ -148,6 +149,11 @@ class ProcessRunner:
             logger.warning("process runner: jobs are not isolated (%s)", self.users.describe())
 
     def start(self, request: JobRequest) -> ProcessJob:
+        if request.image:  # never run an image's job on the host, ignoring its image
+            raise JobFault(
+                f"this node runs jobs as host processes (--runner process): the bid asks for "
+                f"the image {request.image}, which only a Docker node (--runner docker) runs"
+            )
         user = self.users.for_job(allocation_id=request.allocation_id, tenant_id=request.tenant_id)
         if user.dedicated and user.uid in uids_in_use():
             # a live job of an allocation id equal modulo the range: never share a uid (the
@@ -207,8 +213,9 @@ class ProcessRunner:
 
     def stop(self, handle: ProcessJob, grace: float = 10.0) -> None:
         """SIGTERM to the job's group, SIGKILL after ``grace`` seconds to the group and to
-        every other process of the job."""
-        _signal_group(handle.pid, signal.SIGTERM)
+        every other process of the job; ``grace`` 0: SIGKILL only."""
+        if grace > 0:
+            _signal_group(handle.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and handle.poll() is None:
             time.sleep(0.02)

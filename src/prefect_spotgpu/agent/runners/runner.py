@@ -211,7 +211,9 @@ class Runner(Protocol):
         ...
 
     def stop(self, handle: JobHandle, grace: float = 10.0) -> None:
-        """Stop every process of the job: SIGTERM, then after ``grace`` seconds SIGKILL."""
+        """Stop every process of the job: SIGTERM, then after ``grace`` seconds SIGKILL;
+        ``grace`` 0: SIGKILL only (the end of a notice: the engine must not write a Crashed
+        state of its own, see ``Agent._await_final_save``)."""
         ...
 
     def poll(self, handle: JobHandle) -> int | None:
