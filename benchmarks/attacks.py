@@ -1,5 +1,5 @@
-"""Issue 29's attacks, replayed against the real service on SQLite and PostgreSQL side by side:
-how each now fails, in status codes, balances and seconds.
+"""The hostile tenants' attacks, replayed against the real service on SQLite and PostgreSQL side by
+side: how each now fails, in status codes, balances and seconds.
 
 - ``overspend``: a tenant with 0.01 credit posts 40 bids of 8 GPUs at 1000 per GPU-hour in
   parallel, on nodes whose reserve is 999 (before: all accepted, balance -44 to -68); then a

@@ -1,4 +1,5 @@
-"""Independent checks of the market's invariants (DESIGN §3), computed from plain data.
+"""Independent checks of the market's invariants (docs/operators/architecture.md#design-3),
+computed from plain data.
 
 These re-derive every rule from a ``MarketState`` snapshot and a ``Decision`` without using the
 engine's internal indexes, so a bug in those indexes cannot hide itself.

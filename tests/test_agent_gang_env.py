@@ -1,6 +1,6 @@
-"""A gang's members on real agents get torch.distributed's standard environment (issue 19,
-part 3): rank 0's advertised address, the gang's port, their ranks; the agent's values win
-over the tenant's; a malformed gang from the market is refused, never run."""
+"""A gang's members on real agents get torch.distributed's standard environment
+(docs/users/gangs.md): rank 0's advertised address, the gang's port, their ranks; the
+agent's values win over the tenant's; a malformed gang from the market is refused, never run."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Jobs are hostile (DESIGN §7): each test is an attack on the node, made for real — real
-processes as real users, real signals, a real market — and what it must not get.
+"""Jobs are hostile (docs/operators/architecture.md#design-7): each test is an attack on the node,
+made for real — real processes as real users, real signals, a real market — and what it must not
+get.
 
 The process-runner attacks need root (the agent isolates jobs only when it runs as root) and an
 interpreter other users can run (the test's own may live in root's closed home).

@@ -1,4 +1,4 @@
-"""The agent refuses to start when its job users cannot execute the job interpreter (issue 29):
+"""The agent refuses to start when its job users cannot execute the job interpreter:
 the pure decision on plain stat results, the resolution on a real file system, and, as root,
 the verdict checked against what exec really does for an unprivileged user."""
 

@@ -1,5 +1,5 @@
 """An agent started before its market (or across a market restart) waits for it: one line a
-try naming the URL, no traceback, and it registers once the market answers (issue 16, 8)."""
+try naming the URL, no traceback, and it registers once the market answers."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A node whose jobs cannot start drains itself instead of failing (and billing) every bid the
-market places on it (issue 29): the count (pure), whose fault a failure is (real runners),
+market places on it: the count (pure), whose fault a failure is (real runners),
 and a real agent against the real service on SQLite and PostgreSQL."""
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def test_a_container_whose_command_is_not_in_its_image_is_the_jobs_fault(tmp_pat
 
 def _broken_interpreter(base: Path):
     """A job interpreter the job users cannot run (as root: under a 0700 directory, as in
-    issue 29; otherwise: not there), and the fix."""
+    otherwise: not there), and the fix."""
     closed = base / "closed-home"
     (closed / "bin").mkdir(parents=True)
     python = closed / "bin" / "python"

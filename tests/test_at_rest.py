@@ -1,4 +1,4 @@
-"""Issue 29, files at rest, as the attacker: a job running under another user on the market's
+"""Files at rest, as the attacker: a job running under another user on the market's
 host. It finds no file of the market it can read (mode bits: the home 0700, the SQLite
 database, its -wal and -shm and the key files 0600, whatever the umask the service started
 under); a key file that others can read stops the service from starting, with a message naming

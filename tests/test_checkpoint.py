@@ -287,7 +287,7 @@ def test_the_flow_helper_takes_storage_from_the_environment(tmp_path, monkeypatc
 
 def test_a_numpy_only_checkpoint_never_imports_torch(tmp_path):
     """torch installed but unused: saving and restoring NumPy state must not import it (its
-    import cost a NumPy-only flow 1.5 s a save; issue 16)."""
+    import cost a NumPy-only flow 1.5 s a save)."""
     import subprocess
     import sys
 

@@ -272,7 +272,7 @@ def test_a_bad_key_is_the_services_401_and_a_dead_market_one_line(service):
 
 
 def test_server_start_names_a_missing_postgresql_database_and_how_to_create_it(tmp_path):
-    """Issue 16 (9): one line, not a 490-line traceback; and postgresql:// means psycopg."""
+    """One line, not a 490-line traceback; and postgresql:// means psycopg."""
     env = {**os.environ, "SPOTGPU_HOME": str(tmp_path)}
     missing = "postgresql://postgres@127.0.0.1:5432/spotgpu_no_such_db"
     started = subprocess.run(
@@ -299,7 +299,7 @@ def test_a_plain_postgresql_url_uses_psycopg():
 
 
 def test_bids_and_nodes_fit_80_columns_without_cutting_values(service):
-    """Issue 16 (small): at 80 columns the tables wrapped their values to stubs ("…")."""
+    """At 80 columns the tables wrapped their values to stubs ("…")."""
     alice, owner = service.tenant(), service.tenant()
     service.node(owner, reserve=0.9, name="a-rather-long-node-name")
     alice.post(

@@ -1,5 +1,6 @@
 """Credit is reserved, not chased: hostile buyers against the real service, on real SQLite and
-real PostgreSQL (issue 29, item 1; DESIGN §7; ``service/credit.py``, ``market/credit.py``).
+real PostgreSQL (docs/operators/security.md; docs/operators/architecture.md#design-7;
+``service/credit.py``, ``market/credit.py``).
 
 The services here give a 2 s notice (ticks of 0.1 s), so a bid reserves its maximum price x GPUs
 x 3 s at admission and keeps 2.2 s of it while it runs: a tenant's whole life out of credit

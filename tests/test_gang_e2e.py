@@ -1,6 +1,6 @@
-"""A gang end to end (issue 19): a real Prefect server, the real market service, **three** real
-agents on loopback (two declared GPUs each), a ``prefect worker start --type spot-gpu`` process
-and ``flows/pretrain.py`` deployed on a pool with ``node_count: 2``.
+"""A gang end to end (docs/users/gangs.md): a real Prefect server, the real market service,
+**three** real agents on loopback (two declared GPUs each), a ``prefect worker start --type
+spot-gpu`` process and ``flows/pretrain.py`` deployed on a pool with ``node_count: 2``.
 
 The owner takes back the node of one member mid-run: the whole gang is noticed, every rank saves
 its shard of one gang checkpoint, the gang stops, the flow run is ``Preempted``, and the gang
@@ -9,7 +9,7 @@ an uninterrupted two-node run (its table artifact against the command line's, bi
 second run finds no replacement: the gang waits whole, holding no GPUs, and resumes when the
 owner gives a node back.
 
-Each test prints its timeline (``pytest -s``); the closing note of issue 19 quotes one.
+Each test prints its timeline (``pytest -s``); a gang's closing note quotes one.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def running_gang(stack, prefect, run_id, seen: int = 0) -> list[dict]:
 
 def the_end(prefect, run_id):
     """The run's final state (not Crashed: a preempted engine reports Crashed itself before
-    the worker reschedules the run, DESIGN §4), else None."""
+    the worker reschedules the run, docs/operators/architecture.md#design-4), else None."""
     state = prefect.read_flow_run(run_id).state
     return state if state.is_final() and not state.is_crashed() else None
 

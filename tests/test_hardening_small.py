@@ -1,4 +1,4 @@
-"""Issue 29, the small ones: every number of every request body is strict (a boolean or a
+"""The small hardening: every number of every request body is strict (a boolean or a
 string is a 422 naming the field), every answer carries the security headers (the body
 limit's 413 too), and a node's agent may drain its own node, only its own."""
 

@@ -1,4 +1,5 @@
-"""Worked examples of the clearing rule (DESIGN §3), one behaviour each."""
+"""Worked examples of the clearing rule (docs/operators/architecture.md#design-3), one behaviour
+each."""
 
 import pytest
 

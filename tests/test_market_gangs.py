@@ -1,4 +1,4 @@
-"""Gang bids in the pure market (issue 19, parts 1 and 2): all or nothing, one notice, resume
+"""Gang bids in the pure market: all or nothing, one notice, resume
 on the surviving nodes plus a reserved replacement.
 
 The property tests run the same hypothesis-generated market lives as

@@ -1,4 +1,5 @@
-"""Property tests of the clearing engine against the invariants of DESIGN §3.
+"""Property tests of the clearing engine against the invariants of
+docs/operators/architecture.md#design-3.
 
 A hypothesis-generated life of a small market — bids arriving, repriced and cancelled, nodes
 reclaimed, lost, drained and re-priced, jobs acking and finishing, time passing — with every

@@ -1,5 +1,5 @@
 """``spotgpu blocks save`` and ``spotgpu pool setup|check`` against a real Prefect server and
-the real market (issue 16, items 2 and 3): a pool of the wrong type is named and recreated
+the real market: a pool of the wrong type is named and recreated
 only when asked, the blocks are linked without hand-editing the base job template."""
 
 from __future__ import annotations

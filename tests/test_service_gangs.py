@@ -1,7 +1,7 @@
-"""Gang bids through the real service over HTTP, on real SQLite and real PostgreSQL (issue 19,
-part 3): a bid on ``node_count`` nodes is that many member rows, placed whole on distinct
-nodes, each node's assignment says where the gang meets (rank 0's node's address), a notice
-to one member is a notice to all, any member's id cancels the gang, and a restarted service
+"""Gang bids through the real service over HTTP, on real SQLite and real PostgreSQL
+(docs/users/gangs.md): a bid on ``node_count`` nodes is that many member rows, placed whole
+on distinct nodes, each node's assignment says where the gang meets (rank 0's node's address), a
+notice to one member is a notice to all, any member's id cancels the gang, and a restarted service
 rebuilds the gang from the database."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Silence is loss in every state (issue 29, item 2; DESIGN §4): a node whose agent stops
-heartbeating while live, draining or reclaimed is lost after the timeout; its allocations end
+"""Silence is loss in every state (docs/operators/architecture.md#design-4): a node whose agent
+stops heartbeating while live, draining or reclaimed is lost after the timeout; its allocations end
 lost at once (a noticed one too: no waiting out its 300 s deadline), what was paid since the
 last durable checkpoint is credited back (the silent seconds with it), and the bid resumes on
 its reserved node. When the agent returns, the node is as its owner left it."""

@@ -250,7 +250,7 @@ def test_the_launcher_waits_through_crashed_and_acknowledges_an_early_notice(
 
 
 def test_a_run_without_checkpoint_storage_is_refused_before_any_bid(service):
-    """Issue 16 (7): it would bid, start a billed job and fail on the node; now it fails at
+    """It would bid, start a billed job and fail on the node; now it fails at
     once, naming the variable, and the market never hears of it."""
     from prefect.client.schemas.objects import FlowRun
     from pydantic import SecretStr
@@ -274,7 +274,7 @@ def test_a_run_without_checkpoint_storage_is_refused_before_any_bid(service):
 def test_a_run_whose_image_is_not_in_the_catalogue_is_refused_with_the_list(
     service, tmp_path, prefect_api_url
 ):
-    """Issue 18: the operator's catalogue is the list of what runs; an unknown name (or a
+    """The operator's catalogue is the list of what runs; an unknown name (or a
     reference the catalogue does not hold) fails the run before any bid, naming the images
     that exist. The market refuses such a bid too (test_images.py): this is the clear error."""
     from prefect.client.schemas.objects import FlowRun

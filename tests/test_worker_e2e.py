@@ -1,5 +1,6 @@
-"""End to end (DESIGN §8): a real Prefect server, the real market service, two real agents, a
-``prefect worker start --type spot-gpu`` process and a deployment whose flow checkpoints.
+"""End to end (docs/operators/architecture.md#design-8): a real Prefect server, the real market
+service, two real agents, a ``prefect worker start --type spot-gpu`` process and a deployment whose
+flow checkpoints.
 
 One stack serves the module; every test leaves both nodes live and no job running.
 """
@@ -214,7 +215,7 @@ def test_a_reclaim_mid_run_resumes_on_the_other_node_with_the_same_result(stack,
 
 
 def test_a_run_that_finishes_during_its_notice_leaves_no_open_bid(stack, prefect, tmp_path):
-    """Issue 16 (1), end to end: the owner takes the node back and the job, instead of saving,
+    """End to end: the owner takes the node back and the job, instead of saving,
     finishes its work and exits 0 within the notice. The run is Completed and not rescheduled;
     its bid ends, the GPUs reserved for it on the other node are let go, and nothing bills."""
     run = prefect.create_flow_run_from_deployment(

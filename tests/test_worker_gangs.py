@@ -1,4 +1,4 @@
-"""The spot-gpu worker's side of gang bids (issue 19, part 6): the ``node_count`` variable and
+"""The spot-gpu worker's side of gang bids (docs/users/gangs.md): the ``node_count`` variable and
 the bid it reaches, the rules that follow a gang through rank 0's allocation, the allocation
 table of every member, and the launcher of a rank > 0 member, which runs the flow's function
 without the engine (real Prefect server, real subprocesses)."""

@@ -2,9 +2,9 @@
 seconds, also while it follows a run and while Prefect does not answer it, and leaves the run to
 the next worker: the bid stays open, the job runs on, and the next worker adopts the run.
 
-Real parts (DESIGN §8): the Prefect test server, the market service, a node agent and the
-workers as processes, real signals. The workers reach Prefect through a TCP relay (``Gate``)
-that a test can cut, as a network partition would; the jobs reach Prefect directly.
+Real parts (docs/operators/architecture.md#design-8): the Prefect test server, the market service,
+a node agent and the workers as processes, real signals. The workers reach Prefect through a TCP
+relay (``Gate``) that a test can cut, as a network partition would; the jobs reach Prefect directly.
 """
 
 from __future__ import annotations

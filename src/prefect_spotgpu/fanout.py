@@ -7,7 +7,7 @@
         shards = [{"first": i, "stop": min(i + 16, frames)} for i in range(0, frames, 16)]
         return fan_out(render_frames, shards, cap=8)   # render_frames: a @spot_gpu flow
 
-How it holds (DESIGN.md, "How users reach it"):
+How it holds (docs/operators/architecture.md, "How users reach it"):
 
 - **One owner per shard.** The parent keeps the assignment: a shard is given to one child run
   at a time, and given again only when that run is over without its result (Failed, or

@@ -4,7 +4,8 @@ The node's agent starts ``python -m prefect_spotgpu.launch`` for every allocatio
 This process waits until the Prefect worker has handed this allocation the flow run (the flow
 run is Pending and its ``spotgpu.allocation`` label names this allocation), then *replaces
 itself* with ``python -m prefect.engine`` through ``exec``: same process id, so the agent's
-SIGUSR1 reaches the flow's own process (DESIGN §4), and no wrapper sits in between.
+SIGUSR1 reaches the flow's own process (docs/operators/architecture.md#design-4), and no wrapper
+sits in between.
 
 Why wait: one bid serves a flow run across preemptions, and the market starts the next
 allocation (a migration) as soon as the previous job stopped, often before the worker has moved

@@ -1,11 +1,11 @@
 """Who a job runs as, where its files live, and how all of its processes are found again.
 
-Jobs are hostile (DESIGN §7). When the agent runs as root, every job of the process runner
-runs as an unprivileged user of its own (``--job-user auto``): uid ``uid_base + allocation id
-mod UID_RANGE``, and a group per tenant, gid ``uid_base + tenant id``, so a tenant's later jobs
-can read and write the checkpoints of its earlier ones while no other tenant can. The
-container runner runs its containers as the same uid:gid. Its own uid is what lets the agent
-stop *every* process of a job (``setsid`` leaves the process group, never the uid) and what
+Jobs are hostile (docs/operators/architecture.md#design-7). When the agent runs as root, every job
+of the process runner runs as an unprivileged user of its own (``--job-user auto``): uid ``uid_base
++ allocation id mod UID_RANGE``, and a group per tenant, gid ``uid_base + tenant id``, so a
+tenant's later jobs can read and write the checkpoints of its earlier ones while no other tenant
+can. The container runner runs its containers as the same uid:gid. Its own uid is what lets the
+agent stop *every* process of a job (``setsid`` leaves the process group, never the uid) and what
 keeps one job out of another's ``/proc/<pid>/environ``.
 
 Layout on the host (the agent, as root, creates every directory here)::
@@ -158,7 +158,8 @@ def _named_user(spec: str) -> JobUser:
 
 
 def is_local_url(url: str) -> bool:
-    """A checkpoint URL the checkpoint library reads as a local path (DESIGN §5)."""
+    """A checkpoint URL the checkpoint library reads as a local path
+    (docs/operators/architecture.md#design-5)."""
     return urlparse(url).scheme in ("", "file")
 
 

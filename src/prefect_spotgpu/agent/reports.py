@@ -1,10 +1,10 @@
 """What the agent reports about a job's checkpoints and its notice: pure functions of what the
 job left in its directory (the saved file, the acknowledgement) and whether it still runs.
 
-The market compensates a lost checkpoint only when the platform caused the loss (DESIGN §7):
-so a failed final save says why (``cause``): ``storage`` (the checkpointer's write failed and
-it said so in its acknowledgement), ``job`` (the job exited without acknowledging), or
-``deadline`` (the job still ran at the deadline).
+The market compensates a lost checkpoint only when the platform caused the loss
+(docs/operators/architecture.md#design-7): so a failed final save says why (``cause``): ``storage``
+(the checkpointer's write failed and it said so in its acknowledgement), ``job`` (the job exited
+without acknowledging), or ``deadline`` (the job still ran at the deadline).
 
     >>> notice_report(epoch=2, ack={"step": 40, "saved_at": 1700.0}, exit_code=None, now=1701)
     {'epoch': 2, 'outcome': <ReportOutcome.SAVED: 'saved'>, 'checkpoint_at': 1700.0, 'step': 40}

@@ -2,9 +2,10 @@
 
 Prefect's integrations ship a flow called from code as a *bundle*: the flow pickled with its
 parameters, uploaded by the pool's ``bundle_upload_step`` and run on the infrastructure by its
-``bundle_execution_step`` (``prefect/bundles``; DESIGN.md, "How users reach it"). Prefect's own
-steps run through ``uv run --with <requirements>``, which installs packages at run time: a GPU
-node may reach no package index, and a spot run should not pay for installs at every resume.
+``bundle_execution_step`` (``prefect/bundles``; docs/operators/architecture.md, "How users reach
+it"). Prefect's own steps run through ``uv run --with <requirements>``, which installs packages at
+run time: a GPU node may reach no package index, and a spot run should not pay for installs at
+every resume.
 A spot-gpu pool's steps are this package's instead, run by the job's own Python:
 
 - ``python -m prefect_spotgpu.bundles.upload --block NAME --key KEY FILE`` (in the caller):

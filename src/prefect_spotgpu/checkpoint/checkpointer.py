@@ -1,4 +1,4 @@
-"""The checkpointer a spot flow calls in its loop (DESIGN §5).
+"""The checkpointer a spot flow calls in its loop (docs/operators/architecture.md#design-5).
 
 Cooperative and explicit: the flow calls ``ckpt.maybe_save(state, step)`` every step. It saves
 when the interval has passed (periodic) or when a notice arrived (final). A notice is a SIGUSR1

@@ -1,5 +1,5 @@
 """Sharded checkpoints of a gang: one shard per rank of a torch.distributed job, committed
-together by one gang manifest (DESIGN §5; issue 19).
+together by one gang manifest (docs/operators/architecture.md#design-5, docs/users/gangs.md).
 
 Layout, for checkpoint key ``K`` (each entry a checkpoint of its own in the storage's usual
 layout, so LocalStorage and S3Storage need nothing new)::

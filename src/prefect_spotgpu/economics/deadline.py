@@ -1,10 +1,10 @@
 """Deadline-aware bidding: the cheapest capacity that still finishes on time.
 
 A job with ``work_h`` hours of GPU work and a deadline is steered, step by step, by a named
-policy (STYLE 8: a small registry; an unknown name fails listing the valid ones). Each step the
-policy sees a :class:`JobView` and answers an :class:`Action`: bid on spot at some price (at
-most the user's cap), run on on-demand capacity (a non-preemptible pool at the on-demand
-price), or wait.
+policy (docs/development/code-style.md#style-8: a small registry; an unknown name fails listing the
+valid ones). Each step the policy sees a :class:`JobView` and answers an :class:`Action`: bid on
+spot at some price (at most the user's cap), run on on-demand capacity (a non-preemptible pool at
+the on-demand price), or wait.
 
 ``uniform-progress`` is ours, in the spirit of Uniform Progress (Wu et al., "Can't Be Late:
 Optimizing Spot Instance Savings under Deadlines", NSDI '24): progress should keep pace with

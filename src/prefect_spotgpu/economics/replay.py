@@ -62,7 +62,8 @@ from prefect_spotgpu.market.money import MICROS
 __all__ = ["Job", "MarketReplay", "Outcome", "Trace", "load_trace", "load_traces", "replay"]
 
 MODEL = "A100-80G"
-RESERVE = 0.90  # the lowest A100-80G spot price of the product brief: the owners' floor
+RESERVE = 0.90  # the lowest A100-80G spot price seen: the owners' floor (see
+# docs/operators/architecture.md#design-1)
 JOB_BID = 10**9  # the job's first bid id; competing bids count up from 1 (10**8 per region)
 MIN_BID = 0.01  # the lowest bid the replay passes on (a market price must be positive)
 MARKET_CONFIG = MarketConfig(notice_seconds=300)

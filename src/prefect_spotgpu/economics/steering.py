@@ -1,4 +1,5 @@
-"""``deadline-aware``: uniform progress, across regions, with on-demand as a bridge (issue 20).
+"""``deadline-aware``: uniform progress, across regions, with on-demand as a bridge
+(docs/explanation/economics.md).
 
 What it adds to ``uniform-progress`` (``deadline.py``), from what the market tells it:
 

@@ -1,4 +1,5 @@
-"""The spot auction, as pure logic: data in, decisions out (DESIGN §3).
+"""The spot auction, as pure logic: data in, decisions out
+(docs/operators/architecture.md#design-3).
 
 Nothing in this package does I/O, reads a clock, or imports a database, web, Prefect or NVML
 library (``tests/test_architecture.py`` fails if it does). The service, the agent and the worker

@@ -183,7 +183,8 @@ class AllocationsMixin(MarketIndex):
         self._refresh_free(nrow)
 
     def _migrate(self, brow: int, deadline: float, now: float) -> None:
-        """Reserve free GPUs of the bid's pool at once for a noticed bid (DESIGN §3)."""
+        """Reserve free GPUs of the bid's pool at once for a noticed bid
+        (docs/operators/architecture.md#design-3)."""
         if self.b.res[brow] >= 0:
             return
         nrow = self._free_fit(brow)

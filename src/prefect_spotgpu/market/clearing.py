@@ -1,4 +1,5 @@
-"""The clearing loop: free fits, claims on noticed GPUs, evictions (DESIGN §3).
+"""The clearing loop: free fits, claims on noticed GPUs, evictions
+(docs/operators/architecture.md#design-3).
 
 A part of ``Market``: reads and writes the state declared in
 :mod:`prefect_spotgpu.market.index`; places and notices through ``_place`` and ``_notice``

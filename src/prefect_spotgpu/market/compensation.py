@@ -1,6 +1,6 @@
 """Compensation: what the market credits a tenant whose work a reclaim destroyed (pure).
 
-The rule (DESIGN §1, §7), as a function of plain data:
+The rule (docs/operators/architecture.md#design-1 and #design-7), as a function of plain data:
 
 - only a loss the **platform** caused is compensated: a node lost without notice, or a final
   save that failed for a reason the job reports as the storage's, under a notice the node's

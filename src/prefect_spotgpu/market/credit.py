@@ -1,4 +1,5 @@
-"""Credit is reserved, not chased (DESIGN §7): the rules, as functions of plain data (pure).
+"""Credit is reserved, not chased (docs/operators/architecture.md#design-7): the rules, as
+functions of plain data (pure).
 
 A bid's *exposure* is what it may cost before the market can stop it: its maximum price x its
 GPUs (every member's, for a gang) x a horizon, in whole micros rounded up. Two horizons:

@@ -1,4 +1,5 @@
-"""The clearing engine: one uniform-price auction per pool, every tick (DESIGN §3).
+"""The clearing engine: one uniform-price auction per pool, every tick
+(docs/operators/architecture.md#design-3).
 
 Invariants (each property-tested in ``tests/test_market_properties.py``):
 
@@ -420,7 +421,8 @@ class Market(AllocationsMixin, ClearingMixin, GangsMixin, HoldsMixin, PricingMix
     # ------------------------------------------------------------------ the tick
 
     def tick(self, now: float) -> Decision:
-        """Clear every pool at time ``now`` and return what changed (DESIGN §3)."""
+        """Clear every pool at time ``now`` and return what changed
+        (docs/operators/architecture.md#design-3)."""
         now = check_time("now", now)
         if now < self._now:
             raise ValueError(f"now must not go backwards: {now!r} < {self._now!r}")

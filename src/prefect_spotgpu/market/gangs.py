@@ -1,4 +1,5 @@
-"""Gangs: one job on ``node_count`` nodes, placed, noticed and resumed as one (DESIGN §3).
+"""Gangs: one job on ``node_count`` nodes, placed, noticed and resumed as one
+(docs/operators/architecture.md#design-3).
 
 A part of ``Market``. A gang is ``node_count`` member bids (ranks 0..n-1, by bid id) that share
 every term; each member holds ``gpu_count`` GPUs on its own node, all in one pool. The rules:

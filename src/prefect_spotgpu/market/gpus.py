@@ -80,9 +80,9 @@ class GpuModel:
             raise ValueError(f"memory_gb must be positive, got {self.memory_gb!r}")
 
 
-# Reference on-demand prices per card-hour from the product brief (DESIGN §1). H200 is not in the
-# brief: 4.50 is chosen as H100-80G's 3.80 scaled by the usual list-price premium of ~18 % for the
-# H200's 141 GB HBM3e, in line with what GPU clouds charged for it in 2025-2026.
+# Reference on-demand prices per card-hour (docs/operators/architecture.md#design-1). H200 is not
+# in the brief: 4.50 is chosen as H100-80G's 3.80 scaled by the usual list-price premium of ~18 %
+# for the H200's 141 GB HBM3e, in line with what GPU clouds charged for it in 2025-2026.
 DEFAULT_MODELS: tuple[GpuModel, ...] = (
     GpuModel("RTX-4090", 0.68, 24, aliases=("4090", "RTX 4090 24G")),
     GpuModel("RTX-3090Ti", 0.52, 24, aliases=("3090Ti", "RTX 3090 Ti 24G")),

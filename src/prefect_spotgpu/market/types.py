@@ -383,7 +383,7 @@ class Allocation:
 
 @dataclass(frozen=True, slots=True)
 class MarketConfig:
-    """Tunables of the clearing rule (DESIGN §3)."""
+    """Tunables of the clearing rule (docs/operators/architecture.md#design-3)."""
 
     hysteresis: float = 0.05
     """A challenger must bid more than ``(1 + hysteresis)`` times an incumbent to evict it."""

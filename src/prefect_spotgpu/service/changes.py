@@ -157,8 +157,9 @@ def apply_report(writes: TickWrites, change: MarketChange, now: float) -> None:
 
 
 SILENT_IS_LOST = (NodeState.LIVE.value, NodeState.DRAINING.value, NodeState.RECLAIMED.value)
-"""The node states in which silence is loss: every state but lost itself (DESIGN §4). A
-reclaimed node whose agent dies would otherwise bill its noticed jobs to their deadline."""
+"""The node states in which silence is loss: every state but lost itself
+(docs/operators/architecture.md#design-4). A reclaimed node whose agent dies would otherwise bill
+its noticed jobs to their deadline."""
 
 
 def lose_silent_nodes(writes: TickWrites, timeout_seconds: float, now: float) -> None:

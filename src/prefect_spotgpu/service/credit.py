@@ -1,5 +1,6 @@
-"""Credit reserved at admission and bids held when it runs short (DESIGN §7; the rules are
-``market/credit.py``'s, this writes what they decide).
+"""Credit reserved at admission and bids held when it runs short
+(docs/operators/architecture.md#design-7; the rules are ``market/credit.py``'s, this writes what
+they decide).
 
 - **Admission** (:func:`reserve_for_bid`, on the API): under the tenant's row lock (PostgreSQL
   ``FOR UPDATE``; SQLite's write transactions queue), a new bid must fit the operator's cap on

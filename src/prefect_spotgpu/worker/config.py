@@ -1,7 +1,7 @@
 """The configuration of the Prefect worker type ``spot-gpu``.
 
-Two pydantic models (STYLE 6): ``SpotGPUVariables`` is the form the Prefect UI shows for a work
-pool or deployment (titles, descriptions and ``Literal`` choices), and
+Two pydantic models (docs/development/code-style.md#style-6): ``SpotGPUVariables`` is the form the
+Prefect UI shows for a work pool or deployment (titles, descriptions and ``Literal`` choices), and
 ``SpotGPUJobConfiguration`` is what a flow run gets after templating. Each cross-field rule is
 one named ``model_validator``. The worker that uses them is
 ``prefect_spotgpu.worker.SpotGPUWorker``.

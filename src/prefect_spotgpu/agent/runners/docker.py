@@ -1,14 +1,14 @@
 """The Docker runner: each job a container, built the way prefect-docker builds them (docker
 SDK); the multi-tenant runner.
 
-Jobs are hostile (DESIGN §7). A container gets no host path a tenant chose: only the
-allocation's directory (``/spotgpu``) and its tenant's checkpoint directory under the operator's
-checkpoint root (``/spotgpu/checkpoints``); no new privileges, no capabilities, a non-root user,
-a pids limit and optionally a memory limit. The job is the container's PID 1 (no init), so the
-notice's SIGUSR1 reaches it and no other process of the container. A container is named after
-its allocation (:func:`container_name`) and labelled with it: ``reconcile`` finds an earlier
-run's container by its label. The node's GPUs are given as a device request (``--gpus``) when
-the host has the NVIDIA container toolkit; its output goes to the agent's log, line by line.
+Jobs are hostile (docs/operators/architecture.md#design-7). A container gets no host path a tenant
+chose: only the allocation's directory (``/spotgpu``) and its tenant's checkpoint directory under
+the operator's checkpoint root (``/spotgpu/checkpoints``); no new privileges, no capabilities, a
+non-root user, a pids limit and optionally a memory limit. The job is the container's PID 1 (no
+init), so the notice's SIGUSR1 reaches it and no other process of the container. A container is
+named after its allocation (:func:`container_name`) and labelled with it: ``reconcile`` finds an
+earlier run's container by its label. The node's GPUs are given as a device request (``--gpus``)
+when the host has the NVIDIA container toolkit; its output goes to the agent's log, line by line.
 
 A missing image is pulled by ``prepare`` (the agent calls it on a thread of its own: a pull may
 take minutes), its progress told every ``PULL_REPORT_SECONDS`` (``pull``); ``start`` pulls one

@@ -1,15 +1,16 @@
 """The process runner: each job a local process, the leader of its own process group.
 
-Signals (DESIGN §4): the notice is SIGUSR1 to the job's *main process only* — never its group:
-SIGUSR1's default action is to terminate, so every process without a handler (DataLoader
-workers, wrappers) would die. The stop at the end of a notice is SIGKILL to the whole group and
-to every other process of the job (its own uid, see ``isolation``): a process that left the
-group with ``setsid`` is stopped too. Other stops (a cancelled run, the agent shutting down)
-send SIGTERM first and SIGKILL after a grace period.
+Signals (docs/operators/architecture.md#design-4): the notice is SIGUSR1 to the job's *main process
+only* — never its group: SIGUSR1's default action is to terminate, so every process without a
+handler (DataLoader workers, wrappers) would die. The stop at the end of a notice is SIGKILL to the
+whole group and to every other process of the job (its own uid, see ``isolation``): a process that
+left the group with ``setsid`` is stopped too. Other stops (a cancelled run, the agent shutting
+down) send SIGTERM first and SIGKILL after a grace period.
 
-Jobs are hostile (DESIGN §7): a job gets a clean environment (:func:`process_environment`) and,
-under root, a user of its own. Its pid is recorded in its directory (``isolation.PID_NAME``);
-``reconcile`` kills by it only while the pid still is that job (its environment says so).
+Jobs are hostile (docs/operators/architecture.md#design-7): a job gets a clean environment
+(:func:`process_environment`) and, under root, a user of its own. Its pid is recorded in its
+directory (``isolation.PID_NAME``); ``reconcile`` kills by it only while the pid still is that job
+(its environment says so).
 """
 
 from __future__ import annotations
