@@ -97,14 +97,18 @@ def agent_start(
     ),
     heartbeat_seconds: float = typer.Option(5.0, min=0.1, help="Seconds between heartbeats."),
     grace_seconds: float = typer.Option(
-        5.0, min=0.0, help="SIGTERM-to-SIGKILL grace when stopping a job."
+        5.0,
+        min=0.0,
+        help="SIGTERM-to-SIGKILL grace when stopping a cancelled or finished job; at a "
+        "notice's end the job gets SIGKILL only (its engine must not write Crashed).",
     ),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
 ) -> None:
     """Run the node agent: discover GPUs, register, heartbeat, run assigned jobs.
 
     On a notice it sends SIGUSR1 to the job's main process and writes the notice file; after
-    the job's final save (or at the deadline) it stops the job and reports the outcome. Run as
+    the job's final save (or at the deadline) it stops the job (SIGKILL: a preemption never
+    reads as a crash) and reports the outcome. Run as
     root, it runs each job as an unprivileged user of its own (see --job-user), and refuses to
     start when that user cannot execute the job interpreter (see --job-python). A node whose
     jobs cannot start, three in a row, drains itself until its owner offers it again.
