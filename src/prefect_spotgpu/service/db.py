@@ -90,7 +90,7 @@ def check_database(engine: Engine) -> None:
             raise DatabaseUnavailable(
                 f'PostgreSQL at {where} has no database "{url.database}": create it with '
                 f"`createdb -h {url.host or 'localhost'} -p {url.port or 5432}{user} "
-                f"{url.database}`, or name another in --db / SPOTGPU_DB_URL"
+                f"{url.database}`, or name another in SPOTGPU_DB_URL / --db-url-file"
             ) from None
         first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
         raise DatabaseUnavailable(

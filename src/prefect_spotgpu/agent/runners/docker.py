@@ -111,6 +111,11 @@ class DockerRunner:
         self.memory = memory
         if gpu_devices is None:
             gpu_devices = shutil.which("nvidia-container-cli") is not None
+            if not gpu_devices:  # (docs/operators/gpu-hosts.md)
+                logger.warning(
+                    "docker runner: nvidia-container-cli is not on PATH, so containers get no "
+                    "GPUs: install the NVIDIA Container Toolkit on this host"
+                )
         self.gpu_devices = gpu_devices
 
     @property
