@@ -1,0 +1,228 @@
+"""The documentation site: it builds strictly, its generated Reference pages say what the code
+says, and nothing in the repository cites documents a reader does not have.
+
+The Reference pages (``docs/gen_reference.py``) exist only in a build: the fast tests run the
+script with a stand-in for ``mkdocs_gen_files`` and read the pages it would write; the slow
+one runs ``mkdocs build --strict`` and reads the HTML.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import runpy
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+GEN_SCRIPT = DOCS / "gen_reference.py"
+GENERATED = (
+    "reference/cli.md",
+    "reference/rest-api.md",
+    "reference/job-variables.md",
+    "reference/settings.md",
+    "reference/events.md",
+    "reference/metrics.md",
+)
+ENV_NAME = re.compile(r"\bSPOTGPU_[A-Z0-9_]*[A-Z0-9]")
+
+
+def _text_files(*roots: Path):
+    for root in roots:
+        paths = [root] if root.is_file() else sorted(root.rglob("*"))
+        for path in paths:
+            if not path.is_file() or "__pycache__" in path.parts:
+                continue
+            if any(part.endswith(".egg-info") for part in path.parts):
+                continue  # a build's copy of the README, not a source
+            try:
+                yield path, path.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue  # images, archives
+
+
+@pytest.fixture(scope="module")
+def pages() -> dict[str, str]:
+    """What ``docs/gen_reference.py`` writes, by page, without mkdocs."""
+    written: dict[str, str] = {}
+
+    class Page:
+        def __init__(self, name: str) -> None:
+            self.name, self.parts = name, []
+
+        def write(self, text: str) -> None:
+            self.parts.append(text)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            written[self.name] = "".join(self.parts)
+
+    stand_in = types.ModuleType("mkdocs_gen_files")
+    stand_in.open = lambda name, mode="r", **kw: Page(name)
+    stand_in.set_edit_path = lambda *args, **kw: None
+    saved = sys.modules.get("mkdocs_gen_files")
+    sys.modules["mkdocs_gen_files"] = stand_in
+    try:
+        runpy.run_path(str(GEN_SCRIPT))
+    finally:
+        if saved is None:
+            sys.modules.pop("mkdocs_gen_files", None)
+        else:
+            sys.modules["mkdocs_gen_files"] = saved
+    return written
+
+
+def test_generated_pages_are_written_and_not_kept_on_disk(pages):
+    assert set(pages) == set(GENERATED)
+    for page in GENERATED:
+        assert not (DOCS / page).exists(), f"{page} is generated at build time: delete it"
+    for page in ("reference/python-api.md", "reference/allocation-states.md"):
+        assert (DOCS / page).is_file(), page
+
+
+def test_cli_page_names_every_command(pages):
+    import typer
+
+    from prefect_spotgpu.cli.app import app
+
+    cli = pages["reference/cli.md"]
+    assert "spotgpu server start" in cli
+    assert "{#spotgpu-server-start}" in cli  # a stable anchor
+    root = typer.main.get_command(app)
+    context = root.make_context("spotgpu", [], resilient_parsing=True)
+    for name in root.list_commands(context):
+        command = root.get_command(context, name)
+        if not command.hidden:
+            assert f"spotgpu {name}" in cli, name
+
+
+def test_rest_page_lists_every_route_with_its_roles(pages):
+    from prefect_spotgpu.service.roles import ROUTE_ROLES
+
+    rest = pages["reference/rest-api.md"]
+    assert "/api/v1/bids" in rest
+    for method, path in ROUTE_ROLES:
+        assert f"`{method} {path}`" in rest, (method, path)
+    assert "### BidCreate {#schema-bidcreate}" in rest
+
+
+def test_settings_page_names_every_setting(pages):
+    from prefect_spotgpu.service.settings import ServiceSettings
+
+    settings = pages["reference/settings.md"]
+    assert "SPOTGPU_DB_URL" in settings and "SPOTGPU_ADMIN_KEY" in settings
+    for name in ServiceSettings.model_fields:
+        assert f"SPOTGPU_{name.upper()}" in settings, name
+
+
+def test_every_spotgpu_variable_in_src_is_on_the_settings_page(pages):
+    """No drift: a ``SPOTGPU_*`` name anywhere in the package is described there (the build
+    itself refuses one without a description)."""
+    settings = pages["reference/settings.md"]
+    found: dict[str, set[str]] = {}
+    for path, text in _text_files(ROOT / "src"):
+        for name in ENV_NAME.findall(text):
+            found.setdefault(name, set()).add(str(path.relative_to(ROOT)))
+    assert found
+    missing = {name: sorted(files) for name, files in found.items() if name not in settings}
+    assert not missing, missing
+
+
+def test_events_page_names_every_protocol_enum(pages):
+    from prefect_spotgpu import protocol
+
+    events = pages["reference/events.md"]
+    for event in protocol.WorkerEvent:
+        assert event.event in events, event
+    for enum_class in (
+        protocol.EventKind,
+        protocol.BidStatus,
+        protocol.ReportOutcome,
+        protocol.NoticeReason,
+        protocol.EndReason,
+        protocol.AllocationStatus,
+    ):
+        for member in enum_class:
+            assert f"`{member.value}`" in events, member
+
+
+def test_job_variables_and_metrics_pages(pages):
+    from prefect_spotgpu.worker.config import SpotGPUVariables
+
+    variables = pages["reference/job-variables.md"]
+    for name in SpotGPUVariables.model_fields:
+        assert f"`{name}`" in variables, name
+    metrics = pages["reference/metrics.md"]
+    for name in ("spotgpu_tick_duration_seconds", "spotgpu_pool_clearing_price", "spotgpu_bids"):
+        assert name in metrics, name
+
+
+def test_allocation_states_page_names_every_status():
+    from prefect_spotgpu.market import AllocationStatus
+
+    text = (DOCS / "reference" / "allocation-states.md").read_text()
+    diagram = re.search(r"```text\n(.*?)```", text, flags=re.S).group(1)
+    for status in AllocationStatus:
+        assert status.name in diagram, status
+
+
+@pytest.mark.slow
+def test_docs_build_strictly(tmp_path):
+    site = tmp_path / "site"
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "DISABLE_MKDOCS_2_WARNING": "true", "NO_MKDOCS_2_WARNING": "1"},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    page = lambda name: (site / "reference" / name / "index.html").read_text()  # noqa: E731
+    assert "spotgpu server start" in page("cli")
+    settings = page("settings")
+    assert "SPOTGPU_DB_URL" in settings and "SPOTGPU_ADMIN_KEY" in settings
+    assert "/api/v1/bids" in page("rest-api")
+    assert "spotgpu.bid.preempted" in page("events")
+    assert "spotgpu_tick_duration_seconds" in page("metrics")
+    assert "max_price" in page("job-variables")
+    python_api = page("python-api")
+    assert "spot_gpu" in python_api and "Checkpointer" in python_api
+    assert "PREEMPTED" in page("allocation-states")
+
+
+CITATION = re.compile(
+    r"DESIGN(?:\.md)?\s*§"  # a section of a design document
+    r"|\bSTYLE\s+\d+"  # a numbered rule of a style document
+    r"|(?i:\bthe\s+product\s+brief\b)"
+    r"|(?i:\bissue\s+#?\d+)"
+)
+CITATION_ROOTS = (
+    "src",
+    "tests",
+    "docs",
+    "flows",
+    "benchmarks",
+    "blocks",
+    "deployments",
+    "README.md",
+)
+
+
+def test_nothing_cites_documents_a_reader_does_not_have():
+    """The code and the docs say what they mean instead of pointing at a design document's
+    section, a style rule's number, the brief or a tracker's issue number."""
+    found = []
+    for path, text in _text_files(*(ROOT / r for r in CITATION_ROOTS if (ROOT / r).exists())):
+        for number, line in enumerate(text.splitlines(), 1):
+            if CITATION.search(line):
+                found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()[:120]}")
+    assert not found, "\n".join(found)
