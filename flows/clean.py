@@ -379,20 +379,31 @@ if __name__ == "__main__":
     import argparse
     import tempfile
 
+    from _cli import add_flow_parameters  # flows/_cli.py: the flow's parameters as arguments
+
     from prefect_spotgpu.checkpoint import LocalStorage
     from prefect_spotgpu.checkpoint.flow import wait_to_be_stopped
 
-    parser = argparse.ArgumentParser(description="clean image-caption pairs")
+    parser = argparse.ArgumentParser(
+        description="Clean image-caption pairs here, without Prefect's server."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    make = sub.add_parser("make-dataset")
+    make = sub.add_parser("make-dataset", help="write a realistic test set into DIRECTORY")
     make.add_argument("directory", type=Path)
     make.add_argument("--pairs", type=int, default=2000)
-    run = sub.add_parser("run")
-    run.add_argument("source", type=Path)
-    run.add_argument("out", type=Path)
+    run = sub.add_parser(
+        "run",
+        help="clean the shards of the directory SOURCE into the directory OUT",
+        description="Clean the shards of the directory SOURCE into the directory OUT (with "
+        "--make-test-set N, first N synthetic pairs into SOURCE if it has no shards).",
+    )
+    add_flow_parameters(run, __file__, "clean_pairs")
     args = parser.parse_args()
     if args.command == "make-dataset":
         print(make_dataset(args.directory, args.pairs))
     else:
+        source, out = Path(args.source), Path(args.out)
+        if args.make_test_set and not shard_names(as_store(source), ""):
+            print(make_dataset(source, args.make_test_set))
         ckpt = Checkpointer(LocalStorage(tempfile.mkdtemp(prefix="clean-")), "clean", every=60)
-        print(json.dumps(clean(ckpt, args.source, args.out, wait_to_be_stopped), indent=2))
+        print(json.dumps(clean(ckpt, source, out, wait_to_be_stopped), indent=2))

@@ -15,8 +15,8 @@ the CPU.
 On a spot-gpu pool, each attempt of a flow run restores the run's latest checkpoint; on a
 notice, the next step saves at once and the agent stops the process.
 
-**A gang** (``node_count`` nodes, issue 19) trains data-parallel: one process per node, each
-with torch.distributed's standard environment (``MASTER_ADDR``/``MASTER_PORT`` of rank 0, and
+**A gang** (``node_count`` nodes, docs/users/gangs.md) trains data-parallel: one process per node,
+each with torch.distributed's standard environment (``MASTER_ADDR``/``MASTER_PORT`` of rank 0, and
 ``RANK``/``WORLD_SIZE`` or ``NODE_RANK``/``NNODES``). With a world size above one, every rank
 joins the process group (NCCL when CUDA is available, else gloo; ``env://``), wraps the model
 in ``DistributedDataParallel`` and takes its own equal share of every batch (``batch`` is the
@@ -344,36 +344,44 @@ def main(argv: list[str] | None = None) -> None:
     import sys
     import tempfile
 
+    from _cli import add_flow_parameters  # flows/_cli.py: the flow's parameters as flags
+
     defaults, sizes = GPTConfig(), ("steps", "layers", "width", "batch", "corpus_bytes")
     parser = argparse.ArgumentParser(
-        description="pretrain a small GPT without Prefect's server; in a gang, run it on "
-        "every rank with torch.distributed's environment (RANK, WORLD_SIZE, MASTER_ADDR, "
-        "MASTER_PORT)"
+        description="Pretrain a small GPT: the flow's training, here, without Prefect's "
+        "server. In a gang, run it on every rank with torch.distributed's environment (RANK, "
+        "WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and the flow run's parameters as flags."
     )
-    for name in sizes:
-        flag = "--" + name.replace("_", "-")
-        parser.add_argument(flag, type=int, default=getattr(defaults, name))
-    parser.add_argument("--checkpoint-minutes", type=float, default=1.0)
-    parser.add_argument(
+    # the flow's parameters (steps, layers, width, batch, checkpoint_minutes), its defaults
+    # but for the checkpoints: every minute here, to show them in a run of minutes
+    add_flow_parameters(parser, __file__, "pretrain", defaults={"checkpoint_minutes": 1.0})
+    run_options = parser.add_argument_group("this command's own options")
+    run_options.add_argument(
+        "--corpus-bytes",
+        type=int,
+        default=defaults.corpus_bytes,
+        help="bytes of the standard library's source to train on, default %(default)s",
+    )
+    run_options.add_argument(
         "--checkpoints",
         default=os.environ.get(JOB_ENV.CHECKPOINT_URL),
         help=f"a directory every rank shares, or s3://bucket/prefix (default: "
         f"${JOB_ENV.CHECKPOINT_URL}, else a new temporary directory for a run of one rank)",
     )
-    parser.add_argument(
+    run_options.add_argument(
         "--key",
         help="the checkpoint key (default: the flow run's when PREFECT__FLOW_RUN_ID is set, "
         "as on rank 0, else 'pretrain')",
     )
-    parser.add_argument("--log-every", type=int, default=25, help="print every N-th loss")
-    parser.add_argument(
+    run_options.add_argument("--log-every", type=int, default=25, help="print every N-th loss")
+    run_options.add_argument(
         "--after-notice",
         choices=("exit", "wait"),
         default="exit",
         help="after a notice's final save: exit 0 (run the same command to resume), or wait "
         "to be stopped as the flow run does (under a node's agent)",
     )
-    parser.add_argument("--result", help="rank 0 writes the losses here, as JSON")
+    run_options.add_argument("--result", help="rank 0 writes the losses here, as JSON")
     args = parser.parse_args(argv)
     rank, world_size = rank_from_environment()
     logging.basicConfig(format=f"%(asctime)s rank {rank} %(message)s", level=logging.WARNING)

@@ -261,16 +261,19 @@ if __name__ == "__main__":
     import argparse
     import tempfile
 
+    from _cli import add_flow_parameters  # flows/_cli.py: the flow's parameters as arguments
+
     from prefect_spotgpu.checkpoint import LocalStorage
     from prefect_spotgpu.checkpoint.flow import wait_to_be_stopped
     from prefect_spotgpu.checkpoint.objects import LocalObjects
 
-    parser = argparse.ArgumentParser(description="render the ray-marched animation")
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--frames", type=int, default=24)
-    parser.add_argument("--width", type=int, default=160)
-    parser.add_argument("--height", type=int, default=120)
+    parser = argparse.ArgumentParser(
+        description="Render the ray-marched animation here, without Prefect's server: the "
+        "frames and the GIF into the directory OUT."
+    )
+    add_flow_parameters(parser, __file__, "render_animation")
     args = parser.parse_args()
+    args.out = Path(args.out)
     ckpt = Checkpointer(LocalStorage(tempfile.mkdtemp(prefix="render-")), "render", every=0.001)
     summary = render(
         ckpt,

@@ -44,6 +44,10 @@ class Moment:
     detail: str = ""
 
 
+REPOSITORY_VARIABLE = "spotgpu_repository"
+"""The Prefect variable deployments/prefect.yaml's ``git_clone`` pull step clones."""
+
+
 def find_project(start: Path | None = None) -> Path:
     """The clone's root (it has deployments/prefect.yaml), from ``start`` upwards or from
     this package's own location (an editable install)."""
@@ -108,6 +112,11 @@ def _bring_up(console: Console, stack: LocalStack, project: Path, home: Path) ->
         status.update("Creating the spot-gpu work pool and its blocks...")
         stack.create_pool("spot", checkpoint_dir=home / "checkpoints")
         status.update("Deploying the example flows (prefect deploy --all)...")
+        # the deployments' pull step clones the repository this variable names: this clone
+        with stack._prefect_settings():
+            from prefect.variables import Variable
+
+            Variable.set(REPOSITORY_VARIABLE, project.as_uri(), overwrite=True)
         deployed = subprocess.run(
             [
                 *(sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all"),
@@ -121,7 +130,10 @@ def _bring_up(console: Console, stack: LocalStack, project: Path, home: Path) ->
         )
         if deployed.returncode != 0:
             raise DemoError(f"prefect deploy failed:\n{deployed.stdout[-2000:]}{deployed.stderr}")
-        console.log("Deployed pretrain-nightly, clean-nightly, render-nightly (night-only)")
+        console.log(
+            "Deployed pretrain-nightly, pretrain-gang-nightly, clean-nightly, render-nightly "
+            "(night-only)"
+        )
         status.update("Starting the spot-gpu worker...")
         stack.start_worker("spot")
         console.log("Worker started: prefect worker start --pool spot --type spot-gpu")
