@@ -1,4 +1,5 @@
-"""market/ is pure: no database, web, Prefect or NVML imports, no I/O, no clock (STYLE 1)."""
+"""market/ is pure: no database, web, Prefect or NVML imports, no I/O, no clock
+(docs/development/code-style.md#style-1)."""
 
 import ast
 import pathlib
@@ -69,7 +70,7 @@ def test_the_checkpoint_core_does_not_import_prefect():
     assert out.stdout.strip() == "False"
 
 
-# ---------------------------------------------------------------- the house's rooms (issue 17)
+# ---------------------------------------------------------------- the house's rooms
 
 PACKAGE = MARKET.parent
 PURE_CORES = (
@@ -171,11 +172,15 @@ def test_the_worker_entry_points_keep_working():
     assert out.stdout.strip() == "spot-gpu"
 
 
-def readme_layout() -> tuple[set[str], set[str]]:
-    """The README's Layout of ``src/prefect_spotgpu/``: the paths it lists as entries, and
-    every module it names (entries, and ``name.py`` mentioned in a package's description)."""
-    text = (PACKAGE.parents[1] / "README.md").read_text()
-    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+LAYOUT_PAGE = PACKAGE.parents[1] / "docs" / "development" / "layout.md"
+
+
+def documented_layout() -> tuple[set[str], set[str]]:
+    """The Layout of ``src/prefect_spotgpu/`` in the documentation (``docs/development/
+    layout.md``, its first code block): the paths it lists as entries, and every module it
+    names (entries, and ``name.py`` mentioned in a package's description)."""
+    text = LAYOUT_PAGE.read_text()
+    block = text.split("```", 2)[1]
     entries, named, package = set(), set(), ""
     for line in block.splitlines():
         if not line.startswith("  ") or not line.strip():
@@ -202,10 +207,10 @@ def readme_layout() -> tuple[set[str], set[str]]:
     return entries, named
 
 
-def test_the_readme_layout_is_the_tree():
-    entries, named = readme_layout()
+def test_the_documented_layout_is_the_tree():
+    entries, named = documented_layout()
     for entry in sorted(entries):
-        assert (PACKAGE / entry).exists(), f"README Layout lists {entry}, which is not there"
+        assert (PACKAGE / entry).exists(), f"{LAYOUT_PAGE.name} lists {entry}, which is not there"
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(PACKAGE).as_posix()
         if path.name in ("__init__.py", "__main__.py") or "migrations" in relative:
@@ -215,9 +220,9 @@ def test_the_readme_layout_is_the_tree():
         if depth >= 2:  # a subpackage's modules: its listing is enough
             assert package.split("/")[0] + "/" + package.split("/")[1] + "/" in entries or (
                 relative in named
-            ), f"README Layout does not list {relative}"
+            ), f"{LAYOUT_PAGE.name} does not list {relative}"
             continue
-        assert relative in named, f"README Layout does not name {relative}"
+        assert relative in named, f"{LAYOUT_PAGE.name} does not name {relative}"
 
 
 ARROWS = {
@@ -236,8 +241,9 @@ ARROWS = {
     "decorators": {"worker", "protocol", "market"},
     "fanout": {"market", "decorators", "worker", "protocol"},
 }
-"""What each room of ours may import of ours (DESIGN §2: the arrows point one way). The worker
-and the agent reach the service over HTTP only; ``cli`` (the outermost) may import anything."""
+"""What each room of ours may import of ours (docs/operators/architecture.md#design-2: the
+arrows point one way). The worker and the agent reach the service over HTTP only; ``cli`` (the
+outermost) may import anything."""
 
 
 @pytest.mark.parametrize("room", sorted(ARROWS))

@@ -1,10 +1,11 @@
-"""Issue 16: the README's manual path ("The first hour, by hand"), command for command, in a fresh
-home: the market, a vetted provider and a buyer, three agents, a Prefect server, the blocks, the
-pool, a worker, a ``from_source(...).deploy(...)`` flow, a run, a reclaim of its node, Completed —
-and no bid left open. Each line of the README's block runs as written, by bash, from the
-repository's root; lines ending in ``&`` run in the background (a terminal of their own), and
-the test waits for each to be ready as a user would before typing the next. Only the ports differ
-(free ones, through the variables the commands read). It prints each command's time."""
+"""The manual path ("The first hour, by hand", ``docs/get-started/first-hour.md``), command
+for command, in a fresh home: the market, a vetted provider and a buyer, three agents, a Prefect
+server, the blocks, the pool, a worker, a ``from_source(...).deploy(...)`` flow, a run, a
+reclaim of its node, Completed — and no bid left open. Each line of the page's block runs as
+written, by bash, from the repository's root; lines ending in ``&`` run in the background (a
+terminal of their own), and the test waits for each to be ready as a user would before typing
+the next. Only the ports differ (free ones, through the variables the commands read). It prints
+each command's time."""
 
 from __future__ import annotations
 
@@ -25,12 +26,14 @@ import pytest
 from prefect_spotgpu.cli.stack import free_port, wait_for
 
 REPOSITORY = Path(__file__).resolve().parents[1]
+PAGE = REPOSITORY / "docs" / "get-started" / "first-hour.md"
 MARKER = "<!-- manual-path:"
 
 
 def manual_path() -> list[str]:
-    """The commands of the README's manual-path block (continuations joined, comments out)."""
-    text = (REPOSITORY / "README.md").read_text()
+    """The commands of the first hour's manual-path block (continuations joined, comments
+    out)."""
+    text = PAGE.read_text()
     block = text.split(MARKER, 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     commands = []
     for line in block.replace("\\\n", " ").splitlines():
@@ -39,7 +42,7 @@ def manual_path() -> list[str]:
     return commands
 
 
-def test_the_readme_block_is_the_whole_path():
+def test_the_first_hour_block_is_the_whole_path():
     commands = manual_path()
     assert commands[0] == "spotgpu server start &"
     assert sum(c.startswith("spotgpu agent start") for c in commands) == 3
@@ -116,7 +119,7 @@ def healthy(url: str) -> bool:
 
 
 @pytest.mark.slow
-def test_the_readme_manual_path_runs_as_written_in_a_fresh_home():
+def test_the_first_hour_runs_as_written_in_a_fresh_home():
     home = Path(tempfile.mkdtemp(prefix="spotgpu-by-hand-"))
     home.chmod(0o755)  # a job of another uid (an agent run as root) reaches its own files
     market_port, prefect_port = free_port(), free_port()
@@ -192,7 +195,7 @@ def test_the_readme_manual_path_runs_as_written_in_a_fresh_home():
         elif command.startswith("spotgpu node reclaim"):
             time.sleep(3)  # a few steps in
         elif command.startswith("prefect flow-run ls"):
-            # (Crashed at the notice is not the end: the worker reschedules it as Preempted)
+            # (Preempted at the reclaim is not the end: the run resumes on dev-2)
             wait_for(lambda: flow_run()["state_type"] in ("COMPLETED", "FAILED", "CANCELLED"), 240)
 
     started = time.monotonic()
@@ -229,7 +232,7 @@ def test_the_readme_manual_path_runs_as_written_in_a_fresh_home():
         with market_as("alice") as alice, market_as("owner") as owner:
             nodes = {n["id"]: n["name"] for n in owner.get("/nodes").json()}
             (bid,) = alice.get("/bids").json()
-            # a run that is over leaves no open bid (issue 16, 1): nothing bills any more
+            # a run that is over leaves no open bid: nothing bills any more
             wait_for(lambda: alice.get(f"/bids/{bid['id']}").json()["status"] == "finished", 30)
             allocations = alice.get(f"/bids/{bid['id']}/allocations").json()
             assert all(a["status"] not in ("running", "noticed") for a in allocations)
@@ -238,7 +241,7 @@ def test_the_readme_manual_path_runs_as_written_in_a_fresh_home():
             assert where[0] == ("dev-1", "preempted") and where[-1][0] == "dev-2", where
     finally:
         terminals.stop()
-        print(f"\nthe README's manual path in {time.monotonic() - started:.1f} s:")
+        print(f"\nthe first hour's manual path in {time.monotonic() - started:.1f} s:")
         for command, seconds in timings:
             print(f"  {seconds:6.2f} s  {command}")
     assert not processes_under(home), "a process of the manual path outlived Ctrl-C"

@@ -1,17 +1,30 @@
-"""The README's Python example runs as written."""
+"""The README opens with the two set-up commands; the documentation's runnable examples run
+as written."""
 
 import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+CONCEPTS = ROOT / "docs" / "users" / "concepts.md"
+ALLOCATION_STATES = ROOT / "docs" / "reference" / "allocation-states.md"
 
 
-def test_readme_python_example_runs(capsys):
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    blocks = [b for b in blocks if "from prefect_spotgpu.market import" in b]  # runnable alone
+def python_blocks(path: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
+
+
+def test_readme_python_blocks_run():
+    """PyPI and GitHub show the README: any Python in it runs alone, as written."""
+    for block in python_blocks(README):
+        exec(compile(block, "README.md", "exec"), {})
+
+
+def test_the_market_from_python_example_runs(capsys):
+    blocks = [b for b in python_blocks(CONCEPTS) if "from prefect_spotgpu.market import" in b]
     assert blocks
     for block in blocks:
-        exec(compile(block, "README.md", "exec"), {})
+        exec(compile(block, str(CONCEPTS.relative_to(ROOT)), "exec"), {})
     out = capsys.readouterr().out
     assert "kind=<PlacementKind.MIGRATION" in out
     assert "clearing_price=0.9" in out
@@ -31,12 +44,22 @@ def test_readme_opens_with_the_two_setup_commands():
     ]
     ci = (README.parent / ".ci" / "run").read_text()
     assert first_block[1] in ci
+    quickstart = (ROOT / "docs" / "get-started" / "quickstart.md").read_text()
+    shown = re.search(r"```bash\n(.*?)```", quickstart, flags=re.S).group(1)
+    assert shown.strip().splitlines() == first_block, "the quickstart shows the two commands"
 
 
-def test_readme_state_diagram_names_every_allocation_status():
+def test_readme_stays_short_and_shows_no_relative_image():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 200
+    assert not re.search(r"!\[[^\]]*\]\((?!https?://)", text), "PyPI cannot show it"
+    assert not re.search(r"<img [^>]*src=\"(?!https?://)", text), "PyPI cannot show it"
+
+
+def test_the_state_diagram_names_every_allocation_status():
     from prefect_spotgpu.market import AllocationStatus
 
-    text = README.read_text()
-    diagram = text[text.index("### Allocation states") : text.index("### GPU models")]
+    text = ALLOCATION_STATES.read_text()
+    diagram = text.split("## The state diagram", 1)[1].split("```", 2)[1]
     for status in AllocationStatus:
         assert status.name in diagram, status
