@@ -9,8 +9,9 @@
         job_variables=spot_job_variables(gpu_model="A100-80G", max_price=1.2, gpu_count=2),
     )
 
-:func:`spot_job_variables` checks the variables against the pool's own form (``SpotGPUVariables``)
-when the deployment is made, so a typo or a bad value fails there, naming the field — not later,
+:func:`spot_job_variables` checks the variables against this package's spot-gpu variables
+(``SpotGPUVariables``, the form a spot-gpu pool starts with; not a pool's edited form) when the
+deployment is made, so a typo or a bad value fails there, naming the field — not later,
 on a node, in a billed job. GPU model spellings are normalised as the market does.
 """
 
