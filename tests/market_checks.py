@@ -16,6 +16,7 @@ from prefect_spotgpu.market import (
     MarketState,
     NodeState,
 )
+from prefect_spotgpu.market.types import needs_mask
 
 RUNNING, NOTICED, RESERVED = (
     AllocationStatus.RUNNING,
@@ -25,10 +26,12 @@ RUNNING, NOTICED, RESERVED = (
 
 
 def bid_fits_pool(bid, node) -> bool:
+    """Whether the bid may run on the node: its pool, and a runner that serves it."""
     return (
         bid.gpu_model == node.gpu_model
         and bid.capacity == node.capacity
         and bid.region in (ANY_REGION, node.region)
+        and bool(node.serves & needs_mask(bid.image))
     )
 
 

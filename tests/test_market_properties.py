@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from market_checks import (
+    bid_fits_pool,
     check_allocations,
     check_capacity,
     check_free_fit_used,
@@ -33,12 +34,19 @@ from prefect_spotgpu.market import (
     MarketConfig,
     Node,
     NodeState,
+    Runner,
     clear,
 )
 
 MODELS = ("A100-80G", "RTX-4090", "A100-80G/on_demand")  # model[/capacity]
 REGIONS = ("eu-west", "us-east")
 IMAGES = ("pytorch:1", "tensorrt:1")
+RUNNERS = (  # (runner, default image): said by none, process, docker, docker with a default
+    (None, False),
+    (Runner.PROCESS, False),
+    (Runner.DOCKER, False),
+    (Runner.DOCKER, True),
+)
 PRICES = (0.3, 0.5, 0.8, 1.0, 1.05, 1.1, 1.2, 1.5, 2.0, 3.0)
 
 node_st = st.tuples(
@@ -119,8 +127,19 @@ def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
     for i, (model, region, count, reserve) in enumerate(nodes, start=1):
         model, _, capacity = model.partition("/")
         images = frozenset(IMAGES[: i % 3])  # some nodes hold images: placement prefers them
+        runner, default_image = RUNNERS[i % len(RUNNERS)]  # and some serve only one kind
         market.upsert_node(
-            Node(i, model, region, count, reserve, capacity=capacity or "spot", images=images)
+            Node(
+                i,
+                model,
+                region,
+                count,
+                reserve,
+                capacity=capacity or "spot",
+                images=images if runner != Runner.PROCESS else frozenset(),
+                runner=runner,
+                default_image=default_image,
+            )
         )
     now, next_bid = 0.0, 1
     total_charged = 0
@@ -135,22 +154,28 @@ def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
             model, _, capacity = model.partition("/")
             node_count = gang[0] if gang else 1
             first = next_bid
-            for _ in range(node_count):  # a gang: node_count member bids, first id first
-                market.add_bid(
-                    Bid(
-                        next_bid,
-                        model,
-                        count,
-                        price,
-                        region=region,
-                        created_at=now,
-                        window=None if window is None else Interval(*window),
-                        capacity=capacity or "spot",
-                        image=IMAGES[first % 3] if first % 3 < len(IMAGES) else None,
-                        node_count=node_count,
-                        gang_id=first if node_count > 1 else None,
-                    )
+            for member in range(node_count):  # a gang: node_count member bids, first id first
+                bid = Bid(
+                    next_bid,
+                    model,
+                    count,
+                    price,
+                    region=region,
+                    created_at=now,
+                    window=None if window is None else Interval(*window),
+                    capacity=capacity or "spot",
+                    image=IMAGES[first % 3] if first % 3 < len(IMAGES) else None,
+                    node_count=node_count,
+                    gang_id=first if node_count > 1 else None,
                 )
+                unserved = market.unserved(bid) if member == 0 else None
+                if unserved is not None:  # no node of its pools serves it: the service holds it
+                    assert not any(
+                        bid_fits_pool(bid, n) for n in state.nodes if n.state != NodeState.LOST
+                    ), unserved
+                    next_bid = first + node_count
+                    break
+                market.add_bid(bid)
                 next_bid += 1
         elif kind == "reprice" and state.bids:
             repriced = _pick(state.bids, step[1])
@@ -180,6 +205,8 @@ def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
                     reserve,
                     new_state,
                     node.capacity,
+                    runner=node.runner,  # (an agent restarted with another runner: a unit test)
+                    default_image=node.default_image,
                 )
             )
         elif kind in ("ack", "finish"):
@@ -265,9 +292,7 @@ def test_a_losing_bid_raised_above_everyone_wins_next_tick(nodes, steps, data):
             reserved[a.node_id] = reserved.get(a.node_id, 0) + a.gpu_count
     fits = any(
         n.state is NodeState.LIVE
-        and n.gpu_model == bid.gpu_model
-        and n.capacity == bid.capacity
-        and bid.region in ("any", n.region)
+        and bid_fits_pool(bid, n)  # (its pool, and a runner that serves it)
         and n.reserve_price <= top
         and n.gpu_count - reserved.get(n.id, 0) >= bid.gpu_count
         for n in state.nodes

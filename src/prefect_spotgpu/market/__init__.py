@@ -39,6 +39,7 @@ from prefect_spotgpu.market.types import (
     Node,
     NodeState,
     NoticeReason,
+    Runner,
 )
 
 __all__ = [
@@ -69,6 +70,7 @@ __all__ = [
     "PlacementKind",
     "Placements",
     "PoolQuote",
+    "Runner",
     "Settlement",
     "clear",
     "get_packing_policy",

@@ -28,13 +28,15 @@ MAX_NODES = 1 << ROW_BITS
 
 
 class Book:
-    """Waiting bids of one (model, region-or-any, size, window, nodes), best first."""
+    """Waiting bids of one (model, region-or-any, size, window, nodes, image or not), best
+    first."""
 
     __slots__ = (
         "count",
         "delta",
         "epochs",
         "head",
+        "image",
         "index",
         "model",
         "nodes",
@@ -45,9 +47,17 @@ class Book:
     )
 
     def __init__(
-        self, index: int, model: int, region: int, size: int, window: int, nodes: int = 1
+        self,
+        index: int,
+        model: int,
+        region: int,
+        size: int,
+        window: int,
+        nodes: int = 1,
+        image: bool = False,
     ) -> None:
         self.index = index
+        self.image = image  # its bids name an image (types.Runner: only nodes that run images)
         self.model = model
         self.region = region  # -1: any region of the model
         self.size = size  # GPUs per node

@@ -74,7 +74,7 @@ class BulkAdmissionMixin(MarketIndex):
             if not live:
                 continue
             reserve = pool.min_reserve
-            if pool.busy or any(self.n_reserve[r] != reserve for r in live):
+            if pool.busy or pool.mixed or any(self.n_reserve[r] != reserve for r in live):
                 all_fresh = False
                 continue
             gcd = 0
@@ -199,7 +199,9 @@ class BulkAdmissionMixin(MarketIndex):
             return False
         for pool in pools:
             reserve = pool.min_reserve
-            if any(self.n_reserve[r] != reserve or self.n_images[r] for r in pool.live):
+            if pool.mixed or any(
+                self.n_reserve[r] != reserve or self.n_images[r] for r in pool.live
+            ):
                 return False
         return True
 

@@ -103,6 +103,7 @@ class ClearingMixin(BulkAdmissionMixin):
         size, price, pools = self._bid_terms(brow)
         cap, running, reserved = self.n_cap, self.n_running, self.n_reserved
         reserve = self.n_reserve
+        image = int(self.b.image[brow])
         fits = [  # (room, reserve, node id, row): the tightest first
             (cap[nrow] - running[nrow] - reserved[nrow], reserve[nrow], self.n_id[nrow], nrow)
             for p in pools
@@ -111,6 +112,7 @@ class ClearingMixin(BulkAdmissionMixin):
             if cap[nrow] - running[nrow] - reserved[nrow] >= size
             and reserve[nrow] <= price
             and self.n_state[nrow] is NodeState.LIVE
+            and self._serves(nrow, image)
         ]
         if not fits:
             return False
@@ -123,11 +125,14 @@ class ClearingMixin(BulkAdmissionMixin):
         )
         return True
 
-    def _victims_on(self, nrow: int, size: int, price: float) -> list[int] | None:
-        """The weakest running allocations of a node that a bid at ``price`` beats by more
-        than the hysteresis margin and whose GPUs give it ``size``, or None."""
+    def _victims_on(self, nrow: int, size: int, price: float, image: int = 0) -> list[int] | None:
+        """The weakest running allocations of a node that a bid at ``price`` (with image id
+        ``image``) beats by more than the hysteresis margin and whose GPUs give it ``size``, or
+        None (also where the node does not serve the bid)."""
         a, b = self.a, self.b
         if not self.n_state[nrow].offers_capacity() or self.n_reserve[nrow] > price:
+            return None
+        if not self._serves(nrow, image):
             return None
         room = self.n_cap[nrow] - self.n_running[nrow] - self.n_reserved[nrow]
         if room + self.n_running[nrow] < size:
@@ -154,6 +159,7 @@ class ClearingMixin(BulkAdmissionMixin):
         """Notice the weakest incumbents a challenger beats on one node, and reserve it there."""
         a = self.a
         size, price, pools = self._bid_terms(brow)
+        image = int(self.b.image[brow])
         for p in pools:
             if p is None:
                 continue
@@ -179,7 +185,7 @@ class ClearingMixin(BulkAdmissionMixin):
                 examined += 1
                 if examined > self.config.eviction_scan_limit:
                     break
-                chosen = self._victims_on(nrow, size, price)
+                chosen = self._victims_on(nrow, size, price, image)
                 if chosen is None:
                     continue
                 deadline = now + self.config.notice_seconds
@@ -194,5 +200,6 @@ class ClearingMixin(BulkAdmissionMixin):
                 for r in chosen:
                     self._notice(r, NoticeReason.OUTBID, deadline, now)
                 return True
-            pool.evict_failed_size = min(pool.evict_failed_size, size)
+            if not pool.mixed:  # (in a mixed pool, a bid of another kind may still evict)
+                pool.evict_failed_size = min(pool.evict_failed_size, size)
         return False

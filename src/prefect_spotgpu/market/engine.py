@@ -70,17 +70,28 @@ from prefect_spotgpu.market.types import (
     ANY_REGION,
     MAX_GPUS_PER_NODE,
     MAX_ID,
+    SERVES_ALL,
+    SERVES_IMAGES,
+    SERVES_PROCESS,
     Allocation,
     AllocationStatus,
     Bid,
     EndReason,
     MarketState,
     Node,
+    NodeState,
+    Runner,
     check_price,
     check_region,
     check_time,
     gang_terms,
 )
+
+_RUNNER_OF = {  # what a node serves, back as its (runner, default_image): the same to the market
+    SERVES_ALL: (None, False),
+    SERVES_PROCESS: (Runner.PROCESS, False),
+    SERVES_IMAGES: (Runner.DOCKER, False),
+}
 
 _ENDED_AS = {  # why an allocation ended from outside the tick, by the status it ends in
     AllocationStatus.PREEMPTED: EndReason.ENDED_PREEMPTED,
@@ -164,10 +175,13 @@ class Market(AllocationsMixin, ClearingMixin, GangsMixin, HoldsMixin, PricingMix
         self.n_state[row] = node.state
         self.n_reserve[row] = node.reserve_price
         self.n_images[row] = frozenset(self._intern_image(i) for i in node.images)
+        served, self.n_serves[row] = self.n_serves[row], node.serves
         self._n_reserve_np = None
         pool.live = None
         self._suspect_nodes.add(row)
         self._refresh_free(row, force=True)
+        if node.serves != served and (pool.mixed or node.serves != SERVES_ALL):
+            self._mix(pool)  # (a rebuild: its old kinds' buckets must not offer it)
 
     # ------------------------------------------------------------------ bids
 
@@ -202,7 +216,9 @@ class Market(AllocationsMixin, ClearingMixin, GangsMixin, HoldsMixin, PricingMix
             if window < 0:
                 window = self._window_index[bid.window] = len(self._windows)
                 self._windows.append(bid.window)
-        book = self._book_for(model, region, bid.gpu_count, window, bid.node_count)
+        book = self._book_for(
+            model, region, bid.gpu_count, window, bid.node_count, bid.image is not None
+        )
         s = self.b.reserve(1)
         row = s.start
         b = self.b
@@ -224,6 +240,35 @@ class Market(AllocationsMixin, ClearingMixin, GangsMixin, HoldsMixin, PricingMix
             self._gangs[leader].append(row)
             return
         book.insert((-bid.max_price, bid.created_at, bid.id), row, 0)
+
+    def unserved(self, bid: Bid) -> str | None:
+        """Why no registered node of the bid's pools can run it (``types.Runner``), or None.
+        The service holds a new bid with this reason instead of adding it; the market itself
+        never places a bid on a node that does not serve it. Pools without nodes yet say
+        nothing (nodes may come); lost nodes do not count."""
+        model = self._model_index.get((DEFAULT_CATALOG.normalize(bid.gpu_model), bid.capacity))
+        if model is None:
+            return None
+        region = -1 if bid.region == ANY_REGION else self._region_index.get(bid.region, -2)
+        need = SERVES_IMAGES if bid.image is not None else SERVES_PROCESS
+        pools = (
+            self._model_pools.get(model, [])
+            if region == -1
+            else [p for p in [self._pool_index.get((model, region))] if p is not None]
+        )
+        rows = [r for p in pools for r in self._pools[p].nodes if self.n_state[r] != NodeState.LOST]
+        if not rows or any(self.n_serves[r] & need for r in rows):
+            return None
+        where = f"the {bid.gpu_model} nodes in {'any region' if region == -1 else bid.region}"
+        if need == SERVES_IMAGES:
+            return (
+                f"{where} run jobs as host processes (--runner process); the image "
+                f"{bid.image} needs a Docker node (--runner docker)"
+            )
+        return (
+            f"{where} are Docker nodes without a default image (spotgpu agent start "
+            "--default-image); a job without an image needs one, or a process node"
+        )
 
     def add_bid_arrays(
         self,
@@ -300,9 +345,13 @@ class Market(AllocationsMixin, ClearingMixin, GangsMixin, HoldsMixin, PricingMix
         b.tenant[s], b.status[s], b.epoch[s] = tenants, WAITING, 0
         b.run[s] = b.res[s] = b.gang[s] = -1
         rows = np.arange(s.start, s.stop, dtype=np.int64)
-        for size in np.flatnonzero(np.bincount(gpus, minlength=MAX_GPUS_PER_NODE + 1)).tolist():
-            book = self._book_for(model, reg, int(size), -1)
-            sel = rows[gpus == size]
+        imaged = b.image[s] > 0
+        sizes = np.flatnonzero(np.bincount(gpus, minlength=MAX_GPUS_PER_NODE + 1)).tolist()
+        for size, image in ((size, image) for size in sizes for image in (False, True)):
+            sel = rows[(gpus == size) & (imaged == image)]
+            if len(sel) == 0:
+                continue
+            book = self._book_for(model, reg, int(size), -1, 1, image)
             b.book[sel] = book.index
             merged = np.concatenate([book.live_rows(b.status, b.epoch, WAITING), sel])
             order = priority_order(b.price[merged], b.created[merged], b.id[merged])
@@ -469,6 +518,7 @@ class Market(AllocationsMixin, ClearingMixin, GangsMixin, HoldsMixin, PricingMix
                 self.n_state[r],
                 self._model_capacity[self._pools[self.n_pool[r]].model],
                 frozenset(self._images[i] for i in self.n_images[r]),
+                *_RUNNER_OF[self.n_serves[r]],
             )
             for r in range(len(self.n_id))
         )

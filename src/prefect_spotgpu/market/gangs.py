@@ -69,7 +69,8 @@ class GangsMixin(MarketIndex):
         """Up to ``count`` node rows of a pool, each with a free fit, none twice and none in
         ``exclude`` (the gang's nodes so far), tightest first."""
         if not image and self._policy.name == "best-fit":  # (the same, in one pass)
-            keys = pool.capacity.best_fits(size, price, self.n_free, self.n_reserve, count, exclude)
+            capacity = self._capacity_for(pool, image)
+            keys = capacity.best_fits(size, price, self.n_free, self.n_reserve, count, exclude)
             return [key & ROW_MASK for key in keys]
         taken = set(exclude)
         rows = []
@@ -103,7 +104,7 @@ class GangsMixin(MarketIndex):
                 return True
             partial.append((pool, rows))
         for pool, rows in partial:  # free fits for some members, takeovers for the rest
-            takeovers = self._gang_takeovers(pool, count - len(rows), size, price, set(rows))
+            takeovers = self._gang_takeovers(pool, count - len(rows), size, price, set(rows), image)
             if takeovers is None:
                 continue
             deadline = now + self.config.notice_seconds
@@ -120,7 +121,7 @@ class GangsMixin(MarketIndex):
         return False
 
     def _gang_takeovers(
-        self, pool, count: int, size: int, price: float, taken: set[int]
+        self, pool, count: int, size: int, price: float, taken: set[int], image: int = 0
     ) -> list[tuple[int, list[int]]] | None:
         """``count`` nodes of a pool, none in ``taken``, where a gang member can reserve GPUs
         that noticed allocations will free (no victims) or that weaker incumbents it beats
@@ -133,6 +134,7 @@ class GangsMixin(MarketIndex):
             and self.n_reserve[nrow] <= price
             and nrow not in taken
             and state[nrow] is NodeState.LIVE
+            and self._serves(nrow, image)
         ]
         claimable.sort(key=self.n_id.__getitem__)
         found: list[tuple[int, list[int]]] = [(nrow, []) for nrow in claimable[:count]]
@@ -157,7 +159,7 @@ class GangsMixin(MarketIndex):
                 examined += 1
                 if examined > self.config.eviction_scan_limit:
                     return None
-                victims = self._victims_on(nrow, size, price)
+                victims = self._victims_on(nrow, size, price, image)
                 if victims is not None:
                     found.append((nrow, victims))
                     if len(found) == count:

@@ -36,7 +36,16 @@ from prefect_spotgpu.market.tables import (
     Pool,
     TickOut,
 )
-from prefect_spotgpu.market.types import Capacity, Interval, MarketConfig, Node, NodeState
+from prefect_spotgpu.market.types import (
+    SERVES_ALL,
+    SERVES_IMAGES,
+    SERVES_PROCESS,
+    Capacity,
+    Interval,
+    MarketConfig,
+    Node,
+    NodeState,
+)
 
 if TYPE_CHECKING:
     from prefect_spotgpu.market.decision import PlacementKind
@@ -68,7 +77,7 @@ class MarketIndex:
         self._pool_index: dict[tuple[int, int], int] = {}
         self._model_pools: dict[int, list[int]] = {}  # sorted by region name
         self._books: list[Book] = []
-        self._book_index: dict[tuple[int, int, int, int, int], int] = {}
+        self._book_index: dict[tuple[int, int, int, int, int, bool], int] = {}
         self._model_books: dict[int, list[int]] = {}
         # nodes, one row each by registration order (python lists: scalar access in the hot
         # loop); GPU counters are kept by the allocation changes, n_free by _refresh_free
@@ -84,6 +93,7 @@ class MarketIndex:
         self.n_res_mig: list[int] = []  # of n_reserved: migration reservations (on free GPUs)
         self.n_free: list[int] = []  # -1: offers no capacity (not live)
         self.n_images: list[frozenset[int]] = []  # the image ids the node holds
+        self.n_serves: list[int] = []  # what it serves: SERVES_* bits (types.serves_mask)
         self._csr: tuple[list[int], list[int]] | None = None  # node -> alloc rows index
         self._node_extra: dict[int, list[int]] = {}  # alloc rows added since the index
         self._extra_count = 0
@@ -188,12 +198,16 @@ class MarketIndex:
             return region in self.config.regions
         return region in self._region_index
 
-    def _book_for(self, model: int, region: int, size: int, window: int, nodes: int = 1) -> Book:
-        key = (model, region, size, window, nodes)
+    def _book_for(
+        self, model: int, region: int, size: int, window: int, nodes: int = 1, image: bool = False
+    ) -> Book:
+        """The book of waiting bids of these terms; bids with an image apart from those without
+        (in a mixed pool one kind can wait while the other is placed)."""
+        key = (model, region, size, window, nodes, image)
         i = self._book_index.get(key)
         if i is None:
             i = self._book_index[key] = len(self._books)
-            self._books.append(Book(i, model, region, size, window, nodes))
+            self._books.append(Book(i, model, region, size, window, nodes, image))
             self._model_books[model].append(i)
         return self._books[i]
 
@@ -216,12 +230,20 @@ class MarketIndex:
         self.n_res_mig.append(0)
         self.n_free.append(-1)
         self.n_images.append(frozenset(self._intern_image(i) for i in node.images))
+        self.n_serves.append(node.serves)
         self._n_reserve_np = None
         pool.nodes.append(row)
         pool.live = None
         if len(pool.nodes) > 1 and self.n_id[pool.nodes[-2]] > node.id:
             pool.nodes.sort(key=self.n_id.__getitem__)
         self._refresh_free(row)
+        if node.serves != SERVES_ALL and not pool.mixed:
+            self._mix(pool)
+
+    def _mix(self, pool: Pool) -> None:
+        """From now on the pool's fits look at the nodes that serve what a bid needs."""
+        pool.mixed = True
+        self._rebuild_capacity(pool, [r for r in pool.nodes if self.n_free[r] > 0])
 
     def _refresh_free(self, row: int, force: bool = False) -> None:
         """Recompute a node's free GPUs: not running, not noticed, not promised.
@@ -254,6 +276,11 @@ class MarketIndex:
             if free > 0:
                 key = (self.n_id[row] << ROW_BITS) | row
                 pool.capacity.push(key, self.n_reserve[row], free)
+                if pool.mixed:
+                    serves = self.n_serves[row]
+                    for kind, holders in pool.kind_capacity.items():
+                        if serves & kind:
+                            holders.push(key, self.n_reserve[row], free)
                 for image in self.n_images[row]:
                     holders = pool.image_capacity.get(image)
                     if holders is None:
@@ -268,6 +295,9 @@ class MarketIndex:
             pool.max_cap = max((self.n_cap[r] for r in live), default=0)
             pool.total = sum(self.n_cap[r] for r in live)
             pool.min_reserve = min((self.n_reserve[r] for r in live), default=None)
+            pool.serves = 0
+            for r in live:
+                pool.serves |= self.n_serves[r]
         return pool.live
 
     def _free_fit(self, brow: int) -> int | None:
@@ -299,7 +329,7 @@ class MarketIndex:
         """The fit of a bid in a pool, as a key that orders fits (its last item the node's
         key), on a node not in ``exclude``. Best fit: ``(free, reserve, misses its image,
         key)`` -- among equal fits, a node that holds the bid's image comes first."""
-        capacity = pool.capacity
+        capacity = self._capacity_for(pool, image)
         if self._policy.name != "best-fit":
             return capacity.first_fit(size, price, self.n_free, self.n_reserve, exclude)
         found = capacity.best_fit(size, price, self.n_free, self.n_reserve, exclude)
@@ -308,24 +338,43 @@ class MarketIndex:
         free, reserve, key = found
         holders = pool.image_capacity.get(image)
         if holders is not None:
-            n_images = self.n_images
+            n_images, n_serves = self.n_images, self.n_serves
             held = holders.lowest_at(
                 free,
                 reserve,
                 self.n_free,
                 self.n_reserve,
-                lambda r: image in n_images[r],
+                lambda r: image in n_images[r] and n_serves[r] & SERVES_IMAGES,
                 exclude,
             )
             if held is not None:
                 return (free, reserve, 0, held)
         return (free, reserve, 1, key)
 
+    def _capacity_for(self, pool: Pool, image: int) -> PoolCapacity:
+        """The free capacity a bid (with image id ``image``, 0: none) may take in a pool: all
+        of it, or in a mixed pool only the nodes that serve the bid (``types.Runner``)."""
+        if not pool.mixed:
+            return pool.capacity
+        return pool.kind_capacity[SERVES_IMAGES if image else SERVES_PROCESS]
+
+    def _serves(self, nrow: int, image: int) -> bool:
+        """Whether node row ``nrow`` serves a bid with image id ``image``."""
+        return bool(self.n_serves[nrow] & (SERVES_IMAGES if image else SERVES_PROCESS))
+
     def _rebuild_capacity(self, pool: Pool, rows: list[int]) -> None:
-        """Rebuild a pool's free-GPU buckets (and its image holders') from its node ``rows``."""
+        """Rebuild a pool's free-GPU buckets (and its image holders' and, in a mixed pool, its
+        kinds') from its node ``rows``."""
         keys = [(self.n_id[r] << ROW_BITS) | r for r in rows]
         reserves, frees = [self.n_reserve[r] for r in rows], [self.n_free[r] for r in rows]
         pool.capacity.rebuild(keys, reserves, frees)
+        if pool.mixed:
+            for kind in (SERVES_PROCESS, SERVES_IMAGES):
+                mine = [i for i, r in enumerate(rows) if self.n_serves[r] & kind]
+                holders = pool.kind_capacity.setdefault(kind, PoolCapacity())
+                holders.rebuild(
+                    [keys[i] for i in mine], [reserves[i] for i in mine], [frees[i] for i in mine]
+                )
         for image, holders in pool.image_capacity.items():
             held = [i for i, r in enumerate(rows) if image in self.n_images[r]]
             holders.rebuild(
@@ -453,7 +502,8 @@ class MarketIndex:
         for pool in self._pools:
             bound = 4 * len(pool.nodes) + 64
             if pool.capacity.entries > bound or any(
-                h.entries > bound for h in pool.image_capacity.values()
+                h.entries > bound
+                for h in (*pool.image_capacity.values(), *pool.kind_capacity.values())
             ):
                 self._rebuild_capacity(pool, [r for r in pool.nodes if self.n_free[r] > 0])
 

@@ -18,6 +18,7 @@ from prefect_spotgpu.market.index import MarketIndex
 from prefect_spotgpu.market.money import charges as owed
 from prefect_spotgpu.market.money import elapsed_ms
 from prefect_spotgpu.market.tables import NOTICED, RUNNING, WAITING
+from prefect_spotgpu.market.types import SERVES_IMAGES, SERVES_PROCESS
 
 
 class PricingMixin(MarketIndex):
@@ -33,6 +34,7 @@ class PricingMixin(MarketIndex):
         for pool in self._pools:
             self._live(pool)
         max_cap = [pool.max_cap for pool in self._pools]
+        serves = [pool.serves for pool in self._pools]
         peek_args = (b.status, b.epoch, b.price, b.created, b.id, WAITING)
         for book in self._books:
             if book.count <= 0 or not self._window_open(book.window, now):
@@ -43,9 +45,10 @@ class PricingMixin(MarketIndex):
                 if book.region < 0
                 else [self._pool_index.get((book.model, book.region))]
             )
+            need = SERVES_IMAGES if book.image else SERVES_PROCESS
             for p in pools:
-                if p is None or max_cap[p] < book.size:
-                    continue
+                if p is None or max_cap[p] < book.size or not serves[p] & need:
+                    continue  # (no node of the pool could run it: it prices nothing there)
                 waiting[p] += book.count
                 if head is not None:
                     losing[p] = max(losing[p], -head[0][0])

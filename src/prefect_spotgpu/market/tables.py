@@ -55,6 +55,9 @@ class Pool:
     nodes: list[int] = field(default_factory=list)  # node rows, kept sorted by node id
     capacity: PoolCapacity = field(default_factory=PoolCapacity)
     image_capacity: dict[int, PoolCapacity] = field(default_factory=dict)  # image -> its holders
+    mixed: bool = False  # a node of the pool serves not every bid (types.Runner): fits then
+    # come from kind_capacity[need] (the nodes that serve what the bid needs)
+    kind_capacity: dict[int, PoolCapacity] = field(default_factory=dict)  # SERVES_* -> nodes
     incumbents: np.ndarray | None = None  # alloc rows RUNNING at tick start, weakest first
     incumbent_eff: np.ndarray | None = None
     scan_from: int = 0  # incumbents before this index are no longer running
@@ -68,6 +71,7 @@ class Pool:
     max_cap: int = 0
     total: int = 0
     min_reserve: float | None = None
+    serves: int = 0  # what its live nodes serve, together (SERVES_* bits; with ``live``)
 
 
 @dataclass(slots=True)

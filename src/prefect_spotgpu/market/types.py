@@ -41,6 +41,48 @@ class Capacity(StrEnum):
     be reclaimed by its owner, with a notice."""
 
 
+class Runner(StrEnum):
+    """How a node runs its jobs (``spotgpu agent start --runner``): what it can serve.
+
+    A bid that names an image runs only in that image, so only on a Docker node; a bid without
+    one (``image: process``, "the node's own environment") runs as a host process on a process
+    node, or on a Docker node in the image its operator named (``--default-image``). The market
+    places a bid only on a node that serves it (:func:`serves`)."""
+
+    PROCESS = "process"
+    """Host processes with the agent's interpreter: bids without an image."""
+    DOCKER = "docker"
+    """Containers: bids with an image; without one only with a default image."""
+
+
+SERVES_PROCESS = 1
+"""A node serves bids without an image (a bit of :func:`serves_mask`)."""
+SERVES_IMAGES = 2
+"""A node serves bids that name an image."""
+SERVES_ALL = SERVES_PROCESS | SERVES_IMAGES
+"""An agent that did not say its runner (an older one): any bid, as before."""
+
+
+def serves_mask(runner: Runner | None, default_image: bool) -> int:
+    """What a node serves, as bits: ``SERVES_PROCESS``, ``SERVES_IMAGES``.
+
+    >>> serves_mask(Runner.PROCESS, False), serves_mask(Runner.DOCKER, False)
+    (1, 2)
+    >>> serves_mask(Runner.DOCKER, True), serves_mask(None, False)
+    (3, 3)
+    """
+    if runner is None:
+        return SERVES_ALL
+    if runner == Runner.PROCESS:
+        return SERVES_PROCESS
+    return SERVES_IMAGES | (SERVES_PROCESS if default_image else 0)
+
+
+def needs_mask(image: str | None) -> int:
+    """What a bid needs of a node: ``SERVES_IMAGES`` with an image, else ``SERVES_PROCESS``."""
+    return SERVES_IMAGES if image else SERVES_PROCESS
+
+
 class NodeState(StrEnum):
     """Where a node stands as a seller of GPUs."""
 
@@ -262,10 +304,24 @@ class Node:
     images: frozenset[str] = frozenset()
     """The image references the node holds locally: among equal fits, a bid lands on a node
     that has its image (no pull)."""
+    runner: Runner | None = None
+    """How it runs jobs (None: not said, any bid): a bid lands only where it can run."""
+    default_image: bool = False
+    """A Docker node runs bids without an image in an image its operator named."""
 
     def __post_init__(self) -> None:
         check_id("node.id", self.id)
         object.__setattr__(self, "images", check_images(self.images))
+        if self.runner is not None:
+            try:
+                object.__setattr__(self, "runner", Runner(self.runner))
+            except ValueError:
+                raise ValueError(
+                    f"runner must be one of {', '.join(r.value for r in Runner)} or None, "
+                    f"got {self.runner!r}"
+                ) from None
+        if not isinstance(self.default_image, bool):
+            raise ValueError(f"default_image must be a boolean, got {self.default_image!r}")
         object.__setattr__(self, "capacity", check_capacity(self.capacity))
         object.__setattr__(self, "gpu_model", DEFAULT_CATALOG.normalize(self.gpu_model))
         object.__setattr__(self, "region", check_region("region", self.region, allow_any=False))
@@ -276,6 +332,11 @@ class Node:
     @property
     def pool(self) -> tuple[str, str, Capacity]:
         return (self.gpu_model, self.region, self.capacity)
+
+    @property
+    def serves(self) -> int:
+        """What it serves (:func:`serves_mask`)."""
+        return serves_mask(self.runner, self.default_image)
 
 
 @dataclass(frozen=True, slots=True)

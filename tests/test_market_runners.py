@@ -1,0 +1,117 @@
+"""Runners and images meet in the pure market: a bid lands only on a node that can run it as
+asked (``types.Runner``). Worked examples, one behaviour each; the property tests of
+``test_market_properties.py`` check the same over random market lives."""
+
+from prefect_spotgpu.market import Bid, Market, MarketConfig, Node, NodeState, Runner
+
+A100 = "A100-80G"
+TORCH = "pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime"
+
+
+def market_with(*nodes):
+    market = Market(MarketConfig(notice_seconds=300))
+    for node in nodes:
+        market.upsert_node(node)
+    return market
+
+
+def node(i, runner, gpus=8, reserve=0.5, default_image=False, state=NodeState.LIVE):
+    return Node(
+        i, A100, "eu-west", gpus, reserve, state, runner=runner, default_image=default_image
+    )
+
+
+def bid(i, gpus=8, image=None, price=1.5, node_count=1, gang_id=None):
+    return Bid(
+        i,
+        A100,
+        gpus,
+        price,
+        region="eu-west",
+        created_at=float(gang_id or i),
+        image=image,
+        node_count=node_count,
+        gang_id=gang_id,
+    )
+
+
+def placed(decision):
+    return {p.bid_id: p.node_id for p in decision.placements}
+
+
+def test_an_image_bid_goes_to_a_docker_node_and_a_process_bid_to_a_process_node():
+    # the process node is cheaper and registered first: without runners both would land there
+    m = market_with(node(1, Runner.PROCESS, reserve=0.5), node(2, Runner.DOCKER, reserve=0.9))
+    m.add_bid(bid(1, image=TORCH))
+    m.add_bid(bid(2))
+    assert placed(m.tick(10.0)) == {1: 2, 2: 1}
+
+
+def test_an_image_bid_waits_for_a_docker_node_while_process_bids_behind_it_run():
+    m = market_with(node(1, Runner.PROCESS), node(2, Runner.DOCKER))
+    m.add_bid(bid(1, image=TORCH, price=3.0))
+    m.add_bid(bid(2, image=TORCH, price=2.0))  # the docker node is taken: it waits
+    m.add_bid(bid(3, price=1.0))  # same size, lower price, no image: the process node
+    assert placed(m.tick(10.0)) == {1: 2, 3: 1}
+    quote = next(q for q in m.tick(11.0).quotes if q.gpu_model == A100)
+    assert quote.waiting_bids == 1
+
+
+def test_an_outbidding_image_bid_evicts_only_on_a_docker_node():
+    m = market_with(node(1, Runner.PROCESS), node(2, Runner.DOCKER))
+    m.add_bid(bid(1, price=1.0))  # process, on node 1
+    m.add_bid(bid(2, image=TORCH, price=1.0))  # image, on node 2
+    assert placed(m.tick(10.0)) == {1: 1, 2: 2}
+    m.add_bid(bid(3, image=TORCH, price=5.0))  # beats both: only bid 2's node can run it
+    decision = m.tick(11.0)
+    assert [n.allocation_id for n in decision.notices] == [2]  # bid 2's allocation
+    assert placed(decision) == {3: 2}
+
+
+def test_a_docker_node_with_a_default_image_serves_process_bids_and_one_without_does_not():
+    bare = market_with(node(1, Runner.DOCKER))
+    assert "without a default image" in bare.unserved(bid(1))
+    assert bare.unserved(bid(2, image=TORCH)) is None
+    bare.add_bid(bid(1))  # (the service would hold it; the market never places it wrongly)
+    assert placed(bare.tick(10.0)) == {}
+    with_default = market_with(node(1, Runner.DOCKER, default_image=True))
+    assert with_default.unserved(bid(1)) is None
+    with_default.add_bid(bid(1))
+    assert placed(with_default.tick(10.0)) == {1: 1}
+
+
+def test_a_bid_no_node_serves_is_named_and_pools_without_nodes_say_nothing():
+    m = market_with(node(1, Runner.PROCESS), node(2, Runner.PROCESS))
+    reason = m.unserved(bid(1, image=TORCH))
+    assert reason.startswith("the A100-80G nodes in eu-west run jobs as host processes")
+    assert TORCH in reason
+    assert m.unserved(bid(2)) is None
+    assert market_with().unserved(bid(3, image=TORCH)) is None  # no node yet: nodes may come
+    lost = market_with(node(1, Runner.DOCKER, state=NodeState.LOST), node(2, Runner.PROCESS))
+    assert lost.unserved(bid(4, image=TORCH)) is not None  # a lost node serves nothing
+
+
+def test_an_agent_restarted_with_another_runner_is_offered_by_its_new_kind():
+    m = market_with(node(1, Runner.DOCKER), node(2, Runner.PROCESS))
+    m.upsert_node(node(1, Runner.PROCESS))  # the same host, now a process node
+    m.add_bid(bid(1, image=TORCH))
+    m.add_bid(bid(2))
+    m.add_bid(bid(3))
+    assert placed(m.tick(10.0)) == {2: 1, 3: 2}  # no image bid lands on the old docker node
+    m.upsert_node(node(1, None))  # an agent that says nothing serves any bid, as before
+    assert m.unserved(bid(4, image=TORCH)) is None
+
+
+def test_a_gang_that_names_an_image_takes_docker_nodes_only():
+    m = market_with(
+        node(1, Runner.PROCESS), node(2, Runner.DOCKER), node(3, Runner.PROCESS), node(4, None)
+    )
+    m.add_bid(bid(10, image=TORCH, node_count=2, gang_id=10))
+    m.add_bid(bid(11, image=TORCH, node_count=2, gang_id=10))
+    assert sorted(placed(m.tick(10.0)).values()) == [2, 4]  # a docker node, and one not said
+
+
+def test_a_snapshot_keeps_what_each_node_serves():
+    m = market_with(node(1, Runner.PROCESS), node(2, Runner.DOCKER), node(3, None))
+    serves = {n.id: n.serves for n in m.snapshot().nodes}
+    assert serves == {1: 1, 2: 2, 3: 3}
