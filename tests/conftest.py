@@ -199,13 +199,16 @@ class Service:
         reserve=0.9,
         name=None,
         capacity="spot",
+        **terms,
     ) -> tuple[dict, httpx.Client]:
+        """A node of ``owner`` (made a provider); ``terms``: more of ``NodeCreate`` (runner)."""
         body = {
             "name": name or f"n{uuid.uuid4().hex[:8]}",
             "gpu_model": gpu_model,
             "region": region,
             "gpu_count": gpus,
             "capacity": capacity,
+            **terms,
         }
         if capacity == "spot":
             body["reserve_price"] = reserve

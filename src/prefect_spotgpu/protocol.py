@@ -19,12 +19,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from prefect_spotgpu.market.types import AllocationStatus, Capacity, EndReason, NoticeReason
+from prefect_spotgpu.market.types import (
+    AllocationStatus,
+    Capacity,
+    EndReason,
+    NoticeReason,
+    Runner,
+)
 
 __all__ = [
     "ENDING_EVENTS",
     "GANG_ENV_NAMES",
     "HELD_FOR_CREDIT",
+    "HELD_UNSERVED",
     "HOLDING_STATUSES",
     "IMAGE_NAME_PATTERN",
     "IMAGE_REFERENCE_PATTERN",
@@ -47,6 +54,7 @@ __all__ = [
     "EventKind",
     "NoticeReason",
     "ReportOutcome",
+    "Runner",
     "WorkerEvent",
     "normal_image_reference",
     "unfit_node_address",
@@ -70,6 +78,10 @@ LIVE_BID_STATUSES = (BidStatus.OPEN, BidStatus.HELD)
 
 HELD_FOR_CREDIT = "out of credit"
 """How the ``hold_reason`` of a bid held for its tenant's balance begins."""
+
+HELD_UNSERVED = "no node can run it"
+"""How the ``hold_reason`` of a bid held because no node of its pools serves it begins
+(``market.Runner``): it opens again when a node that serves it registers or changes."""
 
 
 class EventKind(StrEnum):

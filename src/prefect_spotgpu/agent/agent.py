@@ -120,6 +120,14 @@ class Agent:
     def _http(self, token: str) -> httpx.Client:
         return api_client(self.market, token, timeout=60)
 
+    def _runner_terms(self) -> dict:
+        """How this node runs jobs, as the market takes it (``market.Runner``): the market
+        places a bid only where it can run as asked."""
+        terms = {"runner": self.runner.name}
+        if self.runner.default_image:
+            terms["default_image"] = self.runner.default_image
+        return terms
+
     def register(self) -> None:
         """Find this node's token (given, or kept in ``node.json``), or obtain one with the
         owner's key; check it against the market and this host's GPUs
@@ -139,6 +147,7 @@ class Agent:
                     "declared": self.declared,
                     "inventory": [g.to_json() for g in self.gpus],
                     "address": self.address,
+                    **self._runner_terms(),
                 },
                 http=self._http,
             )
@@ -233,7 +242,12 @@ class Agent:
             with contextlib.suppress(Exception):
                 telemetry["gpus"] = self.telemetry()
         response = send_heartbeat(
-            self.client, self.node_id, telemetry=telemetry, images=self.images, address=self.address
+            self.client,
+            self.node_id,
+            telemetry=telemetry,
+            images=self.images,
+            address=self.address,
+            runner=self._runner_terms(),
         )
         if response.status_code != 200:
             logger.warning("heartbeat refused: %s %s", response.status_code, response.text[:200])

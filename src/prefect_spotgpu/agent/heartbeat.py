@@ -71,11 +71,12 @@ def send_heartbeat(
     telemetry: dict,
     images: NodeImages,
     address: str | None = None,
+    runner: dict | None = None,
 ) -> httpx.Response:
     """One heartbeat: ``telemetry``, the node's advertised ``address`` (where a gang's other
     ranks reach its rank 0), and the node's images when they changed; the market's answer
     (after one more try without what it refused)."""
-    body: dict = {"telemetry": telemetry}
+    body: dict = {"telemetry": telemetry, **(runner or {})}  # how it runs jobs, every time
     if address is not None:
         body["address"] = address
     listed = images.to_send()
@@ -83,11 +84,13 @@ def send_heartbeat(
         body["images"] = listed
     path = f"/nodes/{node_id}/heartbeat"
     response = client.post(path, json=body)
-    refused = _refused_fields(response) & {"telemetry", "images"}
+    refused = _refused_fields(response) & {"telemetry", "images", "runner", "default_image"}
     if "telemetry" in refused and "gpus" in telemetry:
         body["telemetry"] = {k: v for k, v in telemetry.items() if k != "gpus"}
     if "images" in refused:
         del body["images"]
+    for field in refused & {"runner", "default_image"}:  # (a market older than this agent)
+        body.pop(field, None)
     if refused:
         logger.warning("heartbeat: %s refused (%s); sent without", refused, response.text[:200])
         response = client.post(path, json=body)

@@ -16,9 +16,10 @@ from datetime import UTC, datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from prefect_spotgpu.market import NodeState
+from prefect_spotgpu.market import ANY_REGION, NodeState
 from prefect_spotgpu.market.compensation import LossCause
 from prefect_spotgpu.protocol import (
+    HELD_UNSERVED,
     LIVE_BID_STATUSES,
     AllocationStatus,
     BidStatus,
@@ -28,7 +29,12 @@ from prefect_spotgpu.protocol import (
     ReportOutcome,
 )
 from prefect_spotgpu.service import credit, gangs, gate
-from prefect_spotgpu.service.market_rows import add_bid_row, is_credit_hold, market_node
+from prefect_spotgpu.service.market_rows import (
+    add_bid_row,
+    is_credit_hold,
+    market_bid,
+    market_node,
+)
 from prefect_spotgpu.service.models import AllocationRow, BidRow, MarketChange, NodeRow
 from prefect_spotgpu.service.outbox import Entity
 from prefect_spotgpu.service.tick_writes import TickWrites
@@ -60,12 +66,18 @@ def apply_change(writes: TickWrites, change: MarketChange, now: float) -> None:
                 market.upsert_node(market_node(row))
             except ValueError:
                 logger.exception("node %s cannot change that way", row.id)
+            else:
+                reopen_unserved(writes, row)
     elif change.entity == Entity.BID:
         row = session.get(BidRow, change.entity_id)
         if row is None:
             return
         if row.status == BidStatus.OPEN and not market.has_bid(row.id):
             try:
+                first_row = row.gang_id in (None, row.id)  # (members follow their rank 0)
+                unserved = market.unserved(market_bid(row)) if first_row else None
+                if unserved is not None:  # no node of its pools runs it as asked: named
+                    raise ValueError(f"{HELD_UNSERVED}: {unserved}")
                 add_bid_row(market, row)
             except ValueError as exc:  # e.g. a region no node offers yet: hold it
                 row.status, row.hold_reason = BidStatus.HELD.value, str(exc)
@@ -180,3 +192,29 @@ def lose_silent_nodes(writes: TickWrites, timeout_seconds: float, now: float) ->
         node.state = NodeState.LOST.value
         writes.market.upsert_node(market_node(node))
         logger.warning("node %s missed heartbeats for %ss: lost", node.id, timeout_seconds)
+
+
+def reopen_unserved(writes: TickWrites, node: NodeRow) -> None:
+    """Open again, oldest first, the bids held because no node served them (``HELD_UNSERVED``)
+    that a live node of this one's pool now serves (it registered, or said its runner)."""
+    if node.state != NodeState.LIVE:
+        return
+    market, session = writes.market, writes.session
+    held = session.scalars(
+        select(BidRow)
+        .where(
+            BidRow.status == BidStatus.HELD,
+            BidRow.hold_reason.startswith(HELD_UNSERVED, autoescape=True),
+            BidRow.gpu_model == node.gpu_model,
+            BidRow.capacity == node.capacity,
+            BidRow.region.in_((ANY_REGION, node.region)),
+            (BidRow.gang_id.is_(None)) | (BidRow.gang_id == BidRow.id),  # one row per gang
+        )
+        .order_by(BidRow.id)
+    ).all()
+    for first in held:
+        if market.unserved(market_bid(first)) is not None or market.has_bid(first.id):
+            continue
+        if credit.set_bid_status(session, first.id, BidStatus.HELD, BidStatus.OPEN, None):
+            for row in gangs.gang_rows(session=session, bid=first):  # rank 0 first
+                add_bid_row(market, row)

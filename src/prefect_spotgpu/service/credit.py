@@ -185,7 +185,7 @@ def hold_short_of_credit(writes: TickWrites, owed: dict[int, int], hold_seconds:
         decided = credit_holds(available=available, bids=bids)
         reason = credit_hold_reason(available, needed)
         for bid_id in decided.held:
-            if _set_status(writes.session, bid_id, BidStatus.OPEN, BidStatus.HELD, reason):
+            if set_bid_status(writes.session, bid_id, BidStatus.OPEN, BidStatus.HELD, reason):
                 market.hold_bid(bid_id)
 
 
@@ -224,7 +224,7 @@ def reopen_credit_holds(writes: TickWrites, tenant_id: int, admission_seconds: f
         if needed > spare:
             return  # a newer bid never jumps an older one that does not fit
         spare -= needed
-        if not _set_status(session, first.id, BidStatus.HELD, BidStatus.OPEN, None):
+        if not set_bid_status(session, first.id, BidStatus.HELD, BidStatus.OPEN, None):
             continue
         if market.unhold_bid(first.id):  # still in the market (its notice runs): it stays
             if market.bid_price(first.id) != first.max_price:
@@ -234,7 +234,7 @@ def reopen_credit_holds(writes: TickWrites, tenant_id: int, admission_seconds: f
                 add_bid_row(market, row)
 
 
-def _set_status(
+def set_bid_status(
     session: Session, bid_id: int, expected: BidStatus, to: BidStatus, reason: str | None
 ) -> bool:
     """Compare-and-set every member row of the bid's gang (or the bid alone)."""

@@ -164,6 +164,8 @@ def register_node(
         else [g.model_dump(mode="json", exclude_none=True) for g in data.inventory],
         telemetry=None,
         address=data.address,
+        runner=data.runner,
+        default_image=data.default_image,
         last_heartbeat_at=now,
         created_at=now,
     )
@@ -212,18 +214,26 @@ def heartbeat_node(
     now: datetime,
     images: list[str] | None = None,
     address: str | None = None,
+    runner: str | None = None,
+    default_image: str | None = None,
 ) -> NodeRow:
-    """A heartbeat: the node is alive; its telemetry, and the images it holds (a change goes
-    to the tick leader: placement prefers a node with a bid's image)."""
+    """A heartbeat: the node is alive; its telemetry, the images it holds and how it runs jobs
+    (a change goes to the tick leader: placement prefers a node with a bid's image, and places
+    a bid only on a node whose runner serves it)."""
     node.last_heartbeat_at = now
     if address is not None:  # where other nodes reach it (a gang's rank 0: MASTER_ADDR)
         node.address = address
     if telemetry is not None:
         node.telemetry = telemetry
+    changed = False
     if images is not None and sorted(set(images)) != (node.images or []):
         node.images = sorted(set(images))
-        if node.state != NodeState.LOST:  # a lost node's return records its change below
-            record_change(session=session, entity=Entity.NODE, entity_id=node.id, op="upsert")
+        changed = True
+    if runner is not None and (runner, default_image) != (node.runner, node.default_image):
+        node.runner, node.default_image = runner, default_image
+        changed = True
+    if changed and node.state != NodeState.LOST:  # a lost node's return records it below
+        record_change(session=session, entity=Entity.NODE, entity_id=node.id, op="upsert")
     if node.state == NodeState.LOST:  # the agent is back: the node as it was, empty
         owner = session.get(Tenant, node.owner_id)
         # a live node offers its GPUs again, unless its owner is no longer a provider; a

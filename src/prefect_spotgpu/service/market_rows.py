@@ -44,6 +44,8 @@ def market_node(row: NodeRow) -> Node:
         NodeState(row.state),
         row.capacity,
         frozenset(normal_image_reference(i) for i in row.images or ()),
+        runner=row.runner,
+        default_image=row.default_image is not None,
     )
 
 

@@ -114,6 +114,8 @@ class NodeRow(Base):
     inventory: Mapped[dict | None] = mapped_column(JSON)
     telemetry: Mapped[dict | None] = mapped_column(JSON)
     images: Mapped[list | None] = mapped_column(JSON)  # references held locally, as reported
+    runner: Mapped[str | None] = mapped_column(String(16))  # a market.Runner; None: not said
+    default_image: Mapped[str | None] = mapped_column(String(300))  # a Docker node's, if any
     address: Mapped[str | None] = mapped_column(String(253))  # where other nodes reach it
     last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)

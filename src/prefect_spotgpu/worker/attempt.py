@@ -38,6 +38,10 @@ CANCEL_STOP_SECONDS = 30.0
 """How long a cancelled run waits for the market to stop its job."""
 REPORT_BIDS = 8
 """How many bids of a run (each replacing the one before) the cost report follows back."""
+FIRST_HOLD_CHECK_SECONDS = 3.0
+HOLD_CHECK_SECONDS = 15.0
+"""While no allocation runs, how soon and then how often the worker reads its bid for a hold
+no node can lift (``_say_unserved``): a read per waiting run, not per poll."""
 
 
 def phase_of(state) -> Phase | None:
@@ -205,10 +209,14 @@ class Attempt:
                 preemptions=self.track.preemptions,
             )
             await run.retry("start the job", lambda: self._go(go))
+        held_check, held_said = time.monotonic() + FIRST_HOLD_CHECK_SECONDS, None
         while True:
             status = await run.retry("check for a cancellation", self._check_cancelled)
             if status is not None:
                 return status
+            if self.track.live is None and time.monotonic() >= held_check:
+                held_check = time.monotonic() + HOLD_CHECK_SECONDS
+                held_said = await self._say_unserved(held_said)
             if pace is not None and time.monotonic() - paced_at >= PACE_SECONDS:
                 paced_at = time.monotonic()
                 following = await run.retry(
@@ -234,6 +242,16 @@ class Attempt:
                     run.logger.debug("attempt over after event %s", event["kind"])
                     return outcome
             cursor = max(cursor, page["cursor"])
+
+    async def _say_unserved(self, said: str | None) -> str | None:
+        """Put on the run why its bid waits for good: no node of its pools can run it as
+        asked (``rules.unserved_message``); once. What was said, for the next call."""
+        bid = await self.run.retry("read the bid", lambda: self.market.bid(self.bid["id"]))
+        message = rules.unserved_message(bid)
+        if message is not None and message != said:
+            self.run.logger.warning(message)
+            await self.run.set_state(Pending(name="AwaitingGPU", message=message))
+        return message
 
     async def _on_event(self, event: dict, ended_current: bool) -> int | None:
         """The reaction to one event already folded into the track (safe to repeat)."""

@@ -47,7 +47,7 @@ from enum import StrEnum
 from typing import Literal
 
 from prefect_spotgpu.economics.schedules import aware, cheap_window
-from prefect_spotgpu.protocol import BidStatus, EndReason, EventKind, WorkerEvent
+from prefect_spotgpu.protocol import HELD_UNSERVED, BidStatus, EndReason, EventKind, WorkerEvent
 from prefect_spotgpu.worker.report import describe
 
 NOTICE_SECONDS = 300
@@ -463,6 +463,21 @@ def after_engine(run: RunView, reschedule: Reschedule) -> AfterEngine:
     if run.phase is not None and run.phase.is_final and run.phase is not Phase.CRASHED:
         return AfterEngine(over=True)
     return AfterEngine(over=False, insist=not reschedule.job_stopped and run.phase is Phase.RUNNING)
+
+
+def unserved_message(bid: dict) -> str | None:
+    """The AwaitingGPU message of a bid the market holds because no node can run it as asked
+    (its runner: ``protocol.HELD_UNSERVED``), or None.
+
+        >>> unserved_message({"id": 4, "status": "held", "hold_reason": HELD_UNSERVED + ": x"})
+        'Bid 4 is held: no node can run it: x'
+        >>> unserved_message({"id": 4, "status": "open", "hold_reason": None}) is None
+        True
+    """
+    reason = bid.get("hold_reason") or ""
+    if bid.get("status") != BidStatus.HELD or not reason.startswith(HELD_UNSERVED):
+        return None
+    return f"Bid {bid['id']} is held: {reason}"
 
 
 def cancel_requested(run: RunView) -> bool:

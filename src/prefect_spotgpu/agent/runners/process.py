@@ -135,6 +135,7 @@ class ProcessRunner:
     """
 
     name = "process"
+    default_image = None  # (processes: no image)
 
     def __init__(
         self,

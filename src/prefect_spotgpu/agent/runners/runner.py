@@ -189,6 +189,9 @@ class Runner(Protocol):
     """What the agent needs of a runner (``ProcessRunner``, ``DockerRunner``)."""
 
     name: str
+    """How the market knows it (``market.Runner``): what bids it serves."""
+    default_image: str | None
+    """The image a bid without one runs in (a Docker node's operator's choice); None."""
 
     def ready(self, request: JobRequest) -> bool:
         """Whether ``start`` can run the job at once; False: ``prepare`` it first."""

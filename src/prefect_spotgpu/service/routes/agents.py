@@ -47,6 +47,8 @@ def heartbeat(node_id: Id, data: schemas.Heartbeat, caller_node: CurrentNode, db
                 else data.telemetry.model_dump(mode="json", exclude_none=True),
                 images=data.images,
                 address=data.address,
+                runner=data.runner,
+                default_image=data.default_image,
                 now=now(),
             )
         )

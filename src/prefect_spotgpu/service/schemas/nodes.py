@@ -12,6 +12,7 @@ from prefect_spotgpu.protocol import (
     MAX_NODE_IMAGES,
     NODE_ADDRESS_PATTERN,
     REPORT_DETAIL_CHARS,
+    Runner,
     unfit_node_address,
 )
 from prefect_spotgpu.service.schemas.fields import (
@@ -61,6 +62,19 @@ class NodeCreate(Strict):
     declared: bool = Field(False, description="Inventory declared by hand (no NVML).")
     inventory: list[GpuInventoryItem] | None = Field(None, max_length=MAX_GPUS_PER_NODE)
     address: NodeAddress | None = None
+    runner: Runner | None = Field(
+        None,
+        description="How the agent runs jobs: process (bids without an image) or docker (bids "
+        "with one; without one only in default_image). None: not said (any bid).",
+    )
+    default_image: ImageReference | None = Field(
+        None, description="A Docker node's image for bids without one (runner docker only)."
+    )
+
+    @model_validator(mode="after")
+    def _default_image_is_a_docker_nodes(self) -> NodeCreate:
+        check_default_image(self.runner, self.default_image)
+        return self
 
     @model_validator(mode="after")
     def _on_demand_sells_at_the_on_demand_price(self) -> NodeCreate:
@@ -107,6 +121,8 @@ class NodeResponse(BaseModel):
     telemetry: dict | None = None
     images: list[str] | None = None
     address: str | None = None
+    runner: str | None = None
+    default_image: str | None = None
     last_heartbeat_at: datetime
 
 
@@ -132,3 +148,20 @@ class Heartbeat(Strict):
         "prefers, among equal fits, a node that already has a bid's image.",
     )
     address: NodeAddress | None = Field(None, description="The node's address (None: unchanged).")
+    runner: Runner | None = Field(
+        None, description="How the agent runs jobs (None: unchanged); see NodeCreate."
+    )
+    default_image: ImageReference | None = Field(
+        None, description="A Docker node's image for bids without one (with runner only)."
+    )
+
+    @model_validator(mode="after")
+    def _default_image_is_a_docker_nodes(self) -> Heartbeat:
+        check_default_image(self.runner, self.default_image)
+        return self
+
+
+def check_default_image(runner: Runner | None, default_image: str | None) -> None:
+    """A default image only for a Docker node: a process node runs no image."""
+    if default_image is not None and runner != Runner.DOCKER:
+        raise ValueError("default_image needs runner 'docker': a process node runs no image")
