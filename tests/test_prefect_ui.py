@@ -50,10 +50,10 @@ def state_at(page, x: float) -> str | None:
     return match[1] if match else None
 
 
-def timeline_states(page) -> list[str]:
-    """The states along the run graph's state bar, left to right (runs of one state once):
-    a coarse pass, then, if it missed ``Preempted`` (a state of a second or so), a fine one
-    between neighbours that differ."""
+def timeline_states(page) -> tuple[list[str], dict[int, str | None]]:
+    """The states along the run graph's state bar, left to right (runs of one state once),
+    and what each x sampled showed: a coarse pass, then, if it missed ``Preempted`` (a state
+    of a second or so), a fine one between neighbours that differ."""
     width = int(page.locator(".flow-run-graph canvas").bounding_box()["width"])
     samples = {}
     for x in [*range(2, width - 2, 12), width - 2]:  # the last: Completed, a sliver at the end
@@ -68,7 +68,7 @@ def timeline_states(page) -> list[str]:
     for x in sorted(samples):
         if samples[x] and (not states or states[-1] != samples[x]):
             states.append(samples[x])
-    return states
+    return states, samples
 
 
 def text_appears(page, needles: list[str], seconds: float = 60, reload_every: float = 15) -> str:
@@ -115,15 +115,16 @@ def check_the_ui(page, out: str) -> None:
     while state_at(page, graph.bounding_box()["width"] / 2) is None:  # the graph has drawn
         assert time.monotonic() < deadline, "the run graph shows no states"
         time.sleep(1)
-    states = timeline_states(page)
+    states, samples = timeline_states(page)
     assert "Preempted" in states, states
     preempted = states.index("Preempted")
     assert "Running" in states[:preempted], states
     assert "Running" in states[preempted + 1 :], states
     assert states[-1] == "Completed", states
     assert "Crashed" not in states, states  # a preemption never reads as a crash
-    # the docs' picture of a preempted run (docs/users/watching-runs.md): the page as it is
-    page.keyboard.press("Escape")  # (close the state popover)
+    # the docs' picture of a preempted run (docs/users/watching-runs.md): its Preempted state
+    # open on the run graph, as a user clicks it
+    state_at(page, min(x for x, state in samples.items() if state == "Preempted"))
     page.screenshot(path=SCREENSHOTS / "preempted-run.png")
 
     # (4) the cost artifact, from the run's Artifacts tab. The worker publishes it when an
