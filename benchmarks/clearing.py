@@ -14,7 +14,9 @@ steady tick; (``images``) the same market where every bid names one of three ima
 half the nodes hold one: placement prefers, among equal fits, a node with the bid's image;
 and (``gangs``) the same workload where 10 % of the N bids are gangs of 2-8 nodes, each of
 its member bids added with ``add_bid`` as the service adds them (so ``gangs_member_bids``
-counts more than N bids).
+counts more than N bids); and (``runners``) the same workload on mixed pools, where half the
+nodes run processes and half Docker (a quarter of all nodes with a default image) and half the
+bids name an image: each bid may take only a node that serves it (none is misplaced).
 Welfare against the exact optimum is measured on 1,000 small random markets. Pinned to one
 core. Prints one JSON object.
 
@@ -37,10 +39,16 @@ from pathlib import Path
 
 import numpy as np
 
-from prefect_spotgpu.market import DEFAULT_CATALOG, Bid, Market, MarketConfig, Node
+from prefect_spotgpu.market import DEFAULT_CATALOG, Bid, Market, MarketConfig, Node, Runner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+RUNNERS = (  # by node id mod 4: (runner, default image)
+    (Runner.DOCKER, True),
+    (Runner.PROCESS, False),
+    (Runner.DOCKER, False),
+    (Runner.PROCESS, False),
+)
 MODELS = ("RTX-4090", "RTX-3090Ti", "A100-80G", "H100-80G", "H200")
 REGIONS = ("ap-east", "eu-west", "us-central", "us-east")
 SIZES = np.array([1, 2, 4, 8])
@@ -48,10 +56,16 @@ IMAGES = ("pytorch/pytorch:2.5.1", "nvcr.io/nvidia/pytorch:25.06-py3", "ml/train
 
 
 def build_market(
-    n_bids: int, rng: np.random.Generator, packing: str = "best-fit", images: bool = False
+    n_bids: int,
+    rng: np.random.Generator,
+    packing: str = "best-fit",
+    images: bool = False,
+    runners: bool = False,
 ):
     """A market with its nodes registered, and the bid arrays to load (not yet loaded); with
-    ``images``, every even node holds one image and every bid names one."""
+    ``images``, every even node holds one image and every bid names one; with ``runners``,
+    odd nodes run processes, even ones Docker (every fourth with a default image) and half the
+    bids name an image (mixed pools: each bid only on a node that serves it)."""
     market = Market(MarketConfig(packing=packing))
     n_nodes = max(n_bids // 10, len(MODELS) * len(REGIONS))
     node_id = 0
@@ -62,7 +76,19 @@ def build_market(
             for _ in range(per_pool):
                 node_id += 1
                 held = frozenset({IMAGES[node_id % 3]} if images and node_id % 2 == 0 else ())
-                market.upsert_node(Node(node_id, model, region, 8, reserve, images=held))
+                runner = RUNNERS[node_id % 4] if runners else (None, False)
+                market.upsert_node(
+                    Node(
+                        node_id,
+                        model,
+                        region,
+                        8,
+                        reserve,
+                        images=held,
+                        runner=runner[0],
+                        default_image=runner[1],
+                    )
+                )
     model_of = rng.integers(0, len(MODELS), n_bids)
     region_of = rng.integers(0, len(REGIONS), n_bids)
     region_of[rng.random(n_bids) < 0.10] = -1
@@ -77,6 +103,8 @@ def build_market(
     }
     if images:
         bids["image"] = rng.integers(0, len(IMAGES), n_bids)
+    if runners:  # -1: no image
+        bids["image"] = np.where(rng.random(n_bids) < 0.5, rng.integers(0, len(IMAGES), n_bids), -1)
     return market, node_id, bids
 
 
@@ -121,17 +149,24 @@ def load(market: Market, bids: dict) -> None:
             gpu_counts=bids["gpus"][sel],
             max_prices=bids["price"][sel],
             created_at=bids["created"][sel],
-            images=[IMAGES[i] for i in bids["image"][sel]] if "image" in bids else None,
+            images=[IMAGES[i] if i >= 0 else None for i in bids["image"][sel]]
+            if "image" in bids
+            else None,
         )
 
 
 def cold_tick(
-    n_bids: int, seed: int, packing: str = "best-fit", images: bool = False, gangs: float = 0.0
+    n_bids: int,
+    seed: int,
+    packing: str = "best-fit",
+    images: bool = False,
+    gangs: float = 0.0,
+    runners: bool = False,
 ) -> dict:
     """One cold tick; ``gangs``: that share of the ``n_bids`` bids are gangs of 2-8 nodes."""
     rng = np.random.default_rng(seed)
     n_gangs = int(n_bids * gangs)
-    market, n_nodes, bids = build_market(n_bids - n_gangs, rng, packing, images)
+    market, n_nodes, bids = build_market(n_bids - n_gangs, rng, packing, images, runners)
     t0 = time.perf_counter()
     load(market, bids)
     if n_gangs:
@@ -148,7 +183,17 @@ def cold_tick(
         "placements": len(decision.placements),
         "gpus_placed": int(decision.placements.gpu_count.sum()),
         "on_a_node_with_the_image": _with_image(market, decision) if images else None,
+        "on_a_node_that_does_not_serve_it": _misplaced(market, decision) if runners else None,
     }
+
+
+def _misplaced(market: Market, decision) -> int:
+    """Placements on a node whose runner does not serve the bid (must be none)."""
+    rows, b = market._node_row, market.b
+    return sum(
+        not market._serves(rows[int(n)], int(b.image[market._bid_row[int(i)]]))
+        for i, n in zip(decision.placements.bid_id, decision.placements.node_id, strict=True)
+    )
 
 
 def _with_image(market: Market, decision) -> float:
@@ -168,6 +213,7 @@ def steady_ticks(
     ticks: int,
     images: bool = False,
     gangs: float = 0.0,
+    runners: bool = False,
 ) -> dict:
     now, next_id = 1_000.0, n_bids + 1
     next_gang_id = n_bids * 20
@@ -189,6 +235,10 @@ def steady_ticks(
         new["price"] = np.round(on_demand[new["model"]] * rng.uniform(0.3, 1.0, third), 2)
         if images:
             new["image"] = rng.integers(0, len(IMAGES), third)
+        if runners:
+            new["image"] = np.where(
+                rng.random(third) < 0.5, rng.integers(0, len(IMAGES), third), -1
+            )
         next_id += third
         load(market, new)
         if gangs:
@@ -257,6 +307,9 @@ def main() -> None:
     parser.add_argument("--no-naive", action="store_true", help="skip the one-by-one baseline")
     parser.add_argument("--no-images", action="store_true", help="skip the run with images")
     parser.add_argument("--no-gangs", action="store_true", help="skip the run with 10%% gangs")
+    parser.add_argument(
+        "--no-runners", action="store_true", help="skip the run with process and Docker nodes"
+    )
     args = parser.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
@@ -315,6 +368,28 @@ def main() -> None:
                 else None
             )
             del with_images
+        if not args.no_runners:
+            mixed = cold_tick(n, seed=n, runners=True)
+            steady_mixed = steady_ticks(
+                mixed["market"], mixed["rng"], n, args.steady_ticks, runners=True
+            )
+            row["runners_cold_seconds_per_tick"] = round(mixed["tick_seconds"], 4)
+            row["runners_steady_seconds_per_tick"] = round(steady_mixed["tick_seconds"], 4)
+            row["runners_gpus_placed_cold"] = mixed["gpus_placed"]
+            row["runners_placements_on_a_node_that_does_not_serve_it"] = mixed[
+                "on_a_node_that_does_not_serve_it"
+            ]
+            row["runners_vs_plain_cold_ratio"] = (
+                round(mixed["tick_seconds"] / cold_s, 2)
+                if (cold_s := row["cold_seconds_per_tick"])
+                else None
+            )
+            row["runners_vs_plain_steady_ratio"] = (
+                round(steady_mixed["tick_seconds"] / row["steady_seconds_per_tick"], 2)
+                if row["steady_seconds_per_tick"]
+                else None
+            )
+            del mixed
         if not args.no_gangs:
             with_gangs = cold_tick(n, seed=n, gangs=0.10)
             steady_gangs = steady_ticks(
@@ -356,7 +431,7 @@ def main() -> None:
                 f"{kind}_{tick}_tick_le_{name}": None
                 if f"{kind}_{tick}_seconds_per_tick" not in largest
                 else largest[f"{kind}_{tick}_seconds_per_tick"] <= limit
-                for kind in ("images", "gangs")
+                for kind in ("images", "gangs", "runners")
                 for tick, name, limit in (("cold", "1s", 1.0), ("steady", "0_1s", 0.1))
             },
         },

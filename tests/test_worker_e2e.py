@@ -393,6 +393,22 @@ def test_a_preemption_while_no_worker_follows_is_caught_up_by_the_next_worker(
     assert done == [count(reference, steps, 0.0, None)]
 
 
+def test_a_run_no_node_can_serve_says_why_while_it_waits(stack, prefect, tmp_path):
+    """Its image needs a Docker node and the stack's nodes run processes: the market holds the
+    bid, never placing it on a process node, and the worker says why (the run's log and a
+    ``spotgpu.bid.held`` event) while the run waits AwaitingGPU."""
+    run_id, progress = start_run(prefect, stack, tmp_path, steps=1, image="pytorch")
+    wait_for(lambda: "spotgpu.bid.held" in _spot_events(prefect, run_id), 60, "spotgpu.bid.held")
+    bid = bid_of(stack, prefect, run_id)
+    assert bid["status"] == "held" and bid["hold_reason"].startswith("no node can run it: ")
+    assert "--runner docker" in bid["hold_reason"]
+    assert f"Bid {bid['id']} is held: no node can run it" in stack.log("worker", 100_000)
+    assert prefect.read_flow_run(run_id).state.name == "AwaitingGPU"
+    prefect.set_flow_run_state(run_id, Cancelling(), force=True)
+    wait_state(prefect, run_id, lambda s: s.is_cancelled(), 60, "Cancelled")
+    assert not progress.exists()  # it never ran
+
+
 def test_a_scheduled_run_is_bid_for_promptly(stack, prefect, tmp_path):
     run_id, _ = start_run(prefect, stack, tmp_path, steps=1)
     created = prefect.read_flow_run(run_id).created

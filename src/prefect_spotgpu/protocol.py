@@ -229,12 +229,22 @@ class WorkerEvent(StrEnum):
     """The Prefect events the worker emits, as ``spotgpu.bid.<value>`` on the bid's resource."""
 
     CREATED = "created"
+    """The run's bid was placed (or, after a replacement, its new bid)."""
     ALLOCATED = "allocated"
+    """GPUs were allocated: the run's job starts on a node."""
     RESUMED = "resumed"
+    """A preempted run starts again, on its next allocation."""
     NOTICED = "noticed"
+    """The run's allocation got its notice (payload: the reason and the deadline)."""
     PREEMPTED = "preempted"
+    """The run's allocation ended by a preemption: the run is rescheduled."""
     ON_DEMAND = "on-demand"
+    """A deadline-aware run moved to on-demand capacity."""
     SPOT = "spot"  # back to spot capacity from on-demand
+    """A deadline-aware run went back to spot capacity from on-demand."""
+    HELD = "held"
+    """The market holds the run's bid: no node of its pools can run it as asked (its runner;
+    payload ``reason``). The run waits, AwaitingGPU, until a node that serves it comes."""
 
     @property
     def event(self) -> str:

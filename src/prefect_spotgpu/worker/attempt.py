@@ -244,13 +244,15 @@ class Attempt:
             cursor = max(cursor, page["cursor"])
 
     async def _say_unserved(self, said: str | None) -> str | None:
-        """Put on the run why its bid waits for good: no node of its pools can run it as
-        asked (``rules.unserved_message``); once. What was said, for the next call."""
+        """Tell the run's logs and Prefect's events (``spotgpu.bid.held``) why its bid waits
+        for good: no node of its pools can run it as asked (``rules.unserved_message``); once
+        per reason. (Not its state: Prefect refuses Pending over Pending, and forcing it could
+        undo a cancellation.) What was said, for the next call."""
         bid = await self.run.retry("read the bid", lambda: self.market.bid(self.bid["id"]))
         message = rules.unserved_message(bid)
         if message is not None and message != said:
             self.run.logger.warning(message)
-            await self.run.set_state(Pending(name="AwaitingGPU", message=message))
+            self.run.emit(WorkerEvent.HELD, bid, reason=bid["hold_reason"])
         return message
 
     async def _on_event(self, event: dict, ended_current: bool) -> int | None:

@@ -466,8 +466,8 @@ def after_engine(run: RunView, reschedule: Reschedule) -> AfterEngine:
 
 
 def unserved_message(bid: dict) -> str | None:
-    """The AwaitingGPU message of a bid the market holds because no node can run it as asked
-    (its runner: ``protocol.HELD_UNSERVED``), or None.
+    """What the worker says (the run's log, ``spotgpu.bid.held``) of a bid the market holds
+    because no node can run it as asked (its runner: ``protocol.HELD_UNSERVED``), or None.
 
         >>> unserved_message({"id": 4, "status": "held", "hold_reason": HELD_UNSERVED + ": x"})
         'Bid 4 is held: no node can run it: x'
