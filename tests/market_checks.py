@@ -16,7 +16,7 @@ from prefect_spotgpu.market import (
     MarketState,
     NodeState,
 )
-from prefect_spotgpu.market.types import needs_mask
+from prefect_spotgpu.market.serving import needs_mask
 
 RUNNING, NOTICED, RESERVED = (
     AllocationStatus.RUNNING,

@@ -115,3 +115,12 @@ def test_a_snapshot_keeps_what_each_node_serves():
     m = market_with(node(1, Runner.PROCESS), node(2, Runner.DOCKER), node(3, None))
     serves = {n.id: n.serves for n in m.snapshot().nodes}
     assert serves == {1: 1, 2: 2, 3: 3}
+
+
+def test_a_bad_runner_is_refused_naming_the_field():
+    import pytest
+
+    with pytest.raises(ValueError, match="runner must be one of process, docker"):
+        Node(1, A100, "eu-west", 8, 0.5, runner="podman")
+    with pytest.raises(ValueError, match="default_image must be a boolean"):
+        Node(1, A100, "eu-west", 8, 0.5, runner=Runner.DOCKER, default_image="yes")

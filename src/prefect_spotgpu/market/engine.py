@@ -54,6 +54,8 @@ from prefect_spotgpu.market.gangs import GangsMixin
 from prefect_spotgpu.market.gpus import DEFAULT_CATALOG
 from prefect_spotgpu.market.holds import HoldsMixin
 from prefect_spotgpu.market.pricing import PricingMixin
+from prefect_spotgpu.market.runners import RunnersMixin
+from prefect_spotgpu.market.serving import SERVES_ALL
 from prefect_spotgpu.market.tables import (
     FINISHED,
     GONE,
@@ -70,28 +72,17 @@ from prefect_spotgpu.market.types import (
     ANY_REGION,
     MAX_GPUS_PER_NODE,
     MAX_ID,
-    SERVES_ALL,
-    SERVES_IMAGES,
-    SERVES_PROCESS,
     Allocation,
     AllocationStatus,
     Bid,
     EndReason,
     MarketState,
     Node,
-    NodeState,
-    Runner,
     check_price,
     check_region,
     check_time,
     gang_terms,
 )
-
-_RUNNER_OF = {  # what a node serves, back as its (runner, default_image): the same to the market
-    SERVES_ALL: (None, False),
-    SERVES_PROCESS: (Runner.PROCESS, False),
-    SERVES_IMAGES: (Runner.DOCKER, False),
-}
 
 _ENDED_AS = {  # why an allocation ended from outside the tick, by the status it ends in
     AllocationStatus.PREEMPTED: EndReason.ENDED_PREEMPTED,
@@ -108,7 +99,7 @@ class Settlement:
     charges: Charges
 
 
-class Market(AllocationsMixin, ClearingMixin, GangsMixin, HoldsMixin, PricingMixin):
+class Market(AllocationsMixin, ClearingMixin, GangsMixin, HoldsMixin, PricingMixin, RunnersMixin):
     """The market's order book and allocations, cleared by :meth:`tick`.
 
     ``Market(config, next_allocation_id=1)`` is an empty market (its state is declared by
@@ -240,35 +231,6 @@ class Market(AllocationsMixin, ClearingMixin, GangsMixin, HoldsMixin, PricingMix
             self._gangs[leader].append(row)
             return
         book.insert((-bid.max_price, bid.created_at, bid.id), row, 0)
-
-    def unserved(self, bid: Bid) -> str | None:
-        """Why no registered node of the bid's pools can run it (``types.Runner``), or None.
-        The service holds a new bid with this reason instead of adding it; the market itself
-        never places a bid on a node that does not serve it. Pools without nodes yet say
-        nothing (nodes may come); lost nodes do not count."""
-        model = self._model_index.get((DEFAULT_CATALOG.normalize(bid.gpu_model), bid.capacity))
-        if model is None:
-            return None
-        region = -1 if bid.region == ANY_REGION else self._region_index.get(bid.region, -2)
-        need = SERVES_IMAGES if bid.image is not None else SERVES_PROCESS
-        pools = (
-            self._model_pools.get(model, [])
-            if region == -1
-            else [p for p in [self._pool_index.get((model, region))] if p is not None]
-        )
-        rows = [r for p in pools for r in self._pools[p].nodes if self.n_state[r] != NodeState.LOST]
-        if not rows or any(self.n_serves[r] & need for r in rows):
-            return None
-        where = f"the {bid.gpu_model} nodes in {'any region' if region == -1 else bid.region}"
-        if need == SERVES_IMAGES:
-            return (
-                f"{where} run jobs as host processes (--runner process); the image "
-                f"{bid.image} needs a Docker node (--runner docker)"
-            )
-        return (
-            f"{where} are Docker nodes without a default image (spotgpu agent start "
-            "--default-image); a job without an image needs one, or a process node"
-        )
 
     def add_bid_arrays(
         self,
@@ -508,20 +470,7 @@ class Market(AllocationsMixin, ClearingMixin, GangsMixin, HoldsMixin, PricingMix
     def snapshot(self) -> MarketState:
         """The market's current contents as frozen values (``from_state`` rebuilds it)."""
         b, a = self.b, self.a
-        nodes = tuple(
-            Node(
-                self.n_id[r],
-                self._models[self._pools[self.n_pool[r]].model],
-                self._regions[self._pools[self.n_pool[r]].region],
-                self.n_cap[r],
-                self.n_reserve[r],
-                self.n_state[r],
-                self._model_capacity[self._pools[self.n_pool[r]].model],
-                frozenset(self._images[i] for i in self.n_images[r]),
-                *_RUNNER_OF[self.n_serves[r]],
-            )
-            for r in range(len(self.n_id))
-        )
+        nodes = tuple(self._node_value(r) for r in range(len(self.n_id)))
         bids = [self._bid_value(row) for row in range(b.n) if b.status[row] != GONE]
         allocs = []
         for arow in range(a.n):

@@ -27,6 +27,7 @@ import numpy as np
 
 from prefect_spotgpu.market.book import ROW_BITS, ROW_MASK, Book, PoolCapacity, priority_order
 from prefect_spotgpu.market.policies import get_packing_policy
+from prefect_spotgpu.market.serving import SERVES_ALL, SERVES_IMAGES, SERVES_PROCESS
 from prefect_spotgpu.market.tables import (
     ACTIVE,
     GONE,
@@ -37,9 +38,6 @@ from prefect_spotgpu.market.tables import (
     TickOut,
 )
 from prefect_spotgpu.market.types import (
-    SERVES_ALL,
-    SERVES_IMAGES,
-    SERVES_PROCESS,
     Capacity,
     Interval,
     MarketConfig,

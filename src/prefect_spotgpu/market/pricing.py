@@ -17,8 +17,8 @@ from prefect_spotgpu.market.decision import (
 from prefect_spotgpu.market.index import MarketIndex
 from prefect_spotgpu.market.money import charges as owed
 from prefect_spotgpu.market.money import elapsed_ms
+from prefect_spotgpu.market.serving import SERVES_IMAGES, SERVES_PROCESS
 from prefect_spotgpu.market.tables import NOTICED, RUNNING, WAITING
-from prefect_spotgpu.market.types import SERVES_IMAGES, SERVES_PROCESS
 
 
 class PricingMixin(MarketIndex):

@@ -14,6 +14,7 @@ from enum import StrEnum
 
 from prefect_spotgpu.market.gpus import DEFAULT_CATALOG
 from prefect_spotgpu.market.money import MS_PER_HOUR
+from prefect_spotgpu.market.serving import Runner, check_runner, serves_mask
 
 MAX_GPUS_PER_NODE = 16
 """The largest node the market accepts; a bid for more GPUs can never fit on one node."""
@@ -39,48 +40,6 @@ class Capacity(StrEnum):
     maximum and every such node's reserve to that price, so the clearing price is that price
     and no bid can outbid another (the hysteresis margin is never exceeded). A node can still
     be reclaimed by its owner, with a notice."""
-
-
-class Runner(StrEnum):
-    """How a node runs its jobs (``spotgpu agent start --runner``): what it can serve.
-
-    A bid that names an image runs only in that image, so only on a Docker node; a bid without
-    one (``image: process``, "the node's own environment") runs as a host process on a process
-    node, or on a Docker node in the image its operator named (``--default-image``). The market
-    places a bid only on a node that serves it (:func:`serves`)."""
-
-    PROCESS = "process"
-    """Host processes with the agent's interpreter: bids without an image."""
-    DOCKER = "docker"
-    """Containers: bids with an image; without one only with a default image."""
-
-
-SERVES_PROCESS = 1
-"""A node serves bids without an image (a bit of :func:`serves_mask`)."""
-SERVES_IMAGES = 2
-"""A node serves bids that name an image."""
-SERVES_ALL = SERVES_PROCESS | SERVES_IMAGES
-"""An agent that did not say its runner (an older one): any bid, as before."""
-
-
-def serves_mask(runner: Runner | None, default_image: bool) -> int:
-    """What a node serves, as bits: ``SERVES_PROCESS``, ``SERVES_IMAGES``.
-
-    >>> serves_mask(Runner.PROCESS, False), serves_mask(Runner.DOCKER, False)
-    (1, 2)
-    >>> serves_mask(Runner.DOCKER, True), serves_mask(None, False)
-    (3, 3)
-    """
-    if runner is None:
-        return SERVES_ALL
-    if runner == Runner.PROCESS:
-        return SERVES_PROCESS
-    return SERVES_IMAGES | (SERVES_PROCESS if default_image else 0)
-
-
-def needs_mask(image: str | None) -> int:
-    """What a bid needs of a node: ``SERVES_IMAGES`` with an image, else ``SERVES_PROCESS``."""
-    return SERVES_IMAGES if image else SERVES_PROCESS
 
 
 class NodeState(StrEnum):
@@ -312,16 +271,7 @@ class Node:
     def __post_init__(self) -> None:
         check_id("node.id", self.id)
         object.__setattr__(self, "images", check_images(self.images))
-        if self.runner is not None:
-            try:
-                object.__setattr__(self, "runner", Runner(self.runner))
-            except ValueError:
-                raise ValueError(
-                    f"runner must be one of {', '.join(r.value for r in Runner)} or None, "
-                    f"got {self.runner!r}"
-                ) from None
-        if not isinstance(self.default_image, bool):
-            raise ValueError(f"default_image must be a boolean, got {self.default_image!r}")
+        object.__setattr__(self, "runner", check_runner(self.runner, self.default_image))
         object.__setattr__(self, "capacity", check_capacity(self.capacity))
         object.__setattr__(self, "gpu_model", DEFAULT_CATALOG.normalize(self.gpu_model))
         object.__setattr__(self, "region", check_region("region", self.region, allow_any=False))
