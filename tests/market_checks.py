@@ -25,13 +25,14 @@ RUNNING, NOTICED, RESERVED = (
 )
 
 
-def bid_fits_pool(bid, node) -> bool:
-    """Whether the bid may run on the node: its pool, and a runner that serves it."""
+def bid_fits_pool(bid, node, served: bool = True) -> bool:
+    """Whether the bid may run on the node: its pool, and (``served``) a runner that serves
+    it."""
     return (
         bid.gpu_model == node.gpu_model
         and bid.capacity == node.capacity
         and bid.region in (ANY_REGION, node.region)
-        and bool(node.serves & needs_mask(bid.image))
+        and (not served or bool(node.serves & needs_mask(bid.image)))
     )
 
 
@@ -61,7 +62,9 @@ def check_allocations(state: MarketState) -> None:
     for a in state.allocations:
         bid, node = bids[a.bid_id], nodes[a.node_id]
         per_bid[a.bid_id].append(a)
-        assert bid_fits_pool(bid, node), f"allocation {a.id} outside its bid's pool"
+        # a noticed job may sit on a node whose runner changed under it: its notice says so
+        served = a.status is not NOTICED
+        assert bid_fits_pool(bid, node, served), f"allocation {a.id} outside its bid's pool"
         assert a.gpu_count == bid.gpu_count
         if a.status is RUNNING:
             assert node.state in (NodeState.LIVE, NodeState.DRAINING), (
@@ -214,6 +217,8 @@ def expected_prices(
         node = nodes[a.node_id]
         quote = quotes[(node.gpu_model, node.region, node.capacity)]
         pool_price = quote.clearing_price if quote.clearing_price is not None else 0.0
+        if quote.kind_prices is not None:  # a mixed pool: each kind by its own losers
+            pool_price = quote.kind_prices[bids[a.bid_id].image is not None]
         bid_max = bids[a.bid_id].max_price
         price = min(max(pool_price, node.reserve_price), bid_max)
         if a.status is AllocationStatus.NOTICED:

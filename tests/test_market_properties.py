@@ -68,7 +68,7 @@ op_st = st.one_of(
     st.tuples(
         st.just("node"),
         st.integers(0, 10**6),
-        st.sampled_from(("reclaim", "lose", "drain", "live", "reserve")),
+        st.sampled_from(("reclaim", "lose", "drain", "live", "reserve", "runner")),
     ),
     st.tuples(st.just("ack"), st.integers(0, 10**6)),
     st.tuples(st.just("finish"), st.integers(0, 10**6)),
@@ -196,6 +196,9 @@ def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
                 "live": NodeState.LIVE,
             }.get(change, node.state)
             reserve = node.reserve_price * 3 if change == "reserve" else node.reserve_price
+            runner, default_image = node.runner, node.default_image
+            if change == "runner":  # an agent restarted with another runner: the next one
+                runner, default_image = RUNNERS[(RUNNERS.index((runner, default_image)) + 1) % 4]
             market.upsert_node(
                 Node(
                     node.id,
@@ -205,8 +208,8 @@ def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
                     reserve,
                     new_state,
                     node.capacity,
-                    runner=node.runner,  # (an agent restarted with another runner: a unit test)
-                    default_image=node.default_image,
+                    runner=runner,
+                    default_image=default_image,
                 )
             )
         elif kind in ("ack", "finish"):

@@ -2,7 +2,15 @@
 asked (``types.Runner``). Worked examples, one behaviour each; the property tests of
 ``test_market_properties.py`` check the same over random market lives."""
 
-from prefect_spotgpu.market import Bid, Market, MarketConfig, Node, NodeState, Runner
+from prefect_spotgpu.market import (
+    AllocationStatus,
+    Bid,
+    Market,
+    MarketConfig,
+    Node,
+    NodeState,
+    Runner,
+)
 
 A100 = "A100-80G"
 TORCH = "pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime"
@@ -124,3 +132,51 @@ def test_a_bad_runner_is_refused_naming_the_field():
         Node(1, A100, "eu-west", 8, 0.5, runner="podman")
     with pytest.raises(ValueError, match="default_image must be a boolean"):
         Node(1, A100, "eu-west", 8, 0.5, runner=Runner.DOCKER, default_image="yes")
+
+
+def test_in_a_mixed_pool_an_image_bid_waiting_for_docker_does_not_raise_process_prices():
+    """A hostile buyer's high image bids that only a Docker node could take do not set what
+    the jobs on process nodes pay; the losers of their own kind do."""
+    m = market_with(node(1, Runner.PROCESS, gpus=8, reserve=0.5), node(2, Runner.DOCKER, gpus=8))
+    m.add_bid(bid(1, price=1.0))  # process: node 1
+    m.add_bid(bid(2, image=TORCH, price=3.0))  # image: node 2
+    m.add_bid(bid(3, image=TORCH, price=3.1))  # image: node 2 is taken, it waits
+    m.add_bid(bid(4, price=0.8))  # process: loses to bid 1, sets the process price
+    m.tick(10.0)
+    quote = next(q for q in m.tick(11.0).quotes if q.gpu_model == A100)
+    assert quote.kind_prices is not None and quote.kind_prices[0] == 0.8
+    assert quote.kind_prices[1] >= 3.0
+    process_job = next(a for a in m.snapshot().allocations if a.bid_id == 1)
+    assert m.price_in_force(process_job.id) == 0.8  # the process price, not the image bids' 3+
+
+
+def test_a_node_that_stops_serving_its_jobs_notices_them_and_releases_its_reservations():
+    """An agent restarted with another runner: its running image job gets a notice (as at a
+    reclaim) and resumes on a node that serves it; nothing starts there that it cannot run."""
+    m = market_with(node(1, Runner.DOCKER), node(2, Runner.DOCKER))
+    m.add_bid(bid(1, image=TORCH))
+    assert placed(m.tick(10.0)) == {1: 1}
+    m.upsert_node(node(1, Runner.PROCESS))
+    decision = m.tick(11.0)
+    assert [(n.allocation_id, n.reason) for n in decision.notices] == [(1, "reclaimed")]
+    migrated = [p for p in decision.placements if p.bid_id == 1]
+    assert [p.node_id for p in migrated] == [2]  # reserved where it can run
+    m.upsert_node(node(2, Runner.PROCESS))  # that one changes too, before the job stops
+    m.tick(12.0)
+    settled = m.end_allocation(1, AllocationStatus.PREEMPTED, 13.0)
+    assert settled is not None
+    decision = m.tick(14.0)
+    assert all(p.node_id not in (1, 2) for p in decision.placements)  # nowhere it cannot run
+    assert m.snapshot().allocations == () or all(
+        a.status is not AllocationStatus.RUNNING for a in m.snapshot().allocations
+    )
+
+
+def test_a_pool_whose_nodes_all_serve_everything_again_is_priced_uniformly():
+    m = market_with(node(1, Runner.PROCESS), node(2, None))
+    m.add_bid(bid(1))
+    m.tick(10.0)
+    assert next(q for q in m.tick(11.0).quotes if q.gpu_model == A100).kind_prices is not None
+    m.upsert_node(node(1, None))
+    quote = next(q for q in m.tick(12.0).quotes if q.gpu_model == A100)
+    assert quote.kind_prices is None  # as a market rebuilt from its snapshot would say

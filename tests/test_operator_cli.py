@@ -130,3 +130,73 @@ def _alembic(engine, verb, revision: str) -> None:
     with engine.begin() as connection:
         config.attributes["connection"] = connection
         verb(config, revision)
+
+
+def test_a_database_url_never_shows_its_password(tmp_path):
+    env = _env(SPOTGPU_HOME=str(tmp_path / "home"))
+    hidden = "postgresql+psycopg://spot@127.0.0.1:5432/test?password=hunter2"
+    out = spotgpu("server", "migrate", "--db", hidden, env=env)
+    assert out.returncode == 2 and "hunter2" not in out.stdout + out.stderr
+    assert "carries a password" in " ".join(out.stdout.split())
+    # a systemd-style line in the file is a bad URL: named, its password never printed
+    url_file = tmp_path / "db-url"
+    url_file.write_text("SPOTGPU_DB_URL=postgresql+psycopg://spot:hunter2@db/market\n")
+    url_file.chmod(0o600)
+    out = spotgpu("server", "migrate", "--db-url-file", str(url_file), env=env)
+    assert out.returncode == 2 and "db_url" in out.stdout, out.stdout
+    assert "hunter2" not in out.stdout + out.stderr
+    url_file.chmod(0o644)  # every user of the host could read it
+    out = spotgpu("server", "migrate", "--db-url-file", str(url_file), env=env)
+    assert out.returncode == 2 and "chmod o-r" in out.stdout
+
+
+def test_an_admin_key_file_open_to_others_is_refused(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    (home / "admin_key").write_text("sgadm_x\n")
+    (home / "admin_key").chmod(0o644)
+    out = spotgpu("admin", "tenants", env=_env(SPOTGPU_HOME=str(home)))
+    assert out.returncode == 2 and "chmod 600" in " ".join(out.stdout.split()), out.stdout
+
+
+def test_replicas_migrating_an_empty_database_at_once_both_succeed(db_url, tmp_path):
+    import subprocess
+    import sys
+
+    url_file = tmp_path / "db-url"
+    url_file.write_text(db_url + "\n")
+    url_file.chmod(0o600)
+    env = _env(SPOTGPU_HOME=str(tmp_path / "home"))
+    command_ = [sys.executable, "-m", "prefect_spotgpu.cli", "server", "migrate"]
+    both = [
+        subprocess.Popen(
+            [*command_, "--db-url-file", str(url_file)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in both]
+    assert [p.returncode for p in both] == [0, 0], outs
+    engine = make_engine(db_url)
+    try:
+        assert schema_status(engine).current == HEAD
+    finally:
+        engine.dispose()
+
+
+def test_a_database_a_newer_version_migrated_is_refused_naming_why(db_url, tmp_path):
+    from sqlalchemy import text
+
+    engine = make_engine(db_url)
+    try:
+        _alembic(engine, command.upgrade, "head")
+        with engine.begin() as connection:
+            connection.execute(text("UPDATE alembic_version SET version_num = '9999'"))
+        settings = ServiceSettings(home=tmp_path / "home", db_url=db_url, run_ticker=False)
+        with pytest.raises(SchemaBehind, match="9999, which this version"):
+            create_app(settings)
+    finally:
+        engine.dispose()

@@ -90,3 +90,23 @@ def test_one_node_cannot_say_another_nodes_runner(service):
     response = other_agent.post(f"/nodes/{node['id']}/heartbeat", json={"runner": "process"})
     assert response.status_code in (403, 404)
     assert owner.get("/nodes").json()[0]["runner"] == "docker"
+
+
+def test_bids_held_until_a_node_serves_them_still_reserve_credit(service):
+    """As a hostile buyer would try: image bids into a pool of process nodes are held, so each
+    next one would pass admission, and all would open at once when a Docker node comes. They
+    reserve credit while held: the balance covers them, or the next bid is a 402."""
+    owner = service.tenant()
+    service.node(owner, gpus=4, runner="process")
+    # one 4-GPU bid at 1.2 over the admission horizon (notice + 10 ticks: 301 s) is ~0.40
+    mallory = service.tenant(credit=1.0)
+    first = bid(mallory, job=job(TORCH))
+    second = bid(mallory, job=job(TORCH))
+    for b in (first, second):
+        service.wait_for(lambda b=b: mallory.get(f"/bids/{b['id']}").json()["status"] == "held")
+    refused = mallory.post(
+        "/bids",
+        json={"gpu_model": "A100-80G", "gpu_count": 4, "max_price": 1.2, "region": "eu-west",
+              "job": job(TORCH)},
+    )  # fmt: skip
+    assert refused.status_code == 402, refused.text

@@ -46,6 +46,12 @@ def _database_url(db: str | None, db_url_file: Path | None) -> str | None:
         if db is not None and os.environ.get("SPOTGPU_DB_URL") != db:
             console.print("[red]give --db or --db-url-file, not both[/red]")
             raise typer.Exit(2)
+        if db_url_file.stat().st_mode & 0o004:
+            console.print(
+                f"[red]{db_url_file} is readable by every user of this host[/red]: "
+                f"chmod o-r {db_url_file} (it may hold the database's password)"
+            )
+            raise typer.Exit(2)
         db = db_url_file.read_text().strip()
         if not db:
             console.print(f"[red]{db_url_file} is empty[/red]: it must hold the database URL")
@@ -53,7 +59,8 @@ def _database_url(db: str | None, db_url_file: Path | None) -> str | None:
         return db
     if db is not None and os.environ.get("SPOTGPU_DB_URL") != db:  # from argv
         try:
-            password = make_url(db).password
+            url = make_url(db)
+            password = url.password or url.query.get("password")
         except ArgumentError:
             password = None  # the settings name the bad URL
         if password:
@@ -73,9 +80,20 @@ def _settings(**overrides):
 
     try:
         return ServiceSettings(**{k: v for k, v in overrides.items() if v is not None})
-    except ValidationError as exc:
-        console.print(f"[red]bad setting[/red]: {exc}")
+    except ValidationError as exc:  # each field and why, never the value (a URL's password)
+        why = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
+            for e in exc.errors(include_input=False, include_url=False)
+        )
+        console.print(f"[red]bad setting[/red]: {why}", markup=False)
         raise typer.Exit(2) from None
+
+
+def shown(url: str) -> str:
+    """A database URL fit to print: no password, no query (it may carry one)."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).set(query={}).render_as_string(hide_password=True)
 
 
 @server_app.command("start")
@@ -109,7 +127,7 @@ def server_start(
     )
     console.print(
         f"market service on http://{settings.host}:{settings.port} "
-        f"(database: {settings.database_url().split('@')[-1]}); "
+        f"(database: {shown(settings.database_url())}); "
         f"API docs at /docs"
     )
     from prefect_spotgpu.service.db import DatabaseUnavailable
@@ -145,7 +163,7 @@ def server_migrate(
     try:
         check_database(engine)
         status = schema_status(engine)
-        where = settings.database_url().split("@")[-1]
+        where = shown(settings.database_url())
         if not status.known:
             console.print(
                 f"[red]{where} is at revision {status.current}[/red], which this version "

@@ -245,7 +245,9 @@ class AllocationsMixin(MarketIndex):
             self._gang_cascade(brow, old, status, at)
 
     def _node_conditions(self, now: float) -> None:
-        """Notices or endings for allocations on reclaimed, lost or re-priced nodes."""
+        """Notices or endings for allocations on reclaimed, lost or re-priced nodes, and on
+        nodes that no longer serve them (an agent restarted with another runner: to those
+        jobs, the owner took the node back)."""
         suspects = sorted(self._suspect_nodes, key=self.n_id.__getitem__)
         self._suspect_nodes = set()
         a = self.a
@@ -261,7 +263,9 @@ class AllocationsMixin(MarketIndex):
                     self._end(arow, ended, EndReason.NODE_LOST, now)
                 elif state is NodeState.DRAINING and status == RESERVED:
                     self._end(arow, RELEASED, EndReason.NODE_DRAINING, now)
-                elif state is NodeState.RECLAIMED:
+                elif state is NodeState.RECLAIMED or not self._serves(
+                    nrow, int(self.b.image[a.bid[arow]])
+                ):
                     if status == RESERVED:
                         self._end(arow, RELEASED, EndReason.NODE_RECLAIMED, now)
                     elif status == RUNNING:
@@ -328,13 +332,14 @@ class AllocationsMixin(MarketIndex):
 
     def _can_start(self, arow: int, now: float) -> bool:
         """Whether a reservation may run now: its bid runs nowhere else, its GPUs are free,
-        its node is live, its reserve is met and its window is open."""
+        its node is live and serves it, its reserve is met and its window is open."""
         a = self.a
         brow, nrow, gpus = int(a.bid[arow]), int(a.node[arow]), int(a.gpus[arow])
         return (
             self.b.run[brow] < 0
             and self.n_running[nrow] + self.n_noticed[nrow] + gpus <= self.n_cap[nrow]
             and self.n_state[nrow] is NodeState.LIVE
+            and self._serves(nrow, int(self.b.image[brow]))
             and self.b.price[brow] >= self.n_reserve[nrow]
             and self._window_open(int(self.b.window[brow]), now)  # else waits (or expires)
         )

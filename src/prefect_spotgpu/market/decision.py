@@ -181,6 +181,9 @@ class PoolQuote:
     gpus_free: int
     gpus_running: int
     waiting_bids: int
+    kind_prices: tuple[float, float] | None = None
+    """In a mixed pool (``types.Runner``): the clearing prices of bids without an image and of
+    bids with one, each set by the losers of its own kind; None in a uniform pool."""
 
 
 @dataclass(frozen=True, slots=True)

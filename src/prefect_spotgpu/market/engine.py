@@ -55,7 +55,6 @@ from prefect_spotgpu.market.gpus import DEFAULT_CATALOG
 from prefect_spotgpu.market.holds import HoldsMixin
 from prefect_spotgpu.market.pricing import PricingMixin
 from prefect_spotgpu.market.runners import RunnersMixin
-from prefect_spotgpu.market.serving import SERVES_ALL
 from prefect_spotgpu.market.tables import (
     FINISHED,
     GONE,
@@ -171,8 +170,8 @@ class Market(AllocationsMixin, ClearingMixin, GangsMixin, HoldsMixin, PricingMix
         pool.live = None
         self._suspect_nodes.add(row)
         self._refresh_free(row, force=True)
-        if node.serves != served and (pool.mixed or node.serves != SERVES_ALL):
-            self._mix(pool)  # (a rebuild: its old kinds' buckets must not offer it)
+        if node.serves != served:
+            self._remix(pool)  # (its jobs it no longer serves: _node_conditions, next tick)
 
     # ------------------------------------------------------------------ bids
 

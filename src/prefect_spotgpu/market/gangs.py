@@ -197,6 +197,7 @@ class GangsMixin(MarketIndex):
                     room < size
                     or not self.n_state[nrow].offers_capacity()
                     or self.n_reserve[nrow] > price
+                    or not self._serves(nrow, int(b.image[member]))
                 ):
                     return
             plan.append((member, nrow))

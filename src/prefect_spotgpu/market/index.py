@@ -236,11 +236,16 @@ class MarketIndex:
             pool.nodes.sort(key=self.n_id.__getitem__)
         self._refresh_free(row)
         if node.serves != SERVES_ALL and not pool.mixed:
-            self._mix(pool)
+            self._remix(pool)
 
-    def _mix(self, pool: Pool) -> None:
-        """From now on the pool's fits look at the nodes that serve what a bid needs."""
-        pool.mixed = True
+    def _remix(self, pool: Pool) -> None:
+        """After a node of the pool changed what it serves: the pool is mixed while any of its
+        nodes serves not every bid (its fits then look at the nodes that serve a bid's kind),
+        and its free-capacity buckets are rebuilt either way (none may offer a node to a kind
+        it no longer serves)."""
+        pool.mixed = any(self.n_serves[r] != SERVES_ALL for r in pool.nodes)
+        if not pool.mixed:
+            pool.kind_capacity = {}
         self._rebuild_capacity(pool, [r for r in pool.nodes if self.n_free[r] > 0])
 
     def _refresh_free(self, row: int, force: bool = False) -> None:

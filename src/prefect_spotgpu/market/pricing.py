@@ -27,9 +27,13 @@ class PricingMixin(MarketIndex):
     # ------------------------------------------------------------------ prices and charges
 
     def _quotes(self, now: float) -> tuple[tuple[PoolQuote, ...], np.ndarray]:
+        """Every pool's quote, and the clearing prices as an array ``[pool, need]`` (need: a
+        bid's ``SERVES_*`` bit). In a uniform pool both needs pay the one clearing price; in a
+        mixed pool (``types.Runner``) each kind of bid is priced by the losers of its own kind:
+        a bid that waits for a Docker node does not raise what process jobs pay."""
         b, a = self.b, self.a
         n_pools = len(self._pools)
-        losing = np.full(n_pools, -math.inf)
+        losing = np.full((n_pools, SERVES_IMAGES + 1), -math.inf)  # [pool, need]
         waiting = np.zeros(n_pools, np.int64)
         for pool in self._pools:
             self._live(pool)
@@ -51,7 +55,7 @@ class PricingMixin(MarketIndex):
                     continue  # (no node of the pool could run it: it prices nothing there)
                 waiting[p] += book.count
                 if head is not None:
-                    losing[p] = max(losing[p], -head[0][0])
+                    losing[p, need] = max(losing[p, need], -head[0][0])
         for arow in self._noticed_outbid:
             if a.status[arow] != NOTICED:
                 continue
@@ -59,12 +63,12 @@ class PricingMixin(MarketIndex):
             if b.res[brow] >= 0:
                 continue
             if self._window_open(int(b.window[brow]), now):
-                p = int(a.pool[arow])
-                losing[p] = max(losing[p], float(b.price[brow]))
+                p, need = int(a.pool[arow]), SERVES_IMAGES if b.image[brow] else SERVES_PROCESS
+                losing[p, need] = max(losing[p, need], float(b.price[brow]))
         n = a.n
         busy = np.flatnonzero((a.status[:n] == RUNNING) | (a.status[:n] == NOTICED))
         running = np.bincount(a.pool[busy], weights=a.gpus[busy], minlength=n_pools)
-        clearing = np.full(n_pools, np.nan)
+        clearing = np.full((n_pools, SERVES_IMAGES + 1), np.nan)
         quotes = []
         for pool in sorted(
             self._pools,
@@ -75,11 +79,19 @@ class PricingMixin(MarketIndex):
             ),
         ):
             reserve = pool.min_reserve
-            lose = float(losing[pool.index]) if losing[pool.index] > -math.inf else None
-            price = None
+            top = float(losing[pool.index].max())
+            lose = top if top > -math.inf else None
+            price = kind_prices = None
             if reserve is not None:
                 price = max(reserve, lose) if lose is not None else reserve
                 clearing[pool.index] = price
+                if pool.mixed:  # each kind by its own losers
+                    kind_prices = tuple(
+                        max(reserve, float(losing[pool.index, need]))
+                        for need in (SERVES_PROCESS, SERVES_IMAGES)
+                    )
+                    clearing[pool.index, SERVES_PROCESS] = kind_prices[0]
+                    clearing[pool.index, SERVES_IMAGES] = kind_prices[1]
             quotes.append(
                 PoolQuote(
                     gpu_model=self._models[pool.model],
@@ -92,6 +104,7 @@ class PricingMixin(MarketIndex):
                     gpus_free=pool.free,
                     gpus_running=int(running[pool.index]),
                     waiting_bids=int(waiting[pool.index]),
+                    kind_prices=kind_prices,
                 )
             )
         return tuple(quotes), clearing
@@ -127,7 +140,8 @@ class PricingMixin(MarketIndex):
             self._n_reserve_np = np.asarray(self.n_reserve, np.float64)
         node_reserve = self._n_reserve_np[a.node[rows]]
         bid_max = b.price[brows]
-        price = np.minimum(np.fmax(clearing[a.pool[rows]], node_reserve), bid_max)
+        need = np.where(b.image[brows] > 0, SERVES_IMAGES, SERVES_PROCESS)
+        price = np.minimum(np.fmax(clearing[a.pool[rows], need], node_reserve), bid_max)
         # a noticed one keeps the price in force at its notice, lowered only by its maximum and
         # never below the reserve by its own release (a maximum lowered under the reserve)
         before = np.where(a.price[rows] > 0, a.price[rows], price)

@@ -215,6 +215,12 @@ def reopen_unserved(writes: TickWrites, node: NodeRow) -> None:
     for first in held:
         if market.unserved(market_bid(first)) is not None or market.has_bid(first.id):
             continue
-        if credit.set_bid_status(session, first.id, BidStatus.HELD, BidStatus.OPEN, None):
+        if not credit.set_bid_status(session, first.id, BidStatus.HELD, BidStatus.OPEN, None):
+            continue
+        try:
             for row in gangs.gang_rows(session=session, bid=first):  # rank 0 first
                 add_bid_row(market, row)
+        except ValueError as exc:  # (the market refused it after all: held again, saying why)
+            if market.has_bid(first.id):
+                market.cancel_bid(first.id, 0.0)
+            credit.set_bid_status(session, first.id, BidStatus.OPEN, BidStatus.HELD, str(exc))

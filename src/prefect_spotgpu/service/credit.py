@@ -35,7 +35,7 @@ from prefect_spotgpu.market.credit import (
     credit_holds,
     exposure_micros,
 )
-from prefect_spotgpu.protocol import HELD_FOR_CREDIT, BidStatus
+from prefect_spotgpu.protocol import HELD_FOR_CREDIT, HELD_UNSERVED, BidStatus
 from prefect_spotgpu.service import gangs
 from prefect_spotgpu.service.errors import Conflict, NotFound, PaymentRequired
 from prefect_spotgpu.service.ledger import credit_hold_reason
@@ -116,7 +116,10 @@ def reserve_for_reprice(
 ) -> None:
     """Admit a raised maximum price of an open bid (``rows``: its gang's members), or raise:
     the balance must cover the raise's exposure beside every open bid as it is now."""
-    if max_price <= bid.max_price or bid.status != BidStatus.OPEN:
+    waits_for_a_node = bid.status == BidStatus.HELD and (bid.hold_reason or "").startswith(
+        HELD_UNSERVED
+    )
+    if max_price <= bid.max_price or (bid.status != BidStatus.OPEN and not waits_for_a_node):
         return  # a lower price reserves less; a held bid reserves when it reopens
     _check_cover(
         session=session,
@@ -147,9 +150,14 @@ def _locked(session: Session, tenant_id: int) -> Tenant:
 def _check_cover(
     *, session: Session, tenant: Tenant, needed: int, limits: BidLimits, what: str
 ) -> None:
+    # open bids reserve, and so do bids held until a node serves them: they open by themselves
+    waiting_for_a_node = (BidRow.status == BidStatus.HELD.value) & BidRow.hold_reason.startswith(
+        HELD_UNSERVED, autoescape=True
+    )
     open_rate = session.scalar(
         select(func.sum(BidRow.max_price * BidRow.gpu_count)).where(
-            BidRow.tenant_id == tenant.id, BidRow.status == BidStatus.OPEN.value
+            BidRow.tenant_id == tenant.id,
+            (BidRow.status == BidStatus.OPEN.value) | waiting_for_a_node,
         )
     )
     reserved = exposure_micros(

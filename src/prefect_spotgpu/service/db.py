@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,14 +152,30 @@ def _known(scripts: ScriptDirectory, revision: str | None) -> bool:
 
 
 def migrate(engine: Engine) -> None:
-    """Bring the schema to the newest Alembic revision (one process at a time on
-    PostgreSQL: an advisory lock, held to the end of the migration's transaction)."""
+    """Bring the schema to the newest Alembic revision, one process at a time: on PostgreSQL
+    an advisory lock held to the end of the migration's transaction, on a SQLite file a lock
+    on a file beside it (the second process then finds nothing to do)."""
     config = _config()
-    with engine.begin() as connection:
+    with _sqlite_lock(engine), engine.begin() as connection:
         if connection.dialect.name == "postgresql":
             connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
         config.attributes["connection"] = connection
         command.upgrade(config, "head")
+
+
+@contextlib.contextmanager
+def _sqlite_lock(engine: Engine):
+    """An exclusive lock on ``<database>.migrate-lock`` for a SQLite file; nothing else."""
+    path = sqlite_file(engine.url)
+    if path is None:
+        yield
+        return
+    lock = os.open(f"{path}.migrate-lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(lock)  # (releases the lock)
 
 
 def prepare_schema(engine: Engine, *, migrate_existing: bool) -> None:

@@ -192,6 +192,11 @@ class ServiceSettings(BaseSettings):
             return self.admin_key.get_secret_value()
         path = self.home / "admin_key"
         try:
+            if path.stat().st_mode & 0o077:  # as the service itself refuses it (at_rest)
+                raise NoAdminKey(
+                    f"the admin key file {path} is open to other users of this host: "
+                    f"chmod 600 {path}, and rotate the key if others may have read it"
+                )
             key = path.read_text().strip()
         except FileNotFoundError:
             key = ""
