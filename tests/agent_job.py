@@ -2,7 +2,8 @@
 
 python agent_job.py STEPS      (JOB_LOG: a JSON-lines progress file shared by all runs;
                                 BREAK_STORAGE_ON_NOTICE=1: the checkpoint storage breaks for
-                                real when the notice comes, so the final save fails)
+                                real when the notice comes, so the final save fails;
+                                SLOW_FINAL_SAVE=SECONDS: the final save starts that late)
 """
 
 import json
@@ -59,6 +60,8 @@ for step in range(start, steps):
         key_dir = Path(os.environ["SPOTGPU_CHECKPOINT_URL"], os.environ["SPOTGPU_CHECKPOINT_KEY"])
         shutil.rmtree(key_dir, ignore_errors=True)
         key_dir.write_text("no longer a directory")
+    if os.environ.get("SLOW_FINAL_SAVE") and ckpt.notice_pending():
+        time.sleep(float(os.environ["SLOW_FINAL_SAVE"]))  # a large state's final save
     ckpt.maybe_save({"total": total}, step)
     if ckpt.notice_received:
         while True:  # saved and acknowledged: the agent stops us

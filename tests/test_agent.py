@@ -332,13 +332,14 @@ def post_job(buyer, job: dict) -> dict:
     return response.json()
 
 
-def job_bid(buyer, steps: int, log, ckpt_dir) -> dict:
-    """A bid running ``agent_job.py STEPS``, logging to ``log``, checkpoints in ``ckpt_dir``."""
+def job_bid(buyer, steps: int, log, ckpt_dir, **env: str) -> dict:
+    """A bid running ``agent_job.py STEPS``, logging to ``log``, checkpoints in ``ckpt_dir``
+    (``env``: more of the job's environment, e.g. ``SLOW_FINAL_SAVE``)."""
     return post_job(
         buyer,
         {
             "command": [sys.executable, str(HERE / "agent_job.py"), str(steps)],
-            "env": {"JOB_LOG": str(log)},
+            "env": {"JOB_LOG": str(log), **env},
             "checkpoint_url": str(ckpt_dir),
         },
     )

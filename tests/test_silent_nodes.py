@@ -96,7 +96,9 @@ def test_an_agent_killed_right_after_a_reclaim_resumes_the_run_on_its_reserved_n
         by_id = {n["id"]: n["name"] for n in nodes}
         buyer = server.client(buyer_key)
         job_log = tmp_path / "job.jsonl"
-        bid = job_bid(buyer, 100000, job_log, tmp_path / "ckpt")
+        # the final save takes 5 s: the agent is killed before it can report it (an agent that
+        # stops a job with SIGKILL the moment it acknowledges reports within milliseconds)
+        bid = job_bid(buyer, 100000, job_log, tmp_path / "ckpt", SLOW_FINAL_SAVE="5")
         first = wait(lambda: [e for e in read_log(job_log) if "start" in e], 30, "job start")[0]
         wait(lambda: sum("step" in e for e in read_log(job_log)) >= 10, 30, "progress")
         (alloc,) = buyer.get(f"/bids/{bid['id']}/allocations").json()
