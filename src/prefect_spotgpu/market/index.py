@@ -27,7 +27,7 @@ import numpy as np
 
 from prefect_spotgpu.market.book import ROW_BITS, ROW_MASK, Book, PoolCapacity, priority_order
 from prefect_spotgpu.market.policies import get_packing_policy
-from prefect_spotgpu.market.serving import SERVES_ALL, SERVES_IMAGES, SERVES_PROCESS
+from prefect_spotgpu.market.serving import SERVES_ALL, SERVES_IMAGES, SERVES_PROCESS, needs_mask
 from prefect_spotgpu.market.tables import (
     ACTIVE,
     GONE,
@@ -357,13 +357,11 @@ class MarketIndex:
     def _capacity_for(self, pool: Pool, image: int) -> PoolCapacity:
         """The free capacity a bid (with image id ``image``, 0: none) may take in a pool: all
         of it, or in a mixed pool only the nodes that serve the bid (``types.Runner``)."""
-        if not pool.mixed:
-            return pool.capacity
-        return pool.kind_capacity[SERVES_IMAGES if image else SERVES_PROCESS]
+        return pool.kind_capacity[needs_mask(image)] if pool.mixed else pool.capacity
 
     def _serves(self, nrow: int, image: int) -> bool:
         """Whether node row ``nrow`` serves a bid with image id ``image``."""
-        return bool(self.n_serves[nrow] & (SERVES_IMAGES if image else SERVES_PROCESS))
+        return bool(self.n_serves[nrow] & needs_mask(image))
 
     def _rebuild_capacity(self, pool: Pool, rows: list[int]) -> None:
         """Rebuild a pool's free-GPU buckets (and its image holders' and, in a mixed pool, its

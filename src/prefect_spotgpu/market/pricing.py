@@ -17,7 +17,7 @@ from prefect_spotgpu.market.decision import (
 from prefect_spotgpu.market.index import MarketIndex
 from prefect_spotgpu.market.money import charges as owed
 from prefect_spotgpu.market.money import elapsed_ms
-from prefect_spotgpu.market.serving import SERVES_IMAGES, SERVES_PROCESS
+from prefect_spotgpu.market.serving import SERVES_IMAGES, SERVES_PROCESS, needs_mask
 from prefect_spotgpu.market.tables import NOTICED, RUNNING, WAITING
 
 
@@ -49,7 +49,7 @@ class PricingMixin(MarketIndex):
                 if book.region < 0
                 else [self._pool_index.get((book.model, book.region))]
             )
-            need = SERVES_IMAGES if book.image else SERVES_PROCESS
+            need = needs_mask(book.image)
             for p in pools:
                 if p is None or max_cap[p] < book.size or not serves[p] & need:
                     continue  # (no node of the pool could run it: it prices nothing there)
@@ -63,7 +63,7 @@ class PricingMixin(MarketIndex):
             if b.res[brow] >= 0:
                 continue
             if self._window_open(int(b.window[brow]), now):
-                p, need = int(a.pool[arow]), SERVES_IMAGES if b.image[brow] else SERVES_PROCESS
+                p, need = int(a.pool[arow]), needs_mask(b.image[brow])
                 losing[p, need] = max(losing[p, need], float(b.price[brow]))
         n = a.n
         busy = np.flatnonzero((a.status[:n] == RUNNING) | (a.status[:n] == NOTICED))

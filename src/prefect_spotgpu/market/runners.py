@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from prefect_spotgpu.market.gpus import DEFAULT_CATALOG
 from prefect_spotgpu.market.index import MarketIndex
-from prefect_spotgpu.market.serving import SERVES_ALL, SERVES_IMAGES, SERVES_PROCESS, Runner
+from prefect_spotgpu.market.serving import (
+    SERVES_ALL,
+    SERVES_IMAGES,
+    SERVES_PROCESS,
+    Runner,
+    needs_mask,
+)
 from prefect_spotgpu.market.types import (
     ANY_REGION,
     Bid,
@@ -54,7 +60,7 @@ class RunnersMixin(MarketIndex):
         if model is None:
             return None
         region = -1 if bid.region == ANY_REGION else self._region_index.get(bid.region, -2)
-        need = SERVES_IMAGES if bid.image is not None else SERVES_PROCESS
+        need = needs_mask(bid.image)
         pools = (
             self._model_pools.get(model, [])
             if region == -1

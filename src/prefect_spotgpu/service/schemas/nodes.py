@@ -48,7 +48,27 @@ def _fit_node_address(address: str) -> str:
     return address
 
 
-class NodeCreate(Strict):
+class RunnerTerms(Strict):
+    """How a node's agent runs jobs (``market.Runner``), as it says when it registers and with
+    every heartbeat (None: not said; at registration, a node that serves any bid)."""
+
+    runner: Runner | None = Field(
+        None,
+        description="process (bids without an image) or docker (bids with one; without one "
+        "only in default_image).",
+    )
+    default_image: ImageReference | None = Field(
+        None, description="A Docker node's image for bids without one (runner docker only)."
+    )
+
+    @model_validator(mode="after")
+    def _default_image_is_a_docker_nodes(self) -> RunnerTerms:
+        if self.default_image is not None and self.runner != Runner.DOCKER:
+            raise ValueError("default_image needs runner 'docker': a process node runs no image")
+        return self
+
+
+class NodeCreate(RunnerTerms):
     name: Name
     gpu_model: GpuModelName
     region: NodeRegion
@@ -62,19 +82,6 @@ class NodeCreate(Strict):
     declared: bool = Field(False, description="Inventory declared by hand (no NVML).")
     inventory: list[GpuInventoryItem] | None = Field(None, max_length=MAX_GPUS_PER_NODE)
     address: NodeAddress | None = None
-    runner: Runner | None = Field(
-        None,
-        description="How the agent runs jobs: process (bids without an image) or docker (bids "
-        "with one; without one only in default_image). None: not said (any bid).",
-    )
-    default_image: ImageReference | None = Field(
-        None, description="A Docker node's image for bids without one (runner docker only)."
-    )
-
-    @model_validator(mode="after")
-    def _default_image_is_a_docker_nodes(self) -> NodeCreate:
-        check_default_image(self.runner, self.default_image)
-        return self
 
     @model_validator(mode="after")
     def _on_demand_sells_at_the_on_demand_price(self) -> NodeCreate:
@@ -139,7 +146,7 @@ class NodeToken(BaseModel):
     token: str = Field(description="The node agent's new token. Shown once; the old one is dead.")
 
 
-class Heartbeat(Strict):
+class Heartbeat(RunnerTerms):
     telemetry: Telemetry | None = None
     images: list[ImageReference] | None = Field(
         None,
@@ -148,20 +155,3 @@ class Heartbeat(Strict):
         "prefers, among equal fits, a node that already has a bid's image.",
     )
     address: NodeAddress | None = Field(None, description="The node's address (None: unchanged).")
-    runner: Runner | None = Field(
-        None, description="How the agent runs jobs (None: unchanged); see NodeCreate."
-    )
-    default_image: ImageReference | None = Field(
-        None, description="A Docker node's image for bids without one (with runner only)."
-    )
-
-    @model_validator(mode="after")
-    def _default_image_is_a_docker_nodes(self) -> Heartbeat:
-        check_default_image(self.runner, self.default_image)
-        return self
-
-
-def check_default_image(runner: Runner | None, default_image: str | None) -> None:
-    """A default image only for a Docker node: a process node runs no image."""
-    if default_image is not None and runner != Runner.DOCKER:
-        raise ValueError("default_image needs runner 'docker': a process node runs no image")
