@@ -299,6 +299,17 @@ def gang_welfare(n: int) -> dict:
     }
 
 
+def variant_figures(row: dict, kind: str, cold: dict, steady: dict) -> None:
+    """A variant's cold and steady ticks into ``row`` as ``{kind}_*``, beside the plain run's
+    (the ratios: None where the plain tick took no measurable time)."""
+    row[f"{kind}_cold_seconds_per_tick"] = round(cold["tick_seconds"], 4)
+    row[f"{kind}_steady_seconds_per_tick"] = round(steady["tick_seconds"], 4)
+    row[f"{kind}_gpus_placed_cold"] = cold["gpus_placed"]
+    for tick, seconds in (("cold", cold["tick_seconds"]), ("steady", steady["tick_seconds"])):
+        plain = row[f"{tick}_seconds_per_tick"]
+        row[f"{kind}_vs_plain_{tick}_ratio"] = round(seconds / plain, 2) if plain else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10000,100000,1000000")
@@ -351,44 +362,20 @@ def main() -> None:
             steady_images = steady_ticks(
                 with_images["market"], with_images["rng"], n, args.steady_ticks, images=True
             )
-            row["images_cold_seconds_per_tick"] = round(with_images["tick_seconds"], 4)
-            row["images_steady_seconds_per_tick"] = round(steady_images["tick_seconds"], 4)
-            row["images_gpus_placed_cold"] = with_images["gpus_placed"]
+            variant_figures(row, "images", with_images, steady_images)
             row["images_cold_placements_on_a_node_with_the_image"] = with_images[
                 "on_a_node_with_the_image"
             ]
-            row["images_vs_plain_cold_ratio"] = (
-                round(with_images["tick_seconds"] / cold_s, 2)
-                if (cold_s := row["cold_seconds_per_tick"])
-                else None
-            )
-            row["images_vs_plain_steady_ratio"] = (
-                round(steady_images["tick_seconds"] / row["steady_seconds_per_tick"], 2)
-                if row["steady_seconds_per_tick"]
-                else None
-            )
             del with_images
         if not args.no_runners:
             mixed = cold_tick(n, seed=n, runners=True)
             steady_mixed = steady_ticks(
                 mixed["market"], mixed["rng"], n, args.steady_ticks, runners=True
             )
-            row["runners_cold_seconds_per_tick"] = round(mixed["tick_seconds"], 4)
-            row["runners_steady_seconds_per_tick"] = round(steady_mixed["tick_seconds"], 4)
-            row["runners_gpus_placed_cold"] = mixed["gpus_placed"]
+            variant_figures(row, "runners", mixed, steady_mixed)
             row["runners_placements_on_a_node_that_does_not_serve_it"] = mixed[
                 "on_a_node_that_does_not_serve_it"
             ]
-            row["runners_vs_plain_cold_ratio"] = (
-                round(mixed["tick_seconds"] / cold_s, 2)
-                if (cold_s := row["cold_seconds_per_tick"])
-                else None
-            )
-            row["runners_vs_plain_steady_ratio"] = (
-                round(steady_mixed["tick_seconds"] / row["steady_seconds_per_tick"], 2)
-                if row["steady_seconds_per_tick"]
-                else None
-            )
             del mixed
         if not args.no_gangs:
             with_gangs = cold_tick(n, seed=n, gangs=0.10)
@@ -397,20 +384,8 @@ def main() -> None:
             )
             row["gangs_share_of_bids"] = 0.10
             row["gangs_member_bids"] = len(with_gangs["market"]._bid_row)
-            row["gangs_cold_seconds_per_tick"] = round(with_gangs["tick_seconds"], 4)
             row["gangs_cold_load_seconds"] = round(with_gangs["load_seconds"], 4)
-            row["gangs_steady_seconds_per_tick"] = round(steady_gangs["tick_seconds"], 4)
-            row["gangs_gpus_placed_cold"] = with_gangs["gpus_placed"]
-            row["gangs_vs_plain_cold_ratio"] = (
-                round(with_gangs["tick_seconds"] / cold_s, 2)
-                if (cold_s := row["cold_seconds_per_tick"])
-                else None
-            )
-            row["gangs_vs_plain_steady_ratio"] = (
-                round(steady_gangs["tick_seconds"] / row["steady_seconds_per_tick"], 2)
-                if row["steady_seconds_per_tick"]
-                else None
-            )
+            variant_figures(row, "gangs", with_gangs, steady_gangs)
             del with_gangs
         results.append(row)
         print(json.dumps(row), file=sys.stderr)
