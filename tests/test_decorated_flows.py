@@ -258,7 +258,7 @@ def test_ctrl_c_in_the_caller_cancels_the_run_and_its_bid(stack, tmp_path):
     wait_for(lambda: sum("step" in e for e in progress_of(progress)) >= 3, 120, "progress")
     allocation = int(next(e["alloc"] for e in progress_of(progress) if "start" in e))
     caller.send_signal(signal.SIGINT)
-    caller.communicate(timeout=60)
+    _, err = caller.communicate(timeout=60)
     market = stack.market()
     bid = market.get(f"/allocations/{allocation}").json()["bid_id"]
     wait_for(
@@ -267,7 +267,7 @@ def test_ctrl_c_in_the_caller_cancels_the_run_and_its_bid(stack, tmp_path):
     run_id = UUID(market.get(f"/bids/{bid}").json()["labels"][LABELS.FLOW_RUN])
     with get_client(sync_client=True) as client:
         state = client.read_flow_run(run_id).state
-    assert state.is_cancelled() and "Ctrl-C" in state.message
+    assert state.is_cancelled() and "Ctrl-C" in state.message, err[-3000:]
     ended = wait_for(
         lambda: (a := market.get(f"/allocations/{allocation}").json())["ended_at"] and a,
         30,

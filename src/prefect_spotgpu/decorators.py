@@ -299,7 +299,8 @@ class SpotRunFuture(PrefectFlowRunFuture):
 
 
 def cancel_run(flow: SpotGPUFlow, flow_run_id: UUID, message: str) -> None:
-    """Cancel the run's bid on the market (its job stops at the next tick) and the flow run."""
+    """Cancel the run's bid on the market (its job stops at the next tick) and the flow run
+    (once a running job's engine has reported the stop: at most 15 s)."""
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelled
 
@@ -318,8 +319,22 @@ def cancel_run(flow: SpotGPUFlow, flow_run_id: UUID, message: str) -> None:
             )
             with market_of(configuration).get_client() as market:
                 market.post(f"/bids/{bid}/cancel")
-        if run.state is None or not run.state.is_final():
+        running = bid is not None and run.state is not None and run.state.is_running()
+        state = _state_once_the_job_stopped(client, flow_run_id) if running else run.state
+        # The job's engine reports Crashed on the SIGTERM of its stop, which this replaces.
+        if state is None or not state.is_final() or state.is_crashed():
             client.set_flow_run_state(flow_run_id, Cancelled(message=message), force=True)
+
+
+def _state_once_the_job_stopped(client, flow_run_id: UUID, timeout: float = 15.0):
+    """The run's state once its engine has reported its end (Crashed, on the SIGTERM of the
+    stop of a cancelled bid's job), or as it is after ``timeout`` (a job killed outright)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = client.read_flow_run(flow_run_id).state
+        if (state is not None and state.is_final()) or time.monotonic() > deadline:
+            return state
+        time.sleep(0.25)
 
 
 async def _check_pool(worker, pool: str) -> None:
