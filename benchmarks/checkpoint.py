@@ -10,9 +10,22 @@ run (each measured --repeat times, alternating, median kept):
 - notice_to_durable: a separate process holds the state and calls ``maybe_save`` every step;
   the time from SIGUSR1 to its acknowledgement file (written after the save is durable).
 
-Targets: ours >= 0.9 x raw; notice_to_durable < 2 s for 1 GiB. Prints one JSON object.
+Periodic saves, for each state size of --async-gib (default 1 and 4 GiB), synchronous against
+asynchronous (``background``), side by side:
 
-    python benchmarks/checkpoint.py [--gib 1] [--dir /tmp] [--repeat 3]
+- copy_floor: one plain copy of the state into memory already allocated (the floor of a
+  consistent snapshot), and fresh_copy: ``clone()`` of every tensor (new memory);
+- sync_blocking: a periodic save that writes before returning (the training loop waits for it);
+- async_blocking: a periodic save that stages a snapshot and returns (median of the saves after
+  the first, which allocates the staging memory; the first is reported too);
+- steps per second of a training step (a 768x768 matmul) with no save in flight, and while a
+  background save is written;
+- staging_bytes / state_bytes, and the peak resident memory the saves added.
+
+Targets: ours >= 0.9 x raw; notice_to_durable < 2 s for 1 GiB; async_blocking <= 1.5 x
+copy_floor. Prints one JSON object.
+
+    python benchmarks/checkpoint.py [--gib 1] [--async-gib 1 4] [--dir /tmp] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -97,6 +110,94 @@ def safetensors_save(state: dict, path: Path) -> float | None:
     return time.perf_counter() - t0
 
 
+def training_step(a, b) -> None:
+    torch.mm(a, b)
+
+
+def steps_per_second(seconds: float, until=None) -> float:
+    """Training steps a second for ``seconds`` (or until ``until()`` is true)."""
+    a, b = torch.randn(768, 768), torch.randn(768, 768)
+    t0, steps = time.perf_counter(), 0
+    while True:
+        training_step(a, b)
+        steps += 1
+        elapsed = time.perf_counter() - t0
+        if (until is not None and until()) or (until is None and elapsed >= seconds):
+            return steps / elapsed
+
+
+def peak_rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def async_figures(gib: float, root: Path, repeat: int) -> dict:
+    """Blocking time of a periodic save, synchronous against asynchronous, for one size."""
+    state = make_state(gib)
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    copy_floor, fresh_copy, sync_blocking, async_blocking = [], [], [], []
+    idle, during = [], []
+    rss_before = peak_rss_bytes()
+    ckpt = Checkpointer(LocalStorage(root), "async", every=1e-9, keep=1, handle_sigusr1=False)
+    sync = Checkpointer(
+        LocalStorage(root), "sync", every=1e-9, keep=1, handle_sigusr1=False, background=False
+    )
+    first_async = None
+    for i in range(repeat + 1):  # first, alone: the peak memory is the staging's
+        idle.append(steps_per_second(1.0))
+        t0 = time.perf_counter()
+        ckpt.maybe_save(state, i)
+        blocked = time.perf_counter() - t0
+        pending = ckpt._in_flight
+        during.append(steps_per_second(0, until=pending.done))
+        ckpt.wait()
+        if i == 0:
+            first_async = blocked
+        else:
+            async_blocking.append(blocked)
+    rss_added = peak_rss_bytes() - rss_before
+    floor = torch.empty(size // 4)
+    for i in range(repeat):
+        t0 = time.perf_counter()
+        at = 0
+        for tensor in state.values():
+            floor[at : at + tensor.numel()].copy_(tensor)
+            at += tensor.numel()
+        copy_floor.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        copies = {k: v.clone() for k, v in state.items()}
+        fresh_copy.append(time.perf_counter() - t0)
+        del copies
+        t0 = time.perf_counter()
+        sync.maybe_save(state, i)
+        sync_blocking.append(time.perf_counter() - t0)
+    staging = ckpt._staging.nbytes
+    ckpt.close()
+    median = statistics.median
+    floor_s = median(copy_floor)
+    return {
+        "state_bytes": size,
+        "seconds": {
+            "copy_floor": round(floor_s, 3),
+            "fresh_copy": round(median(fresh_copy), 3),
+            "sync_blocking": round(median(sync_blocking), 3),
+            "async_blocking": round(median(async_blocking), 3),
+            "async_blocking_first": round(first_async, 3),
+        },
+        "async_blocking_over_copy_floor": round(median(async_blocking) / floor_s, 3),
+        "async_blocking_over_sync": round(median(async_blocking) / median(sync_blocking), 3),
+        "steps_per_second": {
+            "no_save": round(median(idle), 1),
+            "during_background_write": round(median(during), 1),
+        },
+        "staging_bytes_over_state": round(staging / size, 4),
+        "peak_rss_added_over_state": round(rss_added / size, 3),
+        "target_async_le_1_5_copy_floor": median(async_blocking) <= 1.5 * floor_s,
+    }
+
+
 NOTICE_SCRIPT = """
 import sys, time, torch
 sys.path.insert(0, sys.argv[3])
@@ -137,6 +238,7 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--async-gib", type=float, nargs="*", default=[1.0, 4.0])
     parser.add_argument(
         "--device",
         default="cpu",
@@ -171,6 +273,11 @@ def main() -> None:
         notice_root = base / "notice"
         notice_root.mkdir()
         durable = notice_to_durable(args.gib, notice_root)
+        del state, cpu_state
+        periodic = {}
+        for gib in args.async_gib:
+            periodic[f"{gib:g}GiB"] = async_figures(gib, base / f"async{gib:g}", args.repeat)
+            shutil.rmtree(base / f"async{gib:g}", ignore_errors=True)
         out = {
             "benchmark": "checkpoint",
             "state_bytes": size,
@@ -178,9 +285,13 @@ def main() -> None:
             "gb_per_second": {k: round(v, 3) for k, v in bandwidth.items()},
             "ratio_to_raw": {k: round(bandwidth[k] / bandwidth["raw"], 3) for k in bandwidth},
             "notice_to_durable_seconds": round(durable, 3),
+            "periodic_saves": periodic,
             "targets": {
                 "ours_ge_0_9_raw": bandwidth["ours"] >= 0.9 * bandwidth["raw"],
                 "notice_to_durable_lt_2s": durable < 2.0,
+                "async_blocking_le_1_5_copy_floor": all(
+                    p["target_async_le_1_5_copy_floor"] for p in periodic.values()
+                ),
             },
             "dir": str(base.parent),
             "device": args.device,

@@ -5,7 +5,9 @@
 
 OPs, in order: ``save:STEP`` (a gang save of this rank's state for STEP), ``maybe:STEP``
 (``maybe_save``: a final save if a notice is pending, prints its ``error`` if it raised),
-``broken:STEP`` (``maybe_save`` whose state callable raises on rank 1), ``restore`` (prints
+``broken:STEP`` (``maybe_save`` whose state callable raises on rank 1), ``wait`` (the
+background save in flight written and committed: prints the newest committed step),
+``notice`` (writes this rank's notice file), ``restore`` (prints
 ``{"op": "restore", "rank", "step", "value"}``), ``gate:PATH`` (rank 0's next shard write
 waits until PATH exists: the test kills another rank in between). Every op prints one JSON
 line. ``{rank}`` in STORAGE_URL is the rank (storage that is not shared);
@@ -98,6 +100,12 @@ for op in ops:
             say(op=name, step=None, error=type(exc).__name__)
         else:
             say(op=name, step=result and result.step, final=result and result.final, error=None)
+    elif name == "notice":
+        Path(os.environ["SPOTGPU_NOTICE_FILE"]).write_text("{}")
+        say(op=name, step=None)
+    elif name == "wait":
+        result = ckpt.wait()
+        say(op=name, step=result and result.step)
     elif name == "restore":
         got = ckpt.restore()
         if got is None:

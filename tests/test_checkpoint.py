@@ -71,10 +71,17 @@ def test_every_kind_of_state_round_trips_exactly(tmp_path):
     assert (random.random(), np.random.random(), torch.rand(1)) == before
 
 
-def test_periodic_saves_follow_the_interval_and_retention_keeps_k(tmp_path):
+@pytest.mark.parametrize("background", [True, False], ids=["async", "sync"])
+def test_periodic_saves_follow_the_interval_and_retention_keeps_k(tmp_path, background):
     clock = Clock()
     ckpt = Checkpointer(
-        LocalStorage(tmp_path), "run", every=60, keep=2, clock=clock, handle_sigusr1=False
+        LocalStorage(tmp_path),
+        "run",
+        every=60,
+        keep=2,
+        clock=clock,
+        handle_sigusr1=False,
+        background=background,
     )
     calls = []
 
@@ -85,7 +92,11 @@ def test_periodic_saves_follow_the_interval_and_retention_keeps_k(tmp_path):
     assert ckpt.maybe_save(state, 0) is None and calls == []  # lazy: not called
     for step in range(1, 6):
         clock.t += 61
-        assert ckpt.maybe_save(state, step).step == step
+        result = ckpt.maybe_save(state, step)
+        if background:  # returns once the snapshot is staged; the write is in flight
+            assert result is None
+            result = ckpt.wait()
+        assert result.step == step and ckpt.last_save == result
         assert ckpt.maybe_save(state, step) is None  # not due again yet
     assert LocalStorage(tmp_path).steps("run") == [5, 4]
     assert len(calls) == 5
@@ -147,18 +158,31 @@ def test_a_checkpoint_without_its_manifest_does_not_exist(tmp_path):
     assert ckpt.restore().step == 1
 
 
-def test_a_failing_storage_does_not_stop_training_and_the_next_call_retries(tmp_path, caplog):
+@pytest.mark.parametrize("background", [True, False], ids=["async", "sync"])
+def test_a_failing_storage_does_not_stop_training_and_the_next_call_retries(
+    tmp_path, caplog, background
+):
     root = tmp_path / "store"
     root.write_text("not a directory")  # every write fails for real
     clock = Clock()
-    ckpt = Checkpointer(LocalStorage(root), "run", every=10, clock=clock, handle_sigusr1=False)
+    ckpt = Checkpointer(
+        LocalStorage(root),
+        "run",
+        every=10,
+        clock=clock,
+        handle_sigusr1=False,
+        background=background,
+    )
     clock.t = 11
     with caplog.at_level(logging.ERROR):
         assert ckpt.maybe_save({"x": 1}, 1) is None
+        if background:
+            ckpt.close()  # the write failed in its thread; the checkpointer logs it
     assert ckpt.failures == 1 and "training goes on" in caplog.text
     root.unlink()
     root.mkdir()  # the storage comes back
-    assert ckpt.maybe_save({"x": 2}, 2).step == 2  # retried at once, not a full interval later
+    result = ckpt.maybe_save({"x": 2}, 2)  # retried at once, not a full interval later
+    assert (ckpt.wait() if background else result).step == 2
 
 
 def test_a_final_save_that_fails_raises(tmp_path):

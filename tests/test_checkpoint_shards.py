@@ -246,8 +246,9 @@ def test_a_final_save_that_fails_on_one_rank_is_acknowledged_failed_on_every_ran
 def test_storage_that_is_not_shared_fails_the_first_save_not_the_restore(tmp_path):
     envs = [{"SPOTGPU_TEST_EVERY": "0.000001"}] * 2
     root = str(tmp_path / "node{rank}")  # each rank its own disk: rank 0 cannot read rank 1's
-    lines, err = run_ops(root, "run", "maybe:1", "maybe:2", tmp=tmp_path, envs=envs)
-    assert [r["step"] for rank in lines for r in rank] == [None, None, None, None]
+    ops = ("maybe:1", "wait", "maybe:2", "wait")  # each written in the background
+    lines, err = run_ops(root, "run", *ops, tmp=tmp_path, envs=envs)
+    assert [r["step"] for rank in lines for r in rank] == [None] * 8
     assert "every rank must save to storage that every rank can read" in err[0]
     assert "training goes on" in err[1]  # periodic: logged on every rank, retried
     assert err[1].count("periodic gang checkpoint of run") == 2

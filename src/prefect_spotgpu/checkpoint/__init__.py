@@ -18,8 +18,6 @@ from prefect_spotgpu.checkpoint.checkpointer import (
     Checkpointer,
     Restored,
     SaveResult,
-    rng_state,
-    set_rng_state,
     write_ack,
 )
 from prefect_spotgpu.checkpoint.format import (
@@ -29,6 +27,7 @@ from prefect_spotgpu.checkpoint.format import (
 )
 from prefect_spotgpu.checkpoint.gang import GangCheckpointer, GangCheckpointFailed
 from prefect_spotgpu.checkpoint.group import GroupSync, TorchGroupSync
+from prefect_spotgpu.checkpoint.rng import rng_state, set_rng_state
 from prefect_spotgpu.checkpoint.storage import (
     CheckpointStorage,
     LocalStorage,

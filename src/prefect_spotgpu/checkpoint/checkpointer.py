@@ -54,20 +54,25 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+from prefect_spotgpu.checkpoint.background import BackgroundSave, SaveAbandoned
 from prefect_spotgpu.checkpoint.format import (
     CorruptCheckpoint,
     decode,
-    encode,
+    layout,
     read_manifest,
     signature,
     verify,
 )
+from prefect_spotgpu.checkpoint.staging import Staging, stage
 from prefect_spotgpu.checkpoint.storage import CheckpointStorage
 from prefect_spotgpu.protocol import JOB_ENV
 
 logger = logging.getLogger("prefect_spotgpu.checkpoint")
 
 ERROR_CHARS = 200
+IF_BUSY = ("skip", "wait")
+"""What a periodic save due while the previous one is still being written does: ``skip``
+(logged; the interval starts again) or ``wait`` for it (training stalls meanwhile)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +132,11 @@ class Checkpointer:
         world_size: int = 1,
         sync=None,
         sync_every: int = 1,
+        background: bool = True,
+        if_busy: str = "skip",
     ) -> None:
+        if if_busy not in IF_BUSY:
+            raise ValueError(f"if_busy must be one of {', '.join(IF_BUSY)}, got {if_busy!r}")
         if world_size == 1 and rank != 0:
             raise ValueError(f"rank must be 0 when world_size is 1, got rank={rank!r}")
         seconds = every.total_seconds() if isinstance(every, timedelta) else float(every)
@@ -156,6 +165,12 @@ class Checkpointer:
         self.last_save: SaveResult | None = None
         self._last_save_at = clock()
         self.failures = 0
+        self.background = background
+        self.if_busy = if_busy
+        self.skipped = 0
+        self.last_snapshot_seconds: float | None = None
+        self._staging = Staging()
+        self._in_flight: BackgroundSave | None = None
         if signing_key is None:
             signing_key = os.environ.get(JOB_ENV.CHECKPOINT_SIGNING_KEY, "")
         if isinstance(signing_key, str):
@@ -192,15 +207,22 @@ class Checkpointer:
     def maybe_save(self, state: object | Callable[[], object], step: int) -> SaveResult | None:
         """Save if a notice arrived (final save, then acknowledge) or the interval passed.
 
-        ``state`` may be a callable, called only when a save happens. A periodic save that
-        fails is logged and retried at the next call; training goes on. A final save that
-        fails raises: the flow should know it could not save before the deadline (when its
-        storage failed, the acknowledgement tells the agent so first).
+        ``state`` may be a callable, called only when a save happens. A periodic save is by
+        default asynchronous: the state is copied into reused host memory, this returns
+        (``None``), and a background thread writes it (at most one in flight: see
+        ``if_busy``); ``background=False`` writes it before returning its ``SaveResult``. A
+        periodic save that fails is logged and retried at the next call; training goes on. A
+        final save is synchronous and wins over a periodic one in flight (abandoned at its
+        next chunk, or finished if it is past its last); when it fails it raises: the flow
+        should know it could not save before the deadline (when its storage failed, the
+        acknowledgement tells the agent so first).
         """
         if self.notice_received:
             return None
+        self._collect()
         if self.notice_pending():
             self._read_deadline()
+            self._settle_in_flight(abandon=True)
             snapshot = state() if callable(state) else state
             started = time.perf_counter()
             encoded = self._encode(snapshot, step, final=True)
@@ -217,39 +239,122 @@ class Checkpointer:
         if self.clock() - self._last_save_at < self.every:
             return None
         try:
+            if self.background:
+                return self._save_in_background(state, step)
             return self.save(state() if callable(state) else state, step)
         except Exception as exc:
-            self.failures += 1
-            logger.error(
-                "periodic checkpoint of %s at step %s failed (%s: %s); training goes "
-                "on and the next call retries",
-                self.key,
-                step,
-                type(exc).__name__,
-                exc,
-            )
+            self._periodic_failed(step, exc)
             return None
+
+    def _periodic_failed(self, step: int, exc: BaseException) -> None:
+        self.failures += 1
+        self._last_save_at = -math.inf  # the next call retries
+        logger.error(
+            "periodic checkpoint of %s at step %s failed (%s: %s); training goes "
+            "on and the next call retries",
+            self.key,
+            step,
+            type(exc).__name__,
+            exc,
+        )
+
+    def _save_in_background(self, state, step: int) -> None:
+        """Stage a snapshot (the only part that blocks), then write it in a thread."""
+        if self._in_flight is not None:
+            if self.if_busy == "skip":
+                self.skipped += 1
+                self._last_save_at = self.clock()
+                logger.warning(
+                    "periodic checkpoint of %s at step %s skipped: the one of step %s is "
+                    "still being written (if_busy='skip'; the interval starts again)",
+                    self.key,
+                    step,
+                    self._in_flight.step,
+                )
+                return None
+            self._settle_in_flight(abandon=False)
+        started = time.perf_counter()
+        snapshot = state() if callable(state) else state
+        encoded = stage(self._layout(snapshot, step, final=False), self._staging)
+        self.last_snapshot_seconds = time.perf_counter() - started
+        self._last_save_at = self.clock()
+
+        def write(buffers) -> SaveResult:
+            return self._commit(encoded, started, step, final=False, retain=True, buffers=buffers)
+
+        self._in_flight = BackgroundSave(step, write, encoded.buffers)
+        return None
+
+    def _collect(self) -> None:
+        """The outcome of a background save that has finished (a failure is logged and the
+        next call retries; a success was reported by its thread)."""
+        pending = self._in_flight
+        if pending is None or not pending.done():
+            return
+        self._in_flight = None
+        if isinstance(pending.error, SaveAbandoned):
+            logger.info(
+                "periodic checkpoint of %s at step %s abandoned for the final save",
+                self.key,
+                pending.step,
+            )
+        elif pending.error is not None:
+            self._periodic_failed(pending.step, pending.error)
+
+    def _settle_in_flight(self, *, abandon: bool) -> None:
+        """Return once no background save is being written: finished, or (``abandon``)
+        stopped at its next chunk: this checkpointer stays the single writer of its key."""
+        if self._in_flight is not None:
+            self._in_flight.abandon() if abandon else self._in_flight.join()
+            self._collect()
+
+    def wait(self) -> SaveResult | None:
+        """Wait for the background save in flight: its result once durable (``None`` when
+        there was none); its error, if it failed."""
+        pending = self._in_flight
+        if pending is None:
+            return None
+        pending.join()
+        self._in_flight = None
+        if pending.error is not None:
+            raise pending.error
+        return pending.result
+
+    def close(self) -> None:
+        """Wait for the save in flight (its failure is logged), and free the staging memory."""
+        self._settle_in_flight(abandon=False)
+        self._staging.release()
 
     def save(
         self, state: object, step: int, *, final: bool = False, retain: bool = True
     ) -> SaveResult:
-        """Write one checkpoint now, durably, then (with ``retain``) delete old ones."""
+        """Write one checkpoint now, durably, then (with ``retain``) delete old ones (after
+        the background save in flight, if any: one writer at a time)."""
+        self._settle_in_flight(abandon=False)
         started = time.perf_counter()
-        return self._commit(self._encode(state, step, final=final), started, step, final, retain)
+        encoded = self._encode(state, step, final=final)
+        result = self._commit(encoded, started, step, final, retain)
+        self._last_save_at = self.clock()
+        return result
 
-    def _encode(self, state: object, step: int, *, final: bool):
+    def _layout(self, state: object, step: int, *, final: bool):
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         extra = {"final": final, "saved_at": time.time()}
-        return encode(state, step=step, extra=extra, signed=self.signed)
+        return layout(state, step=step, extra=extra, signed=self.signed)
 
-    def _commit(self, encoded, started: float, step: int, final: bool, retain: bool) -> SaveResult:
-        """Write what ``_encode`` made to the storage (the part that fails for the storage's
-        reasons, not the job's), then tell the agent."""
-        self._write(self.key, encoded, step)
+    def _encode(self, state: object, step: int, *, final: bool):
+        """The state's layout over its own memory (a synchronous save's)."""
+        return self._layout(state, step, final=final).materialize()
+
+    def _commit(
+        self, encoded, started: float, step: int, final: bool, retain: bool, buffers=None
+    ) -> SaveResult:
+        """Write what ``_encode`` made (or ``buffers`` of it) to the storage (the part that
+        fails for the storage's reasons, not the job's), then tell the agent."""
+        self._write(self.key, encoded, step, buffers)
         result = SaveResult(step, encoded.size, time.perf_counter() - started, final)
         self.last_save = result
-        self._last_save_at = self.clock()
         self._report_saved(result)
         if retain:
             self._retain(step)
@@ -263,7 +368,7 @@ class Checkpointer:
         )
         return result
 
-    def _write(self, name: str, encoded, step: int) -> bytes:
+    def _write(self, name: str, encoded, step: int, buffers=None) -> bytes:
         """Write ``encoded`` as checkpoint ``name`` at ``step`` (checksums in a second thread,
         the manifest signed for ``name`` when we have a key) and return the manifest written;
         the step is then known verified."""
@@ -280,7 +385,9 @@ class Checkpointer:
             return written[-1]
 
         try:
-            self.storage.write(name, step, encoded.buffers, encoded.size, manifest)
+            self.storage.write(
+                name, step, encoded.buffers if buffers is None else buffers, encoded.size, manifest
+            )
         finally:
             checksums.join()
         self._checked[step] = (hashlib.sha256(written[-1]).digest(), True)
@@ -404,41 +511,6 @@ def steps_to_delete(
         elif step != written:
             doomed.append(step)
     return doomed
-
-
-def rng_state() -> dict:
-    """The random generators' states: Python's, NumPy's global, torch's CPU and CUDA ones."""
-    import random
-
-    import numpy as np
-
-    state = {"python": random.getstate(), "numpy": np.random.get_state()}
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is optional
-        return state
-    state["torch"] = torch.get_rng_state()
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore what :func:`rng_state` captured."""
-    import random
-
-    import numpy as np
-
-    python = state["python"]
-    random.setstate((python[0], tuple(python[1]), python[2]))
-    numpy = state["numpy"]
-    np.random.set_state((numpy[0], np.asarray(numpy[1]), *numpy[2:]))
-    if "torch" in state:
-        import torch
-
-        torch.set_rng_state(state["torch"].clone())
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([s.clone() for s in state["cuda"]])
 
 
 def write_ack(path: os.PathLike | str, **fields) -> None:

@@ -77,12 +77,28 @@ def _torch():
 
 
 @dataclass
-class Encoded:
-    """A state ready to write: the buffers of the blob, in order, and the manifest.
+class Part:
+    """One leaf's bytes in the blob: at ``offset``, ``nbytes`` long, from ``source``: a
+    memoryview of host memory, or a flat ``uint8`` view of a CUDA tensor (copied to host
+    memory when the blob is made: :meth:`Encoded.materialize`, or ``staging.stage``)."""
 
-    Checksums are left for :meth:`fill_checksums`, so they can be computed in a second
-    thread while the buffers are written (both release the GIL). ``digest`` is ``"crc32"``
-    (format 1) or ``"sha256"`` (format 2, for signed checkpoints).
+    offset: int
+    nbytes: int
+    source: object
+    node: dict
+
+
+@dataclass
+class Encoded:
+    """A state laid out as one blob: its ``parts`` at their offsets, and the manifest.
+
+    ``buffers`` (the blob, in order, to write) exist once the parts are in host memory:
+    :meth:`materialize` points them at the state's own memory (a synchronous save: no copy
+    but the device-to-host one), ``checkpoint.staging.stage`` copies them into reused
+    buffers (a snapshot an asynchronous save writes while training goes on). Checksums are
+    left for :meth:`fill_checksums`, so they can be computed in a second thread while the
+    buffers are written (both release the GIL). ``digest`` is ``"crc32"`` (format 1) or
+    ``"sha256"`` (format 2, for signed checkpoints).
     """
 
     buffers: list[memoryview] = field(default_factory=list)
@@ -90,6 +106,31 @@ class Encoded:
     manifest: dict = field(default_factory=dict)
     pending: list[tuple[dict, memoryview]] = field(default_factory=list)
     digest: str = "crc32"
+    parts: list[Part] = field(default_factory=list)
+
+    def materialize(self) -> Encoded:
+        """Buffers over the state's own memory (CUDA tensors copied to pinned host memory,
+        one synchronisation for all), padding between them; returns ``self``."""
+        host: list[memoryview] = []
+        devices = [part for part in self.parts if not isinstance(part.source, memoryview)]
+        copies = {}
+        if devices:
+            torch = _torch()
+            for part in devices:
+                staging = torch.empty(part.nbytes, dtype=torch.uint8, pin_memory=True)
+                staging.copy_(part.source, non_blocking=True)
+                copies[id(part)] = staging
+            torch.cuda.synchronize()
+        at = 0
+        for part in self.parts:
+            if part.offset > at:
+                host.append(memoryview(bytes(part.offset - at)))
+            view = part.source if id(part) not in copies else memoryview(copies[id(part)].numpy())
+            host.append(view)
+            self.pending.append((part.node, view))
+            at = part.offset + part.nbytes
+        self.buffers = host
+        return self
 
     def fill_checksums(self) -> None:
         for node, view in self.pending:
@@ -117,31 +158,18 @@ class _Encoder:
     def __init__(self) -> None:
         self.out = Encoded()
 
-    def _append(self, view: memoryview) -> tuple[int, int]:
-        pad = (-self.out.size) % ALIGN
-        if pad:
-            self.out.buffers.append(memoryview(bytes(pad)))
-            self.out.size += pad
-        offset = self.out.size
-        self.out.buffers.append(view)
-        self.out.size += view.nbytes
-        return offset, view.nbytes
+    def _append(self, source, nbytes: int, node: dict) -> dict:
+        offset = self.out.size + (-self.out.size) % ALIGN
+        node["offset"], node["length"] = offset, nbytes
+        self.out.parts.append(Part(offset, nbytes, source, node))
+        self.out.size = offset + nbytes
+        return node
 
     def leaf_array(self, array: np.ndarray, lib: str, dtype: str, shape) -> dict:
         array = np.ascontiguousarray(array)
         view = memoryview(array).cast("B") if array.nbytes else memoryview(b"")
-        offset, length = self._append(view)
-        node = {
-            "t": "array",
-            "lib": lib,
-            "dtype": dtype,
-            "shape": list(shape),
-            "offset": offset,
-            "length": length,
-            self.out.digest: None,
-        }
-        self.out.pending.append((node, view))
-        return node
+        node = {"t": "array", "lib": lib, "dtype": dtype, "shape": list(shape)}
+        return self._append(view, array.nbytes, node | {self.out.digest: None})
 
     def encode(self, value):
         torch = _torch_if_imported()
@@ -152,38 +180,31 @@ class _Encoder:
         if isinstance(value, np.ndarray) and value.dtype != object:
             return self.leaf_array(value, "numpy", value.dtype.str, value.shape)
         if torch is not None and isinstance(value, torch.Tensor):
-            tensor = value.detach()
-            if tensor.device.type == "cuda":  # device -> pinned host memory: the fast copy
-                staging = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-                staging.copy_(tensor, non_blocking=True)
-                torch.cuda.current_stream(tensor.device).synchronize()
-                tensor = staging
-            elif tensor.device.type != "cpu":
-                tensor = tensor.cpu()
-            tensor = tensor.contiguous()
-            dtype = str(tensor.dtype).removeprefix("torch.")
-            if tensor.dtype in (torch.bfloat16,) or not _numpy_has(tensor.dtype):
-                raw = (
-                    tensor.view(torch.uint8)
-                    if tensor.dim()
-                    else tensor.reshape(1).view(torch.uint8)
-                )
-                array = raw.numpy()
-            else:
-                array = tensor.numpy()
-            return self.leaf_array(array, "torch", dtype, tensor.shape)
+            return self.leaf_tensor(torch, value.detach())
         if isinstance(value, dict) and all(isinstance(k, str | int) for k in value):
             return {"t": "dict", "items": [[k, self.encode(v)] for k, v in value.items()]}
         if isinstance(value, list):
             return {"t": "list", "items": [self.encode(v) for v in value]}
         if isinstance(value, tuple) and type(value) is tuple:
             return {"t": "tuple", "items": [self.encode(v) for v in value]}
-        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-        view = memoryview(data)
-        offset, length = self._append(view)
-        node = {"t": "pickle", "offset": offset, "length": length, self.out.digest: None}
-        self.out.pending.append((node, view))
-        return node
+        data = memoryview(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+        return self._append(data, data.nbytes, {"t": "pickle", self.out.digest: None})
+
+    def leaf_tensor(self, torch, tensor) -> dict:
+        if tensor.device.type not in ("cpu", "cuda"):
+            tensor = tensor.cpu()
+        tensor = tensor.contiguous()
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if tensor.device.type == "cuda":  # copied to host memory when the blob is made
+            flat = tensor.reshape(-1).view(torch.uint8)
+            node = {"t": "array", "lib": "torch", "dtype": dtype, "shape": list(tensor.shape)}
+            return self._append(flat, flat.numel(), node | {self.out.digest: None})
+        if tensor.dtype in (torch.bfloat16,) or not _numpy_has(tensor.dtype):
+            raw = tensor.view(torch.uint8) if tensor.dim() else tensor.reshape(1).view(torch.uint8)
+            array = raw.numpy()
+        else:
+            array = tensor.numpy()
+        return self.leaf_array(array, "torch", dtype, tensor.shape)
 
 
 def _numpy_has(dtype) -> bool:
@@ -195,8 +216,9 @@ def _numpy_has(dtype) -> bool:
     )
 
 
-def encode(state, *, step: int, extra: dict | None = None, signed: bool = False) -> Encoded:
-    """Lay ``state`` out as one blob of buffers and its manifest (no bytes are copied).
+def layout(state, *, step: int, extra: dict | None = None, signed: bool = False) -> Encoded:
+    """Lay ``state`` out as one blob of parts and its manifest, copying nothing: the parts
+    are made host buffers by :meth:`Encoded.materialize` or ``staging.stage``.
 
     ``signed``: format 2 (SHA-256 leaves), for a manifest that will be signed.
     """
@@ -211,6 +233,15 @@ def encode(state, *, step: int, extra: dict | None = None, signed: bool = False)
         "extra": extra or {},
     }
     return encoder.out
+
+
+def encode(state, *, step: int, extra: dict | None = None, signed: bool = False) -> Encoded:
+    """Lay ``state`` out as one blob of buffers over its own memory, and its manifest (no
+    host bytes are copied; CUDA tensors go to pinned host memory).
+
+    ``signed``: format 2 (SHA-256 leaves), for a manifest that will be signed.
+    """
+    return layout(state, step=step, extra=extra, signed=signed).materialize()
 
 
 def read_manifest(

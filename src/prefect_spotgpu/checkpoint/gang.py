@@ -45,11 +45,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 
+from prefect_spotgpu.checkpoint.background import BackgroundSave
 from prefect_spotgpu.checkpoint.checkpointer import (
     ERROR_CHARS,
     Checkpointer,
@@ -59,17 +60,28 @@ from prefect_spotgpu.checkpoint.checkpointer import (
     write_ack,
 )
 from prefect_spotgpu.checkpoint.format import CorruptCheckpoint, decode, encode, signature
-from prefect_spotgpu.checkpoint.group import GroupSync, TorchGroupSync, same_everywhere
+from prefect_spotgpu.checkpoint.group import (
+    BROKEN,
+    FINAL,
+    JOB,
+    NOTHING,
+    OK,
+    PERIODIC,
+    SKIP,
+    STORAGE,
+    USABLE,
+    WRITING,
+    GroupSync,
+    TorchGroupSync,
+    failure_code,
+    fingerprint,
+    read_failure,
+    same_everywhere,
+)
+from prefect_spotgpu.checkpoint.staging import stage
 
 logger = logging.getLogger("prefect_spotgpu.checkpoint")
 
-NOTHING, PERIODIC, FINAL = 0, 1, 2
-"""What ``maybe_save`` agrees to do: the most any rank asks for."""
-OK, STORAGE, JOB = 0, 1, 2
-"""How a rank's part of a save went; the worst wins (a job's failure over a storage one)."""
-USABLE, SKIP, BROKEN = 0, 1, 2
-"""What a rank found restoring a step: its shard usable, unusable (try an older step), or a
-storage that does not answer (raise)."""
 GANG_FIELD = "gang"
 
 
@@ -87,31 +99,21 @@ def gang_name(key: str) -> str:
     return f"{key}/{GANG_FIELD}"
 
 
-def failure_code(status: int, rank: int, world_size: int) -> int:
-    """``rank``'s ``status`` as one integer whose maximum over the ranks is the worst status,
-    on the highest rank that had it (0: ok).
-
-    >>> failure_code(STORAGE, 1, 4), failure_code(JOB, 0, 4), failure_code(OK, 3, 4)
-    (5, 8, 0)
-    >>> read_failure(max(5, 8, 0), 4)  # (status, rank): rank 0's job failed
-    (2, 0)
-    """
-    return 0 if status == OK else status * world_size + rank
-
-
-def read_failure(code: int, world_size: int) -> tuple[int, int]:
-    return divmod(code, world_size)
-
-
-def fingerprint(steps: list[int]) -> int:
-    """A non-negative 56-bit digest of a listing, to check every rank sees the same one."""
-    return int.from_bytes(hashlib.sha256(json.dumps(steps).encode()).digest()[:7], "big")
-
-
 @dataclass(frozen=True, slots=True)
 class _Failed:
     cause: str  # the acknowledgement's: "storage" or "job"
     error: BaseException  # this rank's own error, or GangCheckpointFailed naming the rank
+
+
+class _JobFailed(Exception):
+    """This rank could not stage its shard (its state function raised): the job's fault."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+    def write(self, buffers):  # the background "write" of a shard that could not be staged
+        raise self
 
 
 class GangCheckpointer(Checkpointer):
@@ -175,6 +177,13 @@ class GangCheckpointer(Checkpointer):
     def maybe_save(self, state, step: int) -> SaveResult | None:
         """Agree with every rank whether to save now, and save if any asks (see the module).
 
+        A periodic save is asynchronous by default (``background``): every rank stages its
+        shard and writes it in a thread; the agreement that finds every rank's write ended
+        commits the gang step (or logs its failure), in the caller's thread, at the same
+        step on every rank. A periodic save due while one is in flight follows ``if_busy``
+        (every rank must pass the same). A final save abandons one in flight (nothing of it
+        is committed), then saves synchronously.
+
         A periodic save that failed on any rank is logged on every rank, and every rank
         retries at the next agreement. A final save that failed acknowledges the failure on
         every rank, then raises (this rank's error, or ``GangCheckpointFailed``). A broken
@@ -188,14 +197,38 @@ class GangCheckpointer(Checkpointer):
             mine = PERIODIC
         else:
             mine = NOTHING
-        agreed = self.sync.max(mine)
+        writing = self._in_flight is not None and not self._in_flight.done()
+        agreed = self.sync.max(mine + (WRITING if writing else 0))
+        anyone_writing, agreed = agreed >= WRITING, agreed % WRITING
+        if self._in_flight is not None and not anyone_writing:
+            self._finish_in_background_save()  # collective, like every branch here
         if agreed == NOTHING:
             return None
         if agreed == FINAL:
+            self._settle_in_flight(abandon=True)  # on every rank: the final save wins
             return self._final_save(state, step)
-        outcome = self._save_gang(state, step, final=False)
+        if self._in_flight is not None:
+            if self.if_busy == "skip":
+                self.skipped += 1
+                self._last_save_at = self.clock()
+                logger.warning(
+                    "periodic gang checkpoint of %s at step %s skipped: the one of step %s "
+                    "is still being written",
+                    self.key,
+                    step,
+                    self._in_flight.step,
+                )
+                return None
+            self._settle_in_flight(abandon=False)
+        if self.background:
+            self._start_in_background(state, step)
+            return None
+        return self._periodic_outcome(self._save_gang(state, step, final=False), step)
+
+    def _periodic_outcome(self, outcome: SaveResult | _Failed, step: int) -> SaveResult | None:
         if isinstance(outcome, _Failed):
             self.failures += 1
+            self._last_save_at = -math.inf  # the next agreement retries
             logger.error(
                 "periodic gang checkpoint of %s at step %s failed (%s: %s); training goes on "
                 "and the next call retries",
@@ -208,9 +241,58 @@ class GangCheckpointer(Checkpointer):
         self._saved(outcome, retain=True)
         return outcome
 
+    def _start_in_background(self, state, step: int) -> None:
+        """Stage this rank's shard and write it in a thread; a staging failure is kept as
+        the save's outcome (every rank has a save in flight, so the collectives match)."""
+        started = time.perf_counter()
+        try:
+            snapshot = state() if callable(state) else state
+            encoded = stage(self._layout(snapshot, step, final=False), self._staging)
+        except Exception as exc:
+            write, buffers = _JobFailed(exc).write, []
+        else:
+
+            def write(buffers) -> int:
+                self._write(self.shard, encoded, step, buffers)
+                return encoded.size
+
+            buffers = encoded.buffers
+        self.last_snapshot_seconds = time.perf_counter() - started
+        self._last_save_at = self.clock()
+        self._in_flight = BackgroundSave(step, write, buffers)
+
+    def _finish_in_background_save(self) -> None:
+        """Every rank's shard write has ended: the verdict and the commit (collectives)."""
+        pending, self._in_flight = self._in_flight, None
+        error = pending.error
+        if isinstance(error, _JobFailed):
+            mine, error = JOB, error.error
+        else:
+            mine = OK if error is None else STORAGE
+        size = pending.result or 0
+        outcome = self._agree_and_commit(pending.step, False, mine, error, size, pending.started)
+        self._periodic_outcome(outcome, pending.step)
+
+    def _settle_in_flight(self, *, abandon: bool) -> None:
+        """Collective: the save in flight abandoned, or finished and committed."""
+        if self._in_flight is not None:
+            if abandon:
+                self._in_flight.abandon()
+                self._in_flight = None
+            else:
+                self._in_flight.join()
+                self._finish_in_background_save()
+
+    def wait(self) -> SaveResult | None:
+        """Collective: the save in flight written on every rank and committed; the newest
+        committed save (a failure is logged, as at the next agreement)."""
+        self._settle_in_flight(abandon=False)
+        return self.last_save
+
     def save(self, state, step: int, *, final: bool = False, retain: bool = True) -> SaveResult:
         """Write one gang checkpoint now (every rank calls this), then (with ``retain``)
         delete old ones; raises if any rank's part failed."""
+        self._settle_in_flight(abandon=False)
         outcome = self._save_gang(state, step, final=final)
         if isinstance(outcome, _Failed):
             raise outcome.error
@@ -252,6 +334,12 @@ class GangCheckpointer(Checkpointer):
                 self._write(self.shard, encoded, step)
             except Exception as exc:
                 mine, own_error = STORAGE, exc
+        return self._agree_and_commit(step, final, mine, own_error, size, started)
+
+    def _agree_and_commit(
+        self, step: int, final: bool, mine: int, own_error, size: int, started: float
+    ) -> SaveResult | _Failed:
+        """After this rank's shard write: the verdict, rank 0's commit, its verdict."""
         verdict = self.sync.max(failure_code(mine, self.rank, self.world_size))
         if verdict == OK:  # every shard is durable
             if self.rank == 0:

@@ -16,7 +16,19 @@ a ``max(value: int) -> int`` method will do (another launcher's collectives, for
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Protocol
+
+NOTHING, PERIODIC, FINAL = 0, 1, 2
+"""What ``maybe_save`` agrees to do: the most any rank asks for."""
+WRITING = 4
+"""Added to a rank's ask while its shard of a background save is still being written."""
+OK, STORAGE, JOB = 0, 1, 2
+"""How a rank's part of a save went; the worst wins (a job's failure over a storage one)."""
+USABLE, SKIP, BROKEN = 0, 1, 2
+"""What a rank found restoring a step: its shard usable, unusable (try an older step), or a
+storage that does not answer (raise)."""
 
 
 class GroupSync(Protocol):
@@ -64,3 +76,24 @@ def same_everywhere(sync: GroupSync, value: int) -> bool:
     """Whether every rank passed the same ``value`` (two collectives: its maximum and its
     minimum)."""
     return sync.max(value) == -sync.max(-value)
+
+
+def failure_code(status: int, rank: int, world_size: int) -> int:
+    """``rank``'s ``status`` as one integer whose maximum over the ranks is the worst status,
+    on the highest rank that had it (0: ok).
+
+    >>> failure_code(STORAGE, 1, 4), failure_code(JOB, 0, 4), failure_code(OK, 3, 4)
+    (5, 8, 0)
+    >>> read_failure(max(5, 8, 0), 4)  # (status, rank): rank 0's job failed
+    (2, 0)
+    """
+    return 0 if status == OK else status * world_size + rank
+
+
+def read_failure(code: int, world_size: int) -> tuple[int, int]:
+    return divmod(code, world_size)
+
+
+def fingerprint(steps: list[int]) -> int:
+    """A non-negative 56-bit digest of a listing, to check every rank sees the same one."""
+    return int.from_bytes(hashlib.sha256(json.dumps(steps).encode()).digest()[:7], "big")
