@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
+import pytest
 import sqlalchemy as sa
 
 from conftest import ADMIN_KEY, start_service
@@ -93,28 +94,40 @@ def test_a_jobs_secrets_are_sealed_and_go_only_to_the_node_running_it(service, c
     assert all(SECRET not in r.getMessage() for r in caplog.records)
 
 
-def test_a_reserved_allocation_shows_no_job_until_it_runs(service):
-    alice, provider = service.tenant(), service.tenant()
-    first, agent1 = service.node(provider, name="first", gpus=8)
-    b = bid(alice, gpu_count=8, max_price=1.0, job=job(TOKEN=SECRET))
-    alloc = wait_event(alice, f"/bids/{b['id']}/events", "allocated")["allocation_id"]
-    second, agent2 = service.node(provider, name="second", gpus=8)
-    provider.patch(f"/nodes/{first['id']}", json={"state": "reclaimed"})
-    reserved = wait_event(alice, f"/bids/{b['id']}/events", "reserved")
-    assert reserved["node_id"] == second["id"]
-    assert node_jobs(agent2, second["id"]) == {b["id"]: None}  # reserved: no secrets yet
-    notice = wait_event(agent1, f"/nodes/{first['id']}/events", "noticed")
-    agent1.post(
-        f"/allocations/{alloc}/report",
-        json={
-            "epoch": notice["payload"]["epoch"],
-            "outcome": "saved",
-            "checkpoint_at": time.time(),
-        },
-    )
-    service.wait_for(lambda: node_jobs(agent2, second["id"]).get(b["id"]))
-    assert node_jobs(agent2, second["id"])[b["id"]]["env"] == {"TOKEN": SECRET}
-    assert b["id"] not in node_jobs(agent1, first["id"])
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_a_reserved_allocation_gets_its_job_only_as_a_warm_migration_target(
+    db_url, tmp_path, warm
+):
+    """With ``warm_replacement`` the migration target's node gets the job at the notice (to
+    start it warm); without, only once it runs. No other node ever sees it."""
+    service = start_service(db_url, tmp_path / "home", warm_replacement=warm)
+    try:
+        alice, provider = service.tenant(), service.tenant()
+        first, agent1 = service.node(provider, name="first", gpus=8)
+        b = bid(alice, gpu_count=8, max_price=1.0, job=job(TOKEN=SECRET))
+        alloc = wait_event(alice, f"/bids/{b['id']}/events", "allocated")["allocation_id"]
+        second, agent2 = service.node(provider, name="second", gpus=8)
+        third, agent3 = service.node(provider, name="third", gpus=8, reserve=5.0)
+        provider.patch(f"/nodes/{first['id']}", json={"state": "reclaimed"})
+        reserved = wait_event(alice, f"/bids/{b['id']}/events", "reserved")
+        assert reserved["node_id"] == second["id"]
+        early = node_jobs(agent2, second["id"])[b["id"]]
+        assert (early["env"] == {"TOKEN": SECRET}) if warm else early is None
+        assert node_jobs(agent3, third["id"]) == {}
+        notice = wait_event(agent1, f"/nodes/{first['id']}/events", "noticed")
+        agent1.post(
+            f"/allocations/{alloc}/report",
+            json={
+                "epoch": notice["payload"]["epoch"],
+                "outcome": "saved",
+                "checkpoint_at": time.time(),
+            },
+        )
+        service.wait_for(lambda: b["id"] not in node_jobs(agent1, first["id"]))
+        service.wait_for(lambda: node_jobs(agent2, second["id"]).get(b["id"]))
+        assert node_jobs(agent2, second["id"])[b["id"]]["env"] == {"TOKEN": SECRET}
+    finally:
+        service.stop()
 
 
 def test_sealing_uses_the_configured_key_and_seals_old_plaintext_at_start(db_url, tmp_path):

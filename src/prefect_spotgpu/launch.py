@@ -1,11 +1,16 @@
-"""The job a spot-gpu flow run's bid carries: wait for the worker's go, then become the engine.
+"""The job a spot-gpu flow run's bid carries: get ready, wait for the worker's go, then run
+the engine.
 
-The node's agent starts ``python -m prefect_spotgpu.launch`` for every allocation of the bid.
-This process waits until the Prefect worker has handed this allocation the flow run (the flow
-run is Pending and its ``spotgpu.allocation`` label names this allocation), then *replaces
-itself* with ``python -m prefect.engine`` through ``exec``: same process id, so the agent's
-SIGUSR1 reaches the flow's own process (docs/operators/architecture.md#design-4), and no wrapper
-sits in between.
+The node's agent starts ``python -m prefect_spotgpu.launch`` for every allocation of the bid,
+and for a migration target already at the notice (a warm replacement:
+docs/users/checkpointing.md#warm-replacement). While it waits until the Prefect worker has
+handed this allocation the flow run (the flow run is Pending and its ``spotgpu.allocation``
+label names this allocation), a thread gets the flow ready as the engine would load it (the
+deployment's pull steps, the flow's module imported) and runs its ``@warm_up`` set-up. At the
+go the engine runs *in this process*, on the flow loaded: same process id, so the agent's
+SIGUSR1 reaches the flow's own process (docs/operators/architecture.md#design-4), and no
+wrapper sits in between. When the flow could not be loaded ahead, this process replaces itself
+with ``python -m prefect.engine`` (``exec``), which loads it again and reports the error.
 
 Why wait: one bid serves a flow run across preemptions, and the market starts the next
 allocation (a migration) as soon as the previous job stopped, often before the worker has moved
@@ -40,23 +45,82 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
+from uuid import UUID
 
 from prefect_spotgpu.protocol import JOB_ENV, LABELS, TORCH_ENV
 
 
 def main() -> int:
+    flow_run_id = os.environ["PREFECT__FLOW_RUN_ID"]
+    follower = os.environ.get(TORCH_ENV.RANK, "0") != "0"  # a gang member of rank > 0
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # before any thread: see the module doc
+    ready = None if follower else Ready(flow_run_id)
     code = wait_for_go()
     if code is not None:
+        if ready is not None and not ready.done():  # nothing more to run: no clean-up either
+            sys.stdout.flush()
+            os._exit(code)
         return code
-    if os.environ.get(TORCH_ENV.RANK, "0") != "0":  # a gang member of rank > 0
-        flow_run_id = os.environ["PREFECT__FLOW_RUN_ID"]
+    if follower:
         code = run_flow_function(flow_run_id)
         return code or until_the_run_ends(flow_run_id)
-    sys.stdout.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "prefect.engine"])
-    return 0  # pragma: no cover - exec does not return
+    flow = ready.flow()
+    print(f"spotgpu: go at {time.time():.3f}", flush=True)
+    if flow is None:
+        os.execv(sys.executable, [sys.executable, "-m", "prefect.engine"])
+    return run_engine(flow, flow_run_id)
+
+
+class Ready:
+    """The flow loaded and set up in a thread, while the launcher waits for its go."""
+
+    def __init__(self, flow_run_id: str) -> None:
+        self.flow_run_id = flow_run_id
+        self._flow = None
+        self._thread = threading.Thread(target=self._load, name="spotgpu-ready", daemon=True)
+        self._thread.start()
+
+    def _load(self) -> None:
+        from prefect.flow_engine import load_flow, load_flow_run
+
+        from prefect_spotgpu.checkpoint.warm import run_warm_ups
+
+        try:
+            flow = load_flow(load_flow_run(flow_run_id=UUID(self.flow_run_id)))
+            seconds = run_warm_ups()
+        except Exception as exc:  # the engine loads it again after the go, and says why
+            print(f"spotgpu: the flow could not be loaded ahead ({exc!r})", file=sys.stderr)
+            return
+        self._flow = flow
+        print(f"spotgpu: warm at {time.time():.3f} (set-up {seconds:.2f} s)", flush=True)
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def flow(self):
+        """The flow, once loaded and set up (None when loading failed)."""
+        self._thread.join()
+        return self._flow
+
+
+def run_engine(flow, flow_run_id: str) -> int:
+    """What ``python -m prefect.engine`` does once it has loaded the flow (prefect 3.9's
+    ``prefect/engine.py``), on a flow loaded already (ahead, or from a bundle)."""
+    from prefect._internal.control_listener import configure_from_env
+    from prefect._internal.metrics import RunMetrics
+    from prefect.engine import _drive_run_flow_result, handle_engine_signals
+    from prefect.flow_engine import flow_run_logger, load_flow_run, run_flow
+
+    configure_from_env()
+    with handle_engine_signals(UUID(flow_run_id)):
+        flow_run = load_flow_run(flow_run_id=UUID(flow_run_id))
+        with RunMetrics(flow_run, flow):
+            result = run_flow(flow, flow_run=flow_run, error_logger=flow_run_logger(flow_run))
+            _drive_run_flow_result(flow, result)
+    return 0
 
 
 def wait_for_go() -> int | None:

@@ -106,6 +106,9 @@ ENDING_EVENTS = frozenset({EventKind.PREEMPTED, EventKind.FINISHED, EventKind.RE
 
 HOLDING_STATUSES = (AllocationStatus.RUNNING, AllocationStatus.NOTICED)
 """Allocation statuses whose job holds GPUs (and is billed)."""
+STARTABLE = (AllocationStatus.RUNNING, AllocationStatus.RESERVED)
+"""Allocation statuses whose job a node agent starts: running, or reserved (a migration
+target that the market gives its job at the notice, to start warm; never billed)."""
 
 
 class ReportOutcome(StrEnum):

@@ -1,21 +1,19 @@
 """The node agent: registers its host, heartbeats, and runs what the market assigns to it.
 
-It talks to the market service over HTTP only: a heartbeat every few seconds (with GPU
-telemetry, and the images it holds: ``heartbeat``), and a long-poll on its node's events.
-On ``allocated`` it starts the job on free GPUs — when the runner must first prepare it (pull
-its image: minutes, maybe), on a thread of its own that reports the pull's progress, so the
-loop goes on serving heartbeats and other allocations' events; an allocation noticed or ended
-meanwhile is never started. On ``noticed`` it writes the notice file and sends SIGUSR1 to
-the job's main process, waits for the checkpoint library's acknowledgement (or the deadline),
-stops the job, then reports the outcome with the allocation's epoch (the fencing token; see
-``reports`` for the outcomes and their causes, ``reporter`` for their delivery); on an ending
-event (``preempted``/``finished``/``released``) it stops whatever still runs. A job that exits
-by itself is reported ``finished`` (exit 0) or ``failed``, with its exit code and its last line
-of output (``reports.exit_detail``); one that cannot start is reported failed, and a node whose
-jobs cannot start, several in a row, drains itself (``start_failures``). Every durable save a
-job's checkpointer records in its saved file is reported as a ``checkpoint`` within about a
-second. On start it reconciles: local jobs the market no longer assigns to this node are
-killed (each runner finds its own earlier jobs: ``Runner.reconcile``).
+It talks to the market over HTTP only: a heartbeat every few seconds (GPU telemetry, the images
+it holds: ``heartbeat``) and a long-poll on its node's events. On ``allocated`` (or
+``reserved``, for a migration target the market warms up: its job waits for its go in the
+launcher) it starts the job on free GPUs — after the runner prepares it (an image pull) on a
+thread of its own that reports progress, never for an allocation noticed or ended meanwhile.
+On ``noticed`` it writes the notice file, sends SIGUSR1 to the job's main process, waits for
+the checkpoint library's acknowledgement (or the deadline), stops the job and reports the
+outcome with the allocation's epoch (the fencing token; ``reports``, ``reporter``); on an
+ending event it stops whatever still runs. A job that exits by itself is reported
+``finished`` (exit 0) or ``failed`` with its exit code and last line (``reports.exit_detail``);
+one that cannot start is reported failed, and a node whose jobs cannot start several times in
+a row drains itself (``start_failures``). Every durable save in a job's saved file is reported
+as a ``checkpoint`` within about a second. On start it reconciles: local jobs the market no
+longer assigns here are killed (``Runner.reconcile``).
 
 Its credential is the node's token (``credentials``); the runner isolates the jobs
 (``runners``, ``isolation``).
@@ -48,12 +46,13 @@ from prefect_spotgpu.agent.reports import (
     one_line,
 )
 from prefect_spotgpu.agent.runners import JobHandle, JobRequest, Runner
-from prefect_spotgpu.agent.runners.runner import GangPlace
+from prefect_spotgpu.agent.runners.runner import GangPlace, last_line
 from prefect_spotgpu.agent.start_failures import StartFailures, drain_node, report_not_started
 from prefect_spotgpu.api_client import api_client
 from prefect_spotgpu.protocol import (
     ENDING_EVENTS,
     PULL_REPORT_SECONDS,
+    STARTABLE,
     AllocationStatus,
     EventKind,
     ReportOutcome,
@@ -266,7 +265,9 @@ class Agent:
         payload = event["payload"]
         if "epoch" in payload:
             self.epochs[alloc_id] = payload["epoch"]
-        if kind == EventKind.ALLOCATED:
+        if kind == EventKind.ALLOCATED or (  # a migration target starts warm, if given its job
+            kind == EventKind.RESERVED and payload.get("placement") == "migration"
+        ):
             self.start(alloc_id)
         elif kind == EventKind.NOTICED:
             self.notice(alloc_id, payload["deadline"], payload.get("epoch"))
@@ -284,10 +285,12 @@ class Agent:
                 return
             if assignment is None:
                 assignment = self.assignments().get(alloc_id)
-            if assignment is None or assignment["status"] != AllocationStatus.RUNNING:
+            if assignment is None or assignment["status"] not in STARTABLE:
                 self.waiting_for_gpus.pop(alloc_id, None)
                 return  # ended meanwhile
             job = assignment.get("job")
+            if not job and assignment["status"] == AllocationStatus.RESERVED:
+                return  # a reservation the market does not warm up: it starts when promoted
             if not job:
                 logger.warning("allocation %s has no job to run", alloc_id)
                 return
@@ -503,7 +506,7 @@ class Agent:
                 if self.jobs.get(alloc_id) is not handle:
                     continue
                 del self.jobs[alloc_id]
-            detail = None if code == 0 else exit_detail(code, self._last_line(handle))
+            detail = None if code == 0 else exit_detail(code, last_line(self.runner, handle))
             self.runner.stop(handle, grace=0)  # what it left running: its processes, container
             with self.lock:
                 self.free |= set(handle.request.gpu_indices)
@@ -520,15 +523,6 @@ class Agent:
                 body["detail"] = detail
             self.reporter.report_later(alloc_id, body)
 
-    def _last_line(self, handle: JobHandle) -> str | None:
-        try:
-            return self.runner.last_line(handle)
-        except Exception:  # (what the job did to its output): the exit code still goes
-            logger.exception(
-                "allocation %s: its output could not be read", handle.request.allocation_id
-            )
-            return None
-
     # ---------------------------------------------------------------- restart
 
     def reconcile(self) -> None:
@@ -543,7 +537,7 @@ class Agent:
                     "reconcile: killed the job of allocation %s, no longer ours", alloc_id
                 )
         for alloc_id, assignment in active.items():
-            if assignment["status"] == AllocationStatus.RUNNING:
+            if assignment["status"] in STARTABLE:
                 # our previous run's job, if any: stop it, start it cleanly
                 self.runner.reconcile(alloc_id, self.state_dir / f"alloc-{alloc_id}")
                 self.start(alloc_id, assignment)

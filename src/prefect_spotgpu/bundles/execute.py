@@ -109,22 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get(TORCH_ENV.RANK, "0") != "0":  # a gang member of rank > 0
         code = launch.run_flow_function(str(flow_run_id), load=lambda: (flow, flow_run.parameters))
         return code or launch.until_the_run_ends(str(flow_run_id))
-    return run_engine(flow, flow_run_id)
-
-
-def run_engine(flow, flow_run_id: UUID) -> int:
-    """The engine's part of ``python -m prefect.engine``, with ``flow`` from the bundle."""
-    from prefect._internal.control_listener import configure_from_env
-    from prefect.engine import _drive_run_flow_result, handle_engine_signals
-    from prefect.flow_engine import flow_run_logger, load_flow_run, run_flow
-
-    configure_from_env()
     sys.stdout.flush()
-    with handle_engine_signals(flow_run_id):
-        flow_run = load_flow_run(flow_run_id=flow_run_id)
-        result = run_flow(flow, flow_run=flow_run, error_logger=flow_run_logger(flow_run))
-        _drive_run_flow_result(flow, result)
-    return 0
+    return launch.run_engine(flow, str(flow_run_id))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,13 @@ class ServiceSettings(BaseSettings):
     starting_credit: float = Field(10.0, ge=0)
     notice_seconds: float = Field(300.0, gt=0)
     hysteresis: float = Field(0.05, ge=0, lt=10)
+    warm_replacement: bool = Field(
+        True,
+        description="Give a one-node bid's job to the node reserved for its migration at the "
+        "notice, so that node starts it at once in a waiting role (its image pulled, the flow "
+        "loaded, its set-up done) and it runs the moment the final save is acknowledged. "
+        "The reserved node then holds the job's environment from the notice on.",
+    )
     heartbeat_timeout_seconds: float = Field(30.0, gt=0)
     charge_flush_seconds: float = Field(
         5.0, gt=0, description="How often running charges are written to the ledger."

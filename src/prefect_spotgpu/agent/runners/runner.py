@@ -293,3 +293,15 @@ def checkpoint_location(
         raise JobFault(f"checkpoint URL {url!r} refused: give a path or s3://bucket/prefix")
     host = tenant_checkpoint_dir(root, request.tenant_id, request.bid_id)
     return host, seen_at or str(host)
+
+
+def last_line(runner: Runner, handle: JobHandle) -> str | None:
+    """The job's last line of output, or None when it cannot be read (what the job did to its
+    output: logged; its exit code is reported all the same)."""
+    try:
+        return runner.last_line(handle)
+    except Exception:
+        logger.exception(
+            "allocation %s: its output could not be read", handle.request.allocation_id
+        )
+        return None

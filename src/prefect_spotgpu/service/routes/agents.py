@@ -12,7 +12,7 @@ import logging
 
 from fastapi import APIRouter, Request
 
-from prefect_spotgpu.market import NodeState
+from prefect_spotgpu.market import AllocationStatus, NodeState
 from prefect_spotgpu.protocol import HOLDING_STATUSES
 from prefect_spotgpu.service import crud, gangs, queries, schemas
 from prefect_spotgpu.service.deps import CurrentNode, Db
@@ -26,7 +26,19 @@ router = APIRouter(prefix=API, tags=["agents"])
 logger = logging.getLogger("prefect_spotgpu.service")
 
 RUNS_A_JOB = frozenset(s.value for s in HOLDING_STATUSES)
-"""The allocations whose node is given their job: running, or noticed (saving)."""
+"""The allocations whose node is given their job: running, or noticed (saving); and with
+``warm_replacement``, a one-node bid's migration target (:func:`_warms_up`)."""
+
+
+def _warms_up(allocation, bid: BidRow, settings) -> bool:
+    """A migration target that starts its job at the notice, in a waiting role: a one-node
+    bid's (a gang's replacement waits for its whole gang), with ``warm_replacement`` on."""
+    return (
+        settings.warm_replacement
+        and allocation.status == AllocationStatus.RESERVED
+        and allocation.kind == "migration"
+        and bid.node_count == 1
+    )
 
 
 @router.post(
@@ -84,10 +96,12 @@ def drain(node_id: Id, data: schemas.NodeDrain, caller_node: CurrentNode, db: Db
 )
 def node_allocations(node_id: Id, caller_node: CurrentNode, db: Db, request: Request):
     """A job, its environment opened, goes only to the node that holds a running (or noticed)
-    allocation of its bid, while it holds it; a reserved allocation shows no job yet. A gang
+    allocation of its bid, while it holds it, or (``warm_replacement``) a one-node bid's
+    migration target from its notice on; another reserved allocation shows no job yet. A gang
     member's says where its gang meets (``gang``: rank, world size, rank 0's address)."""
     _same_node(node_id, caller_node)
     sealer = request.app.state.sealer
+    settings = request.app.state.settings
     with db.begin() as session:
         allocations = crud.list_allocations(session=session, node_id=node_id, active_only=True)
         bids = queries.get_bids(session=session, bid_ids={a.bid_id for a in allocations})
@@ -97,7 +111,9 @@ def node_allocations(node_id: Id, caller_node: CurrentNode, db: Db, request: Req
                 **schemas.allocation_response(a).model_dump(exclude={"rank"}),
                 rank=places[a.id]["rank"] if a.id in places else None,
                 tenant_id=a.tenant_id,
-                job=_job(bids[a.bid_id], sealer) if a.status in RUNS_A_JOB else None,
+                job=_job(bids[a.bid_id], sealer)
+                if a.status in RUNS_A_JOB or _warms_up(a, bids[a.bid_id], settings)
+                else None,
                 checkpoint_key=f"bid-{a.bid_id}",
                 gang=places.get(a.id),
             )
