@@ -1,6 +1,9 @@
 """The flow the end-to-end tests deploy on a spot-gpu pool: counts with a seeded random walk,
 checkpoints, and answers a notice with a final save. Its result is a pure function of ``steps``.
 
+``SPOTGPU_TEST_SETUP_SECONDS`` and ``SPOTGPU_TEST_FINAL_SAVE_SECONDS`` (benchmarks/recovery.py)
+stand in for a job's start-up (a ``@warm_up`` set-up) and for the write of a large final save.
+
 Progress goes to ``progress`` (JSON lines, one file shared by every attempt) so a test can see
 where each attempt started and on which allocation it ran. Once a file ``hurry`` exists beside
 it, the remaining steps run without their pause: a test that has seen what it waits for (an
@@ -18,7 +21,7 @@ from pathlib import Path
 
 from prefect import flow
 
-from prefect_spotgpu.checkpoint import Checkpointer
+from prefect_spotgpu.checkpoint import Checkpointer, warm_up
 
 
 def count(
@@ -52,6 +55,7 @@ def count(
             # this step's save is the final one: said first, as the agent stops the job as soon
             # as the save is acknowledged (a SIGTERM that can land before any line after it)
             _log(progress, {"saved": step})
+            time.sleep(float(os.environ.get("SPOTGPU_TEST_FINAL_SAVE_SECONDS", "0")))
             ckpt.maybe_save(state, step)
         else:
             ckpt.maybe_save(state, step)
@@ -65,6 +69,20 @@ def count(
     return result
 
 
+@warm_up
+def set_up() -> float:
+    """The job's start-up cost: ``SPOTGPU_TEST_SETUP_SECONDS`` of sleep (none by default),
+    run before the go (while a warm replacement waits); noted in ``SPOTGPU_TEST_WARM_LOG``."""
+    seconds = float(os.environ.get("SPOTGPU_TEST_SETUP_SECONDS", "0"))
+    time.sleep(seconds)
+    _log(Path(os.environ.get("SPOTGPU_TEST_WARM_LOG", "")), {"warm": _allocation()})
+    return seconds
+
+
+def _allocation() -> str | None:
+    return os.environ.get("SPOTGPU_ALLOCATION_ID")
+
+
 @flow(name="spot-count")
 def spot_count(
     steps: int = 60, step_seconds: float = 0.1, progress: str = "", finish_on_notice: bool = False
@@ -73,6 +91,7 @@ def spot_count(
 
     os.umask(0o002)  # in containers each attempt is another uid of the tenant's group: the
     # progress file they share must stay group-writable
+    set_up()  # at once when the launcher ran it before the go
     ckpt = checkpointer_for_run(every=0.3)
     return count(ckpt, steps, step_seconds, Path(progress) or None, finish_on_notice)
 

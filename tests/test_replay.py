@@ -318,6 +318,15 @@ def test_the_replay_benchmark_prints_one_json_object():
     assert report["bound_beaten_in_jobs"] == {"single_region": 0, "multi_region": 0}
     assert set(report["targets"]) >= {"multi_region_ours_vs_bound", "deadlines_met_by_ours"}
     assert report["assumptions"]["restart_overhead_h"] == 0.2
+    measured = report["measured_restart"]  # ours and the bound with the measured restart
+    assert 0 < measured["restart_overhead_s"] < 60
+    for config in ("single_region", "multi_region"):
+        bound = measured[config]["lower-bound"]  # less lost at each start: never a worse optimum
+        assert bound["mean_saving"] >= report["tables"][config]["lower-bound"]["mean_saving"]
+        ours = measured[config][report["ours"]]
+        assert 0 < ours["mean_saving"] <= bound["mean_saving"] + 1e-9
+        met, jobs = ours["deadlines_met"].split("/")
+        assert met == jobs, config
 
 
 def test_with_no_competing_demand_every_spot_hour_costs_the_reserve():

@@ -114,6 +114,9 @@ def test_a_reserved_allocation_gets_its_job_only_as_a_warm_migration_target(
         early = node_jobs(agent2, second["id"])[b["id"]]
         assert (early["env"] == {"TOKEN": SECRET}) if warm else early is None
         assert node_jobs(agent3, third["id"]) == {}
+        target = f"/allocations/{reserved['allocation_id']}"
+        time.sleep(1.2)  # ticks and a charge flush (0.5 s) go by while it warms up
+        assert alice.get(target).json()["charged_micros"] == 0  # never billed while reserved
         notice = wait_event(agent1, f"/nodes/{first['id']}/events", "noticed")
         agent1.post(
             f"/allocations/{alloc}/report",
@@ -126,6 +129,11 @@ def test_a_reserved_allocation_gets_its_job_only_as_a_warm_migration_target(
         service.wait_for(lambda: b["id"] not in node_jobs(agent1, first["id"]))
         service.wait_for(lambda: node_jobs(agent2, second["id"]).get(b["id"]))
         assert node_jobs(agent2, second["id"])[b["id"]]["env"] == {"TOKEN": SECRET}
+        promoted = alice.get(target).json()
+        assert promoted["status"] == "running"  # billed from its promotion on
+        service.wait_for(lambda: alice.get(target).json()["charged_micros"] > 0)
+        old = alice.get(f"/allocations/{alloc}").json()
+        assert promoted["started_at"] >= old["charged_until"] - 0.5  # no second billed twice
     finally:
         service.stop()
 
@@ -492,3 +500,24 @@ def test_a_replica_with_another_secret_key_refuses_to_start(db_url, tmp_path):
         assert "SPOTGPU_SECRET_KEY" in str(exc)
     else:
         raise AssertionError("a replica with another key started")
+
+
+def test_only_a_one_node_bids_migration_target_is_given_its_job_early():
+    """A takeover sits on GPUs a noticed job still holds, and a gang's replacement waits for its
+    gang: neither gets the job before it runs; nor anything when the operator turns it off."""
+    from types import SimpleNamespace as Row
+
+    from prefect_spotgpu.service.routes.agents import _warms_up
+
+    on, off = Row(warm_replacement=True), Row(warm_replacement=False)
+    one, gang = Row(node_count=1), Row(node_count=2)
+
+    def reserved(kind: str) -> Row:
+        return Row(status="reserved", kind=kind)
+
+    assert _warms_up(reserved("migration"), one, on)
+    assert not _warms_up(reserved("migration"), one, off)
+    assert not _warms_up(reserved("migration"), gang, on)
+    assert not _warms_up(reserved("takeover"), one, on)
+    assert not _warms_up(reserved("new"), one, on)
+    assert not _warms_up(Row(status="preempted", kind="migration"), one, on)

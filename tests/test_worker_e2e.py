@@ -214,6 +214,39 @@ def test_a_reclaim_mid_run_resumes_on_the_other_node_with_the_same_result(stack,
     assert "| Preemptions | 1 |" in summary and "On-demand cost" in summary
 
 
+def test_a_warm_replacement_is_set_up_while_the_old_job_saves_and_restores_after(
+    stack, prefect, tmp_path
+):
+    """The reserved node starts the job at the notice: its set-up (2 s) is done while the old
+    job's final save (held 5 s) is written; it restores only after that save is durable."""
+    warm_log = tmp_path / "warm.jsonl"
+    env = {
+        "SPOTGPU_TEST_WARM_LOG": str(warm_log),
+        "SPOTGPU_TEST_SETUP_SECONDS": "2",
+        "SPOTGPU_TEST_FINAL_SAVE_SECONDS": "5",
+    }
+    run_id, progress = start_run(prefect, stack, tmp_path, env=env)
+    first = running_allocation(prefect, run_id)
+    wait_for(lambda: steps_done(progress) >= 5, 60, "progress before the reclaim")
+    reclaim(stack, node_of(stack, first))
+    hurry(progress)
+    final = wait_state(prefect, run_id, lambda s: s.is_completed(), 120, "Completed")
+    assert final.is_completed()
+    second = int(prefect.read_flow_run(run_id).labels["spotgpu.allocation"])
+    old = stack.market().get(f"/allocations/{first}").json()
+    warm = {e["warm"]: e["t"] for e in progress_of(warm_log)}
+    assert warm[str(second)] < old["ended_at"]  # set up before the old job's ack
+    entries = progress_of(progress)
+    restored = next(e for e in entries if "start" in e and e["alloc"] == str(second))
+    assert restored["t"] > old["ended_at"]  # restored only after the final save was durable
+    assert restored["start"] == next(e["saved"] for e in entries if "saved" in e) + 1
+    states = prefect.read_flow_run_states(run_id)
+    running_again = [s for s in states if s.is_running()][-1].timestamp.timestamp()
+    # the set-up is not paid again after the stop (a gross bound: 2 s of it, plus loading
+    # the flow, would come on top of the worker's own second or two)
+    assert running_again - old["ended_at"] < 10
+
+
 def test_a_run_that_finishes_during_its_notice_leaves_no_open_bid(stack, prefect, tmp_path):
     """End to end: the owner takes the node back and the job, instead of saving,
     finishes its work and exits 0 within the notice. The run is Completed and not rescheduled;

@@ -34,6 +34,7 @@ from prefect_spotgpu.checkpoint.storage import (
     S3Storage,
     storage_from_url,
 )
+from prefect_spotgpu.checkpoint.warm import warm_up
 
 __all__ = [
     "CheckpointStorage",
@@ -52,5 +53,6 @@ __all__ = [
     "rng_state",
     "set_rng_state",
     "storage_from_url",
+    "warm_up",
     "write_ack",
 ]

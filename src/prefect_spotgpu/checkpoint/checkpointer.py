@@ -1,7 +1,9 @@
 """The checkpointer a spot flow calls in its loop (docs/operators/architecture.md#design-5).
 
 Cooperative and explicit: the flow calls ``ckpt.maybe_save(state, step)`` every step. It saves
-when the interval has passed (periodic) or when a notice arrived (final). A notice is a SIGUSR1
+when the interval has passed (periodic: by default asynchronous, a snapshot written in the
+background, docs/users/checkpointing.md#asynchronous-saves) or when a notice arrived (final:
+synchronous, after any periodic save in flight has stopped). A notice is a SIGUSR1
 (whose handler only sets a flag) or the appearance of the file named by ``SPOTGPU_NOTICE_FILE``
 (checked with one ``stat`` per call, so code in any process of the job sees it). After the final
 save the checkpointer writes the acknowledgement the node agent waits for (``SPOTGPU_ACK_FILE``,
@@ -19,7 +21,8 @@ signed with that key, ``SPOTGPU_CHECKPOINT_SIGNING_KEY`` by default); any checkp
 cannot read, verify or rebuild is skipped with a warning naming its step, and an older one is
 tried. Retention counts only verified checkpoints: it never deletes the newest verified one
 nor the one just written, and never an unverified one newer than those it keeps. This
-checkpointer is the single writer of its key's checkpoints.
+checkpointer is the single writer of its key's checkpoints: at most one save is written at a
+time, in the caller's thread or in one background thread.
 
 ``Checkpointer(..., rank=r, world_size=n)`` with ``n > 1`` is a ``GangCheckpointer``
 (``checkpoint/gang.py``): one shard per rank of a torch.distributed job, committed together;
@@ -102,6 +105,12 @@ class Checkpointer:
     Without a key, checkpoints are written unsigned and every checkpoint is accepted, as
     before signing existed: non-tensor state is pickled, so whoever can write the storage
     can then run code in the job when it restores.
+
+    ``background`` (default on): periodic saves stage a snapshot of the state into reused
+    host memory (``staging.py``: pinned for CUDA tensors; one copy of the state, kept from
+    save to save) and return; a thread writes it (``background.py``). ``if_busy``: what a
+    periodic save due while the previous one is still being written does (``IF_BUSY``).
+    ``close()`` waits for it and frees the staging memory.
 
     ``rank``, ``world_size``, ``sync``, ``sync_every``: with ``world_size > 1`` the
     constructor returns a ``GangCheckpointer`` (see there); ``world_size=1`` ignores the last

@@ -37,12 +37,15 @@ def checkpointer_for_run(
     keep: int = 3,
     signing_key: str | bytes | None = None,
     sync_every: int = 1,
+    background: bool = True,
+    if_busy: str = "skip",
 ) -> Checkpointer:
     """A ``Checkpointer`` for the running flow: its storage from the argument or
     ``SPOTGPU_CHECKPOINT_URL``, its key from the argument or the flow run id, its signing key
     from the argument or ``SPOTGPU_CHECKPOINT_SIGNING_KEY`` (see ``Checkpointer``), its rank
     and world size from the environment (:func:`rank_from_environment`; a
-    ``GangCheckpointer`` when the world is larger than one)."""
+    ``GangCheckpointer`` when the world is larger than one); ``background`` and ``if_busy``:
+    how periodic saves are written (``Checkpointer``)."""
     if storage is None:
         url = os.environ.get(JOB_ENV.CHECKPOINT_URL)
         if not url:
@@ -70,6 +73,8 @@ def checkpointer_for_run(
         rank=rank,
         world_size=world_size,
         sync_every=sync_every,
+        background=background,
+        if_busy=if_busy,
     )
 
 
