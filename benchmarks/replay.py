@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from prefect_spotgpu.economics.bound import lower_bound
-from prefect_spotgpu.economics.deadline import POLICIES as REGISTERED
+from prefect_spotgpu.economics.policies import POLICIES as REGISTERED
 from prefect_spotgpu.economics.regions import multi_zone_markets, region_seed
 from prefect_spotgpu.economics.replay import (
     MODEL,

@@ -259,3 +259,47 @@ def test_the_arrows_point_one_way(room):
                 f"{path.relative_to(PACKAGE)} imports {name}: {room} may use only "
                 f"{sorted(ARROWS[room])}"
             )
+
+
+IMPORT_EACH_ALONE = """
+import importlib, os, sys
+for heavy in ("prefect", "prefect.flows", "prefect.workers.base", "sqlalchemy", "fastapi",
+              "httpx", "pydantic", "numpy", "boto3", "typer", "rich", "alembic"):
+    importlib.import_module(heavy)  # third parties once; nothing of ours is imported yet
+assert not any(m.startswith("prefect_spotgpu") for m in sys.modules)
+failed = []
+for name in sys.argv[1:]:
+    pid = os.fork()
+    if pid == 0:  # a child with nothing of ours imported: this module alone
+        try:
+            importlib.import_module(name)
+        except BaseException as exc:
+            print(f"{name}: {type(exc).__name__}: {exc}", flush=True)
+            os._exit(1)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    if status:
+        failed.append(name)
+sys.exit(1 if failed else 0)
+"""
+
+
+def test_every_module_imports_alone_in_a_fresh_interpreter():
+    """No import cycle that only an import order hides: each module of the package imported
+    first, alone (in a forked child of an interpreter that holds only third-party packages)."""
+    modules = sorted(
+        ".".join(
+            ("prefect_spotgpu", *path.relative_to(PACKAGE).with_suffix("").parts)
+        ).removesuffix(".__init__")
+        for path in PACKAGE.rglob("*.py")
+        if ("migrations" not in path.parts or path.name == "__init__.py")
+        and path.name != "__main__.py"  # runs a program when imported
+    )
+    assert "prefect_spotgpu.economics.steering" in modules and len(modules) > 100
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORT_EACH_ALONE, *modules],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]

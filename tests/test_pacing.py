@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from prefect_spotgpu.economics.deadline import POLICIES
+from prefect_spotgpu.economics.policies import POLICIES
 from prefect_spotgpu.worker.config import PolicyChoice, SpotGPUJobConfiguration
 from prefect_spotgpu.worker.pacing import Pace, done_hours, plan
 

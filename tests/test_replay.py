@@ -12,13 +12,12 @@ import pytest
 
 from prefect_spotgpu.economics.bound import competing, hindsight_schedule, lower_bound
 from prefect_spotgpu.economics.deadline import (
-    POLICIES,
     Action,
     JobView,
     RegionQuote,
-    get_policy,
     must_finish_on_demand,
 )
+from prefect_spotgpu.economics.policies import POLICIES, get_policy
 from prefect_spotgpu.economics.regions import Regions, Trace, multi_zone_markets
 from prefect_spotgpu.economics.replay import Job, MarketReplay, load_traces, replay
 

@@ -144,26 +144,3 @@ def uniform_progress(view: JobView, base_fraction: float = 0.75) -> Action:
     lead = 0.25 * view.work_h  # ahead by more than this: start only on the cheaper hours
     behind = min(1.0, max(0.0, (view.behind_h + lead) / lead))
     return Action("spot", round(base + (view.cap - base) * behind, 4))
-
-
-POLICIES: dict[str, Policy] = {
-    "always-on-demand": always_on_demand,
-    "greedy-spot": greedy_spot,
-    "uniform-progress": uniform_progress,
-}
-"""The registry; ``deadline-aware`` (``steering``, built on the views above) joins it below."""
-
-
-def get_policy(name: str) -> Policy:
-    """The bidding policy called ``name``; unknown names fail listing the valid ones."""
-    try:
-        return POLICIES[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown bidding policy {name!r}; choose one of {', '.join(sorted(POLICIES))}"
-        ) from None
-
-
-from prefect_spotgpu.economics.steering import deadline_aware  # noqa: E402 (uses the views above)
-
-POLICIES["deadline-aware"] = deadline_aware

@@ -37,7 +37,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from prefect_spotgpu.economics.deadline import Action, JobView, RegionQuote, get_policy
+from prefect_spotgpu.economics.deadline import Action, JobView, RegionQuote
+from prefect_spotgpu.economics.policies import get_policy
 from prefect_spotgpu.economics.regions import (
     ClearingHistory,
     Regions,

@@ -21,7 +21,7 @@ from prefect.workers.base import BaseJobConfiguration, BaseVariables
 from pydantic import Field, field_validator, model_validator
 
 from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
-from prefect_spotgpu.economics.deadline import get_policy
+from prefect_spotgpu.economics.policies import get_policy
 from prefect_spotgpu.economics.schedules import aware, zone
 from prefect_spotgpu.market import DEFAULT_CATALOG
 from prefect_spotgpu.market.types import MAX_GANG_NODES, check_node_count

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
 
-from prefect_spotgpu.economics.deadline import JobView, RegionQuote, get_policy
+from prefect_spotgpu.economics.deadline import JobView, RegionQuote
+from prefect_spotgpu.economics.policies import get_policy
 from prefect_spotgpu.market import DEFAULT_CATALOG, MarketConfig
 
 PACE_SECONDS = float(os.environ.get("SPOTGPU_PACE_SECONDS", "60"))
