@@ -95,9 +95,7 @@ def test_a_jobs_secrets_are_sealed_and_go_only_to_the_node_running_it(service, c
 
 
 @pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
-def test_a_reserved_allocation_gets_its_job_only_as_a_warm_migration_target(
-    db_url, tmp_path, warm
-):
+def test_a_reserved_allocation_gets_its_job_only_as_a_warm_migration_target(db_url, tmp_path, warm):
     """With ``warm_replacement`` the migration target's node gets the job at the notice (to
     start it warm); without, only once it runs. No other node ever sees it."""
     service = start_service(db_url, tmp_path / "home", warm_replacement=warm)

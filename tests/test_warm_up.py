@@ -22,9 +22,7 @@ def test_a_marked_function_runs_once_and_the_flow_gets_what_the_launcher_built(m
     assert build() is first and calls == [1]  # the flow's calls: at once, the same object
 
 
-def test_a_set_up_that_failed_before_the_go_runs_again_when_the_flow_calls_it(
-    monkeypatch, caplog
-):
+def test_a_set_up_that_failed_before_the_go_runs_again_when_the_flow_calls_it(monkeypatch, caplog):
     monkeypatch.setattr(warm, "_MARKED", [])
     attempts = []
 

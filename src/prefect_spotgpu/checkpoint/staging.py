@@ -18,7 +18,6 @@ import numpy as np
 
 from prefect_spotgpu.checkpoint.format import Encoded, _torch, _torch_if_imported
 
-
 PARALLEL_COPY_BYTES = 1 << 20
 """Parts this large are copied by torch (in parallel) when torch is loaded."""
 
