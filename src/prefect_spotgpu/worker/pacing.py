@@ -38,13 +38,16 @@ from typing import Literal
 from prefect_spotgpu.economics.deadline import JobView, RegionQuote
 from prefect_spotgpu.economics.policies import get_policy
 from prefect_spotgpu.market import DEFAULT_CATALOG, MarketConfig
+from prefect_spotgpu.protocol import HOLDING_STATUSES, AllocationStatus
+
+RAN_AND_ENDED = (AllocationStatus.PREEMPTED, AllocationStatus.FINISHED)
+"""Allocations that held GPUs and ended (a reserved one released never ran)."""
 
 PACE_SECONDS = float(os.environ.get("SPOTGPU_PACE_SECONDS", "60"))
 """How often the worker asks the policy again while it follows a paced run (the policy's step;
 ``SPOTGPU_PACE_SECONDS`` in the worker's environment changes it)."""
 RELEASE_PRICE = 0.0001
 """A spot bid repriced to this is below every reserve: its running job gets a notice."""
-HOLDING = ("running", "noticed")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,10 +92,10 @@ def done_hours(allocations: list[dict], now: float, restart_h: float) -> tuple[f
     holds GPUs now."""
     done, holding = 0.0, False
     for a in allocations:
-        if a["status"] in HOLDING:
+        if a["status"] in HOLDING_STATUSES:
             holding = True
             end = now
-        elif a["status"] in ("preempted", "finished") and a.get("ended_at") is not None:
+        elif a["status"] in RAN_AND_ENDED and a.get("ended_at") is not None:
             end = float(a["ended_at"])
         else:
             continue  # reserved, released: never ran
