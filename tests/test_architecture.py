@@ -303,3 +303,96 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+
+
+STATUS_FIELDS = {"status", "state"}
+ROW_CLASSES = {"BidRow": "BID", "NodeRow": "NODE", "AllocationRow": "ALLOCATION"}
+
+
+def status_writes(source: str) -> list[str]:
+    """Every write of a row's status or state in ``source`` other than a creation in an
+    initial state of its table: assignments to ``.status``/``.state`` (plain, augmented, in a
+    tuple), ``.values(status=...)``, ``setattr(..., "status", ...)``."""
+    from prefect_spotgpu.market.transitions import NODE_NEW_STATES
+    from prefect_spotgpu.protocol import BID_NEW_STATES
+
+    initial = {"BID": {s.name for s in BID_NEW_STATES}, "NODE": {s.name for s in NODE_NEW_STATES}}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        for target in targets:
+            for leaf in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(leaf, ast.Attribute) and leaf.attr in STATUS_FIELDS:
+                    found.append(f"line {node.lineno}: assigns .{leaf.attr}")
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        keywords = {k.arg: k.value for k in node.keywords if k.arg in STATUS_FIELDS}
+        if name == "values" and keywords and _updates_a_stateful_row(func.value):
+            found.append(f"line {node.lineno}: .values({', '.join(keywords)}=...)")
+        if name == "setattr" and len(node.args) > 1:
+            field = node.args[1]
+            if isinstance(field, ast.Constant) and field.value in STATUS_FIELDS:
+                found.append(f"line {node.lineno}: setattr {field.value}")
+        if name in ROW_CLASSES and keywords:
+            for value in keywords.values():
+                chain = ast.unparse(value).split(".")
+                table = ROW_CLASSES[name]
+                if table not in initial or len(chain) < 2 or chain[-2] not in initial[table]:
+                    found.append(f"line {node.lineno}: {name} created {ast.unparse(value)}")
+    return found
+
+
+def _updates_a_stateful_row(chain: ast.expr) -> bool:
+    """Whether a ``....values()`` chain updates a bid, node or allocation row (or a table it
+    cannot tell: counted, to be safe); ``update(WebhookDelivery)`` and the like are not."""
+    for node in ast.walk(chain):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "update":
+            target = node.args[0] if node.args else None
+            return not isinstance(target, ast.Name) or target.id in ROW_CLASSES
+    return True
+
+
+def test_only_the_gate_changes_a_bid_node_or_allocation_status():
+    """Statuses change through ``service/gate.py`` alone (a compare-and-set checked against the
+    transition tables); rows are created only in an initial state of their table."""
+    source = "row.status = 'x'\nrow.a, node.state = 1, 2\nupdate(BidRow).values(status=1)\n"
+    assert status_writes(source + "update(WebhookDelivery).values(status=1)") == [
+        "line 1: assigns .status",
+        "line 2: assigns .state",
+        "line 3: .values(status=...)",
+    ]
+    assert status_writes("BidRow(status=BidStatus.HELD.value)") != []
+    assert status_writes("BidRow(status=BidStatus.OPEN.value)") == []
+    offenders = {}
+    for path in sorted((PACKAGE / "service").rglob("*.py")):
+        if path.name == "gate.py" or "migrations" in path.parts:
+            continue
+        found = status_writes(path.read_text())
+        if found:
+            offenders[str(path.relative_to(PACKAGE))] = found
+    assert offenders == {}
+
+
+def test_the_gate_enforces_the_transition_tables():
+    """Every table's final states lead nowhere; the allocation gate reads the same table."""
+    from prefect_spotgpu.market import AllocationStatus
+    from prefect_spotgpu.market.transitions import ALLOCATION_FROM_STATES, NODE_FROM_STATES
+    from prefect_spotgpu.protocol import BID_FROM_STATES, BidStatus
+    from prefect_spotgpu.service import gate
+
+    for to, sources in BID_FROM_STATES.items():
+        assert not sources & gate.FINAL_BID_STATUSES, to
+    for to, sources in ALLOCATION_FROM_STATES.items():
+        assert not any(s.is_terminal() for s in sources), to
+    for current in AllocationStatus:
+        for to in AllocationStatus:
+            allowed = current in ALLOCATION_FROM_STATES.get(to, ()) and not current.is_terminal()
+            assert (gate.check_transition(current, to) is None) == allowed
+    assert set(NODE_FROM_STATES) == set(NODE_FROM_STATES[next(iter(NODE_FROM_STATES))]) | {"lost"}
+    assert BidStatus.CANCELLED not in BID_FROM_STATES[BidStatus.OPEN]

@@ -76,6 +76,17 @@ class BidStatus(StrEnum):
 LIVE_BID_STATUSES = (BidStatus.OPEN, BidStatus.HELD)
 """The bids that may still run: a worker follows and adopts only these."""
 
+BID_FROM_STATES: dict[BidStatus, frozenset[BidStatus]] = {
+    BidStatus.OPEN: frozenset({BidStatus.HELD}),  # reopened: credit again, a node serves it
+    BidStatus.HELD: frozenset({BidStatus.OPEN}),  # out of credit, or no node serves it
+    BidStatus.CANCELLED: frozenset(LIVE_BID_STATUSES),  # its tenant, or the worker
+    BidStatus.FINISHED: frozenset(LIVE_BID_STATUSES),  # its job ended by itself
+}
+"""For each bid status, the statuses a bid may come from; cancelled and finished are final.
+The market service's gate checks every write of a bid's status against it."""
+BID_NEW_STATES = frozenset({BidStatus.OPEN})
+"""A bid is created open (a hold comes after, from the tick)."""
+
 HELD_FOR_CREDIT = "out of credit"
 """How the ``hold_reason`` of a bid held for its tenant's balance begins."""
 

@@ -80,7 +80,14 @@ def apply_change(writes: TickWrites, change: MarketChange, now: float) -> None:
                     raise ValueError(f"{HELD_UNSERVED}: {unserved}")
                 add_bid_row(market, row)
             except ValueError as exc:  # e.g. a region no node offers yet: hold it
-                row.status, row.hold_reason = BidStatus.HELD.value, str(exc)
+                gate.set_bid_status(
+                    session=session,
+                    bid_id=row.id,
+                    expected=BidStatus.OPEN,
+                    to=BidStatus.HELD,
+                    reason=str(exc),
+                    whole_gang=False,
+                )
                 first = gangs.gang_rows(session=session, bid=row)[0]
                 if first.status == BidStatus.HELD and first.hold_reason:  # as its rank 0 was
                     row.hold_reason = first.hold_reason
@@ -149,7 +156,13 @@ def apply_report(writes: TickWrites, change: MarketChange, now: float) -> None:
         bid = session.get(BidRow, alloc.bid_id)
         for row in [] if bid is None else gangs.gang_rows(session=session, bid=bid):
             if row.status in LIVE_BID_STATUSES:  # a gang's job is done on every member
-                row.status = BidStatus.FINISHED.value
+                gate.set_bid_status(
+                    session=session,
+                    bid_id=row.id,
+                    expected=BidStatus(row.status),
+                    to=BidStatus.FINISHED,
+                    whole_gang=False,
+                )
     elif outcome == ReportOutcome.PULLING and status in (S.RUNNING, S.NOTICED):
         writes.event(  # progress for the run's log: the allocation does not change
             EventKind.PULLING,
@@ -188,8 +201,9 @@ def lose_silent_nodes(writes: TickWrites, timeout_seconds: float, now: float) ->
         .order_by(NodeRow.id)
     )
     for node in lost:
-        node.state_before_loss = node.state
-        node.state = NodeState.LOST.value
+        gate.set_node_state(
+            session=writes.session, node=node, to=NodeState.LOST, state_before_loss=node.state
+        )
         writes.market.upsert_node(market_node(node))
         logger.warning("node %s missed heartbeats for %ss: lost", node.id, timeout_seconds)
 
@@ -215,7 +229,9 @@ def reopen_unserved(writes: TickWrites, node: NodeRow) -> None:
     for first in held:
         if market.unserved(market_bid(first)) is not None or market.has_bid(first.id):
             continue
-        if not credit.set_bid_status(session, first.id, BidStatus.HELD, BidStatus.OPEN, None):
+        if not gate.set_bid_status(
+            session=session, bid_id=first.id, expected=BidStatus.HELD, to=BidStatus.OPEN
+        ):
             continue
         try:
             for row in gangs.gang_rows(session=session, bid=first):  # rank 0 first
@@ -223,4 +239,10 @@ def reopen_unserved(writes: TickWrites, node: NodeRow) -> None:
         except ValueError as exc:  # (the market refused it after all: held again, saying why)
             if market.has_bid(first.id):
                 market.cancel_bid(first.id, 0.0)
-            credit.set_bid_status(session, first.id, BidStatus.OPEN, BidStatus.HELD, str(exc))
+            gate.set_bid_status(
+                session=session,
+                bid_id=first.id,
+                expected=BidStatus.OPEN,
+                to=BidStatus.HELD,
+                reason=str(exc),
+            )

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from prefect_spotgpu.market.credit import (
@@ -36,7 +36,7 @@ from prefect_spotgpu.market.credit import (
     exposure_micros,
 )
 from prefect_spotgpu.protocol import HELD_FOR_CREDIT, HELD_UNSERVED, BidStatus
-from prefect_spotgpu.service import gangs
+from prefect_spotgpu.service import gangs, gate
 from prefect_spotgpu.service.errors import Conflict, NotFound, PaymentRequired
 from prefect_spotgpu.service.ledger import credit_hold_reason
 from prefect_spotgpu.service.market_rows import add_bid_row
@@ -193,7 +193,13 @@ def hold_short_of_credit(writes: TickWrites, owed: dict[int, int], hold_seconds:
         decided = credit_holds(available=available, bids=bids)
         reason = credit_hold_reason(available, needed)
         for bid_id in decided.held:
-            if set_bid_status(writes.session, bid_id, BidStatus.OPEN, BidStatus.HELD, reason):
+            if gate.set_bid_status(
+                session=writes.session,
+                bid_id=bid_id,
+                expected=BidStatus.OPEN,
+                to=BidStatus.HELD,
+                reason=reason,
+            ):
                 market.hold_bid(bid_id)
 
 
@@ -232,7 +238,9 @@ def reopen_credit_holds(writes: TickWrites, tenant_id: int, admission_seconds: f
         if needed > spare:
             return  # a newer bid never jumps an older one that does not fit
         spare -= needed
-        if not set_bid_status(session, first.id, BidStatus.HELD, BidStatus.OPEN, None):
+        if not gate.set_bid_status(
+            session=session, bid_id=first.id, expected=BidStatus.HELD, to=BidStatus.OPEN
+        ):
             continue
         if market.unhold_bid(first.id):  # still in the market (its notice runs): it stays
             if market.bid_price(first.id) != first.max_price:
@@ -240,20 +248,3 @@ def reopen_credit_holds(writes: TickWrites, tenant_id: int, admission_seconds: f
         elif not market.has_bid(first.id):
             for row in rows:  # rank 0 first, as the market takes a gang
                 add_bid_row(market, row)
-
-
-def set_bid_status(
-    session: Session, bid_id: int, expected: BidStatus, to: BidStatus, reason: str | None
-) -> bool:
-    """Compare-and-set every member row of the bid's gang (or the bid alone)."""
-    return bool(
-        session.execute(
-            update(BidRow)
-            .where(
-                (BidRow.id == bid_id) | (BidRow.gang_id == bid_id),
-                BidRow.status == expected.value,
-            )
-            .values(status=to.value, hold_reason=reason)
-            .execution_options(synchronize_session="evaluate")
-        ).rowcount
-    )

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from prefect_spotgpu.market import DEFAULT_CATALOG, NodeState
 from prefect_spotgpu.protocol import LIVE_BID_STATUSES, AllocationStatus, BidStatus, Capacity
-from prefect_spotgpu.service import credit, gangs, images, schemas
+from prefect_spotgpu.service import credit, gangs, gate, images, schemas
 from prefect_spotgpu.service.errors import Conflict, Forbidden, NotFound
 from prefect_spotgpu.service.ledger import CreditKind, add_credit
 from prefect_spotgpu.service.ledger import ledger_entries as ledger_entries
@@ -122,7 +122,7 @@ def set_provider(*, session: Session, tenant: Tenant, provider: bool) -> Tenant:
         for node in session.scalars(
             select(NodeRow).where(NodeRow.owner_id == tenant.id, NodeRow.state == NodeState.LIVE)
         ):
-            node.state = NodeState.DRAINING.value
+            gate.set_node_state(session=session, node=node, to=NodeState.DRAINING)
             record_change(session=session, entity=Entity.NODE, entity_id=node.id, op="upsert")
     return tenant
 
@@ -240,10 +240,10 @@ def heartbeat_node(
         # reclaimed or draining one stays so (the owner's word outlives the agent's outage)
         before = NodeState(node.state_before_loss or NodeState.LIVE)
         offers = before is NodeState.LIVE and owner is not None and owner.provider
-        node.state = (
+        back = (
             NodeState.LIVE if offers else before if before != NodeState.LIVE else NodeState.DRAINING
-        ).value
-        node.state_before_loss = None
+        )
+        gate.set_node_state(session=session, node=node, to=back, state_before_loss=None)
         record_change(session=session, entity=Entity.NODE, entity_id=node.id, op="upsert")
     return node
 
@@ -263,9 +263,10 @@ def update_node(
             "its reserve_price cannot change",
             field="reserve_price",
         )
-    if data.state is not None:
-        node.state = data.state
-        node.state_before_loss = None  # the owner's word replaces what a loss remembered
+    if data.state is not None:  # the owner's word replaces what a loss remembered
+        gate.set_node_state(
+            session=session, node=node, to=NodeState(data.state), state_before_loss=None
+        )
     if data.reserve_price is not None:
         node.reserve_price = data.reserve_price
     record_change(session=session, entity=Entity.NODE, entity_id=node.id, op="upsert")
@@ -418,8 +419,16 @@ def cancel_bid(*, session: Session, bid: BidRow, now: datetime) -> BidRow:
     for row in gangs.gang_rows(session=session, bid=bid):  # a gang is cancelled whole
         if row.status in (BidStatus.CANCELLED, BidStatus.FINISHED):
             continue
-        row.status = BidStatus.CANCELLED.value
-        row.updated_at = now
+        cancelled = gate.set_bid_status(
+            session=session,
+            bid_id=row.id,
+            expected=BidStatus(row.status),
+            to=BidStatus.CANCELLED,
+            whole_gang=False,
+            updated_at=now,
+        )
+        if not cancelled:
+            raise Conflict(f"bid {row.id} changed as it was cancelled; cancel it again")
         record_change(
             session=session,
             entity=Entity.BID,

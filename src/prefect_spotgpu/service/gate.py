@@ -1,12 +1,16 @@
-"""The one gate for allocation rows: every write to one goes through here, by the tick leader.
+"""The one gate for every stateful row: allocations, bids and nodes change status only here.
 
-Allocation status is changed only through :func:`set_allocation_status`, as a compare-and-set
-(``UPDATE ... WHERE id = :id AND status = :expected``) that also bumps the allocation's epoch:
-agents and workers send ``(allocation id, epoch)`` with every report, and a stale epoch is
-refused (the fencing token). The rules are plain data, checked before any write. The other
-columns are written here too: new rows (:func:`create_allocations`), charges
-(:func:`add_charges`), a durable checkpoint (:func:`record_checkpoint`) and the outcome of the
-final save (:func:`record_final_save`). The API only reads allocation rows.
+Allocation status is changed only through :func:`set_allocation_status` (by the tick leader),
+as a compare-and-set (``UPDATE ... WHERE id = :id AND status = :expected``) that also bumps the
+allocation's epoch: agents and workers send ``(allocation id, epoch)`` with every report, and a
+stale epoch is refused (the fencing token). A bid's status changes only through
+:func:`set_bid_status` and a node's state only through :func:`set_node_state`, compare-and-set
+too. The rules are plain data (``market.transitions``, ``protocol.BID_FROM_STATES``), checked
+before any write; ``tests/test_architecture.py`` fails when any other module of the service
+assigns a status or a state. The other allocation columns are written here too: new rows
+(:func:`create_allocations`), charges (:func:`add_charges`), a durable checkpoint
+(:func:`record_checkpoint`) and the outcome of the final save (:func:`record_final_save`).
+The API only reads allocation rows.
 """
 
 from __future__ import annotations
@@ -14,41 +18,82 @@ from __future__ import annotations
 from sqlalchemy import Row, bindparam, insert, update
 from sqlalchemy.orm import Session
 
-from prefect_spotgpu.protocol import AllocationStatus, ReportOutcome
+from prefect_spotgpu.market import NodeState
+from prefect_spotgpu.market.transitions import (
+    ALLOCATION_FROM_STATES,
+    ALLOCATION_NEW_STATES,
+    NODE_FROM_STATES,
+    refusal,
+)
+from prefect_spotgpu.protocol import BID_FROM_STATES, AllocationStatus, BidStatus, ReportOutcome
 from prefect_spotgpu.service.errors import Conflict, TransitionRejected
-from prefect_spotgpu.service.models import AllocationRow
+from prefect_spotgpu.service.models import AllocationRow, BidRow, NodeRow
 
 S = AllocationStatus
-
-FROM_STATES: dict[AllocationStatus, frozenset[AllocationStatus]] = {
-    S.RUNNING: frozenset({S.RESERVED}),
-    S.NOTICED: frozenset({S.RUNNING}),
-    S.PREEMPTED: frozenset({S.RUNNING, S.NOTICED}),
-    S.FINISHED: frozenset({S.RUNNING, S.NOTICED}),
-    S.RELEASED: frozenset({S.RESERVED}),
-}
-"""For each target status, the statuses an allocation may come from."""
-
-NEW_STATES = frozenset({S.RUNNING, S.RESERVED})
-"""Statuses an allocation may be created in."""
+FINAL_BID_STATUSES = frozenset({BidStatus.CANCELLED, BidStatus.FINISHED})
+HOLD_STATUSES = frozenset({BidStatus.OPEN, BidStatus.HELD})
+"""The bid statuses whose ``hold_reason`` a change sets (held: why; open: none)."""
 
 
 def check_transition(current: AllocationStatus, to: AllocationStatus) -> str | None:
     """The reason a transition is refused, or None when it is allowed."""
-    if current.is_terminal():
-        return f"allocation is {current.value}, which is final"
-    allowed = FROM_STATES.get(to, frozenset())
-    if current not in allowed:
-        sources = ", ".join(sorted(s.value for s in allowed)) or "nothing"
-        return f"{current.value} -> {to.value} is not allowed ({to.value} comes from {sources})"
-    return None
+    terminal = frozenset(s for s in AllocationStatus if s.is_terminal())
+    return refusal("allocation", current, to, ALLOCATION_FROM_STATES, terminal)
+
+
+def set_bid_status(
+    *,
+    session: Session,
+    bid_id: int,
+    expected: BidStatus,
+    to: BidStatus,
+    reason: str | None = None,
+    whole_gang: bool = True,
+    **fields: object,
+) -> bool:
+    """Move the bid (with ``whole_gang``, every member row of its gang) from ``expected`` to
+    ``to`` (held or open: with ``reason`` as its ``hold_reason``), compare-and-set; whether a
+    row was ``expected`` and changed. A transition ``BID_FROM_STATES`` refuses raises."""
+    why = refusal(f"bid {bid_id}", expected, to, BID_FROM_STATES, FINAL_BID_STATUSES)
+    if why is not None:
+        raise TransitionRejected(why)
+    rows = (BidRow.id == bid_id) | (BidRow.gang_id == bid_id) if whole_gang else BidRow.id == bid_id
+    values = {"status": to.value, **fields}
+    if to in HOLD_STATUSES:
+        values["hold_reason"] = reason
+    return bool(
+        session.execute(
+            update(BidRow)
+            .where(rows, BidRow.status == expected.value)
+            .values(**values)
+            .execution_options(synchronize_session="evaluate")
+        ).rowcount
+    )
+
+
+def set_node_state(*, session: Session, node: NodeRow, to: NodeState, **fields: object) -> None:
+    """Move ``node`` from the state it was read in to ``to`` (and set ``fields``),
+    compare-and-set: ``Conflict`` when its state changed meanwhile, ``TransitionRejected``
+    when ``NODE_FROM_STATES`` refuses the change."""
+    expected = NodeState(node.state)
+    why = refusal(f"node {node.id}", expected, to, NODE_FROM_STATES)
+    if why is not None:
+        raise TransitionRejected(why)
+    changed = session.execute(
+        update(NodeRow)
+        .where(NodeRow.id == node.id, NodeRow.state == expected.value)
+        .values(state=to.value, **fields)
+        .execution_options(synchronize_session="evaluate")
+    ).rowcount
+    if not changed:
+        raise Conflict(f"node {node.id} is no longer {expected.value}; its state changed")
 
 
 def create_allocations(*, session: Session, rows: list[dict]) -> None:
     """Insert new allocations (one statement for the lot), each RUNNING or RESERVED, epoch 1."""
     for row in rows:
         status = AllocationStatus(row["status"])
-        if status not in NEW_STATES:
+        if status not in ALLOCATION_NEW_STATES:
             raise TransitionRejected(f"an allocation cannot be created {status.value}")
         row["epoch"] = 1
     if rows:
