@@ -11,6 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from prefect_spotgpu.economics.policies import POLICIES
+from prefect_spotgpu.protocol import MarketTerms
 from prefect_spotgpu.worker.config import PolicyChoice, SpotGPUJobConfiguration
 from prefect_spotgpu.worker.pacing import Pace, done_hours, plan
 
@@ -231,6 +232,9 @@ class _Market:
 
     async def quotes(self):
         return self._quotes
+
+    async def terms(self):
+        return MarketTerms()
 
     async def cancel(self, bid_id):
         self.cancelled.append(bid_id)

@@ -362,3 +362,29 @@ GANG_ENV_NAMES = (
 )
 """What a gang member's job gets from its agent, in this order; the agent's values win over
 the tenant's environment of the same names."""
+
+
+@dataclass(frozen=True, slots=True)
+class MarketTerms:
+    """What the market publishes for its clients (``GET /api/v1/market``), so a worker reads the
+    operator's settings instead of copying them: the notice's length, the hysteresis margin
+    an incumbent keeps, the tick, and whether migration targets start warm.
+
+    >>> MarketTerms.read({"notice_seconds": 120, "hysteresis": 0.1, "new_field": 1})
+    MarketTerms(notice_seconds=120.0, hysteresis=0.1, tick_seconds=1.0, warm_replacement=True)
+    """
+
+    notice_seconds: float = 300.0
+    hysteresis: float = 0.05
+    tick_seconds: float = 1.0
+    warm_replacement: bool = True
+
+    @classmethod
+    def read(cls, data: dict) -> MarketTerms:
+        """From the route's JSON: fields a newer market adds are ignored, fields an older
+        market lacks keep their defaults (the market's own defaults)."""
+        known = {f: data[f] for f in cls.__slots__ if f in data}
+        for name in ("notice_seconds", "hysteresis", "tick_seconds"):
+            if name in known:
+                known[name] = float(known[name])
+        return cls(**known)

@@ -98,6 +98,7 @@ ROUTE_ROLES: dict[tuple[str, str], frozenset[Role]] = {
         ("GET", f"{API}/market/depth/{{gpu_model}}/{{region}}"): {P},
         ("GET", f"{API}/stream"): {P},
         ("GET", f"{API}/health"): {P},
+        ("GET", f"{API}/market"): {P},
         ("GET", "/metrics"): {P},
         ("GET", "/"): {P},
         ("GET", "/dashboard"): {P},

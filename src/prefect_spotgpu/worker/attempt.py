@@ -139,7 +139,8 @@ async def open_bid(run: PrefectRun, market: MarketApi, placement: Placement, con
         found = await run.retry("read the bid", lambda: market.bid_or_none(known))
         if found is not None and found["status"] in LIVE_BID_STATUSES:
             bid = found
-            if rules.window_over(bid, datetime.now(UTC)):  # a cheap-window run paused:
+            terms = await run.retry("read the market's terms", market.terms)
+            if rules.window_over(bid, datetime.now(UTC), terms.notice_seconds):  # paused:
                 await market.cancel(bid["id"])  # bid for the next window
                 bid = None
     pace, course, replaced = configuration.pace(run.flow_run), None, None
@@ -178,7 +179,7 @@ class Attempt:
         self.market = market
         self.placement = placement
         self.configuration = configuration
-        self.settings = rules.Settings.of(configuration)
+        self.settings = rules.Settings.of(configuration)  # the market's terms: ``follow``
         self.bid = bid
         self.track = Track(gang_lead(bid))
 
@@ -190,6 +191,8 @@ class Attempt:
         is retried with backoff; each event is folded into the track once and its reaction's
         effects (idempotent) are retried until they land."""
         run, bid_id = self.run, self.bid["id"]
+        terms = await run.retry("read the market's terms", self.market.terms)
+        self.settings = rules.Settings.of(self.configuration, terms)
         history = await run.retry("read the bid's events", lambda: self.market.events(bid_id, 0))
         self.track = Track.from_events(history["events"], gang_lead(self.bid))
         cursor = history["cursor"]

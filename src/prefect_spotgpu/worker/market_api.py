@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import anyio
 import httpx
 
-from prefect_spotgpu.protocol import LIVE_BID_STATUSES
+from prefect_spotgpu.protocol import LIVE_BID_STATUSES, MarketTerms
 from prefect_spotgpu.worker.bid_batch import batcher_for
 from prefect_spotgpu.worker.report import quote_summary
 
@@ -81,6 +81,19 @@ class MarketApi:
 
     def __init__(self, http: httpx.AsyncClient) -> None:
         self.http = http
+        self._terms: MarketTerms | None = None
+
+    async def terms(self) -> MarketTerms:
+        """The market's terms (``GET /market``, read once); an older market without the
+        route: the defaults, which are its settings' defaults."""
+        if self._terms is None:
+            response = await self.http.get("/market")
+            self._terms = (
+                MarketTerms()
+                if response.status_code == 404
+                else MarketTerms.read(checked(response, "read the market's terms"))
+            )
+        return self._terms
 
     async def bid(self, bid_id: int | str) -> dict:
         return checked(await self.http.get(f"/bids/{bid_id}"), "read the bid")

@@ -37,8 +37,8 @@ from typing import Literal
 
 from prefect_spotgpu.economics.deadline import JobView, RegionQuote
 from prefect_spotgpu.economics.policies import get_policy
-from prefect_spotgpu.market import DEFAULT_CATALOG, MarketConfig
-from prefect_spotgpu.protocol import HOLDING_STATUSES, AllocationStatus
+from prefect_spotgpu.market import DEFAULT_CATALOG
+from prefect_spotgpu.protocol import HOLDING_STATUSES, AllocationStatus, MarketTerms
 
 RAN_AND_ENDED = (AllocationStatus.PREEMPTED, AllocationStatus.FINISHED)
 """Allocations that held GPUs and ended (a reserved one released never ran)."""
@@ -103,11 +103,13 @@ def done_hours(allocations: list[dict], now: float, restart_h: float) -> tuple[f
     return done, holding
 
 
-def region_quotes(pace: Pace, quotes: list[dict]) -> tuple[RegionQuote, ...]:
+def region_quotes(
+    pace: Pace, quotes: list[dict], hysteresis: float = MarketTerms().hysteresis
+) -> tuple[RegionQuote, ...]:
     """The spot pools of the run's model (of its region, or every region for ``any``) from
     the market's ``GET /prices``, as the policy reads them: open when a bid at the cap would
     hold GPUs there now (a node's worth free, or the cap beats the clearing price by the
-    hysteresis margin), and the floor that wins there now.
+    hysteresis margin: the market's, ``MarketTerms``), and the floor that wins there now.
 
     >>> from datetime import UTC
     >>> p = Pace(4, datetime(2026, 12, 2, tzinfo=UTC), datetime(2026, 12, 1, tzinfo=UTC),
@@ -118,7 +120,6 @@ def region_quotes(pace: Pace, quotes: list[dict]) -> tuple[RegionQuote, ...]:
     >>> [(r.region, r.open, r.floor, r.free_nodes) for r in found]
     [('eu', False, 1.15, 0), ('us', True, 0.9, 1)]
     """
-    hysteresis = MarketConfig().hysteresis
     found = []
     for q in quotes:
         if q.get("gpu_model") != pace.gpu_model or q.get("capacity", "spot") != "spot":
@@ -142,16 +143,18 @@ def plan(
     bid: dict | None,
     allocations: list[dict],
     quotes: list[dict] | None = None,
+    hysteresis: float = MarketTerms().hysteresis,
 ) -> Plan:
     """What the run should bid for now (see the module docstring); ``quotes``: the market's
-    ``GET /prices``, every pool's quote (None: unknown, spot assumed open)."""
+    ``GET /prices``, every pool's quote (None: unknown, spot assumed open); ``hysteresis``:
+    the market's margin (``MarketTerms``)."""
     restart_h = pace.restart_minutes / 60
     done, holding = done_hours(allocations, now.timestamp(), restart_h)
     on_demand_price = DEFAULT_CATALOG.get(pace.gpu_model).on_demand_price
     mode = "wait"
     if holding and bid is not None:
         mode = "on_demand" if bid.get("capacity") == "on_demand" else "spot"
-    regions = region_quotes(pace, quotes) if quotes is not None else ()
+    regions = region_quotes(pace, quotes, hysteresis) if quotes is not None else ()
     view = JobView(
         now_h=_hours(now - pace.origin),
         deadline_h=_hours(pace.deadline - pace.origin),

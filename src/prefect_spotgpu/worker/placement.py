@@ -94,7 +94,10 @@ class Placement:
         the job saves first (never a cancel, which stops it without a final save)."""
         allocations = [] if bid is None else await self.market.allocations(bid["id"])
         quotes = await self.market.quotes()
-        course = plan(pace, datetime.now(UTC), bid, lead_allocations(allocations), quotes)
+        hysteresis = (await self.market.terms()).hysteresis
+        course = plan(
+            pace, datetime.now(UTC), bid, lead_allocations(allocations), quotes, hysteresis
+        )
         if bid is None:
             return None, course, None
         on_demand = bid.get("capacity") == Capacity.ON_DEMAND
@@ -127,7 +130,10 @@ class Placement:
             return bid  # released already: its job is saving
         allocations = await self.market.allocations(bid["id"])
         quotes = await self.market.quotes()
-        course = plan(pace, datetime.now(UTC), bid, lead_allocations(allocations), quotes)
+        hysteresis = (await self.market.terms()).hysteresis
+        course = plan(
+            pace, datetime.now(UTC), bid, lead_allocations(allocations), quotes, hysteresis
+        )
         on_demand = bid.get("capacity") == Capacity.ON_DEMAND
         if (course.mode == "on_demand") == on_demand:
             return bid

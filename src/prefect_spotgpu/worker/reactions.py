@@ -47,11 +47,15 @@ from enum import StrEnum
 from typing import Literal
 
 from prefect_spotgpu.economics.schedules import aware, cheap_window
-from prefect_spotgpu.protocol import HELD_UNSERVED, BidStatus, EndReason, EventKind, WorkerEvent
+from prefect_spotgpu.protocol import (
+    HELD_UNSERVED,
+    BidStatus,
+    EndReason,
+    EventKind,
+    MarketTerms,
+    WorkerEvent,
+)
 from prefect_spotgpu.worker.report import describe
-
-NOTICE_SECONDS = 300
-"""The market's notice: a window closing sooner than this cannot start a run."""
 
 
 class Phase(StrEnum):
@@ -90,13 +94,16 @@ class Settings:
     max_preemptions: int
     cheap_window_only: bool = False
     timezone: str = "UTC"
+    notice_seconds: float = 300.0
+    """The market's notice (``MarketTerms``): a window closing sooner cannot start a run."""
 
     @classmethod
-    def of(cls, configuration) -> Settings:
+    def of(cls, configuration, terms: MarketTerms | None = None) -> Settings:
         return cls(
             max_preemptions=configuration.max_preemptions,
             cheap_window_only=configuration.cheap_window_only,
             timezone=configuration.timezone,
+            notice_seconds=(terms or MarketTerms()).notice_seconds,
         )
 
 
@@ -505,16 +512,16 @@ def resume_time(now: datetime, settings: Settings) -> datetime:
     window closed, when the next window opens."""
     if not settings.cheap_window_only:
         return now
-    start, _ = cheap_window(now + timedelta(seconds=NOTICE_SECONDS), settings.timezone)
+    start, _ = cheap_window(now + timedelta(seconds=settings.notice_seconds), settings.timezone)
     return max(now, start)
 
 
-def window_over(bid: dict, now: datetime) -> bool:
+def window_over(bid: dict, now: datetime, notice_seconds: float = 300.0) -> bool:
     """Whether a bid's cheap window has closed (or closes within a notice's length)."""
     end = bid.get("window_end")
     if not end:
         return False
-    return aware(datetime.fromisoformat(end)).timestamp() <= now.timestamp() + NOTICE_SECONDS
+    return aware(datetime.fromisoformat(end)).timestamp() <= now.timestamp() + notice_seconds
 
 
 def plain(payload: dict) -> dict:

@@ -7,10 +7,26 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 import prefect_spotgpu
+from prefect_spotgpu.protocol import MarketTerms
 from prefect_spotgpu.service.routes.params import API
 from prefect_spotgpu.service.ticker import Ticker
 
 router = APIRouter(prefix=API, tags=["service"])
+
+
+@router.get(
+    "/market",
+    response_model=MarketTerms,
+    summary="The market's terms for its clients: notice, hysteresis, tick, warm replacement",
+)
+def market_terms(request: Request) -> MarketTerms:
+    settings = request.app.state.settings
+    return MarketTerms(
+        notice_seconds=settings.notice_seconds,
+        hysteresis=settings.hysteresis,
+        tick_seconds=settings.tick_seconds,
+        warm_replacement=settings.warm_replacement,
+    )
 
 
 @router.get("/health", summary="Liveness, and whether this replica ticks")
