@@ -402,7 +402,8 @@ def test_every_durable_save_is_recorded_and_a_failed_final_save_says_storage(tmp
     for step in (1, 2):
         clock[0] += 11
         before = time.time()
-        assert ckpt.maybe_save({"w": step}, step) is not None
+        assert ckpt.maybe_save({"w": step}, step) is None  # staged; written in the background
+        assert ckpt.wait().step == step  # durable, and reported
         record = json.loads(saved.read_text())
         assert record["step"] == step and record["final"] is False
         assert before <= record["saved_at"] <= time.time()
