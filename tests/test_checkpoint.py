@@ -277,6 +277,8 @@ def test_checkpoint_benchmark_reports_one_json_object():
             "0.125",
             "--repeat",
             "1",
+            "--async-gib",
+            "0.125",
         ],
         capture_output=True,
         text=True,
@@ -288,6 +290,9 @@ def test_checkpoint_benchmark_reports_one_json_object():
     # gross regressions only: the target (0.9 x raw at 1 GiB) is in the benchmark itself
     assert report["ratio_to_raw"]["ours"] > 0.5
     assert report["notice_to_durable_seconds"] < 5
+    periodic = report["periodic_saves"]["0.125GiB"]
+    assert periodic["staging_bytes_over_state"] == 1.0  # one copy of the state
+    assert periodic["seconds"]["async_blocking"] < periodic["seconds"]["sync_blocking"]
 
 
 def test_the_flow_helper_takes_storage_from_the_environment(tmp_path, monkeypatch):

@@ -229,15 +229,23 @@ def test_a_warm_replacement_is_set_up_while_the_old_job_saves_and_restores_after
     first = running_allocation(prefect, run_id)
     wait_for(lambda: steps_done(progress) >= 5, 60, "progress before the reclaim")
     reclaim(stack, node_of(stack, first))
+    restored = wait_for(
+        lambda: next(
+            (e for e in progress_of(progress) if "start" in e and e["alloc"] != str(first)), None
+        ),
+        120,
+        "the resume on the other node",
+    )
     hurry(progress)
     final = wait_state(prefect, run_id, lambda s: s.is_completed(), 120, "Completed")
     assert final.is_completed()
-    second = int(prefect.read_flow_run(run_id).labels["spotgpu.allocation"])
+    second = int(restored["alloc"])
+    assert second == int(prefect.read_flow_run(run_id).labels["spotgpu.allocation"])
     old = stack.market().get(f"/allocations/{first}").json()
+    assert old["status"] == "preempted" and old["final_save"] == "ok"
     warm = {e["warm"]: e["t"] for e in progress_of(warm_log)}
     assert warm[str(second)] < old["ended_at"]  # set up before the old job's ack
     entries = progress_of(progress)
-    restored = next(e for e in entries if "start" in e and e["alloc"] == str(second))
     assert restored["t"] > old["ended_at"]  # restored only after the final save was durable
     assert restored["start"] == next(e["saved"] for e in entries if "saved" in e) + 1
     states = prefect.read_flow_run_states(run_id)
