@@ -251,3 +251,20 @@ def test_a_gang_commits_a_background_save_once_and_its_final_save_wins(tmp_path)
         ack = json.loads(Path(str(notices[rank]) + ".ack").read_text())
         assert ack["step"] == 3 and ack["durable"] is True
     assert LocalStorage(tmp_path / "s").steps("run/gang") == [3, 1]
+
+
+def test_large_read_only_and_pickled_parts_stage_quietly_and_round_trip(tmp_path):
+    import warnings
+
+    clock = Clock()
+    ckpt = checkpointer(LocalStorage(tmp_path), clock)
+    frozen = np.frombuffer(bytes(range(256)) * 8192, dtype=np.uint8)  # 2 MiB, read-only
+    state = {"frozen": frozen, "big_object": {"blob": b"x" * (2 << 20)}, "t": torch.ones(1 << 19)}
+    clock.t = 11
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. torch's "the given buffer is not writable"
+        ckpt.maybe_save(state, 1)
+        assert ckpt.wait().step == 1
+    got = ckpt.restore().state
+    assert (got["frozen"] == frozen).all() and got["big_object"] == state["big_object"]
+    assert torch.equal(got["t"], state["t"])

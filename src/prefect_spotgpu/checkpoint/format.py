@@ -120,7 +120,8 @@ class Encoded:
                 staging = torch.empty(part.nbytes, dtype=torch.uint8, pin_memory=True)
                 staging.copy_(part.source, non_blocking=True)
                 copies[id(part)] = staging
-            torch.cuda.synchronize()
+            for device in {part.source.device for part in devices}:
+                torch.cuda.synchronize(device)  # one wait per GPU for all of its copies
         at = 0
         for part in self.parts:
             if part.offset > at:

@@ -55,8 +55,8 @@ class Staging:
 def stage(encoded: Encoded, staging: Staging) -> Encoded:
     """Copy ``encoded``'s parts into ``staging``: its buffers are then the one staged blob,
     independent of the state, which training may change at once; returns ``encoded``."""
-    devices = any(not isinstance(part.source, memoryview) for part in encoded.parts)
-    host = staging.blob(encoded.size, pinned=devices)
+    gpus = {p.source.device for p in encoded.parts if not isinstance(p.source, memoryview)}
+    host = staging.blob(encoded.size, pinned=bool(gpus))
     view = memoryview(host)
     pinned = staging._tensor
     torch = _torch_if_imported()  # its copy uses every intra-op thread; memcpy uses one
@@ -68,7 +68,7 @@ def stage(encoded: Encoded, staging: Staging) -> Encoded:
         end = part.offset + part.nbytes
         if isinstance(part.source, memoryview):
             source = part.source if part.source.format == "B" else part.source.cast("B")
-            if into is not None and part.nbytes >= PARALLEL_COPY_BYTES:
+            if into is not None and part.nbytes >= PARALLEL_COPY_BYTES and not source.readonly:
                 into[part.offset : end].copy_(torch.frombuffer(source, dtype=torch.uint8))
             else:
                 view[part.offset : end] = source
@@ -76,8 +76,8 @@ def stage(encoded: Encoded, staging: Staging) -> Encoded:
             pinned[part.offset : end].copy_(part.source, non_blocking=True)
         encoded.pending.append((part.node, view[part.offset : end]))
         at = end
-    if devices:
-        _torch().cuda.synchronize()
+    for device in gpus:
+        _torch().cuda.synchronize(device)  # one wait per GPU for all of its copies
     encoded.buffers = [view]
     encoded.parts = []  # nothing of the state is referenced any more
     return encoded
