@@ -161,14 +161,14 @@ def test_prefect_creates_a_complete_spot_gpu_pool(prefect_api_url):
 def test_a_cheap_window_run_resumes_when_the_next_window_opens():
     from datetime import UTC, datetime
 
-    from prefect_spotgpu.worker.reactions import resume_time
+    from prefect_spotgpu.worker.reactions import Settings, resume_time
 
-    config = SpotGPUJobConfiguration(cheap_window_only=True, timezone="Europe/Berlin")
+    config = Settings.of(SpotGPUJobConfiguration(cheap_window_only=True, timezone="Europe/Berlin"))
     closing = datetime(2026, 12, 3, 7, 58, tzinfo=UTC)  # Thursday 08:58 in Berlin
     assert resume_time(closing, config) == datetime(2026, 12, 3, 17, 0, tzinfo=UTC)
     reclaimed_at_night = datetime(2026, 12, 2, 22, 0, tzinfo=UTC)  # the window stays open
     assert resume_time(reclaimed_at_night, config) == reclaimed_at_night
-    anytime = SpotGPUJobConfiguration()
+    anytime = Settings.of(SpotGPUJobConfiguration())
     assert resume_time(closing, anytime) == closing
     with pytest.raises(ValueError, match="unknown timezone"):
         SpotGPUJobConfiguration(timezone="Berlin")
