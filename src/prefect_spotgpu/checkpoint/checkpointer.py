@@ -267,21 +267,29 @@ class Checkpointer:
             exc,
         )
 
+    def _skipped_while_busy(self, step: int) -> bool:
+        """A periodic save due while one is in flight: skipped (``if_busy="skip"``: logged,
+        the interval starts again; True), or after the one in flight (``"wait"``; False)."""
+        if self._in_flight is None:
+            return False
+        if self.if_busy == "skip":
+            self.skipped += 1
+            self._last_save_at = self.clock()
+            logger.warning(
+                "periodic checkpoint of %s at step %s skipped: the one of step %s is still "
+                "being written (if_busy='skip'; the interval starts again)",
+                self.key,
+                step,
+                self._in_flight.step,
+            )
+            return True
+        self._settle_in_flight(abandon=False)
+        return False
+
     def _save_in_background(self, state, step: int) -> None:
         """Stage a snapshot (the only part that blocks), then write it in a thread."""
-        if self._in_flight is not None:
-            if self.if_busy == "skip":
-                self.skipped += 1
-                self._last_save_at = self.clock()
-                logger.warning(
-                    "periodic checkpoint of %s at step %s skipped: the one of step %s is "
-                    "still being written (if_busy='skip'; the interval starts again)",
-                    self.key,
-                    step,
-                    self._in_flight.step,
-                )
-                return None
-            self._settle_in_flight(abandon=False)
+        if self._skipped_while_busy(step):
+            return None
         started = time.perf_counter()
         snapshot = state() if callable(state) else state
         encoded = stage(self._layout(snapshot, step, final=False), self._staging)

@@ -207,19 +207,8 @@ class GangCheckpointer(Checkpointer):
         if agreed == FINAL:
             self._settle_in_flight(abandon=True)  # on every rank: the final save wins
             return self._final_save(state, step)
-        if self._in_flight is not None:
-            if self.if_busy == "skip":
-                self.skipped += 1
-                self._last_save_at = self.clock()
-                logger.warning(
-                    "periodic gang checkpoint of %s at step %s skipped: the one of step %s "
-                    "is still being written",
-                    self.key,
-                    step,
-                    self._in_flight.step,
-                )
-                return None
-            self._settle_in_flight(abandon=False)
+        if self._skipped_while_busy(step):  # alike on every rank: WRITING is agreed
+            return None
         if self.background:
             self._start_in_background(state, step)
             return None
