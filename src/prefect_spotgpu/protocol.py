@@ -23,6 +23,7 @@ from prefect_spotgpu.market.types import (
     AllocationStatus,
     Capacity,
     EndReason,
+    MarketConfig,
     NoticeReason,
     Runner,
 )
@@ -364,6 +365,9 @@ GANG_ENV_NAMES = (
 the tenant's environment of the same names."""
 
 
+_MARKET_DEFAULTS = MarketConfig()
+
+
 @dataclass(frozen=True, slots=True)
 class MarketTerms:
     """What the market publishes for its clients (``GET /api/v1/market``), so a worker reads the
@@ -374,8 +378,8 @@ class MarketTerms:
     MarketTerms(notice_seconds=120.0, hysteresis=0.1, tick_seconds=1.0, warm_replacement=True)
     """
 
-    notice_seconds: float = 300.0
-    hysteresis: float = 0.05
+    notice_seconds: float = _MARKET_DEFAULTS.notice_seconds  # (an older market's: these)
+    hysteresis: float = _MARKET_DEFAULTS.hysteresis
     tick_seconds: float = 1.0
     warm_replacement: bool = True
 

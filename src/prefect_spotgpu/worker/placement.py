@@ -86,6 +86,12 @@ class Placement:
         self.run.emit(WorkerEvent.CREATED, bid)
         return bid
 
+    async def _plan(self, pace: Pace, bid: dict | None, allocations: list[dict]):
+        """``pacing.plan`` now, on the market's quotes and its hysteresis margin."""
+        quotes = await self.market.quotes()
+        hysteresis = (await self.market.terms()).hysteresis
+        return plan(pace, datetime.now(UTC), bid, lead_allocations(allocations), quotes, hysteresis)
+
     async def steer(self, pace: Pace, bid: dict | None):
         """Ask the run's bidding policy (``pacing.plan``); returns the bid to keep (None:
         place a new one), the plan, and the bid it cancelled. A waiting spot bid is repriced
@@ -93,11 +99,7 @@ class Placement:
         other capacity. A bid whose job runs is kept: ``pace`` releases it with a notice, so
         the job saves first (never a cancel, which stops it without a final save)."""
         allocations = [] if bid is None else await self.market.allocations(bid["id"])
-        quotes = await self.market.quotes()
-        hysteresis = (await self.market.terms()).hysteresis
-        course = plan(
-            pace, datetime.now(UTC), bid, lead_allocations(allocations), quotes, hysteresis
-        )
+        course = await self._plan(pace, bid, allocations)
         if bid is None:
             return None, course, None
         on_demand = bid.get("capacity") == Capacity.ON_DEMAND
@@ -128,12 +130,7 @@ class Placement:
             return kept
         if bid["max_price"] == RELEASE_PRICE:
             return bid  # released already: its job is saving
-        allocations = await self.market.allocations(bid["id"])
-        quotes = await self.market.quotes()
-        hysteresis = (await self.market.terms()).hysteresis
-        course = plan(
-            pace, datetime.now(UTC), bid, lead_allocations(allocations), quotes, hysteresis
-        )
+        course = await self._plan(pace, bid, await self.market.allocations(bid["id"]))
         on_demand = bid.get("capacity") == Capacity.ON_DEMAND
         if (course.mode == "on_demand") == on_demand:
             return bid

@@ -94,7 +94,7 @@ class Settings:
     max_preemptions: int
     cheap_window_only: bool = False
     timezone: str = "UTC"
-    notice_seconds: float = 300.0
+    notice_seconds: float = MarketTerms().notice_seconds
     """The market's notice (``MarketTerms``): a window closing sooner cannot start a run."""
 
     @classmethod
@@ -516,7 +516,9 @@ def resume_time(now: datetime, settings: Settings) -> datetime:
     return max(now, start)
 
 
-def window_over(bid: dict, now: datetime, notice_seconds: float = 300.0) -> bool:
+def window_over(
+    bid: dict, now: datetime, notice_seconds: float = MarketTerms().notice_seconds
+) -> bool:
     """Whether a bid's cheap window has closed (or closes within a notice's length)."""
     end = bid.get("window_end")
     if not end:
