@@ -217,7 +217,7 @@ def test_the_launcher_waits_through_crashed_and_acknowledges_an_early_notice(
 
     from prefect import flow
     from prefect.client.orchestration import get_client
-    from prefect.states import Completed, Crashed
+    from prefect.states import Completed, Crashed, Pending
 
     @flow(name="launcher-probe")
     def probe():
@@ -247,6 +247,13 @@ def test_the_launcher_waits_through_crashed_and_acknowledges_an_early_notice(
         client.set_flow_run_state(run.id, Completed(), force=True)
         over = launch()
         assert over.returncode == 0 and "already Completed" in over.stdout
+        # the go, for a flow that cannot be loaded ahead (no deployment): the engine loads it
+        # again itself (exec) and fails the way it always has, saying why
+        client.set_flow_run_state(run.id, Pending(name="Starting"), force=True)
+        client.update_flow_run_labels(run.id, {"spotgpu.allocation": "7"})
+        went = launch()
+        assert "could not be loaded ahead" in went.stderr
+        assert went.returncode != 0 and "go at" in went.stdout
 
 
 def test_a_run_without_checkpoint_storage_is_refused_before_any_bid(service):

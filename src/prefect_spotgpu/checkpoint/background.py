@@ -54,9 +54,15 @@ class BackgroundSave:
     buffers and returns the ``SaveResult``; ``done``, ``result`` and ``error`` tell how it
     went."""
 
-    def __init__(self, step: int, write: Callable[[AbandonableBuffers], object], buffers) -> None:
+    def __init__(
+        self,
+        step: int,
+        write: Callable[[AbandonableBuffers], object],
+        buffers,
+        started: float | None = None,
+    ) -> None:
         self.step = step
-        self.started = time.perf_counter()
+        self.started = time.perf_counter() if started is None else started  # (its snapshot)
         self.abandoned = threading.Event()
         self.result = None
         self.error: BaseException | None = None

@@ -177,7 +177,6 @@ class Checkpointer:
         self.background = background
         self.if_busy = if_busy
         self.skipped = 0
-        self.last_snapshot_seconds: float | None = None
         self._staging = Staging()
         self._in_flight: BackgroundSave | None = None
         if signing_key is None:
@@ -293,7 +292,6 @@ class Checkpointer:
         started = time.perf_counter()
         snapshot = state() if callable(state) else state
         encoded = stage(self._layout(snapshot, step, final=False), self._staging)
-        self.last_snapshot_seconds = time.perf_counter() - started
         self._last_save_at = self.clock()
 
         def write(buffers) -> SaveResult:

@@ -246,9 +246,8 @@ class GangCheckpointer(Checkpointer):
                 return encoded.size
 
             buffers = encoded.buffers
-        self.last_snapshot_seconds = time.perf_counter() - started
         self._last_save_at = self.clock()
-        self._in_flight = BackgroundSave(step, write, buffers)
+        self._in_flight = BackgroundSave(step, write, buffers, started)
 
     def _finish_in_background_save(self) -> None:
         """Every rank's shard write has ended: the verdict and the commit (collectives)."""
@@ -263,7 +262,8 @@ class GangCheckpointer(Checkpointer):
         self._periodic_outcome(outcome, pending.step)
 
     def _settle_in_flight(self, *, abandon: bool) -> None:
-        """Collective: the save in flight abandoned, or finished and committed."""
+        """Collective: the save in flight abandoned, or finished and committed (so are
+        ``wait``, ``save`` and ``close``, which call it)."""
         if self._in_flight is not None:
             if abandon:
                 self._in_flight.abandon()
