@@ -461,6 +461,55 @@ def test_the_gate_refuses_transitions_outside_its_rules(db_url):
     engine.dispose()
 
 
+def test_the_gate_fences_bid_and_node_status_as_it_fences_allocations(postgres_url, tmp_path):
+    """A bid's or node's status that changed between a read and its write is a conflict (409),
+    never overwritten; a transition off the tables is refused before any write. PostgreSQL
+    only: the lost race needs a second writer that commits between the read and the
+    compare-and-set, which SQLite's single writer cannot interleave."""
+    from datetime import UTC, datetime
+
+    from conftest import fresh_postgres_schema, start_service
+    from prefect_spotgpu.market import NodeState
+    from prefect_spotgpu.protocol import BidStatus
+    from prefect_spotgpu.service import crud, gate
+    from prefect_spotgpu.service.db import make_engine, make_sessionmaker
+    from prefect_spotgpu.service.errors import Conflict, TransitionRejected
+    from prefect_spotgpu.service.models import BidRow, NodeRow
+
+    url, drop = fresh_postgres_schema(postgres_url)
+    service = start_service(url, tmp_path / "home")
+    engine = make_engine(url)
+    sessions = make_sessionmaker(engine)
+    try:
+        alice, owner = service.tenant(), service.tenant()
+        node, _ = service.node(owner, gpus=1)
+        b = bid(alice, gpu_count=1, max_price=1.0)
+        with sessions.begin() as session, pytest.raises(TransitionRejected, match="final"):
+            gate.set_bid_status(
+                session=session, bid_id=b["id"], expected=BidStatus.FINISHED, to=BidStatus.OPEN
+            )
+        with sessions.begin() as session:
+            row = session.get(BidRow, b["id"])
+            assert row.status == BidStatus.OPEN
+            with sessions.begin() as other:  # a writer commits between the read and the write
+                other.execute(sa.update(BidRow).where(BidRow.id == b["id"]).values(status="held"))
+            with pytest.raises(Conflict, match="changed"):
+                crud.cancel_bid(session=session, bid=row, now=datetime.now(UTC))
+        with sessions.begin() as session:
+            found = session.get(NodeRow, node["id"])
+            with sessions.begin() as other:
+                other.execute(
+                    sa.update(NodeRow).where(NodeRow.id == node["id"]).values(state="draining")
+                )
+            with pytest.raises(Conflict, match="no longer live"):
+                gate.set_node_state(session=session, node=found, to=NodeState.RECLAIMED)
+        assert alice.get(f"/bids/{b['id']}").json()["status"] == "held"  # nothing overwritten
+    finally:
+        service.stop()
+        engine.dispose()
+        drop()
+
+
 def test_compensation_is_bounded_by_the_allocation_and_checkpoints_cannot_be_future(service):
     alice, owner = service.tenant(), service.tenant()
     node, agent = service.node(owner, gpus=1, reserve=0.5)
