@@ -117,6 +117,9 @@ class Checkpointer:
     two.
     """
 
+    WHAT = "checkpoint"
+    """What this checkpointer saves, as its log lines name it."""
+
     def __new__(cls, *args, world_size: int = 1, **kwargs):
         if cls is Checkpointer and world_size != 1:
             from prefect_spotgpu.checkpoint.gang import GangCheckpointer
@@ -258,8 +261,9 @@ class Checkpointer:
         self.failures += 1
         self._last_save_at = -math.inf  # the next call retries
         logger.error(
-            "periodic checkpoint of %s at step %s failed (%s: %s); training goes "
-            "on and the next call retries",
+            "periodic %s of %s at step %s failed (%s: %s); training goes on and the next "
+            "call retries",
+            self.WHAT,
             self.key,
             step,
             type(exc).__name__,
@@ -275,8 +279,9 @@ class Checkpointer:
             self.skipped += 1
             self._last_save_at = self.clock()
             logger.warning(
-                "periodic checkpoint of %s at step %s skipped: the one of step %s is still "
-                "being written (if_busy='skip'; the interval starts again)",
+                "periodic %s of %s at step %s skipped: the one of step %s is still being "
+                "written (if_busy='skip'; the interval starts again)",
+                self.WHAT,
                 self.key,
                 step,
                 self._in_flight.step,

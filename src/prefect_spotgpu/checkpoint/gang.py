@@ -46,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import math
 import time
 from dataclasses import dataclass
 
@@ -142,6 +141,8 @@ class GangCheckpointer(Checkpointer):
                 break  # every rank saved, the gang manifest is committed, every rank acked
     """
 
+    WHAT = "gang checkpoint"
+
     def __init__(
         self,
         storage,
@@ -215,17 +216,8 @@ class GangCheckpointer(Checkpointer):
         return self._periodic_outcome(self._save_gang(state, step, final=False), step)
 
     def _periodic_outcome(self, outcome: SaveResult | _Failed, step: int) -> SaveResult | None:
-        if isinstance(outcome, _Failed):
-            self.failures += 1
-            self._last_save_at = -math.inf  # the next agreement retries
-            logger.error(
-                "periodic gang checkpoint of %s at step %s failed (%s: %s); training goes on "
-                "and the next call retries",
-                self.key,
-                step,
-                type(outcome.error).__name__,
-                outcome.error,
-            )
+        if isinstance(outcome, _Failed):  # logged on every rank; the next agreement retries
+            self._periodic_failed(step, outcome.error)
             return None
         self._saved(outcome, retain=True)
         return outcome
