@@ -6,7 +6,7 @@ page cannot drift from the code it describes. Each page has one ``render_*`` fun
 - ``reference/cli.md``: the typer app's commands, walked recursively (hidden ones skipped).
 - ``reference/rest-api.md``: the service's OpenAPI schema (the app built over a throwaway SQLite
   database in a temporary home, never started) and the route roles of ``service/roles.py``.
-- ``reference/job-variables.md``: the worker's ``SpotGPUVariables`` and the cross-field rules
+- ``reference/job-variables.md``: the worker's ``SpotGPUJobConfiguration`` and the cross-field rules
   of its job configuration.
 - ``reference/settings.md``: ``ServiceSettings`` as ``SPOTGPU_*`` variables, and every other
   ``SPOTGPU_*`` variable the package reads; a variable nobody describes fails the build.
@@ -107,15 +107,11 @@ WORKER_EVENT_DESCRIPTIONS = {
 """``protocol.WorkerEvent`` members without a docstring or comment."""
 
 VALIDATOR_RULES = {
-    "_model_is_sold": "``gpu_model`` must be a model the market sells (any accepted spelling "
-    "is normalised to its catalogue name).",
-    "_image_is_a_name_or_a_reference": "``image`` must be ``process``, a catalogue name or an "
-    "image reference (``repo/name:tag``).",
     "_timezone_is_known": "``timezone`` must be a known IANA time zone.",
     "_one_deadline": "Give ``deadline`` or ``deadline_hours``, not both.",
     "_pacing_needs_work_and_a_deadline": "``gpu_hours`` needs a deadline (``deadline`` or "
     "``deadline_hours``): the bidding policy paces the work to it; with ``deadline_hours``, "
-    "``gpu_hours`` cannot exceed it; ``bidding_policy`` must name a known policy.",
+    "``gpu_hours`` cannot exceed it.",
 }
 """Model validators of the worker's job configuration without a docstring, by name."""
 
@@ -742,12 +738,15 @@ def _roles(route_roles: dict, method: str, path: str) -> str:
 
 
 def render_job_variables() -> str:
-    from prefect_spotgpu.worker.config import SpotGPUJobConfiguration, SpotGPUVariables
+    from prefect_spotgpu.worker.config import SpotGPUJobConfiguration
 
-    model = SpotGPUVariables
+    model = SpotGPUJobConfiguration
     schema = model.model_json_schema()
     definitions = schema.get("definitions", {}) | schema.get("$defs", {})
-    out = ["# Job variables\n\n", generated_from("prefect_spotgpu.worker.config.SpotGPUVariables")]
+    out = [
+        "# Job variables\n\n",
+        generated_from("prefect_spotgpu.worker.config.SpotGPUJobConfiguration"),
+    ]
     out.append(
         f"{prose(doc(model))} A deployment overrides any of them in its `job_variables`; the "
         "work pool's base job template holds the defaults below.\n\n"
@@ -762,7 +761,7 @@ def render_job_variables() -> str:
         )
     )
     out.append("\n## Variables {#variables}\n")
-    base = set(getattr(model.__mro__[1], "model_fields", {}))  # Prefect's BaseVariables
+    base = set(getattr(model.__mro__[1], "model_fields", {}))  # BaseJobConfiguration
     for name, prop in schema["properties"].items():
         out.append(f"\n### `{name}` {{#{slug(name)}}}\n\n")
         if prop.get("title"):
@@ -773,7 +772,7 @@ def render_job_variables() -> str:
             out.append("\n" + _gpu_models())
 
     rules = []
-    for klass in (SpotGPUVariables, SpotGPUJobConfiguration):
+    for klass in (SpotGPUJobConfiguration,):
         validators = klass.__pydantic_decorators__.model_validators
         for name, decorator in validators.items():
             text = doc(decorator.func) or VALIDATOR_RULES.get(name)

@@ -11,7 +11,8 @@ from pydantic import ValidationError
 from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
 from prefect_spotgpu.checkpoint import LocalStorage, S3Storage
 from prefect_spotgpu.market import DEFAULT_CATALOG
-from prefect_spotgpu.worker.config import SpotGPUJobConfiguration, SpotGPUVariables
+from prefect_spotgpu.worker import SpotGPUWorker
+from prefect_spotgpu.worker.config import SpotGPUJobConfiguration
 
 
 @pytest.mark.parametrize("block", [SpotMarket, CheckpointStorage])
@@ -65,11 +66,32 @@ def test_checkpoint_storage_blocks(tmp_path):
 
 
 def test_the_ui_form_offers_every_gpu_model_of_the_catalog():
-    choices = typing.get_args(SpotGPUVariables.model_fields["gpu_model"].annotation)
+    choices = typing.get_args(SpotGPUJobConfiguration.model_fields["gpu_model"].annotation)
     assert set(choices) == {m.name for m in DEFAULT_CATALOG}
-    schema = SpotGPUVariables.model_json_schema()
+    schema = SpotGPUWorker.get_default_base_job_template()["variables"]
     for name, field in schema["properties"].items():
         assert field.get("title") and field.get("description"), name
+
+
+def test_each_job_variable_is_declared_once_and_the_form_is_the_configuration():
+    """The pool's form is derived from the job configuration (no second model to drift): the
+    same variables, each templated into the configuration, with the configuration's defaults."""
+    from prefect.workers.base import BaseJobConfiguration, BaseVariables
+
+    import prefect_spotgpu.worker.config as config
+
+    assert SpotGPUWorker.job_configuration_variables is None
+    assert not [
+        v for v in vars(config).values() if isinstance(v, type) and issubclass(v, BaseVariables)
+    ]
+    template = SpotGPUWorker.get_default_base_job_template()
+    form = template["variables"]["properties"]
+    assert set(form) == set(SpotGPUJobConfiguration.model_fields)
+    for name, field in SpotGPUJobConfiguration.model_fields.items():
+        assert template["job_configuration"][name] == "{{ " + name + " }}"
+        if field.default is not None and name not in BaseJobConfiguration.model_fields:
+            assert form[name]["default"] == field.default, name
+    assert form["max_price"]["default"] == 1.2
 
 
 def test_job_configuration_rules():

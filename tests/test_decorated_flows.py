@@ -43,7 +43,10 @@ STEPS = 60
     ("variables", "says"),
     [
         ({"gpu_modle": "A100-80G"}, "unknown spot-gpu job variable(s) gpu_modle"),
-        ({"gpu_model": "A100"}, "gpu_model 'A100' is not a GPU model the market sells: "),
+        (
+            {"gpu_model": "A100"},
+            "job variable gpu_model: gpu_model 'A100' is not a known GPU model; known models: ",
+        ),
         ({"gpu_count": 0}, "job variable gpu_count: Input should be greater than or equal to 1"),
         ({"max_price": "cheap"}, "job variable max_price:"),
         ({"image": "../../etc"}, "job variable image"),
@@ -54,7 +57,7 @@ def test_job_variables_are_checked_when_the_flow_is_decorated(variables, says):
     with pytest.raises(ValueError) as refused:
         spot_gpu(work_pool="p", **variables)
     assert says in str(refused.value)
-    if "not a GPU model" in says:
+    if "not a known GPU model" in says:
         assert "A100-80G" in str(refused.value) and "H100-80G" in str(refused.value)
 
 

@@ -154,10 +154,10 @@ def test_events_page_names_every_protocol_enum(pages):
 
 
 def test_job_variables_and_metrics_pages(pages):
-    from prefect_spotgpu.worker.config import SpotGPUVariables
+    from prefect_spotgpu.worker.config import SpotGPUJobConfiguration
 
     variables = pages["reference/job-variables.md"]
-    for name in SpotGPUVariables.model_fields:
+    for name in SpotGPUJobConfiguration.model_fields:
         assert f"`{name}`" in variables, name
     metrics = pages["reference/metrics.md"]
     for name in ("spotgpu_tick_duration_seconds", "spotgpu_pool_clearing_price", "spotgpu_bids"):

@@ -25,7 +25,7 @@ and its bid. A run that is Crashed only while a worker turns it into Preempted i
 the end (``SpotRunFuture``).
 
 Job variables are checked when the flow is decorated, against the worker's own variables
-(``SpotGPUVariables``, ``SpotGPUJobConfiguration``): a mistake names the variable, and an
+(``SpotGPUJobConfiguration``): a mistake names the variable, and an
 unknown GPU model lists the ones the market sells.
 """
 
@@ -58,17 +58,15 @@ second or two, so only a real, unfollowed crash lasts this long."""
 NO_WORKER_SECONDS = 30.0
 """How long a run may wait for a worker, with none of its pool alive, before the caller is
 told what to start (instead of waiting for ever)."""
-PROCESS_VARIABLES = frozenset({"command", "env", "labels", "name"})
-"""Prefect's own job variables, common to every worker type."""
 
 
 def check_job_variables(job_variables: dict[str, Any]) -> None:
     """Refuse, at decoration time, job variables the spot-gpu worker does not take or values
     it would refuse, with an error that names the variable (and the choices, where a field
     has them)."""
-    from prefect_spotgpu.worker.config import SpotGPUJobConfiguration, SpotGPUVariables
+    from prefect_spotgpu.worker.config import SpotGPUJobConfiguration
 
-    known = set(SpotGPUVariables.model_fields) | PROCESS_VARIABLES
+    known = set(SpotGPUJobConfiguration.model_fields)
     unknown = sorted(set(job_variables) - known)
     if unknown:
         raise ValueError(
@@ -76,24 +74,13 @@ def check_job_variables(job_variables: dict[str, Any]) -> None:
             f"{', '.join(sorted(known))}"
         )
     plain = {k: v for k, v in job_variables.items() if k not in ("market", "checkpoint_storage")}
-    if "gpu_model" in job_variables:
-        from prefect_spotgpu.market import DEFAULT_CATALOG
-
-        try:  # any spelling the market knows ("H100" is H100-80G)
-            plain["gpu_model"] = DEFAULT_CATALOG.normalize(job_variables["gpu_model"])
-        except (ValueError, TypeError, AttributeError):
-            models = ", ".join(m.name for m in DEFAULT_CATALOG)
-            raise ValueError(
-                f"gpu_model {job_variables['gpu_model']!r} is not a GPU model the market "
-                f"sells: {models}"
-            ) from None
-    for model in (SpotGPUVariables, SpotGPUJobConfiguration):
-        try:
-            model.model_validate({k: v for k, v in plain.items() if k in model.model_fields})
-        except ValidationError as exc:
-            error = exc.errors()[0]
-            where = ".".join(str(p) for p in error["loc"]) or "job variables"
-            raise ValueError(f"job variable {where}: {error['msg']}") from None
+    try:  # any spelling of a GPU model the market knows ("H100" is H100-80G)
+        SpotGPUJobConfiguration.model_validate(plain)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(p) for p in error["loc"]) or "job variables"
+        message = error["msg"].removeprefix("Value error, ")
+        raise ValueError(f"job variable {where}: {message}") from None
 
 
 def spot_gpu(

@@ -10,7 +10,8 @@
     )
 
 :func:`spot_job_variables` checks the variables against this package's spot-gpu variables
-(``SpotGPUVariables``, the form a spot-gpu pool starts with; not a pool's edited form) when the
+(``SpotGPUJobConfiguration``, the form a spot-gpu pool starts with; not a pool's edited
+form) when the
 deployment is made, so a typo or a bad value fails there, naming the field — not later,
 on a node, in a billed job. GPU model spellings are normalised as the market does.
 """
@@ -21,7 +22,7 @@ from typing import Any
 
 from prefect_spotgpu.economics.schedules import NIGHT_CRON, NIGHT_RRULE, zone
 from prefect_spotgpu.market.gpus import DEFAULT_CATALOG
-from prefect_spotgpu.worker.config import SpotGPUVariables
+from prefect_spotgpu.worker.config import SpotGPUJobConfiguration
 
 BLOCK_VARIABLES = ("market", "checkpoint_storage")
 """Set on the pool (``spotgpu pool setup``) rather than per deployment."""
@@ -37,7 +38,7 @@ def spot_job_variables(**variables: Any) -> dict[str, Any]:
     ...
     ValueError: unknown job variable 'max_prize'; a spot-gpu pool has: bidding_policy, cheap_window_only, command, deadline, deadline_hours, env, gpu_count, gpu_hours, gpu_model, image, labels, max_preemptions, max_price, name, node_count, notice_webhook, on_demand_fallback, region, restart_minutes, timezone
     """  # noqa: E501
-    known = sorted(set(SpotGPUVariables.model_fields) - set(BLOCK_VARIABLES))
+    known = sorted(set(SpotGPUJobConfiguration.model_fields) - set(BLOCK_VARIABLES))
     for name in variables:
         if name in BLOCK_VARIABLES:
             raise ValueError(
@@ -49,7 +50,7 @@ def spot_job_variables(**variables: Any) -> dict[str, Any]:
             )
     if "gpu_model" in variables:
         variables["gpu_model"] = DEFAULT_CATALOG.normalize(variables["gpu_model"])
-    SpotGPUVariables(**variables)  # a bad value: pydantic's ValidationError, naming the field
+    SpotGPUJobConfiguration(**variables)  # a bad value: ValidationError, naming the field
     return variables
 
 

@@ -335,7 +335,7 @@ def offer_images(current: dict, shape: dict, catalogue: list[dict]) -> dict:
     choices, any image reference still accepted, and each image's framework and CUDA in its
     description (the Prefect UI shows a variable's description, not a choice's).
 
-    ``shape`` is the worker's own variable (``SpotGPUVariables.image``): ``anyOf`` of an
+    ``shape`` is the worker's own variable (``SpotGPUJobConfiguration.image``): ``anyOf`` of an
     ``enum`` branch and a ``pattern`` branch; only the enum, the branches' titles (the labels
     of the form's toggle) and the description change. ``current`` is the pool's variable now:
     its default stays where it is still a choice or a reference, else the worker's is used.

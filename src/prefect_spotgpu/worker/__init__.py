@@ -4,7 +4,7 @@
 ``prefect worker start --type spot-gpu`` finds ``SpotGPUWorker`` here. The rooms:
 
 - ``worker``: BaseWorker glue only (start, run, kill_infrastructure, adoption)
-- ``config``: the job configuration, its UI variables and the image catalogue
+- ``config``: the job configuration (also the pool's UI form) and the image catalogue
 - ``reactions``: PURE: what one bid event means for the flow run (``react``)
 - ``attempt``: follows one bid and carries out each reaction against Prefect and the market
 - ``market_api``: the market calls, their errors and the transient-failure rule
@@ -17,7 +17,6 @@ from prefect_spotgpu.worker.config import (
     LAUNCH_COMMAND,
     SEEDED_IMAGES,
     SpotGPUJobConfiguration,
-    SpotGPUVariables,
 )
 from prefect_spotgpu.worker.market_api import MarketError
 from prefect_spotgpu.worker.worker import SpotGPUWorker, SpotGPUWorkerResult
@@ -27,7 +26,6 @@ __all__ = [
     "SEEDED_IMAGES",
     "MarketError",
     "SpotGPUJobConfiguration",
-    "SpotGPUVariables",
     "SpotGPUWorker",
     "SpotGPUWorkerResult",
 ]

@@ -1,9 +1,10 @@
 """The configuration of the Prefect worker type ``spot-gpu``.
 
-Two pydantic models (docs/development/code-style.md#style-6): ``SpotGPUVariables`` is the form the
-Prefect UI shows for a work pool or deployment (titles, descriptions and ``Literal`` choices), and
-``SpotGPUJobConfiguration`` is what a flow run gets after templating. Each cross-field rule is
-one named ``model_validator``. The worker that uses them is
+One pydantic model (docs/development/code-style.md#style-6), as prefect-docker's: each job
+variable is declared once, in ``SpotGPUJobConfiguration``, whose titles, descriptions and
+``Literal`` choices are the form the Prefect UI shows for a work pool or deployment, and whose
+values are what a flow run gets after templating. Each cross-field rule is one named
+``model_validator``. The worker that uses them is
 ``prefect_spotgpu.worker.SpotGPUWorker``.
 """
 
@@ -11,14 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import re
 import shlex
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Literal
 
 from prefect.settings import PREFECT_API_URL
-from prefect.workers.base import BaseJobConfiguration, BaseVariables
-from pydantic import Field, field_validator, model_validator
+from prefect.workers.base import BaseJobConfiguration
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
 from prefect_spotgpu.economics.policies import get_policy
@@ -51,45 +51,134 @@ LAUNCH_COMMAND = "python -m prefect_spotgpu.launch"
 (``python`` is the agent's own interpreter for the process runner, the image's in a container)."""
 
 
-class SpotGPUJobConfiguration(BaseJobConfiguration):
-    """What one flow run asks of the market, after templating."""
+ImageName = Literal[
+    "process",
+    "pytorch",
+    "pytorch-devel",
+    "ngc-pytorch",
+    "tensorrt",
+    "huggingface",
+    "stable-diffusion",
+]
+"""``process`` and the seeded catalogue's names (``SEEDED_IMAGES``), the default form's choices;
+``spotgpu pool setup`` replaces them by the market's live catalogue."""
+ImageReference = Annotated[str, Field(pattern=IMAGE_REFERENCE_PATTERN)]
+"""The reference of a catalogue image (``repo/name:tag``), or another name of it."""
 
-    market: SpotMarket | None = Field(default=None, description="The market to bid on.")
-    gpu_model: str = Field(default="A100-80G", description="GPU model to bid for.")
-    gpu_count: int = Field(default=1, ge=1, le=16, description="GPUs on one node.")
+
+class SpotGPUJobConfiguration(BaseJobConfiguration):
+    """What one flow run asks of the market, after templating; and, field for field, the work
+    pool's and deployments' form in the Prefect UI (the worker declares no separate variables
+    model, so Prefect derives the form from this one: titles, descriptions, choices)."""
+
+    market: SpotMarket | None = Field(
+        default=None,
+        title="Market",
+        description="The Spot Market block: the service's URL and your API key.",
+    )
+    gpu_model: GpuModelChoice = Field(
+        default="A100-80G",
+        title="GPU model",
+        description="The GPU model to bid for; on-demand prices: RTX-4090 0.68, RTX-3090Ti "
+        "0.52, A100-80G 2.10, H100-80G 3.80, H200 4.50 per GPU-hour. Other spellings the "
+        "market knows (nvidia h200) are normalised to these names.",
+    )
+    gpu_count: int = Field(
+        default=1, ge=1, le=16, title="GPUs", description="GPUs on one node (1-16)."
+    )
     node_count: int = Field(
-        default=1, description=f"Nodes of the gang (1-{MAX_GANG_NODES}), each with gpu_count GPUs."
+        default=1,
+        ge=1,
+        le=MAX_GANG_NODES,
+        strict=True,
+        title="Nodes",
+        description=f"Nodes the run takes at once (1-{MAX_GANG_NODES}), each with the GPUs "
+        "above: a gang, placed all or nothing. Rank 0 runs the flow run; the others run the "
+        "flow's function with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (torchrun's "
+        "environment).",
     )
-    max_price: float = Field(default=1.2, gt=0, description="Maximum price per GPU-hour.")
-    region: str = Field(default="any", description="Region, or 'any'.")
-    image: str = Field(
+    max_price: float = Field(
+        default=1.2,
+        gt=0,
+        title="Maximum price",
+        description="The most you pay per GPU-hour; you pay the market's "
+        "clearing price, never more than this.",
+    )
+    region: str = Field(
+        default="any", title="Region", description="A region such as eu-west, or 'any'."
+    )
+    image: ImageName | ImageReference = Field(
         default=PROCESS_IMAGE,
-        description="A name (or reference) from the market's image catalogue, or 'process'.",
+        title="Image",
+        description="Named environment from the market's image catalogue (a container), or "
+        "'process' to run on the node without a container; or the reference of a catalogue "
+        "image (repo/name:tag). The operator keeps the catalogue: GET /api/v1/images.",
     )
-    cheap_window_only: bool = Field(default=False, description="Run only in the cheap window.")
-    timezone: str = Field(default="UTC", description="Timezone of the cheap window.")
-    deadline: datetime | None = Field(default=None, description="Finish-by time, if any.")
-    deadline_hours: float | None = Field(
-        default=None, gt=0, description="Finish within this many hours of the scheduled start."
+    cheap_window_only: bool = Field(
+        default=False,
+        title="Cheap window only",
+        description="Run only 18:00-09:00 on weekdays and at weekends; the run pauses "
+        "(checkpoint, stop) when the window closes.",
+    )
+    timezone: str = Field(
+        default="UTC",
+        title="Timezone",
+        description="IANA timezone of the cheap window's hours, e.g. Europe/Berlin.",
     )
     gpu_hours: float | None = Field(
-        default=None, gt=0, description="Hours of GPU work the run needs (paces it)."
+        default=None,
+        gt=0,
+        title="GPU-hours of work",
+        description="How long the work runs on its GPUs. With a deadline, a bidding policy "
+        "paces it: spot while on schedule, a higher bid when behind, on-demand when the "
+        "slack can no longer absorb a restart.",
     )
-    bidding_policy: str = Field(default="uniform-progress", description="Deadline policy.")
+    deadline: datetime | None = Field(
+        default=None, title="Deadline", description="When the work must be finished."
+    )
+    deadline_hours: float | None = Field(
+        default=None,
+        gt=0,
+        title="Deadline (hours)",
+        description="Or: hours after the run's scheduled start by which it must finish "
+        "(for scheduled deployments).",
+    )
+    bidding_policy: PolicyChoice = Field(
+        default="uniform-progress",
+        title="Bidding policy",
+        description="deadline-aware: reads every region's quote, runs where capacity is at the "
+        "best price, keeps what it holds, on-demand only when the slack is gone; "
+        "uniform-progress: spot while on pace, bid up when behind, on-demand at "
+        "the end; greedy-spot: spot at the maximum price until the deadline forces on-demand; "
+        "always-on-demand: the baseline.",
+    )
     restart_minutes: float = Field(
-        default=5.0, ge=0, description="Time each (re)start loses, for the policy."
+        default=5.0,
+        ge=0,
+        title="Restart overhead (minutes)",
+        description="Time each (re)start loses: node start, image, checkpoint restore.",
     )
     on_demand_fallback: bool = Field(
-        default=True, description="Fall back to on-demand near the deadline."
+        default=True,
+        title="On-demand fallback",
+        description="With a deadline: move to on-demand capacity (never preempted, at the "
+        "on-demand price) when spot can no longer meet it.",
     )
     checkpoint_storage: CheckpointStorage | None = Field(
-        default=None, description="Where the flow's checkpoints go."
+        default=None,
+        title="Checkpoint storage",
+        description="Where the flow's checkpoints go (a directory every node reaches, or S3).",
     )
     max_preemptions: int = Field(
-        default=10, ge=0, description="Preemptions before the run is failed."
+        default=10,
+        ge=0,
+        title="Maximum preemptions",
+        description="After this many preemptions the run fails.",
     )
     notice_webhook: str | None = Field(
-        default=None, description="URL that also receives the notices."
+        default=None,
+        title="Notice webhook",
+        description="A URL that also receives the market's signed notices.",
     )
 
     @field_validator("node_count", mode="before")
@@ -97,19 +186,32 @@ class SpotGPUJobConfiguration(BaseJobConfiguration):
     def _node_count_in_range(cls, value: object) -> int:
         return check_node_count(value)
 
-    @model_validator(mode="after")
-    def _model_is_sold(self) -> SpotGPUJobConfiguration:
-        self.gpu_model = DEFAULT_CATALOG.normalize(self.gpu_model)
-        return self
+    @field_validator("gpu_model", mode="before")
+    @classmethod
+    def _model_is_sold(cls, value: object) -> str:
+        """Any spelling the market knows ("nvidia h200" is H200); an unknown one is refused
+        naming the models it sells."""
+        return DEFAULT_CATALOG.normalize(value)
 
-    @model_validator(mode="after")
-    def _image_is_a_name_or_a_reference(self) -> SpotGPUJobConfiguration:
-        if self.image != PROCESS_IMAGE and not re.match(IMAGE_REFERENCE_PATTERN, self.image):
+    @field_validator("bidding_policy", mode="before")
+    @classmethod
+    def _policy_is_registered(cls, value: object) -> object:
+        """The registry's error, which lists the policies, for an unknown name."""
+        if isinstance(value, str):
+            get_policy(value)
+        return value  # anything else: the type's own error
+
+    @field_validator("image", mode="wrap")
+    @classmethod
+    def _image_is_a_name_or_a_reference(cls, value: object, handler) -> str:
+        """One clear error for an image, instead of pydantic's one per branch of the type."""
+        try:
+            return handler(value)
+        except ValidationError:
             raise ValueError(
-                f"image {self.image!r} is neither 'process' nor an image name or reference "
+                f"image {value!r} is neither 'process' nor an image name or reference "
                 "(the market's catalogue: GET /api/v1/images)"
-            )
-        return self
+            ) from None
 
     @model_validator(mode="after")
     def _timezone_is_known(self) -> SpotGPUJobConfiguration:
@@ -134,7 +236,6 @@ class SpotGPUJobConfiguration(BaseJobConfiguration):
             raise ValueError(
                 f"gpu_hours ({self.gpu_hours}) cannot fit in deadline_hours ({self.deadline_hours})"
             )
-        get_policy(self.bidding_policy)
         return self
 
     def finish_by(self, flow_run) -> datetime | None:
@@ -226,134 +327,6 @@ def checkpoint_signing_key(api_key: str, flow_run_id) -> str:
 
 def _origin(flow_run) -> datetime:
     return aware(flow_run.expected_start_time or flow_run.created or datetime.now(UTC))
-
-
-ImageName = Literal[
-    "process",
-    "pytorch",
-    "pytorch-devel",
-    "ngc-pytorch",
-    "tensorrt",
-    "huggingface",
-    "stable-diffusion",
-]
-"""``process`` and the seeded catalogue's names (``SEEDED_IMAGES``), the default form's choices;
-``spotgpu pool setup`` replaces them by the market's live catalogue."""
-ImageReference = Annotated[str, Field(pattern=IMAGE_REFERENCE_PATTERN)]
-"""The reference of a catalogue image (``repo/name:tag``), or another name of it."""
-
-
-class SpotGPUVariables(BaseVariables):
-    """The work pool's and deployments' form in the Prefect UI."""
-
-    market: SpotMarket | None = Field(
-        default=None,
-        title="Market",
-        description="The Spot Market block: the service's URL and your API key.",
-    )
-    gpu_model: GpuModelChoice = Field(
-        default="A100-80G",
-        title="GPU model",
-        description="The GPU model to bid for; on-demand prices: RTX-4090 0.68, RTX-3090Ti "
-        "0.52, A100-80G 2.10, H100-80G 3.80, H200 4.50 per GPU-hour.",
-    )
-    gpu_count: int = Field(
-        default=1, ge=1, le=16, title="GPUs", description="GPUs on one node (1-16)."
-    )
-    node_count: int = Field(
-        default=1,
-        ge=1,
-        le=MAX_GANG_NODES,
-        strict=True,
-        title="Nodes",
-        description=f"Nodes the run takes at once (1-{MAX_GANG_NODES}), each with the GPUs "
-        "above: a gang, placed all or nothing. Rank 0 runs the flow run; the others run the "
-        "flow's function with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (torchrun's "
-        "environment).",
-    )
-    max_price: float = Field(
-        default=1.2,
-        gt=0,
-        title="Maximum price",
-        description="The most you pay per GPU-hour; you pay the market's "
-        "clearing price, never more than this.",
-    )
-    region: str = Field(
-        default="any", title="Region", description="A region such as eu-west, or 'any'."
-    )
-    image: ImageName | ImageReference = Field(
-        default="process",
-        title="Image",
-        description="Named environment from the market's image catalogue (a container), or "
-        "'process' to run on the node without a container; or the reference of a catalogue "
-        "image (repo/name:tag). The operator keeps the catalogue: GET /api/v1/images.",
-    )
-    cheap_window_only: bool = Field(
-        default=False,
-        title="Cheap window only",
-        description="Run only 18:00-09:00 on weekdays and at weekends; the run pauses "
-        "(checkpoint, stop) when the window closes.",
-    )
-    timezone: str = Field(
-        default="UTC",
-        title="Timezone",
-        description="IANA timezone of the cheap window's hours, e.g. Europe/Berlin.",
-    )
-    gpu_hours: float | None = Field(
-        default=None,
-        gt=0,
-        title="GPU-hours of work",
-        description="How long the work runs on its GPUs. With a deadline, a bidding policy "
-        "paces it: spot while on schedule, a higher bid when behind, on-demand when the "
-        "slack can no longer absorb a restart.",
-    )
-    deadline: datetime | None = Field(
-        default=None, title="Deadline", description="When the work must be finished."
-    )
-    deadline_hours: float | None = Field(
-        default=None,
-        gt=0,
-        title="Deadline (hours)",
-        description="Or: hours after the run's scheduled start by which it must finish "
-        "(for scheduled deployments).",
-    )
-    bidding_policy: PolicyChoice = Field(
-        default="uniform-progress",
-        title="Bidding policy",
-        description="deadline-aware: reads every region's quote, runs where capacity is at the "
-        "best price, keeps what it holds, on-demand only when the slack is gone; "
-        "uniform-progress: spot while on pace, bid up when behind, on-demand at "
-        "the end; greedy-spot: spot at the maximum price until the deadline forces on-demand; "
-        "always-on-demand: the baseline.",
-    )
-    restart_minutes: float = Field(
-        default=5.0,
-        ge=0,
-        title="Restart overhead (minutes)",
-        description="Time each (re)start loses: node start, image, checkpoint restore.",
-    )
-    on_demand_fallback: bool = Field(
-        default=True,
-        title="On-demand fallback",
-        description="With a deadline: move to on-demand capacity (never preempted, at the "
-        "on-demand price) when spot can no longer meet it.",
-    )
-    checkpoint_storage: CheckpointStorage | None = Field(
-        default=None,
-        title="Checkpoint storage",
-        description="Where the flow's checkpoints go (a directory every node reaches, or S3).",
-    )
-    max_preemptions: int = Field(
-        default=10,
-        ge=0,
-        title="Maximum preemptions",
-        description="After this many preemptions the run fails.",
-    )
-    notice_webhook: str | None = Field(
-        default=None,
-        title="Notice webhook",
-        description="A URL that also receives the market's signed notices.",
-    )
 
 
 def market_of(configuration: SpotGPUJobConfiguration) -> SpotMarket:

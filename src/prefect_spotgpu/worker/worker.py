@@ -44,7 +44,7 @@ from uuid import UUID
 import anyio
 from prefect.exceptions import InfrastructureNotFound
 from prefect.settings import PREFECT_WORKER_QUERY_SECONDS, temporary_settings
-from prefect.workers.base import BaseWorker, BaseWorkerResult
+from prefect.workers.base import BaseVariables, BaseWorker, BaseWorkerResult
 
 from prefect_spotgpu.blocks import DOCS, LOGO
 from prefect_spotgpu.protocol import LABELS, PID_PREFIX
@@ -52,7 +52,6 @@ from prefect_spotgpu.worker import reactions as rules
 from prefect_spotgpu.worker.attempt import Attempt, PrefectRun, open_bid, view_of
 from prefect_spotgpu.worker.config import (
     SpotGPUJobConfiguration,
-    SpotGPUVariables,
     check_storage,
     market_of,
 )
@@ -77,7 +76,7 @@ def infrastructure_id(bid: dict) -> str:
     return f"{PID_PREFIX}{bid['id']}"
 
 
-class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGPUWorkerResult]):
+class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, BaseVariables, SpotGPUWorkerResult]):
     """Runs each flow run on spot GPUs bought from a prefect-spotgpu market.
 
     **Stopping.** On SIGTERM or SIGINT (``prefect worker start`` turns both into a
@@ -98,7 +97,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, SpotGPUVariables, SpotGP
 
     type = "spot-gpu"
     job_configuration = SpotGPUJobConfiguration
-    job_configuration_variables = SpotGPUVariables
+    # no job_configuration_variables: Prefect derives the pool's form from the configuration
     _description = (
         "Run flows on idle GPUs bought by the second from a prefect-spotgpu market, at a "
         "maximum price you set; a reclaimed node gives a 5-minute notice and the run resumes "
