@@ -229,16 +229,25 @@ ARROWS = {
     "market": {"market"},
     "protocol": {"market"},
     "api_client": set(),
+    "prefect_internals": set(),
     "economics": {"market", "protocol"},
     "checkpoint": {"protocol"},
     "agent": {"market", "protocol", "checkpoint", "api_client"},
     "service": {"market", "protocol", "economics"},
-    "worker": {"market", "protocol", "economics", "blocks", "api_client", "checkpoint"},
+    "worker": {
+        "market",
+        "protocol",
+        "economics",
+        "blocks",
+        "api_client",
+        "checkpoint",
+        "prefect_internals",
+    },
     "blocks": {"api_client", "checkpoint", "protocol"},
-    "launch": {"protocol", "checkpoint"},
+    "launch": {"protocol", "checkpoint", "prefect_internals"},
     "deploy": {"worker", "economics", "market"},
-    "bundles": {"protocol", "checkpoint", "launch", "blocks"},
-    "decorators": {"worker", "protocol", "market"},
+    "bundles": {"protocol", "checkpoint", "launch", "blocks", "prefect_internals"},
+    "decorators": {"worker", "protocol", "market", "prefect_internals"},
     "fanout": {"market", "decorators", "worker", "protocol"},
 }
 """What each room of ours may import of ours (docs/operators/architecture.md#design-2: the
@@ -396,3 +405,51 @@ def test_the_gate_enforces_the_transition_tables():
             assert (gate.check_transition(current, to) is None) == allowed
     assert set(NODE_FROM_STATES) == set(NODE_FROM_STATES[next(iter(NODE_FROM_STATES))]) | {"lost"}
     assert BidStatus.CANCELLED not in BID_FROM_STATES[BidStatus.OPEN]
+
+
+def _private_prefect_uses(path: pathlib.Path, worker_privates: set[str]) -> list[str]:
+    """Where ``path`` reaches Prefect's private internals: an import of a private Prefect
+    module or name, or a worker's private attribute read off another object than ``self``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "prefect":
+            names = [a.name for a in node.names]
+            if any(p.startswith("_") for p in node.module.split(".")) or any(
+                n.startswith("_") for n in names
+            ):
+                found.append(f"line {node.lineno}: from {node.module} import {', '.join(names)}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "prefect" and any(p.startswith("_") for p in parts):
+                    found.append(f"line {node.lineno}: import {alias.name}")
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr in worker_privates
+            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+        ):
+            found.append(f"line {node.lineno}: .{node.attr}")
+    return found
+
+
+def test_only_the_shim_reaches_prefects_private_internals():
+    """``prefect_internals.py`` is the one module that imports Prefect's private modules and
+    names or reads a worker's private attributes from outside it; a ``BaseWorker`` subclass
+    may still use its own inherited members (``self._logger``, ``self._propose_*``)."""
+    from prefect.workers.base import BaseWorker
+
+    worker_privates = {
+        name
+        for klass in BaseWorker.__mro__
+        for name in vars(klass)
+        if name.startswith("_") and not name.startswith("__")
+    } | {"_work_pool", "_work_pool_name", "_runs_task_group", "_client", "_limiter"}
+    offenders = {
+        str(path.relative_to(PACKAGE)): uses
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.name != "prefect_internals.py"
+        and (uses := _private_prefect_uses(path, worker_privates))
+    }
+    assert not offenders, offenders
+    shim = _private_prefect_uses(PACKAGE / "prefect_internals.py", worker_privates)
+    assert shim, "the shim reaches nothing private: is this test still looking?"

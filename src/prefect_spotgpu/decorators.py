@@ -49,6 +49,8 @@ from prefect.utilities.asyncutils import run_coro_as_sync
 from prefect.utilities.callables import get_call_parameters
 from pydantic import ValidationError
 
+from prefect_spotgpu.prefect_internals import work_pool_of
+
 R = TypeVar("R")
 
 CRASH_SETTLE_SECONDS = 20.0
@@ -326,7 +328,7 @@ def _state_once_the_job_stopped(client, flow_run_id: UUID, timeout: float = 15.0
 
 async def _check_pool(worker, pool: str) -> None:
     """A clear error for a pool that cannot run decorated flows (before anything is bid)."""
-    work_pool = worker._work_pool  # None when there is no such pool (not created here)
+    work_pool = work_pool_of(worker)  # None when there is no such pool (not created here)
     if work_pool is None:
         raise RuntimeError(
             f"there is no work pool {pool!r}: create it with `spotgpu pool setup --pool {pool}`"

@@ -71,6 +71,8 @@ def main() -> int:
     print(f"spotgpu: go at {time.time():.3f}", flush=True)
     if flow is None:
         os.execv(sys.executable, [sys.executable, "-m", "prefect.engine"])
+    from prefect_spotgpu.prefect_internals import run_engine
+
     return run_engine(flow, flow_run_id)
 
 
@@ -104,23 +106,6 @@ class Ready:
         """The flow, once loaded and set up (None when loading failed)."""
         self._thread.join()
         return self._flow
-
-
-def run_engine(flow, flow_run_id: str) -> int:
-    """What ``python -m prefect.engine`` does once it has loaded the flow (prefect 3.9's
-    ``prefect/engine.py``), on a flow loaded already (ahead, or from a bundle)."""
-    from prefect._internal.control_listener import configure_from_env
-    from prefect._internal.metrics import RunMetrics
-    from prefect.engine import _drive_run_flow_result, handle_engine_signals
-    from prefect.flow_engine import flow_run_logger, load_flow_run, run_flow
-
-    configure_from_env()
-    with handle_engine_signals(UUID(flow_run_id)):
-        flow_run = load_flow_run(flow_run_id=UUID(flow_run_id))
-        with RunMetrics(flow_run, flow):
-            result = run_flow(flow, flow_run=flow_run, error_logger=flow_run_logger(flow_run))
-            _drive_run_flow_result(flow, result)
-    return 0
 
 
 def wait_for_go() -> int | None:

@@ -16,8 +16,9 @@ run: the flow run is set Failed with a message saying which, and the job exits 0
 over). A flow that raises is Failed by the engine, as with a deployment. A gang member of rank
 above 0 runs the flow's function from the bundle (``launch.run_flow_function``).
 
-This module is where the Prefect internals that running a bundle needs are reached
-(``prefect.engine.handle_engine_signals``, ``_drive_run_flow_result``; checked on 3.9).
+The engine runs as ``python -m prefect.engine`` would run it, through
+``prefect_spotgpu.prefect_internals.run_engine`` (the one module that reaches Prefect's private
+internals).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from uuid import UUID
 
 from prefect_spotgpu import launch
 from prefect_spotgpu.bundles import bundle_name
+from prefect_spotgpu.prefect_internals import run_engine
 from prefect_spotgpu.protocol import JOB_ENV, LABELS, TORCH_ENV
 
 
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         code = launch.run_flow_function(str(flow_run_id), load=lambda: (flow, flow_run.parameters))
         return code or launch.until_the_run_ends(str(flow_run_id))
     sys.stdout.flush()
-    return launch.run_engine(flow, str(flow_run_id))
+    return run_engine(flow, str(flow_run_id))
 
 
 if __name__ == "__main__":

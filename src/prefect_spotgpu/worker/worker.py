@@ -33,10 +33,8 @@ above is decided in ``reactions`` (pure, unit-tested on plain data) and carried 
 
 from __future__ import annotations
 
-import inspect
 import os
 import re
-import time
 from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
@@ -47,6 +45,7 @@ from prefect.settings import PREFECT_WORKER_QUERY_SECONDS, temporary_settings
 from prefect.workers.base import BaseVariables, BaseWorker, BaseWorkerResult
 
 from prefect_spotgpu.blocks import DOCS, LOGO
+from prefect_spotgpu.prefect_internals import flush_prefect_queues
 from prefect_spotgpu.protocol import LABELS, PID_PREFIX
 from prefect_spotgpu.worker import reactions as rules
 from prefect_spotgpu.worker.attempt import Attempt, PrefectRun, open_bid, view_of
@@ -330,37 +329,3 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, BaseVariables, SpotGPUWo
             self._logger.exception("following adopted flow run %s failed", flow_run.id)
         finally:
             self._following.discard(str(flow_run.id))
-
-
-async def flush_prefect_queues(seconds: float, logger) -> None:
-    """Let Prefect's log and event services send what they hold for at most ``seconds``, then
-    stop those still trying, dropping what they hold.
-
-    Prefect drains them at interpreter exit with no time limit, and with its API unreachable
-    it retries each queued event for ~7 s and each batch of logs for ~1 min: a stopping worker
-    would hang that long. This reaches into Prefect 3.9's service registry
-    (``prefect._internal.concurrency.services``); where that differs, it only waits.
-    """
-    from prefect._internal.concurrency import services
-
-    base = getattr(services, "_QueueServiceBase", None)
-    instances = tuple(getattr(base, "_instances", {}).values())
-    busy = [
-        (s._loop, s._task)
-        for s in instances
-        if getattr(s, "_task", None) is not None and getattr(s, "_loop", None) is not None
-    ]  # taken first: draining forgets the task
-    drained = services.QueueService.drain_all(timeout=seconds, at_exit=False)
-    if inspect.isawaitable(drained):
-        await drained
-    stuck = [(loop, task) for loop, task in busy if not task.done()]
-    if not stuck:
-        return
-    logger.warning(
-        "Prefect's API did not take the last logs and events in %.1f s: dropped", seconds
-    )
-    for loop, task in stuck:
-        loop.call_soon_threadsafe(task.cancel)
-    deadline = time.monotonic() + 0.5
-    while any(not task.done() for _, task in stuck) and time.monotonic() < deadline:
-        await anyio.sleep(0.05)
