@@ -479,7 +479,7 @@ def test_a_job_that_cannot_start_gives_its_gpus_back(service, tmp_path):
             "job": {"command": ["/nonexistent/command"]},
         },
     )
-    assert agent.free == {0, 1} and agent.jobs == {}
+    assert agent.gpu_book.free_count() == 2 and agent.gpu_book.held() == {} and agent.jobs == {}
 
 
 def test_a_job_that_finishes_during_its_notice_is_reported_finished(service, tmp_path):
@@ -556,14 +556,16 @@ def test_an_allocation_waits_for_gpus_a_stopping_job_still_holds(service, tmp_pa
               "job": {"command": ["sleep", "60"]}},
     ).json()  # fmt: skip
     (alloc,) = wait(lambda: [a for a in agent.assignments().values()], 20, "the allocation")
-    agent.free = set()  # the GPU is still held by a job being stopped
+    stopping = -1  # the GPU is still held by a job being stopped
+    assert agent.gpu_book.take(stopping, 1, now=0).indices == (0,)
     agent.start(alloc["id"])
-    assert agent.jobs == {} and alloc["id"] in agent.waiting_for_gpus
+    assert agent.jobs == {} and agent.gpu_book.waiting() == [alloc["id"]]
     assert buyer.get(f"/allocations/{alloc['id']}").json()["status"] == "running"  # not failed
-    agent.free = {0}  # the stop is done: the loop's next retry starts the job
+    agent.gpu_book.give_back(stopping)  # the stop is done: the loop's next retry starts it
     agent.start(alloc["id"])
     try:
-        assert alloc["id"] in agent.jobs and alloc["id"] not in agent.waiting_for_gpus
+        assert alloc["id"] in agent.jobs and agent.gpu_book.waiting() == []
+        assert agent.gpu_book.held() == {alloc["id"]: (0,)}
     finally:
         buyer.post(f"/bids/{bid['id']}/cancel")
         agent.stop(alloc["id"], reason="test over")

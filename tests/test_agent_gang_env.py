@@ -162,7 +162,7 @@ def test_an_agent_reports_a_malformed_gang_failed_saying_why(service, tmp_path):
     ).json()  # fmt: skip
     (alloc,) = wait(lambda: list(agent.assignments().values()), 20, "the allocation")
     agent.start(alloc["id"], {**alloc, "gang": {**GOOD, "rank": 5}})  # as a broken market's
-    assert agent.jobs == {} and agent.free == {0}  # never started; its GPU still free
+    assert agent.jobs == {} and agent.gpu_book.free_count() == 1  # never started; GPU free
 
     def ended():
         page = buyer.get(f"/bids/{bid['id']}/events", params={"after": 0, "timeout": 1})

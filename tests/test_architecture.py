@@ -85,6 +85,8 @@ PURE_CORES = (
     "worker/reactions.py",
     "worker/report.py",
     "worker/pacing.py",
+    "agent/gpu_book.py",
+    "agent/reports.py",
 )
 """Modules that decide without I/O frameworks: no Prefect, no HTTP, no database."""
 IMPURE = ("prefect", "httpx", "sqlalchemy", "fastapi", "starlette", "uvicorn", "requests")

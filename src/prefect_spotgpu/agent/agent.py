@@ -36,6 +36,7 @@ from prefect_spotgpu.agent.credentials import (
     save_cursor,
 )
 from prefect_spotgpu.agent.discovery import GpuInfo
+from prefect_spotgpu.agent.gpu_book import GpuBook, Verdict
 from prefect_spotgpu.agent.heartbeat import NodeImages, send_heartbeat
 from prefect_spotgpu.agent.isolation import read_job_file
 from prefect_spotgpu.agent.reporter import Reporter
@@ -103,9 +104,9 @@ class Agent:
         # allocation -> its job being prepared (image pulled) on a thread of its own, GPUs
         # taken; an end or a notice removes it, and the job is then never started
         self.preparing: dict[int, JobRequest] = {}
-        self.waiting_for_gpus: dict[int, float] = {}  # allocation -> since (monotonic)
         self.epochs: dict[int, int] = {}
-        self.free = set(range(len(gpus)))
+        # which GPUs each allocation holds, and who waits for some (``gpu_book``; under lock)
+        self.gpu_book = GpuBook(len(gpus), patience=grace_seconds + 30)
         self.lock = threading.RLock()
         self.stop_event = threading.Event()
         self.cursor = 0
@@ -198,7 +199,9 @@ class Agent:
             while not self.stop_event.is_set():
                 self._check_exits()
                 self._report_saves()
-                for alloc_id in sorted(self.waiting_for_gpus):  # GPUs being freed by a stop
+                with self.lock:
+                    waiting = self.gpu_book.waiting()
+                for alloc_id in waiting:  # GPUs being freed by a stop
                     try:
                         self.start(alloc_id)
                     except Exception:
@@ -286,7 +289,7 @@ class Agent:
             if assignment is None:
                 assignment = self.assignments().get(alloc_id)
             if assignment is None or assignment["status"] not in STARTABLE:
-                self.waiting_for_gpus.pop(alloc_id, None)
+                self.gpu_book.stop_waiting(alloc_id)
                 return  # ended meanwhile
             job = assignment.get("job")
             if not job and assignment["status"] == AllocationStatus.RESERVED:
@@ -301,20 +304,15 @@ class Agent:
                 self.reporter.report_failed(alloc_id, assignment["epoch"], str(exc))
                 return
             count = assignment["gpu_count"]
-            if len(self.free) < count:  # a stopping job still holds them: retry each loop
-                first = self.waiting_for_gpus.setdefault(alloc_id, time.monotonic())
-                if time.monotonic() - first < self.grace_seconds + 30:
-                    logger.info("allocation %s waits for %s GPUs to be freed", alloc_id, count)
-                    return
-                del self.waiting_for_gpus[alloc_id]
-                logger.error(
-                    "allocation %s needs %s GPUs, %s free", alloc_id, count, len(self.free)
-                )
+            taken = self.gpu_book.take(alloc_id, count, now=time.monotonic())
+            if taken.verdict == Verdict.WAIT:  # a stopping job still holds them: retry each loop
+                logger.info("allocation %s waits for %s GPUs to be freed", alloc_id, count)
+                return
+            if taken.verdict == Verdict.GIVE_UP:
+                logger.error("allocation %s needs %s GPUs, %s free", alloc_id, count, taken.free)
                 self.reporter.report_failed(alloc_id, assignment["epoch"])
                 return
-            self.waiting_for_gpus.pop(alloc_id, None)
-            indices = sorted(self.free)[:count]
-            self.free -= set(indices)
+            indices = list(taken.indices)
             request = JobRequest(
                 allocation_id=alloc_id,
                 epoch=assignment["epoch"],
@@ -367,7 +365,7 @@ class Agent:
                 return
             del self.preparing[alloc_id]
             if self.stop_event.is_set():  # the agent stops: the market decides the rest
-                self.free |= set(request.gpu_indices)
+                self.gpu_book.give_back(alloc_id)
                 return
             self._launch(request)
 
@@ -405,7 +403,7 @@ class Agent:
         reported failed, saying why; the node drained first when it is the node's fault, too
         many times in a row (``start_failures``)."""
         alloc_id = request.allocation_id
-        self.free |= set(request.gpu_indices)
+        self.gpu_book.give_back(alloc_id)
         logger.error("allocation %s: the job could not start: %s", alloc_id, exc)
         detail = f"the job could not start: {exc}"
         report_not_started(
@@ -420,7 +418,7 @@ class Agent:
             handle = self.jobs.get(alloc_id)
             unstarted = self.preparing.pop(alloc_id, None)
             if unstarted is not None:
-                self.free |= set(unstarted.gpu_indices)
+                self.gpu_book.give_back(alloc_id)
         if unstarted is not None:  # its image still pulling: it never starts here
             logger.warning("allocation %s: noticed before its job started; not started", alloc_id)
             body = notice_before_start_report(epoch=epoch or unstarted.epoch)
@@ -484,13 +482,13 @@ class Agent:
             handle = self.jobs.pop(alloc_id, None)
             unstarted = self.preparing.pop(alloc_id, None)
             if unstarted is not None:
-                self.free |= set(unstarted.gpu_indices)
+                self.gpu_book.give_back(alloc_id)
                 logger.info("allocation %s: ended (%s) before its job started", alloc_id, reason)
         if handle is None:
             return
         self.runner.stop(handle, grace=self.grace_seconds if grace is None else grace)
         with self.lock:
-            self.free |= set(handle.request.gpu_indices)
+            self.gpu_book.give_back(alloc_id)
         logger.info("allocation %s: stopped (%s)", alloc_id, reason)
 
     def _check_exits(self) -> None:
@@ -509,7 +507,7 @@ class Agent:
             detail = None if code == 0 else exit_detail(code, last_line(self.runner, handle))
             self.runner.stop(handle, grace=0)  # what it left running: its processes, container
             with self.lock:
-                self.free |= set(handle.request.gpu_indices)
+                self.gpu_book.give_back(alloc_id)
             outcome = ReportOutcome.FINISHED if code == 0 else ReportOutcome.FAILED
             logger.info(
                 "allocation %s: job exited %s -> %s%s",
