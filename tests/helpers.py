@@ -19,3 +19,34 @@ def post_streamed_oversized(service, headers) -> httpx.Response:
         headers={**headers, "content-type": "application/json"},
         timeout=30,
     )
+
+
+def assignment(allocation_id: int, **fields):
+    """An allocation as a node's agent reads it (``messages.Assignment``), running, with the
+    fields a test does not name filled in."""
+    from prefect_spotgpu.messages import Assignment
+
+    defaults = {
+        "id": allocation_id,
+        "bid_id": 1,
+        "node_id": 1,
+        "gpu_count": 1,
+        "status": "running",
+        "epoch": 1,
+        "kind": "spot",
+        "started_at": 0.0,
+        "charged_until": 0.0,
+        "price": 1.0,
+        "deadline": None,
+        "notice_reason": None,
+        "charged_amount": 0.0,
+        "charged_micros": 0,
+        "charged_seconds": 0.0,
+        "last_checkpoint_at": None,
+        "final_save": None,
+        "ended_at": None,
+        "end_reason": None,
+        "tenant_id": 1,
+        "checkpoint_key": f"bid-{fields.get('bid_id', 1)}",
+    }
+    return Assignment.model_validate({**defaults, **fields})

@@ -16,6 +16,7 @@ import pytest
 
 from conftest import ADMIN_KEY
 from conftest import wait_for as wait
+from helpers import assignment
 from prefect_spotgpu.agent.discovery import DiscoveryError, discover_nvml, parse_declared
 from prefect_spotgpu.agent.isolation import JobUsers
 from prefect_spotgpu.agent.runners import (
@@ -467,18 +468,7 @@ def test_a_job_that_cannot_start_gives_its_gpus_back(service, tmp_path):
     owner = service.tenant()
     _, agent = make_agent(service, owner, tmp_path, gpus=2)
     agent.register()
-    agent.start(
-        999,
-        {
-            "id": 999,
-            "status": "running",
-            "gpu_count": 2,
-            "epoch": 1,
-            "bid_id": 1,
-            "checkpoint_key": "bid-1",
-            "job": {"command": ["/nonexistent/command"]},
-        },
-    )
+    agent.start(999, assignment(999, gpu_count=2, job={"command": ["/nonexistent/command"]}))
     assert agent.gpu_book.free_count() == 2 and agent.gpu_book.held() == {} and agent.jobs == {}
 
 
@@ -558,18 +548,18 @@ def test_an_allocation_waits_for_gpus_a_stopping_job_still_holds(service, tmp_pa
     (alloc,) = wait(lambda: [a for a in agent.assignments().values()], 20, "the allocation")
     stopping = -1  # the GPU is still held by a job being stopped
     assert agent.gpu_book.take(stopping, 1, now=0).indices == (0,)
-    agent.start(alloc["id"])
-    assert agent.jobs == {} and agent.gpu_book.waiting() == [alloc["id"]]
-    assert buyer.get(f"/allocations/{alloc['id']}").json()["status"] == "running"  # not failed
+    agent.start(alloc.id)
+    assert agent.jobs == {} and agent.gpu_book.waiting() == [alloc.id]
+    assert buyer.get(f"/allocations/{alloc.id}").json()["status"] == "running"  # not failed
     agent.gpu_book.give_back(stopping)  # the stop is done: the loop's next retry starts it
-    agent.start(alloc["id"])
+    agent.start(alloc.id)
     try:
-        assert alloc["id"] in agent.jobs and agent.gpu_book.waiting() == []
-        assert agent.gpu_book.held() == {alloc["id"]: (0,)}
+        assert alloc.id in agent.jobs and agent.gpu_book.waiting() == []
+        assert agent.gpu_book.held() == {alloc.id: (0,)}
     finally:
         buyer.post(f"/bids/{bid['id']}/cancel")
-        agent.stop(alloc["id"], reason="test over")
-    assert node["id"] == alloc["node_id"]
+        agent.stop(alloc.id, reason="test over")
+    assert node["id"] == alloc.node_id
 
 
 def test_checkpoints_are_reported_and_a_failed_final_save_names_its_cause(service, tmp_path):

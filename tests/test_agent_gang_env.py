@@ -161,7 +161,7 @@ def test_an_agent_reports_a_malformed_gang_failed_saying_why(service, tmp_path):
               "job": {"command": ["sleep", "60"]}},
     ).json()  # fmt: skip
     (alloc,) = wait(lambda: list(agent.assignments().values()), 20, "the allocation")
-    agent.start(alloc["id"], {**alloc, "gang": {**GOOD, "rank": 5}})  # as a broken market's
+    agent.start(alloc.id, alloc.model_copy(update={"gang": {**GOOD, "rank": 5}}))  # broken
     assert agent.jobs == {} and agent.gpu_book.free_count() == 1  # never started; GPU free
 
     def ended():

@@ -147,6 +147,15 @@ def test_the_protocol_imports_only_the_standard_library_and_the_market():
             assert name.split(".")[0] in sys.stdlib_module_names or name == "__future__", name
 
 
+def test_the_shared_messages_import_only_pydantic_and_the_protocol():
+    for name in imported_names(PACKAGE / "messages.py"):
+        root = name.split(".")[0]
+        if root == "prefect_spotgpu":
+            assert name.startswith("prefect_spotgpu.protocol"), name
+        else:
+            assert root in sys.stdlib_module_names or root in ("__future__", "pydantic"), name
+
+
 def test_nothing_imports_the_cli():
     cli = PACKAGE / "cli"
     for path in sorted(PACKAGE.rglob("*.py")):
@@ -232,10 +241,11 @@ ARROWS = {
     "protocol": {"market"},
     "api_client": set(),
     "prefect_internals": set(),
+    "messages": {"protocol"},
     "economics": {"market", "protocol"},
     "checkpoint": {"protocol"},
-    "agent": {"market", "protocol", "checkpoint", "api_client"},
-    "service": {"market", "protocol", "economics"},
+    "agent": {"market", "protocol", "checkpoint", "api_client", "messages"},
+    "service": {"market", "protocol", "economics", "messages"},
     "worker": {
         "market",
         "protocol",
@@ -244,6 +254,7 @@ ARROWS = {
         "api_client",
         "checkpoint",
         "prefect_internals",
+        "messages",
     },
     "blocks": {"api_client", "checkpoint", "protocol"},
     "launch": {"protocol", "checkpoint", "prefect_internals"},

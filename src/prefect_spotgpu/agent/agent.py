@@ -50,6 +50,7 @@ from prefect_spotgpu.agent.runners import JobHandle, JobRequest, Runner
 from prefect_spotgpu.agent.runners.runner import GangPlace, last_line
 from prefect_spotgpu.agent.start_failures import StartFailures, drain_node, report_not_started
 from prefect_spotgpu.api_client import api_client
+from prefect_spotgpu.messages import Assignment, EventResponse, EventsPage
 from prefect_spotgpu.protocol import (
     ENDING_EVENTS,
     PULL_REPORT_SECONDS,
@@ -219,14 +220,14 @@ class Agent:
                     logger.warning("events: %s %s", page.status_code, page.text[:200])
                     self.stop_event.wait(1.0)
                     continue
-                body = page.json()
-                for event in body["events"]:
+                body = EventsPage.model_validate(page.json())
+                for event in body.events:
                     try:
                         self.handle(event)
                     except Exception:  # one bad event must not stop the node
-                        logger.exception("handling event %s failed", event.get("id"))
-                if body["cursor"] != self.cursor:
-                    self.cursor = body["cursor"]
+                        logger.exception("handling event %s failed", event.id)
+                if body.cursor != self.cursor:
+                    self.cursor = body.cursor
                     try:
                         save_cursor(self.state_dir, self.market, self.node_id, self.cursor)
                     except OSError as exc:  # e.g. a full disk: keep serving, retry next page
@@ -263,9 +264,8 @@ class Agent:
 
     # ---------------------------------------------------------------- events
 
-    def handle(self, event: dict) -> None:
-        kind, alloc_id = event["kind"], event["allocation_id"]
-        payload = event["payload"]
+    def handle(self, event: EventResponse) -> None:
+        kind, alloc_id, payload = event.kind, event.allocation_id, event.payload
         if "epoch" in payload:
             self.epochs[alloc_id] = payload["epoch"]
         if kind == EventKind.ALLOCATED or (  # a migration target starts warm, if given its job
@@ -277,57 +277,57 @@ class Agent:
         elif kind in ENDING_EVENTS:  # a preemption: SIGKILL only, as at a notice's end
             self.stop(alloc_id, reason=kind, grace=0 if kind == EventKind.PREEMPTED else None)
 
-    def assignments(self) -> dict[int, dict]:
+    def assignments(self) -> dict[int, Assignment]:
         response = self.client.get(f"/nodes/{self.node_id}/allocations")
         response.raise_for_status()
-        return {a["id"]: a for a in response.json()}
+        return {a.id: a for a in map(Assignment.model_validate, response.json())}
 
-    def start(self, alloc_id: int, assignment: dict | None = None) -> None:
+    def start(self, alloc_id: int, assignment: Assignment | None = None) -> None:
         with self.lock:
             if alloc_id in self.jobs or alloc_id in self.preparing:
                 return
             if assignment is None:
                 assignment = self.assignments().get(alloc_id)
-            if assignment is None or assignment["status"] not in STARTABLE:
+            if assignment is None or assignment.status not in STARTABLE:
                 self.gpu_book.stop_waiting(alloc_id)
                 return  # ended meanwhile
-            job = assignment.get("job")
-            if not job and assignment["status"] == AllocationStatus.RESERVED:
+            job = assignment.job
+            if not job and assignment.status == AllocationStatus.RESERVED:
                 return  # a reservation the market does not warm up: it starts when promoted
             if not job:
                 logger.warning("allocation %s has no job to run", alloc_id)
                 return
             try:
-                gang = GangPlace.from_assignment(assignment.get("gang"))
+                gang = GangPlace.from_assignment(assignment.gang)
             except ValueError as exc:  # never run: its ranks could not meet
                 logger.error("allocation %s: %s", alloc_id, exc)
-                self.reporter.report_failed(alloc_id, assignment["epoch"], str(exc))
+                self.reporter.report_failed(alloc_id, assignment.epoch, str(exc))
                 return
-            count = assignment["gpu_count"]
+            count = assignment.gpu_count
             taken = self.gpu_book.take(alloc_id, count, now=time.monotonic())
             if taken.verdict == Verdict.WAIT:  # a stopping job still holds them: retry each loop
                 logger.info("allocation %s waits for %s GPUs to be freed", alloc_id, count)
                 return
             if taken.verdict == Verdict.GIVE_UP:
                 logger.error("allocation %s needs %s GPUs, %s free", alloc_id, count, taken.free)
-                self.reporter.report_failed(alloc_id, assignment["epoch"])
+                self.reporter.report_failed(alloc_id, assignment.epoch)
                 return
             indices = list(taken.indices)
             request = JobRequest(
                 allocation_id=alloc_id,
-                epoch=assignment["epoch"],
-                bid_id=assignment["bid_id"],
-                command=list(job["command"]),
-                env=dict(job.get("env") or {}),
+                epoch=assignment.epoch,
+                bid_id=assignment.bid_id,
+                command=list(job.command),
+                env=dict(job.env),
                 gpu_indices=indices,
                 workdir=self.state_dir / f"alloc-{alloc_id}",
-                checkpoint_url=job.get("checkpoint_url"),
-                checkpoint_key=assignment["checkpoint_key"],
-                image=job.get("image"),
-                tenant_id=assignment.get("tenant_id"),
+                checkpoint_url=job.checkpoint_url,
+                checkpoint_key=assignment.checkpoint_key,
+                image=job.image,
+                tenant_id=assignment.tenant_id,
                 gang=gang,
             )
-            self.epochs[alloc_id] = assignment["epoch"]
+            self.epochs[alloc_id] = assignment.epoch
             try:
                 ready = self.runner.ready(request)
             except Exception as exc:  # e.g. the engine is down
@@ -535,7 +535,7 @@ class Agent:
                     "reconcile: killed the job of allocation %s, no longer ours", alloc_id
                 )
         for alloc_id, assignment in active.items():
-            if assignment["status"] in STARTABLE:
+            if assignment.status in STARTABLE:
                 # our previous run's job, if any: stop it, start it cleanly
                 self.runner.reconcile(alloc_id, self.state_dir / f"alloc-{alloc_id}")
                 self.start(alloc_id, assignment)

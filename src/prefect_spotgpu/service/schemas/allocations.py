@@ -1,52 +1,17 @@
-"""Allocations: GPUs on one node held for one bid, as tenants and node agents see them, and
-what an agent reports of one."""
+"""Allocations: GPUs on one node held for one bid, as tenants and node agents see them (the
+replies are shared with the clients: ``prefect_spotgpu.messages``), and what an agent reports
+of one."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
+from prefect_spotgpu.messages import AllocationResponse as AllocationResponse
+from prefect_spotgpu.messages import Assignment as Assignment
 from prefect_spotgpu.protocol import REPORT_DETAIL_CHARS, ReportOutcome
 from prefect_spotgpu.service.schemas.fields import Strict
-
-
-class AllocationResponse(BaseModel):
-    id: int
-    bid_id: int
-    node_id: int
-    gpu_count: int
-    status: str
-    epoch: int
-    kind: str
-    started_at: float
-    charged_until: float
-    price: float
-    deadline: float | None
-    notice_reason: str | None
-    charged_amount: float
-    charged_micros: int = Field(description="What it cost so far, exactly, in micros.")
-    charged_seconds: float
-    last_checkpoint_at: float | None
-    final_save: str | None
-    ended_at: float | None
-    end_reason: str | None
-    rank: int | None = Field(None, description="A gang member's rank (None: a one-node bid).")
-
-
-class Assignment(AllocationResponse):
-    """An allocation as its node agent sees it: with the job to run (its environment opened,
-    only while the allocation runs on this node), and for a gang member where its gang meets."""
-
-    tenant_id: int
-    job: dict | None = None
-    checkpoint_key: str
-    gang: dict | None = Field(
-        None,
-        description="A gang member's place in its gang: rank, world_size, master_addr "
-        "(rank 0's node's address), master_port, gpus_per_node and lead_allocation (rank 0's "
-        "allocation of the same attempt); None for a one-node bid.",
-    )
 
 
 class AllocationReport(Strict):

@@ -8,6 +8,8 @@ from typing import Annotated
 from pydantic import BaseModel, Field, model_validator
 
 from prefect_spotgpu.market.types import MAX_GANG_NODES
+from prefect_spotgpu.messages import EventResponse as EventResponse
+from prefect_spotgpu.messages import EventsPage as EventsPage
 from prefect_spotgpu.protocol import MAX_BIDS_PER_BATCH
 from prefect_spotgpu.service.schemas.fields import (
     CapacityKind,
@@ -180,18 +182,3 @@ def bid_response(bid, members: list[int] | None = None) -> BidResponse:
     response = BidResponse.model_validate(bid, from_attributes=True)
     response.members = list(members or [])
     return response
-
-
-class EventResponse(BaseModel):
-    id: int
-    kind: str
-    bid_id: int
-    node_id: int
-    allocation_id: int
-    payload: dict
-    created_at: datetime
-
-
-class EventsPage(BaseModel):
-    events: list[EventResponse]
-    cursor: int = Field(description="Pass as `after` to wait for the next events.")
