@@ -50,3 +50,23 @@ def assignment(allocation_id: int, **fields):
         "checkpoint_key": f"bid-{fields.get('bid_id', 1)}",
     }
     return Assignment.model_validate({**defaults, **fields})
+
+
+_event_ids = iter(range(1, 10**9))
+
+
+def bid_event(kind: str, alloc: int, bid: int = 7, node: int = 1, **payload):
+    """One event of a bid as the worker reads it (``messages.EventResponse``)."""
+    from datetime import UTC, datetime
+
+    from prefect_spotgpu.messages import EventResponse
+
+    return EventResponse(
+        id=next(_event_ids),
+        kind=kind,
+        bid_id=bid,
+        node_id=node,
+        allocation_id=alloc,
+        payload=payload,
+        created_at=datetime(2026, 12, 1, tzinfo=UTC),
+    )

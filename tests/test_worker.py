@@ -12,6 +12,7 @@ import uuid
 import pytest
 from prefect.exceptions import InfrastructureNotFound
 
+from helpers import bid_event
 from prefect_spotgpu.blocks import CheckpointStorage
 from prefect_spotgpu.worker import SpotGPUWorker
 from prefect_spotgpu.worker.config import LAUNCH_COMMAND, SpotGPUJobConfiguration
@@ -20,7 +21,7 @@ from prefect_spotgpu.worker.report import allocation_report
 
 
 def ev(kind, alloc, node=1, **payload):
-    return {"kind": kind, "allocation_id": alloc, "node_id": node, "payload": payload}
+    return bid_event(kind, alloc, node=node, **payload)
 
 
 def test_the_track_follows_a_reclaim_and_a_migration():

@@ -19,6 +19,7 @@ import pytest
 from pydantic import ValidationError
 
 from conftest import wait_for
+from helpers import bid_event
 from prefect_spotgpu.worker import SpotGPUWorker
 from prefect_spotgpu.worker.attempt import gang_lead
 from prefect_spotgpu.worker.config import SpotGPUJobConfiguration
@@ -68,8 +69,7 @@ def test_the_bid_carries_node_count():
 
 
 def ev(kind, alloc, bid, node=1, **payload):
-    return {"kind": kind, "allocation_id": alloc, "bid_id": bid, "node_id": node,
-            "payload": payload}  # fmt: skip
+    return bid_event(kind, alloc, bid=bid, node=node, **payload)
 
 
 GANG = {"id": 10, "node_count": 2, "members": [10, 11], "gpu_count": 1,

@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from helpers import bid_event
 from prefect_spotgpu.protocol import EndReason, WorkerEvent
 from prefect_spotgpu.worker.reactions import (
     ENGINE_EXIT_SECONDS,
@@ -40,18 +41,10 @@ from prefect_spotgpu.worker.reactions import (
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 SETTINGS = Settings(max_preemptions=3)
 BID = {"id": 7, "gpu_model": "A100-80G", "gpu_count": 1, "region": "any", "max_price": 1.5}
-_ids = iter(range(1, 10_000))
 
 
-def event(kind: str, alloc: int, node: int = 1, **payload) -> dict:
-    return {
-        "id": next(_ids),
-        "kind": kind,
-        "bid_id": BID["id"],
-        "node_id": node,
-        "allocation_id": alloc,
-        "payload": payload,
-    }
+def event(kind: str, alloc: int, node: int = 1, **payload):
+    return bid_event(kind, alloc, bid=BID["id"], node=node, **payload)
 
 
 def run(phase: Phase | None, name: str | None = None) -> RunView:
@@ -389,18 +382,16 @@ def test_a_lost_node_without_a_notice_is_a_crash_and_with_one_a_preemption():
     now, settings = datetime(2026, 12, 1, 12, tzinfo=UTC), Settings(max_preemptions=3)
     for noticed in (False, True):
         track = Track()
-        started = {"kind": "allocated", "bid_id": 7, "node_id": 2, "allocation_id": 11,
-                   "payload": {}}  # fmt: skip
+        started = bid_event("allocated", 11, node=2)
         track.apply(started)
         if noticed:
-            notice = {**started, "kind": "noticed", "payload": {"deadline": 1e12}}
-            track.apply(notice)
-        lost = {**started, "kind": "preempted", "payload": {"reason": "node lost"}}
+            track.apply(bid_event("noticed", 11, node=2, deadline=1e12))
+        lost = bid_event("preempted", 11, node=2, reason="node lost")
         reaction = react(lost, track.apply(lost), track, settings, now)
         assert isinstance(reaction, Reschedule)
         assert reaction.crashed is not noticed
         assert reaction.message.startswith("Preempted" if noticed else "Crashed")
-    reclaimed = {**started, "kind": "preempted", "payload": {"reason": "final save acknowledged"}}
+    reclaimed = bid_event("preempted", 11, node=2, reason="final save acknowledged")
     track = Track()
     track.apply(started)
     reaction = react(reclaimed, track.apply(reclaimed), track, settings, now)

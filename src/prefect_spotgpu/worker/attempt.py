@@ -23,6 +23,7 @@ from prefect.exceptions import Abort
 from prefect.states import Cancelled, Crashed, Failed, Pending, Scheduled
 from prefect.utilities.engine import propose_state
 
+from prefect_spotgpu.messages import EventResponse
 from prefect_spotgpu.protocol import HOLDING_STATUSES, LABELS, LIVE_BID_STATUSES, WorkerEvent
 from prefect_spotgpu.worker import reactions as rules
 from prefect_spotgpu.worker.config import SpotGPUJobConfiguration
@@ -194,13 +195,13 @@ class Attempt:
         terms = await run.retry("read the market's terms", self.market.terms)
         self.settings = rules.Settings.of(self.configuration, terms)
         history = await run.retry("read the bid's events", lambda: self.market.events(bid_id, 0))
-        self.track = Track.from_events(history["events"], gang_lead(self.bid))
-        cursor = history["cursor"]
+        self.track = Track.from_events(history.events, gang_lead(self.bid))
+        cursor = history.cursor
         run.logger.info("Following bid %s after its event %s", bid_id, cursor)
         pace, paced_at = self.configuration.pace(run.flow_run), time.monotonic()
         flow_run = await run.read()
         missed = rules.missed_preemption(
-            history["events"], (flow_run.labels or {}).get(LABELS.ALLOCATION), view_of(flow_run)
+            history.events, (flow_run.labels or {}).get(LABELS.ALLOCATION), view_of(flow_run)
         )
         if missed is not None:  # while no worker followed the run (an adoption)
             reaction = rules.preempted(missed, self.track, self.settings, datetime.now(UTC))
@@ -233,18 +234,18 @@ class Attempt:
                 "follow the bid",
                 lambda after=cursor: self.market.events(bid_id, after, POLL_SECONDS),
             )
-            for event in page["events"]:
-                cursor = event["id"]
+            for event in page.events:
+                cursor = event.id
                 ended = self.track.apply(event)
                 outcome = await run.retry(
-                    f"handle the {event['kind']} event",
+                    f"handle the {event.kind} event",
                     lambda e=event, ended=ended: self._on_event(e, ended),
                 )
                 if outcome is not None:
                     await self._publish_report()
-                    run.logger.debug("attempt over after event %s", event["kind"])
+                    run.logger.debug("attempt over after event %s", event.kind)
                     return outcome
-            cursor = max(cursor, page["cursor"])
+            cursor = max(cursor, page.cursor)
 
     async def _say_unserved(self, said: str | None) -> str | None:
         """Tell the run's logs and Prefect's events (``spotgpu.bid.held``) why its bid waits
@@ -258,7 +259,7 @@ class Attempt:
             self.run.emit(WorkerEvent.HELD, bid, reason=bid["hold_reason"])
         return message
 
-    async def _on_event(self, event: dict, ended_current: bool) -> int | None:
+    async def _on_event(self, event: EventResponse, ended_current: bool) -> int | None:
         """The reaction to one event already folded into the track (safe to repeat)."""
         facts = Facts()
         while True:
@@ -273,7 +274,7 @@ class Attempt:
                 facts = Facts(run=facts.run, bid=await self.market.bid(self.bid["id"]))
         return await self._carry_out(reaction, event)
 
-    async def _carry_out(self, reaction: rules.Reaction, event: dict) -> int | None:
+    async def _carry_out(self, reaction: rules.Reaction, event: EventResponse) -> int | None:
         """Do what ``reaction`` says; the attempt's status code when it ends the attempt."""
         if reaction.emit is not None:
             self.run.emit(reaction.emit.what, self.bid, **reaction.emit.payload)

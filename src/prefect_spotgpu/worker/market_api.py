@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import anyio
 import httpx
 
+from prefect_spotgpu.messages import EventsPage
 from prefect_spotgpu.protocol import LIVE_BID_STATUSES, MarketTerms
 from prefect_spotgpu.worker.bid_batch import batcher_for
 from prefect_spotgpu.worker.report import quote_summary
@@ -107,9 +108,9 @@ class MarketApi:
                 raise
             return None
 
-    async def events(self, bid_id: int, after: int, timeout: float = 0) -> dict:
+    async def events(self, bid_id: int, after: int, timeout: float = 0) -> EventsPage:
         """The bid's events after ``after``, waiting up to ``timeout`` s for one (long poll)."""
-        return checked(
+        page = checked(
             await self.http.get(
                 f"/bids/{bid_id}/events",
                 params={"after": after, "timeout": timeout},
@@ -117,6 +118,7 @@ class MarketApi:
             ),
             "follow the bid" if timeout else "read the bid's events",
         )
+        return EventsPage.model_validate(page)
 
     async def allocations(self, bid_id: int) -> list[dict]:
         return checked(

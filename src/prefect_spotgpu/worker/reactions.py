@@ -29,11 +29,11 @@ last word (:func:`after_engine`), and which runs a worker may adopt (:func:`adop
     >>> from datetime import UTC, datetime
     >>> now, track = datetime(2026, 12, 1, 12, tzinfo=UTC), Track()
     >>> settings = Settings(max_preemptions=3)
-    >>> started = {"kind": "allocated", "bid_id": 7, "node_id": 2, "allocation_id": 11,
-    ...            "payload": {}}
+    >>> started = EventResponse(id=1, kind="allocated", bid_id=7, node_id=2, allocation_id=11,
+    ...                         payload={}, created_at=now)
     >>> react(started, track.apply(started), track, settings, now)
     Go(log=None, emit=None, allocation_id=11, node_id=2, preemptions=0)
-    >>> lost = {**started, "kind": "preempted", "payload": {"reason": "node lost"}}
+    >>> lost = started.model_copy(update={"kind": "preempted", "payload": {"reason": "node lost"}})
     >>> reaction = react(lost, track.apply(lost), track, settings, now)
     >>> reaction.crashed, reaction.message.split(";")[0]  # never noticed: a crash
     (True, 'Crashed on node 2 (node lost, no notice)')
@@ -47,6 +47,7 @@ from enum import StrEnum
 from typing import Literal
 
 from prefect_spotgpu.economics.schedules import aware, cheap_window
+from prefect_spotgpu.messages import EventResponse
 from prefect_spotgpu.protocol import (
     HELD_UNSERVED,
     BidStatus,
@@ -134,7 +135,7 @@ class Track:
         self.ended: set[int] = set()
         self.nodes: dict[int, int] = {}
         self.members: set[int] = set()
-        self.member_failure: dict | None = None
+        self.member_failure: EventResponse | None = None
         self.preemptions = 0
         self.noticed: set[int] = set()
 
@@ -143,23 +144,23 @@ class Track:
         return self.running[0] if self.running else None
 
     @classmethod
-    def from_events(cls, events: list[dict], lead: int | None = None) -> Track:
+    def from_events(cls, events: list[EventResponse], lead: int | None = None) -> Track:
         track = cls(lead)
         for event in events:
             track.apply(event)
         return track
 
-    def is_member(self, event: dict) -> bool:
+    def is_member(self, event: EventResponse) -> bool:
         """Whether the event is of a gang member other than rank 0."""
-        return self.lead is not None and event.get("bid_id", self.lead) != self.lead
+        return self.lead is not None and event.bid_id != self.lead
 
-    def apply(self, event: dict) -> bool:
+    def apply(self, event: EventResponse) -> bool:
         """Fold one event in; True when it ended the current allocation."""
-        kind, alloc = event["kind"], event["allocation_id"]
-        self.nodes[alloc] = event["node_id"]
+        kind, alloc = event.kind, event.allocation_id
+        self.nodes[alloc] = event.node_id
         if self.is_member(event):
             self.members.add(alloc)
-            if kind == EventKind.PREEMPTED and event["payload"].get("reason") == JOB_FAILED:
+            if kind == EventKind.PREEMPTED and event.payload.get("reason") == JOB_FAILED:
                 self.member_failure = event
             return False
         if kind == EventKind.ALLOCATED and alloc not in self.ended and alloc not in self.running:
@@ -169,7 +170,7 @@ class Track:
             self.noticed.add(alloc)
         elif kind in (EventKind.PREEMPTED, EventKind.FINISHED, EventKind.RELEASED):
             self.ended.add(alloc)
-            reason = event["payload"].get("reason")
+            reason = event.payload.get("reason")
             failed = reason == JOB_FAILED or (
                 reason == GANG_MEMBER_ENDED and self.member_failure is not None
             )
@@ -282,7 +283,7 @@ class Ended(Reaction):
 
 
 def react(
-    event: dict,
+    event: EventResponse,
     ended_current: bool,
     track: Track,
     settings: Settings,
@@ -295,12 +296,11 @@ def react(
         return member_event(event)
     if (
         ended_current
-        and event["payload"].get("reason") == GANG_MEMBER_ENDED
+        and event.payload.get("reason") == GANG_MEMBER_ENDED
         and track.member_failure is not None
     ):
         event = track.member_failure  # the gang ended because this member's job failed
-    kind, alloc, payload = event["kind"], event["allocation_id"], event["payload"]
-    node = event.get("node_id")
+    kind, alloc, payload, node = event.kind, event.allocation_id, event.payload, event.node_id
     if not ended_current:
         if kind == EventKind.ALLOCATED and track.live == alloc:
             return Go(
@@ -362,36 +362,38 @@ def react(
     )
 
 
-def member_event(event: dict) -> Nothing:
+def member_event(event: EventResponse) -> Nothing:
     """An event of a gang member other than rank 0: rank 0's allocation has its consequences
     (one notice, one end for the gang); a member's start and a failed job are logged."""
-    kind, alloc, node = event["kind"], event["allocation_id"], event.get("node_id")
+    kind, alloc, node = event.kind, event.allocation_id, event.node_id
     if kind == EventKind.ALLOCATED:
         return Nothing(log=("info", f"Gang member on node {node} started (allocation {alloc})"))
-    if kind == EventKind.PREEMPTED and event["payload"].get("reason") == JOB_FAILED:
-        detail = event["payload"].get("detail") or JOB_FAILED
+    if kind == EventKind.PREEMPTED and event.payload.get("reason") == JOB_FAILED:
+        detail = event.payload.get("detail") or JOB_FAILED
         return Nothing(log=("error", f"Gang member's job on node {node} failed: {detail}"))
     return Nothing()
 
 
-def preempted(event: dict, track: Track, settings: Settings, now: datetime) -> Fail | Reschedule:
+def preempted(
+    event: EventResponse, track: Track, settings: Settings, now: datetime
+) -> Fail | Reschedule:
     """A preemption of the run's allocation (``event``): reschedule it to resume from its
     checkpoint, or fail it once it was preempted more than ``max_preemptions`` times."""
-    payload = event["payload"]
+    payload = event.payload
     reason = payload.get("reason", "preempted")
     emit = Emit(WorkerEvent.PREEMPTED, plain(payload))
     if track.preemptions > settings.max_preemptions:
         message = (
             f"Preempted {track.preemptions} times, more than max_preemptions="
-            f"{settings.max_preemptions}; bid {event['bid_id']} cancelled"
+            f"{settings.max_preemptions}; bid {event.bid_id} cancelled"
         )
         return Fail(message=message, emit=emit, log=("error", message))
-    crashed = reason in WITHOUT_NOTICE and event["allocation_id"] not in track.noticed
+    crashed = reason in WITHOUT_NOTICE and event.allocation_id not in track.noticed
     message = (
-        f"{'Crashed' if crashed else 'Preempted'} on node {event['node_id']} ({reason}"
+        f"{'Crashed' if crashed else 'Preempted'} on node {event.node_id} ({reason}"
         f"{', no notice' if crashed else ''}); resumes from its "
         f"{'last periodic ' if crashed else ''}checkpoint "
-        f"on the next allocation of bid {event['bid_id']}"
+        f"on the next allocation of bid {event.bid_id}"
     )
     when = resume_time(now, settings)
     if when > now:
@@ -410,8 +412,8 @@ def preempted(event: dict, track: Track, settings: Settings, now: datetime) -> F
 
 
 def missed_preemption(
-    events: list[dict], allocation_label: str | None, run: RunView
-) -> dict | None:
+    events: list[EventResponse], allocation_label: str | None, run: RunView
+) -> EventResponse | None:
     """The ``preempted`` event of the allocation the run last ran on (its label
     ``spotgpu.allocation``), when the run has not been rescheduled since (it is still Running,
     or Crashed by that allocation's stopped engine): a preemption that completed while no
@@ -420,9 +422,9 @@ def missed_preemption(
         return None
     for event in events:
         if (
-            event["kind"] == EventKind.PREEMPTED
-            and str(event["allocation_id"]) == str(allocation_label)
-            and event["payload"].get("reason") != JOB_FAILED
+            event.kind == EventKind.PREEMPTED
+            and str(event.allocation_id) == str(allocation_label)
+            and event.payload.get("reason") != JOB_FAILED
         ):
             return event
     return None
