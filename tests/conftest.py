@@ -29,6 +29,18 @@ os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="spotgpu-test-pref
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
+# The suite runs in parallel workers (pytest-xdist, pyproject's addopts), each with its own
+# Prefect server, services and agents. What the workers share of the host is kept apart:
+# - job uids: an agent kills a stopped job's processes by its uid, so each worker's agents get
+#   their own range (``--job-uid-base``, by its environment variable);
+# - the Docker engine, its job containers and the registry: every test that uses them runs in
+#   one worker (the ``docker`` group, ``pytest_collection_modifyitems`` below);
+# - PostgreSQL: each worker its own database (``test_gw1``, ...), since the tick leader's
+#   advisory lock is one per database, whatever a test's schema.
+WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+os.environ.setdefault("SPOTGPU_JOB_UID_BASE", str(200_000 + 100_000 * WORKER))
+DOCKER_FIXTURES = {"job_image", "flow_image", "registry"}
+
 POSTGRES_URL = os.environ.get(
     "SPOTGPU_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
@@ -37,16 +49,25 @@ ADMIN_KEY = "sgadm_test-admin-key-0123456789"
 
 @pytest.fixture(scope="session")
 def postgres_url() -> str:
-    """The PostgreSQL server the tests use. Unreachable is a failure, never a skip."""
-    engine = sa.create_engine(POSTGRES_URL)
+    """The PostgreSQL server the tests use (this worker's database on it: the module's
+    comment). Unreachable is a failure, never a skip."""
+    engine = sa.create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+    url = sa.engine.make_url(POSTGRES_URL)
+    if WORKER:
+        url = url.set(database=f"{url.database}_gw{WORKER}")
     try:
         with engine.connect() as connection:
             connection.execute(sa.text("SELECT 1"))
+            exists = connection.execute(
+                sa.text("SELECT 1 FROM pg_database WHERE datname = :name"), {"name": url.database}
+            ).scalar()
+            if not exists:
+                connection.execute(sa.text(f'CREATE DATABASE "{url.database}"'))
     except Exception as exc:  # pragma: no cover - the environment is broken
         pytest.fail(f"PostgreSQL is not reachable at {POSTGRES_URL}: {exc}", pytrace=False)
     finally:
         engine.dispose()
-    return POSTGRES_URL
+    return url.render_as_string(hide_password=False)
 
 
 def fresh_postgres_schema(base_url: str) -> tuple[str, callable]:
@@ -267,3 +288,11 @@ def service(db_url, tmp_path) -> Iterator[Service]:
     svc = start_service(db_url, tmp_path / "home")
     yield svc
     svc.stop()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests of the Docker engine run in one worker (``--dist loadgroup``): they share the
+    engine, its job containers (found by label) and the registry."""
+    for item in items:
+        if DOCKER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("docker"))

@@ -30,7 +30,6 @@ from prefect_spotgpu.agent.credentials import (
     save_record,
 )
 from prefect_spotgpu.agent.isolation import (
-    UID_BASE,
     JobUsers,
     job_marker,
     job_processes,
@@ -42,6 +41,8 @@ from prefect_spotgpu.agent.isolation import (
 from prefect_spotgpu.agent.runners import DockerRunner, JobRequest, ProcessRunner
 from prefect_spotgpu.checkpoint import Checkpointer, LocalStorage, S3Storage
 from test_agent import running
+
+UID_BASE = JobUsers("auto", euid=0).uid_base  # this process's (per test worker: conftest)
 
 AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="jobs are isolated only under root")
 

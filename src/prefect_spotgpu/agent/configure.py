@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefect_spotgpu.agent.isolation import UID_BASE, JobUsers, unreachable
+from prefect_spotgpu.agent.isolation import JobUsers, unreachable
 from prefect_spotgpu.agent.preflight import check_job_interpreter
 from prefect_spotgpu.agent.runners import Runner, get_runner
 
@@ -30,7 +30,7 @@ class RunnerOptions:
     kind: str = "process"
     checkpoint_root: Path | None = None
     job_user: str = "auto"
-    job_uid_base: int = UID_BASE
+    job_uid_base: int | None = None  # None: SPOTGPU_JOB_UID_BASE, else UID_BASE
     pids_limit: int = 4096
     memory: str | None = None
     job_python: Path | None = None  # the process runner's job interpreter (None: the agent's)

@@ -48,6 +48,10 @@ logger = logging.getLogger("prefect_spotgpu.agent")
 UID_BASE = 200_000
 """Default first uid (and gid) of ``--job-user auto``; nothing else on the host may use
 ``[UID_BASE, UID_BASE + UID_RANGE)`` as uids or ``UID_BASE + tenant id`` as gids."""
+UID_BASE_ENV = "SPOTGPU_JOB_UID_BASE"
+"""The agent's setting for ``--job-uid-base`` (the option's environment variable): two agents
+on one host (each its own market) need disjoint ranges, since an agent kills a stopped job's
+processes by its uid."""
 UID_RANGE = 100_000
 """A job's uid is ``uid_base + allocation id % UID_RANGE``: two jobs on one node share a
 uid only if their allocation ids differ by a multiple of this."""
@@ -90,7 +94,7 @@ class JobUsers:
 
     Example::
 
-        >>> users = JobUsers("auto", euid=0)
+        >>> users = JobUsers("auto", uid_base=200_000, euid=0)
         >>> users.for_job(allocation_id=7, tenant_id=3)
         JobUser(uid=200007, gid=200003, dedicated=True)
         >>> JobUsers("auto", euid=1000, egid=1000).for_job(allocation_id=7, tenant_id=3)
@@ -101,10 +105,12 @@ class JobUsers:
         self,
         spec: str = "auto",
         *,
-        uid_base: int = UID_BASE,
+        uid_base: int | None = None,
         euid: int | None = None,
         egid: int | None = None,
     ) -> None:
+        if uid_base is None:  # the agent's environment, else the default
+            uid_base = int(os.environ.get(UID_BASE_ENV) or UID_BASE)
         if not 1000 <= uid_base <= 2**31 - UID_RANGE:
             raise ValueError(f"the job uid base must be in [1000, 2^31 - {UID_RANGE}]")
         self.spec = spec

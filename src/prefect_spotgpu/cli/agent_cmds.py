@@ -72,6 +72,7 @@ def agent_start(
     ),
     job_uid_base: int = typer.Option(
         200_000,
+        envvar="SPOTGPU_JOB_UID_BASE",
         help="First uid of --job-user auto, also the base of the tenant gids; "
         "uids BASE..BASE+99999 and gids BASE+TENANT must be unused on the host.",
     ),
