@@ -32,13 +32,16 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 # The suite runs in parallel workers (pytest-xdist, pyproject's addopts), each with its own
 # Prefect server, services and agents. What the workers share of the host is kept apart:
 # - job uids: an agent kills a stopped job's processes by its uid, so each worker's agents get
-#   their own range (``--job-uid-base``, by its environment variable);
+#   their own range (``--job-uid-base``, by its environment variable), apart from the default
+#   range that agents started with a fresh environment use (the manual path's);
 # - the Docker engine, its job containers and the registry: every test that uses them runs in
 #   one worker (the ``docker`` group, ``pytest_collection_modifyitems`` below);
 # - PostgreSQL: each worker its own database (``test_gw1``, ...), since the tick leader's
 #   advisory lock is one per database, whatever a test's schema.
-WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
-os.environ.setdefault("SPOTGPU_JOB_UID_BASE", str(200_000 + 100_000 * WORKER))
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...; None: not in a worker
+WORKER = int(XDIST_WORKER.removeprefix("gw")) if XDIST_WORKER else 0
+if XDIST_WORKER:  # (the controller's conftest ran first: its value is inherited, replace it)
+    os.environ["SPOTGPU_JOB_UID_BASE"] = str(300_000 + 100_000 * WORKER)
 DOCKER_FIXTURES = {"job_image", "flow_image", "registry"}
 
 POSTGRES_URL = os.environ.get(
@@ -53,7 +56,7 @@ def postgres_url() -> str:
     comment). Unreachable is a failure, never a skip."""
     engine = sa.create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
     url = sa.engine.make_url(POSTGRES_URL)
-    if WORKER:
+    if XDIST_WORKER and WORKER:
         url = url.set(database=f"{url.database}_gw{WORKER}")
     try:
         with engine.connect() as connection:
@@ -290,6 +293,7 @@ def service(db_url, tmp_path) -> Iterator[Service]:
     svc.stop()
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the group into the test's id
 def pytest_collection_modifyitems(config, items):
     """Tests of the Docker engine run in one worker (``--dist loadgroup``): they share the
     engine, its job containers (found by label) and the registry."""
