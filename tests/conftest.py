@@ -168,6 +168,20 @@ def flow_image(job_image) -> str:
         pytest.fail(f"the flow image did not build: {exc.stderr}", pytrace=False)
 
 
+def one_database(reason: str):
+    """Run a service test on SQLite only. The service's tests run on SQLite and PostgreSQL
+    (``db_url``) wherever the behaviour can differ between them (locking, isolation, types,
+    ordering, what a kill -9 leaves); a test whose behaviour is decided before any query (a
+    422, a role, an in-memory cap) or is the rendering of a reply runs once, and ``reason``
+    says why (the ``one_database`` marker keeps it)."""
+
+    def apply(test):
+        test = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)(test)
+        return pytest.mark.one_database(reason)(test)
+
+    return apply
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request, tmp_path) -> Iterator[str]:
     """A new, empty database of each kind."""
@@ -289,6 +303,67 @@ def start_service(db_url: str, home, port: int | None = None, **overrides) -> Se
 @pytest.fixture
 def service(db_url, tmp_path) -> Iterator[Service]:
     svc = start_service(db_url, tmp_path / "home")
+    yield svc
+    svc.stop()
+
+
+class SyncASGITransport(httpx.BaseTransport):
+    """httpx's ASGI transport (``httpx.ASGITransport``, which Prefect's own test fixtures use)
+    for a synchronous ``httpx.Client``: each request runs on one event loop of its own thread."""
+
+    def __init__(self, app) -> None:
+        from anyio.from_thread import start_blocking_portal
+
+        self._asgi = httpx.ASGITransport(app=app)
+        self._portal_context = start_blocking_portal()
+        self._portal = self._portal_context.__enter__()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        async def send() -> httpx.Response:
+            response = await self._asgi.handle_async_request(request)
+            body = await response.aread()
+            return httpx.Response(response.status_code, headers=response.headers, content=body)
+
+        return self._portal.call(send)
+
+    def close(self) -> None:
+        self._portal_context.__exit__(None, None, None)
+
+
+class InProcessService(Service):
+    """The service's app called in this process, over httpx's ASGI transport: no server, no
+    tick, no leader."""
+
+    def client(self, key: str | None = None) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        client = httpx.Client(
+            transport=SyncASGITransport(self.app),
+            base_url=self.base_url + "/api/v1",
+            headers=headers,
+        )
+        self.clients.append(client)
+        return client
+
+    def stop(self) -> None:
+        for client in self.clients:
+            client.close()
+        self.app.state.engine.dispose()
+
+
+@pytest.fixture
+def api(tmp_path) -> Iterator[Service]:
+    """The service for tests of request and response shape only (a 422 naming the field, a
+    header, a schema): its app in process on SQLite, without the tick. Such behaviour is
+    decided before any query, so it cannot differ between the databases; anything about the
+    tick, leadership, locking or a real server uses ``service``."""
+    from prefect_spotgpu.service.api import create_app
+    from prefect_spotgpu.service.settings import ServiceSettings
+
+    settings = ServiceSettings(
+        db_url=f"sqlite:///{tmp_path / 'market.db'}", home=tmp_path / "home", admin_key=ADMIN_KEY
+    )
+    app = create_app(settings, background=False)
+    svc = InProcessService("http://testserver", app, server=None, thread=None)
     yield svc
     svc.stop()
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import one_database
 from prefect_spotgpu.cli.stack import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -165,6 +166,7 @@ def test_telemetry_cells_show_what_the_agent_reported_and_dashes_otherwise():
     assert telemetry_cells(None) == ("-", "-", "-")
 
 
+@one_database("the CLI's rendering of the API's replies")
 def test_prices_shows_a_sparkline_for_spot_pools_and_fixed_for_on_demand(service):
     alice, owner = service.tenant(), service.tenant()
     service.node(owner, reserve=0.9)
@@ -184,6 +186,7 @@ def test_prices_shows_a_sparkline_for_spot_pools_and_fixed_for_on_demand(service
     assert "▄" in row(forecast.stdout, "A100-80G eu-west")
 
 
+@one_database("the CLI's rendering of the API's replies")
 def test_bids_lists_allocations_costs_and_the_balance(service):
     alice, owner = service.tenant(), service.tenant()
     node, _ = service.node(owner, reserve=0.9)
@@ -227,6 +230,7 @@ def test_bids_lists_allocations_costs_and_the_balance(service):
     assert str(waiting["id"]) not in [c.strip() for c in latest.stdout.split("│")]
 
 
+@one_database("the CLI's rendering of the API's replies")
 def test_nodes_shows_state_gpus_in_use_telemetry_and_heartbeat(service):
     owner, alice = service.tenant(), service.tenant()
     node, agent = service.node(owner, reserve=0.9, name="rack-7")
@@ -257,6 +261,7 @@ def test_nodes_shows_state_gpus_in_use_telemetry_and_heartbeat(service):
     assert node["name"] in everyone.stdout and other["name"] in everyone.stdout
 
 
+@one_database("the CLI's rendering of the API's replies")
 def test_a_bad_key_is_the_services_401_and_a_dead_market_one_line(service):
     for command in ("bids", "nodes"):
         out = spotgpu_at(service, command, key="sgk_not-a-key")
@@ -298,6 +303,7 @@ def test_a_plain_postgresql_url_uses_psycopg():
         ServiceSettings(db_url="mysql://u@h/db")
 
 
+@one_database("the CLI's rendering of the API's replies")
 def test_bids_and_nodes_fit_80_columns_without_cutting_values(service):
     """At 80 columns the tables wrapped their values to stubs ("…")."""
     alice, owner = service.tenant(), service.tenant()

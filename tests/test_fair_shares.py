@@ -22,7 +22,7 @@ import pytest
 import sqlalchemy as sa
 import uvicorn
 
-from conftest import ADMIN_KEY, Service, start_service
+from conftest import ADMIN_KEY, Service, one_database, start_service
 from prefect_spotgpu.cli.stack import free_port
 from prefect_spotgpu.service import fairness
 from prefect_spotgpu.service.errors import TooManyRequests
@@ -173,6 +173,7 @@ def test_a_client_that_goes_away_gives_its_long_poll_slots_back(capped):
 
 
 @pytest.mark.slow
+@one_database("caps, buckets and the forecast cache are in memory")
 def test_one_address_over_its_long_poll_cap_is_refused_whatever_its_keys(db_url, tmp_path):
     service = start_service(db_url, tmp_path / "home", long_polls_per_address=2)
     try:
@@ -286,6 +287,7 @@ def estimate_body() -> dict:
 
 
 @pytest.mark.slow
+@one_database("caps, buckets and the forecast cache are in memory")
 def test_an_anonymous_estimate_flood_is_rationed_and_a_tenant_still_estimates(service, db_url):
     store_minute_history(db_url)
     anonymous = service.client()
@@ -307,6 +309,7 @@ def test_an_anonymous_estimate_flood_is_rationed_and_a_tenant_still_estimates(se
 
 
 @pytest.mark.slow
+@one_database("caps, buckets and the forecast cache are in memory")
 def test_a_forecast_is_fitted_once_per_bar_and_the_any_region_estimate_reuses_it(service, db_url):
     newest = store_minute_history(db_url)
     tenant = service.tenant()

@@ -12,6 +12,7 @@ import pytest
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
+from conftest import one_database
 from helpers import post_streamed_oversized
 from prefect_spotgpu.protocol import REPORT_DETAIL_CHARS
 from prefect_spotgpu.service import hardening
@@ -120,8 +121,8 @@ def test_every_number_of_every_body_refuses_a_boolean_and_a_string(model, name, 
         ({**BID, "node_count": "1"}, "node_count"),
     ],
 )
-def test_the_api_answers_a_boolean_or_a_string_number_with_a_422_naming_it(service, body, field):
-    alice = service.tenant()
+def test_the_api_answers_a_boolean_or_a_string_number_with_a_422_naming_it(api, body, field):
+    alice = api.tenant()
     response = alice.post("/bids", json=body)
     assert response.status_code == 422, response.text
     assert [e["loc"] for e in response.json()["detail"]] == [["body", field]]
@@ -154,6 +155,7 @@ def assert_hardened(response: httpx.Response) -> None:
     assert response.headers.get("referrer-policy") == "no-referrer"
 
 
+@one_database("validation and headers are decided before any query")
 def test_every_answer_carries_the_security_headers_the_413_too(service):
     alice = service.tenant()
     huge = json.dumps({**BID, "labels": {"k": "v" * (MAX_BODY_BYTES + 10)}}).encode()

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 
+from conftest import one_database
 from helpers import post_streamed_oversized
 from prefect_spotgpu.service.limits import MAX_BODY_BYTES
 
 BID = {"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0}
 
 
-def test_labels_and_job_environments_are_bounded(service):
-    alice = service.tenant()
+def test_labels_and_job_environments_are_bounded(api):
+    alice = api.tenant()
     for labels, field in (
         ({"k": "v" * 257}, "labels"),
         ({"k" * 64: "v"}, "labels"),
@@ -30,6 +31,7 @@ def test_labels_and_job_environments_are_bounded(service):
     assert [b["labels"] for b in alice.get("/bids").json()] == [{"team": "ml", "spotgpu.bid": "7"}]
 
 
+@one_database("refused by validation before any query")
 def test_a_body_over_the_limit_is_413_before_it_is_read(service):
     alice = service.tenant()
     huge = json.dumps({**BID, "labels": {"k": "v" * (MAX_BODY_BYTES + 10)}}).encode()
@@ -73,8 +75,8 @@ def test_reads_never_wait_for_the_write_lock(service):
                 raise AssertionError("a reading session wrote")
 
 
-def test_a_refused_webhook_secret_is_never_echoed(service):
-    alice = service.tenant()
+def test_a_refused_webhook_secret_is_never_echoed(api):
+    alice = api.tenant()
     secret = "whsec_not-base64-but-secret!!"
     response = alice.put("/webhook", json={"url": "https://example.com/hook", "secret": secret})
     assert response.status_code == 422 and secret not in response.text

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import start_service
+from conftest import one_database, start_service
 from prefect_spotgpu.service.public_cache import MAX_ENTRIES, PublicCache
 
 
@@ -44,6 +44,7 @@ def a_cached_view(cached):
     return owner, node, anonymous
 
 
+@one_database("the cache is an in-memory middleware in front of the routes")
 def test_a_view_is_read_once_until_the_market_moves(cached):
     owner, node, anonymous = a_cached_view(cached)
     assert utilization(anonymous, node) == 10
@@ -60,6 +61,7 @@ def test_a_view_is_read_once_until_the_market_moves(cached):
     )
 
 
+@one_database("the cache is an in-memory middleware in front of the routes")
 def test_errors_and_other_queries_are_not_answered_from_the_cache(cached):
     anonymous = cached.client()
     assert anonymous.get("/market/depth/nope/eu-west").status_code == 422
@@ -78,6 +80,7 @@ def test_errors_and_other_queries_are_not_answered_from_the_cache(cached):
     assert "frame-ancestors 'none'" in again.headers["content-security-policy"]
 
 
+@one_database("the cache is an in-memory middleware in front of the routes")
 def test_made_up_query_parameters_neither_cache_nor_evict(cached):
     """The attack: an anonymous caller varies a parameter no route declares (``?x=1``, ``?x=2``,
     ...) to fill the cache and evict everyone's answers. Such a read is answered from the

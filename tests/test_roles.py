@@ -10,7 +10,7 @@ import re
 import httpx
 import pytest
 
-from conftest import ADMIN_KEY
+from conftest import ADMIN_KEY, one_database
 from prefect_spotgpu.service.roles import ROUTE_ROLES, Role, api_routes
 
 CALLERS = ("anonymous", "tenant", "provider", "node", "admin")
@@ -36,6 +36,7 @@ BODIES = {  # a well-formed body where one is needed, so an admitted caller reac
 }
 
 
+@one_database("a route's roles are decided before any query")
 def test_the_table_covers_exactly_the_apps_routes_and_schema(service):
     assert api_routes(service.app) == set(ROUTE_ROLES)
     schema = httpx.get(service.base_url + "/openapi.json").json()
@@ -62,6 +63,7 @@ def _callers(service) -> dict[str, tuple[httpx.Client, dict]]:
 
 
 @pytest.mark.slow
+@one_database("a route's roles are decided before any query")
 def test_every_route_answers_every_role_as_the_table_says(service):
     wrong = []
     for (method, path), roles in sorted(ROUTE_ROLES.items()):

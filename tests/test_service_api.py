@@ -102,8 +102,8 @@ def test_a_node_token_acts_only_for_its_node(service):
         ({"window_start": "2026-01-02T00:00:00Z", "window_end": "2026-01-01T00:00:00Z"}, None),
     ],
 )
-def test_bad_bids_get_422_naming_the_field_and_write_nothing(service, body, field):
-    alice = service.tenant()
+def test_bad_bids_get_422_naming_the_field_and_write_nothing(api, body, field):
+    alice = api.tenant()
     full = {"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0, **body}
     response = alice.post("/bids", json=full)
     assert response.status_code == 422, response.text
@@ -561,8 +561,8 @@ def test_concurrent_creates_with_one_name_never_500(service, path):
     assert codes == [201] + [409] * 7, codes
 
 
-def test_validation_errors_never_echo_a_jobs_environment(service):
-    buyer = service.tenant()
+def test_validation_errors_never_echo_a_jobs_environment(api):
+    buyer = api.tenant()
     response = buyer.post(
         "/bids",
         json={
@@ -641,8 +641,8 @@ def test_an_on_demand_job_is_released_with_a_notice_billed_at_the_on_demand_pric
         ({"capacity": "on_demand", "max_price": 1.0}, None, "on-demand price 2.1"),
     ],
 )
-def test_bad_capacity_bids_get_422(service, body, field, words):
-    alice = service.tenant()
+def test_bad_capacity_bids_get_422(api, body, field, words):
+    alice = api.tenant()
     full = {"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0, **body}
     response = alice.post("/bids", json=full)
     assert response.status_code == 422 and words in response.text, response.text
