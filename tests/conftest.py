@@ -368,10 +368,17 @@ def api(tmp_path) -> Iterator[Service]:
     svc.stop()
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the group into the test's id
 def pytest_collection_modifyitems(config, items):
     """Tests of the Docker engine run in one worker (``--dist loadgroup``): they share the
-    engine, its job containers (found by label) and the registry."""
+    engine, its job containers (found by label) and the registry.
+
+    xdist's own ``xdist_group`` marker works by appending ``@group`` to each test's id, which
+    pytest 9.2 no longer lets it do (it sets ``item._nodeid``; the id is now ``item._id``), so
+    the suffix is put on here, the way xdist's scheduler reads it."""
+    if not getattr(config.option, "loadgroup", False):  # (set in xdist's workers only)
+        return
+    from _pytest.nodeid import NodeId
+
     for item in items:
-        if DOCKER_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group("docker"))
+        if DOCKER_FIXTURES & set(getattr(item, "fixturenames", ())) and "@" not in item.nodeid:
+            item._id = NodeId.parse(f"{item.nodeid}@docker")

@@ -196,7 +196,7 @@ def test_the_first_hour_runs_as_written_in_a_fresh_home():
             time.sleep(3)  # a few steps in
         elif command.startswith("prefect flow-run ls"):
             # (Preempted at the reclaim is not the end: the run resumes on dev-2)
-            wait_for(lambda: flow_run()["state_type"] in ("COMPLETED", "FAILED", "CANCELLED"), 240)
+            wait_for(lambda: flow_run()["state_type"] in ("COMPLETED", "FAILED", "CANCELLED"), 420)
 
     started = time.monotonic()
     try:

@@ -118,7 +118,8 @@ def test_the_prices_and_estimate_commands(tmp_path):
     import sys
 
     db_url = f"sqlite:///{tmp_path / 'm.db'}"
-    service = start_service(db_url, tmp_path / "home")
+    # the node never heartbeats: it stays live (in the table) however slow the commands run
+    service = start_service(db_url, tmp_path / "home", heartbeat_timeout_seconds=3600)
     try:
         owner = service.tenant()
         service.node(owner, region="eu-west", gpus=8, reserve=0.9)

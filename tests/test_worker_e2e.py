@@ -169,6 +169,7 @@ def test_a_reclaim_mid_run_resumes_on_the_other_node_with_the_same_result(stack,
     assert len(running) == 2 and running[0] < preempted < running[1], names
     assert names[-1] == "Completed"
     assert "Crashed" not in names, names  # a preemption never reads as a crash
+    print("state history:", " -> ".join(names))  # (shown with -s: the docs quote it)
 
     second = int(run.labels["spotgpu.allocation"])
     assert second != first and node_of(stack, second) != first_node

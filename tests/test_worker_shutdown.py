@@ -195,7 +195,7 @@ def assert_completed_once(stack, prefect, name, run_id, progress, allocation) ->
     hurry(progress)
     wait_for(lambda: prefect.read_flow_run(run_id).state.is_completed(), 120, "Completed", 0.2)
     ended = f"Flow run ended Completed on allocation {allocation}"
-    wait_for(lambda: ended in stack.log(name, 100_000), 30, "the worker seeing the run end")
+    wait_for(lambda: ended in stack.log(name, 100_000), 90, "the worker seeing the run end")
     run = prefect.read_flow_run(run_id)
     assert run.run_count == 1 and run.labels["spotgpu.allocation"] == str(allocation)
     starts = [e for e in progress_of(progress) if "start" in e]
