@@ -14,7 +14,7 @@ import hashlib
 import hmac
 import shlex
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from prefect.settings import PREFECT_API_URL
 from prefect.workers.base import BaseJobConfiguration
@@ -35,17 +35,6 @@ PolicyChoice = Literal["deadline-aware", "uniform-progress", "greedy-spot", "alw
 GpuModelChoice = Literal["RTX-4090", "RTX-3090Ti", "A100-80G", "H100-80G", "H200"]
 """The catalogue's models, as the UI's choices (``tests/test_worker.py`` keeps them in step)."""
 
-SEEDED_IMAGES = (
-    "pytorch",
-    "pytorch-devel",
-    "ngc-pytorch",
-    "tensorrt",
-    "huggingface",
-    "stable-diffusion",
-)
-"""The names the market's catalogue is seeded with (the operator's to change: ``GET
-/api/v1/images`` has the real list, ``spotgpu pool setup`` writes it into the pool's form)."""
-
 LAUNCH_COMMAND = "python -m prefect_spotgpu.launch"
 """The job every allocation starts: waits for the worker's go, then execs the Prefect engine
 (``python`` is the agent's own interpreter for the process runner, the image's in a container)."""
@@ -62,6 +51,9 @@ ImageName = Literal[
 ]
 """``process`` and the seeded catalogue's names (``SEEDED_IMAGES``), the default form's choices;
 ``spotgpu pool setup`` replaces them by the market's live catalogue."""
+SEEDED_IMAGES: tuple[str, ...] = get_args(ImageName)[1:]
+"""The names the market's catalogue is seeded with (the operator's to change: ``GET
+/api/v1/images`` has the real list, ``spotgpu pool setup`` writes it into the pool's form)."""
 ImageReference = Annotated[str, Field(pattern=IMAGE_REFERENCE_PATTERN)]
 """The reference of a catalogue image (``repo/name:tag``), or another name of it."""
 
