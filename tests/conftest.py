@@ -100,6 +100,15 @@ def prefect_api_url() -> Iterator[str]:
         yield PREFECT_API_URL.value()
 
 
+@pytest.fixture
+def prefect(prefect_api_url):
+    """A synchronous client of the session's Prefect server."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        yield client
+
+
 @pytest.fixture(scope="session")
 def job_image() -> Iterator[str]:
     """A real Docker engine (started here if none runs) and this checkout's job image; the

@@ -21,31 +21,44 @@ def post_streamed_oversized(service, headers) -> httpx.Response:
     )
 
 
+ALLOCATION_DEFAULTS = {
+    "bid_id": 1,
+    "node_id": 1,
+    "gpu_count": 1,
+    "status": "running",
+    "epoch": 1,
+    "kind": "spot",
+    "started_at": 0.0,
+    "charged_until": 0.0,
+    "price": 1.0,
+    "deadline": None,
+    "notice_reason": None,
+    "charged_amount": 0.0,
+    "charged_micros": 0,
+    "charged_seconds": 0.0,
+    "last_checkpoint_at": None,
+    "final_save": None,
+    "ended_at": None,
+    "end_reason": None,
+}
+
+
+def allocation(allocation_id: int = 1, **fields):
+    """An allocation as the worker reads it (``messages.AllocationResponse``), running, with
+    the fields a test does not name filled in."""
+    from prefect_spotgpu.messages import AllocationResponse
+
+    return AllocationResponse.model_validate({**ALLOCATION_DEFAULTS, "id": allocation_id, **fields})
+
+
 def assignment(allocation_id: int, **fields):
     """An allocation as a node's agent reads it (``messages.Assignment``), running, with the
     fields a test does not name filled in."""
     from prefect_spotgpu.messages import Assignment
 
     defaults = {
+        **ALLOCATION_DEFAULTS,
         "id": allocation_id,
-        "bid_id": 1,
-        "node_id": 1,
-        "gpu_count": 1,
-        "status": "running",
-        "epoch": 1,
-        "kind": "spot",
-        "started_at": 0.0,
-        "charged_until": 0.0,
-        "price": 1.0,
-        "deadline": None,
-        "notice_reason": None,
-        "charged_amount": 0.0,
-        "charged_micros": 0,
-        "charged_seconds": 0.0,
-        "last_checkpoint_at": None,
-        "final_save": None,
-        "ended_at": None,
-        "end_reason": None,
         "tenant_id": 1,
         "checkpoint_key": f"bid-{fields.get('bid_id', 1)}",
     }
@@ -70,3 +83,30 @@ def bid_event(kind: str, alloc: int, bid: int = 7, node: int = 1, **payload):
         payload=payload,
         created_at=datetime(2026, 12, 1, tzinfo=UTC),
     )
+
+
+def nodes_back_to_live(stack, timeout: float = 60) -> None:
+    """Put a ``LocalStack``'s reclaimed nodes back to live and wait until all are (what an
+    end-to-end module does after each test)."""
+    from conftest import wait_for
+
+    owner = stack.market(stack.owner_key)
+    for node_id in stack.nodes:
+        if owner.get(f"/nodes/{node_id}").json()["state"] == "reclaimed":
+            owner.patch(f"/nodes/{node_id}", json={"state": "live"})
+    wait_for(lambda: all(n["state"] == "live" for n in owner.get("/nodes").json()), timeout, "live")
+
+
+def stop_agent(proc, timeout: float = 15) -> None:
+    """Stop an agent process as its operator would (SIGTERM; SIGKILL after ``timeout``) and
+    close its log file."""
+    import signal
+    import subprocess
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    proc.logfile.close()

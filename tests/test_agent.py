@@ -16,7 +16,7 @@ import pytest
 
 from conftest import ADMIN_KEY
 from conftest import wait_for as wait
-from helpers import assignment
+from helpers import assignment, stop_agent
 from prefect_spotgpu.agent.discovery import DiscoveryError, discover_nvml, parse_declared
 from prefect_spotgpu.agent.isolation import JobUsers
 from prefect_spotgpu.agent.runners import (
@@ -298,13 +298,7 @@ def a_market(tmp_path, heartbeat_timeout: float | None = None):
 def stop_agents(agents: dict, server, tmp_path) -> None:
     """Stop the agents (SIGTERM, then SIGKILL), the market, and any job left behind."""
     for proc in agents.values():
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        proc.logfile.close()
+        stop_agent(proc, timeout=10)
     server.stop()
     for pid_file in tmp_path.glob("state-*/alloc-*/pid"):  # no job outlives the test
         with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):

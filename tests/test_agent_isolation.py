@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_for
+from helpers import stop_agent
 from prefect_spotgpu.agent.credentials import (
     NodeRecord,
     load_cursor,
@@ -534,15 +535,6 @@ def cli_agent(service, key, state: Path, name: str, *extra: str) -> subprocess.P
     )
     proc.logfile = log
     return proc
-
-
-def stop_agent(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    proc.logfile.close()
 
 
 @AS_ROOT

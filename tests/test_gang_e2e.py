@@ -21,7 +21,6 @@ from pathlib import Path
 from uuid import UUID
 
 import pytest
-from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
     ArtifactFilter,
     ArtifactFilterFlowRunId,
@@ -30,6 +29,7 @@ from prefect.client.schemas.filters import (
 )
 
 from conftest import wait_for
+from helpers import nodes_back_to_live
 from prefect_spotgpu.agent.isolation import ACK_NAME
 from prefect_spotgpu.cli.stack import LocalStack
 from prefect_spotgpu.protocol import LABELS
@@ -77,21 +77,11 @@ def uninterrupted(tmp_path_factory):
         proc.kill()
 
 
-@pytest.fixture
-def prefect():
-    with get_client(sync_client=True) as client:
-        yield client
-
-
 @pytest.fixture(autouse=True)
 def nodes_live(stack):
     """Every test starts and ends with the three nodes live and holding nothing."""
     yield
-    owner = stack.market(stack.owner_key)
-    for node_id in stack.nodes:
-        if owner.get(f"/nodes/{node_id}").json()["state"] == "reclaimed":
-            owner.patch(f"/nodes/{node_id}", json={"state": "live"})
-    wait_for(lambda: all(n["state"] == "live" for n in owner.get("/nodes").json()), 60, "live")
+    nodes_back_to_live(stack)
 
 
 def start_run(prefect, stack) -> UUID:

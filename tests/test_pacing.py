@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
+from helpers import allocation
 from prefect_spotgpu.economics.policies import POLICIES
 from prefect_spotgpu.protocol import MarketTerms
 from prefect_spotgpu.worker.config import PolicyChoice, SpotGPUJobConfiguration
@@ -37,7 +38,7 @@ def alloc(start_h, end_h=None, status=None):
     if status is None:
         status = "running" if end_h is None else "preempted"
     ended = None if end_h is None else T0.timestamp() + end_h * H
-    return {"status": status, "started_at": T0.timestamp() + start_h * H, "ended_at": ended}
+    return allocation(status=status, started_at=T0.timestamp() + start_h * H, ended_at=ended)
 
 
 SPOT = {"id": 1, "capacity": "spot", "max_price": 1.2}
@@ -276,8 +277,8 @@ def test_steering_never_cancels_a_running_job(case, policy, bid, status, kept, e
     now = datetime.now(UTC)
     slack_h = 1.5 if policy == "deadline-aware" else 0.01  # greedy: no slack left
     ended = None if status == "running" else now.timestamp()
-    ran = {"started_at": (now - timedelta(hours=0.5)).timestamp(), "status": status,
-           "ended_at": ended}  # fmt: skip
+    ran = allocation(started_at=(now - timedelta(hours=0.5)).timestamp(), status=status,
+                     ended_at=ended)  # fmt: skip
     p = Pace(gpu_hours=2.0, deadline=now + timedelta(hours=2.0 - 0.5 + slack_h),
              origin=now - timedelta(hours=0.5), policy=policy, restart_minutes=0.1, cap=1.2,
              gpu_model="A100-80G", region="any")  # fmt: skip

@@ -128,7 +128,7 @@ def test_the_prices_and_estimate_commands(tmp_path):
         def spotgpu(*args):
             out = subprocess.run(
                 [sys.executable, "-m", "prefect_spotgpu.cli", *args, "--market", service.base_url],
-                capture_output=True, text=True, timeout=120, env={"COLUMNS": "200", **_env()},
+                capture_output=True, text=True, timeout=120, env={**_env(), "COLUMNS": "200"},
             )  # fmt: skip
             assert out.returncode == 0, out.stdout + out.stderr
             return out.stdout

@@ -12,7 +12,7 @@ import uuid
 import pytest
 from prefect.exceptions import InfrastructureNotFound
 
-from helpers import bid_event
+from helpers import allocation, bid_event
 from prefect_spotgpu.blocks import CheckpointStorage
 from prefect_spotgpu.worker import SpotGPUWorker
 from prefect_spotgpu.worker.config import LAUNCH_COMMAND, SpotGPUJobConfiguration
@@ -54,16 +54,14 @@ def test_a_failed_job_is_not_counted_as_a_preemption():
 
 def test_the_cost_report_compares_spot_with_on_demand():
     bid = {"id": 5, "gpu_model": "A100-80G", "gpu_count": 2, "max_price": 1.5, "region": "x"}
-    base = {"gpu_count": 2, "price": 1.0, "node_id": 1, "last_checkpoint_at": None, "bid_id": 5}
+    base = {"gpu_count": 2, "price": 1.0, "node_id": 1, "bid_id": 5}
     allocations = [
         # one hour on 2 GPUs at 1.0, preempted without a final save 600 s after its start
-        {**base, "id": 1, "status": "preempted", "started_at": 0.0, "ended_at": 3600.0,
-         "charged_seconds": 3600.0, "charged_amount": 2.0, "final_save": None,
-         "last_checkpoint_at": 3000.0},
-        {**base, "id": 2, "status": "finished", "started_at": 3700.0, "ended_at": 5500.0,
-         "charged_seconds": 1800.0, "charged_amount": 1.0, "final_save": None},
-        {**base, "id": 3, "status": "released", "started_at": 0.0, "ended_at": 1.0,
-         "charged_seconds": 0.0, "charged_amount": 0.0, "final_save": None},
+        allocation(1, **base, status="preempted", started_at=0.0, ended_at=3600.0,
+                   charged_seconds=3600.0, charged_amount=2.0, last_checkpoint_at=3000.0),
+        allocation(2, **base, status="finished", started_at=3700.0, ended_at=5500.0,
+                   charged_seconds=1800.0, charged_amount=1.0),
+        allocation(3, **base, status="released", started_at=0.0, ended_at=1.0),
     ]  # fmt: skip
     rows, summary = allocation_report(bid, allocations)
     assert [r["allocation"] for r in rows] == [1, 2]
@@ -75,7 +73,7 @@ def test_the_cost_report_compares_spot_with_on_demand():
     assert "| Preemptions | 1 |" in summary
     assert "| Work lost | 600.0 s" in summary
     assert summary.startswith("### GPU cost of bid 5\n")
-    earlier = [{**a, "bid_id": 4} for a in allocations[:1]]  # a spot bid it replaced
+    earlier = [a.model_copy(update={"bid_id": 4}) for a in allocations[:1]]  # replaced bid
     rows, summary = allocation_report(bid, earlier + allocations[1:])
     assert [(r["bid"], r["allocation"]) for r in rows] == [(4, 1), (5, 2)]
     assert summary.startswith("### GPU cost of bids 4, 5\n")

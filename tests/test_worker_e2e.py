@@ -16,7 +16,6 @@ from pathlib import Path
 from uuid import UUID
 
 import pytest
-from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 from prefect.events.filters import (
     EventFilter,
@@ -27,6 +26,7 @@ from prefect.events.filters import (
 from prefect.states import Cancelling
 
 from conftest import wait_for
+from helpers import nodes_back_to_live
 from prefect_spotgpu.checkpoint import Checkpointer, LocalStorage
 from prefect_spotgpu.cli.stack import LocalStack
 from prefect_spotgpu.worker.pacing import RELEASE_PRICE
@@ -52,23 +52,11 @@ def stack(prefect_api_url, tmp_path_factory):
         yield stack
 
 
-@pytest.fixture
-def prefect():
-    with get_client(sync_client=True) as client:
-        yield client
-
-
 @pytest.fixture(autouse=True)
 def nodes_live(stack):
     """Every test starts and ends with both nodes live and no job left running."""
     yield
-    owner = stack.market(stack.owner_key)
-    for node_id in stack.nodes:
-        if owner.get(f"/nodes/{node_id}").json()["state"] == "reclaimed":
-            owner.patch(f"/nodes/{node_id}", json={"state": "live"})
-    wait_for(
-        lambda: all(n["state"] == "live" for n in owner.get("/nodes").json()), 60, "nodes live"
-    )
+    nodes_back_to_live(stack)
     wait_for(lambda: not _running_jobs(stack), 30, "no job left running")
 
 

@@ -19,7 +19,7 @@ import pytest
 from pydantic import ValidationError
 
 from conftest import wait_for
-from helpers import bid_event
+from helpers import allocation, bid_event
 from prefect_spotgpu.worker import SpotGPUWorker
 from prefect_spotgpu.worker.attempt import gang_lead
 from prefect_spotgpu.worker.config import SpotGPUJobConfiguration
@@ -119,8 +119,8 @@ def test_the_allocation_table_lists_every_member():
             "charged_seconds": 3600.0, "charged_amount": 1.1, "final_save": "ok",
             "last_checkpoint_at": None, "status": "finished"}  # fmt: skip
     allocations = [
-        {**base, "id": 101, "bid_id": 11, "rank": 1, "node_id": 2, "price": 1.2},
-        {**base, "id": 100, "bid_id": 10, "rank": 0, "node_id": 1},
+        allocation(**{**base, "id": 101, "bid_id": 11, "rank": 1, "node_id": 2, "price": 1.2}),
+        allocation(**{**base, "id": 100, "bid_id": 10, "rank": 0, "node_id": 1}),
     ]
     rows, summary = allocation_report(GANG, allocations)
     assert [(r["rank"], r["node"], r["status"], r["price"]) for r in rows] == [
@@ -129,8 +129,8 @@ def test_the_allocation_table_lists_every_member():
     ]
     assert "| GPU-hours | 2.0000 |" in summary  # both nodes' GPUs
     assert "2 nodes of 1 x A100-80G" in describe(GANG)
-    assert [a["id"] for a in lead_allocations(allocations)] == [100]  # progress: rank 0's
-    one_node = [{**base, "id": 5, "bid_id": 3, "node_id": 1}]
+    assert [a.id for a in lead_allocations(allocations)] == [100]  # progress: rank 0's
+    one_node = [allocation(**{**base, "id": 5, "bid_id": 3, "node_id": 1})]
     rows, _ = allocation_report({**GANG, "id": 3, "node_count": 1}, one_node)
     assert "rank" not in rows[0]
 

@@ -21,7 +21,6 @@ from urllib.parse import urlsplit
 from uuid import UUID
 
 import pytest
-from prefect.client.orchestration import get_client
 
 from conftest import wait_for
 from prefect_spotgpu.checkpoint import Checkpointer, LocalStorage
@@ -127,12 +126,6 @@ def stack(prefect_api_url, gate, tmp_path_factory):
         stack.deployment = stack.deploy("spot_flow.py:spot_count", HERE, "shutdown", POOL)
         stack.direct_api_url = prefect_api_url
         yield stack
-
-
-@pytest.fixture
-def prefect():
-    with get_client(sync_client=True) as client:
-        yield client
 
 
 def start_run(prefect, stack, tmp_path) -> tuple[UUID, Path]:

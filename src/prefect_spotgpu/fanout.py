@@ -37,6 +37,7 @@ from enum import StrEnum
 from typing import Any
 
 from prefect_spotgpu.market import DEFAULT_CATALOG
+from prefect_spotgpu.messages import AllocationResponse
 
 
 class ShardStatus(StrEnum):
@@ -139,7 +140,7 @@ def summary(shards: Sequence[Shard]) -> dict[str, int]:
     return counts
 
 
-def cost_report(bids: list[tuple[dict, list[dict]]]) -> dict:
+def cost_report(bids: list[tuple[dict, list[AllocationResponse]]]) -> dict:
     """Spot cost of the children's bids against the same GPU-hours on demand (money in the
     market's units), and their preemptions."""
     from prefect_spotgpu.worker.report import bid_costs
@@ -355,7 +356,8 @@ class _Market:
                 bid = http.get(f"/bids/{bid_id}")
                 allocations = http.get(f"/bids/{bid_id}/allocations")
                 if bid.status_code == 200 and allocations.status_code == 200:
-                    bids.append((bid.json(), allocations.json()))
+                    listed = [AllocationResponse.model_validate(a) for a in allocations.json()]
+                    bids.append((bid.json(), listed))
         return cost_report(bids)
 
 

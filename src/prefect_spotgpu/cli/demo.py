@@ -292,9 +292,10 @@ def _timeline(bid, events, states, logs, nodes, allocations) -> list[Moment]:
 
 
 def _cost(allocations: list[dict], bid: dict) -> dict:
+    from prefect_spotgpu.messages import AllocationResponse
     from prefect_spotgpu.worker.report import bid_costs
 
-    c = bid_costs(bid, allocations)
+    c = bid_costs(bid, [AllocationResponse.model_validate(a) for a in allocations])
     return {
         "gpu_seconds": round(c["gpu_hours"] * 3600, 1),
         "spot_cost": round(c["spot_cost"], 6),

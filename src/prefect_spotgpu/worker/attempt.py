@@ -355,7 +355,7 @@ class Attempt:
         deadline = time.monotonic() + CANCEL_STOP_SECONDS
         while self.track.live is not None and time.monotonic() < deadline:
             allocations = await self.market.allocations(bid_id)
-            if not any(a["status"] in HOLDING_STATUSES for a in allocations):
+            if not any(a.status in HOLDING_STATUSES for a in allocations):
                 break
             await anyio.sleep(0.2)
         await run.engine_done(max(0.0, deadline - time.monotonic()))

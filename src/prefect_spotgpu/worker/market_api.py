@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import anyio
 import httpx
 
-from prefect_spotgpu.messages import EventsPage
+from prefect_spotgpu.messages import AllocationResponse, EventsPage
 from prefect_spotgpu.protocol import LIVE_BID_STATUSES, MarketTerms
 from prefect_spotgpu.worker.bid_batch import batcher_for
 from prefect_spotgpu.worker.report import quote_summary
@@ -120,10 +120,11 @@ class MarketApi:
         )
         return EventsPage.model_validate(page)
 
-    async def allocations(self, bid_id: int) -> list[dict]:
-        return checked(
+    async def allocations(self, bid_id: int) -> list[AllocationResponse]:
+        listed = checked(
             await self.http.get(f"/bids/{bid_id}/allocations"), "list the bid's allocations"
         )
+        return [AllocationResponse.model_validate(a) for a in listed]
 
     async def images(self) -> list[dict]:
         """The market's image catalogue (``GET /images``)."""

@@ -38,6 +38,7 @@ from typing import Literal
 from prefect_spotgpu.economics.deadline import JobView, RegionQuote
 from prefect_spotgpu.economics.policies import get_policy
 from prefect_spotgpu.market import DEFAULT_CATALOG
+from prefect_spotgpu.messages import AllocationResponse
 from prefect_spotgpu.protocol import HOLDING_STATUSES, AllocationStatus, MarketTerms
 
 RAN_AND_ENDED = (AllocationStatus.PREEMPTED, AllocationStatus.FINISHED)
@@ -87,19 +88,21 @@ class Plan:
         )
 
 
-def done_hours(allocations: list[dict], now: float, restart_h: float) -> tuple[float, bool]:
+def done_hours(
+    allocations: list[AllocationResponse], now: float, restart_h: float
+) -> tuple[float, bool]:
     """Hours of work the allocations did (each start costs ``restart_h``), and whether one
     holds GPUs now."""
     done, holding = 0.0, False
     for a in allocations:
-        if a["status"] in HOLDING_STATUSES:
+        if a.status in HOLDING_STATUSES:
             holding = True
             end = now
-        elif a["status"] in RAN_AND_ENDED and a.get("ended_at") is not None:
-            end = float(a["ended_at"])
+        elif a.status in RAN_AND_ENDED and a.ended_at is not None:
+            end = a.ended_at
         else:
             continue  # reserved, released: never ran
-        done += max(0.0, (end - float(a["started_at"])) / 3600 - restart_h)
+        done += max(0.0, (end - a.started_at) / 3600 - restart_h)
     return done, holding
 
 
@@ -141,7 +144,7 @@ def plan(
     pace: Pace,
     now: datetime,
     bid: dict | None,
-    allocations: list[dict],
+    allocations: list[AllocationResponse],
     quotes: list[dict] | None = None,
     hysteresis: float = MarketTerms().hysteresis,
 ) -> Plan:

@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol, TypeVar
 
 from prefect_spotgpu.economics.schedules import cheap_window
+from prefect_spotgpu.messages import AllocationResponse
 from prefect_spotgpu.protocol import LABELS, Capacity, WorkerEvent
 from prefect_spotgpu.worker.config import SpotGPUJobConfiguration
 from prefect_spotgpu.worker.market_api import MarketApi
@@ -86,7 +87,7 @@ class Placement:
         self.run.emit(WorkerEvent.CREATED, bid)
         return bid
 
-    async def _plan(self, pace: Pace, bid: dict | None, allocations: list[dict]):
+    async def _plan(self, pace: Pace, bid: dict | None, allocations: list[AllocationResponse]):
         """``pacing.plan`` now, on the market's quotes and its hysteresis margin."""
         quotes = await self.market.quotes()
         hysteresis = (await self.market.terms()).hysteresis

@@ -10,21 +10,22 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from prefect_spotgpu.market import DEFAULT_CATALOG
+from prefect_spotgpu.messages import AllocationResponse
 from prefect_spotgpu.protocol import AllocationStatus, Capacity
 
 
-def bid_costs(bid: dict, allocations: list[dict]) -> dict:
+def bid_costs(bid: dict, allocations: list[AllocationResponse]) -> dict:
     """A bid's spot cost against the same GPU-hours on-demand, its preemptions, final saves
     and the work lost (seconds since the last checkpoint of preemptions without a final save).
     """
     on_demand_price = DEFAULT_CATALOG.get(bid["gpu_model"]).on_demand_price
-    spot = sum(a["charged_amount"] for a in allocations)
-    gpu_hours = sum(a["charged_seconds"] * a["gpu_count"] for a in allocations) / 3600
-    preempted = [a for a in allocations if a["status"] == AllocationStatus.PREEMPTED]
+    spot = sum(a.charged_amount for a in allocations)
+    gpu_hours = sum(a.charged_seconds * a.gpu_count for a in allocations) / 3600
+    preempted = [a for a in allocations if a.status == AllocationStatus.PREEMPTED]
     lost = sum(
-        a["ended_at"] - max(a["last_checkpoint_at"] or a["started_at"], a["started_at"])
+        a.ended_at - max(a.last_checkpoint_at or a.started_at, a.started_at)
         for a in preempted
-        if a["final_save"] != "ok" and a["ended_at"] is not None
+        if a.final_save != "ok" and a.ended_at is not None
     )
     on_demand = gpu_hours * on_demand_price
     return {
@@ -34,39 +35,39 @@ def bid_costs(bid: dict, allocations: list[dict]) -> dict:
         "on_demand_price": on_demand_price,
         "saving": 1 - spot / on_demand if on_demand > 0 else None,
         "preemptions": len(preempted),
-        "final_saves_ok": sum(a["final_save"] == "ok" for a in allocations),
+        "final_saves_ok": sum(a.final_save == "ok" for a in allocations),
         "work_lost_seconds": lost,
     }
 
 
-def _bids(allocations: list[dict], bid: dict) -> str:
-    ids = sorted({a["bid_id"] for a in allocations} | {bid["id"]})
+def _bids(allocations: list[AllocationResponse], bid: dict) -> str:
+    ids = sorted({a.bid_id for a in allocations} | {bid["id"]})
     return f"bid {ids[0]}" if len(ids) == 1 else "bids " + ", ".join(map(str, ids))
 
 
-def allocation_report(bid: dict, allocations: list[dict]) -> tuple[list[dict], str]:
+def allocation_report(bid: dict, allocations: list[AllocationResponse]) -> tuple[list[dict], str]:
     """Rows for the allocations table and the markdown summary of the cost of a run's bid (and
     of the bids it replaced, whose allocations come with it): what was paid, on spot or
     on-demand, against the same GPU-hours all on-demand. A gang's table has one row per member
     allocation, with its ``rank``; its GPU-hours and cost are every member's."""
     rows = []
-    gang = any(a.get("rank") is not None for a in allocations)
-    for a in sorted(allocations, key=lambda a: a["id"]):
-        if a["status"] in (AllocationStatus.RESERVED, AllocationStatus.RELEASED):
+    gang = any(a.rank is not None for a in allocations)
+    for a in sorted(allocations, key=lambda a: a.id):
+        if a.status in (AllocationStatus.RESERVED, AllocationStatus.RELEASED):
             continue
-        end = a["ended_at"]
+        end = a.ended_at
         rows.append(
             {
-                "allocation": a["id"],
-                "bid": a["bid_id"],
-                **({"rank": a.get("rank")} if gang else {}),
-                "node": a["node_id"],
-                "gpu": f"{a['gpu_count']} x {bid['gpu_model']}",
-                "start": iso(a["started_at"]),
+                "allocation": a.id,
+                "bid": a.bid_id,
+                **({"rank": a.rank} if gang else {}),
+                "node": a.node_id,
+                "gpu": f"{a.gpu_count} x {bid['gpu_model']}",
+                "start": iso(a.started_at),
                 "end": iso(end) if end else "running",
-                "status": a["status"],
-                "price": round(a["price"], 4),
-                "cost": round(a["charged_amount"], 6),
+                "status": a.status,
+                "price": round(a.price, 4),
+                "cost": round(a.charged_amount, 6),
             }
         )
     c = bid_costs(bid, allocations)
@@ -133,10 +134,10 @@ def quote_summary(bid: dict, quotes: list[dict]) -> tuple[str, bool]:
     return f"market {price} per GPU-hour, {free} GPU{'' if free == 1 else 's'} free", False
 
 
-def lead_allocations(allocations: list[dict]) -> list[dict]:
+def lead_allocations(allocations: list[AllocationResponse]) -> list[AllocationResponse]:
     """A bid's allocations that measure its run's progress: all of a one-node bid's, rank 0's
     of a gang (its members run side by side: one hour of the gang is one hour of work)."""
-    return [a for a in allocations if a.get("rank") in (None, 0)]
+    return [a for a in allocations if a.rank in (None, 0)]
 
 
 def describe(bid: dict) -> str:
