@@ -644,3 +644,15 @@ def test_the_agents_key_comes_from_a_file_or_the_environment_never_argv(service,
     finally:
         agent.send_signal(signal.SIGTERM)
         agent.wait(timeout=15)
+
+
+def test_the_job_uid_base_comes_from_the_agents_environment_and_a_bad_one_is_named(monkeypatch):
+    monkeypatch.setenv("SPOTGPU_JOB_UID_BASE", "500000")
+    assert JobUsers("auto", euid=0).for_job(allocation_id=7, tenant_id=3).uid == 500_007
+    assert JobUsers("auto", uid_base=200_000, euid=0).uid_base == 200_000  # the option wins
+    monkeypatch.setenv("SPOTGPU_JOB_UID_BASE", "lots")
+    with pytest.raises(ValueError, match="SPOTGPU_JOB_UID_BASE must be a whole number"):
+        JobUsers("auto", euid=0)
+    monkeypatch.setenv("SPOTGPU_JOB_UID_BASE", "10")
+    with pytest.raises(ValueError, match="job uid base must be in"):
+        JobUsers("auto", euid=0)

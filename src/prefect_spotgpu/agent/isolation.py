@@ -110,7 +110,10 @@ class JobUsers:
         egid: int | None = None,
     ) -> None:
         if uid_base is None:  # the agent's environment, else the default
-            uid_base = int(os.environ.get(UID_BASE_ENV) or UID_BASE)
+            value = os.environ.get(UID_BASE_ENV) or str(UID_BASE)
+            if not value.isdigit():
+                raise ValueError(f"{UID_BASE_ENV} must be a whole number, got {value!r}")
+            uid_base = int(value)
         if not 1000 <= uid_base <= 2**31 - UID_RANGE:
             raise ValueError(f"the job uid base must be in [1000, 2^31 - {UID_RANGE}]")
         self.spec = spec

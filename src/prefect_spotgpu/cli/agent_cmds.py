@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import typer
 
+from prefect_spotgpu.agent.isolation import UID_BASE_ENV
 from prefect_spotgpu.cli.common import MARKET, console
 from prefect_spotgpu.protocol import UNSET_NODE_ADDRESS, unfit_node_address
 
@@ -72,7 +73,7 @@ def agent_start(
     ),
     job_uid_base: int = typer.Option(
         200_000,
-        envvar="SPOTGPU_JOB_UID_BASE",
+        envvar=UID_BASE_ENV,
         help="First uid of --job-user auto, also the base of the tenant gids; "
         "uids BASE..BASE+99999 and gids BASE+TENANT must be unused on the host.",
     ),
