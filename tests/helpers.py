@@ -65,6 +65,55 @@ def assignment(allocation_id: int, **fields):
     return Assignment.model_validate({**defaults, **fields})
 
 
+BID_DEFAULTS = {
+    "id": 7,
+    "tenant_id": 1,
+    "idempotency_key": None,
+    "gpu_model": "A100-80G",
+    "region": "any",
+    "gpu_count": 1,
+    "max_price": 1.5,
+    "status": "open",
+    "hold_reason": None,
+    "window_start": None,
+    "window_end": None,
+    "deadline": None,
+    "labels": None,
+    "created_at": "2026-12-01T00:00:00Z",
+}
+"""A bid's required fields (those with a default, such as ``capacity`` and ``node_count``,
+are left to the model: a test of an older market's reply leaves them out)."""
+
+
+def bid(**fields):
+    """A bid as the worker reads it (``messages.BidResponse``): bid 7, open, for one A100-80G
+    in any region at most 1.50 per GPU-hour, with the fields a test names."""
+    from prefect_spotgpu.messages import BidResponse
+
+    return BidResponse.model_validate({**BID_DEFAULTS, **fields})
+
+
+QUOTE_DEFAULTS = {
+    "gpu_model": "A100-80G",
+    "capacity": "spot",
+    "clearing_price": None,
+    "reserve_price": 0.9,
+    "on_demand_price": 2.1,
+    "gpus_total": 4,
+    "gpus_free": 0,
+    "gpus_running": 0,
+    "waiting_bids": 0,
+}
+
+
+def quote(region: str, **fields):
+    """One pool's quote as the worker reads it (``messages.QuoteResponse``): spot A100-80G in
+    ``region``, reserve 0.90, no clearing price, none of its 4 GPUs free, unless a test says."""
+    from prefect_spotgpu.messages import QuoteResponse
+
+    return QuoteResponse.model_validate({**QUOTE_DEFAULTS, "region": region, **fields})
+
+
 _event_ids = iter(range(1, 10**9))
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from conftest import ADMIN_KEY, start_service
 from prefect_spotgpu.api_client import async_api_client
+from prefect_spotgpu.messages import BidResponse
 from prefect_spotgpu.worker.bid_batch import BidBatcher
 from prefect_spotgpu.worker.market_api import MarketApi, MarketError
 
@@ -75,15 +76,15 @@ def test_many_runs_bids_go_out_in_a_few_batches_each_answered_alone(market):
     assert isinstance(refused, MarketError) and refused.status == 422
     assert "not in the market's catalogue" in str(refused) and "bids[" not in str(refused)
     placed = [a for i, a in enumerate(answers) if i != 7]
-    assert all(isinstance(a, dict) for a in placed), answers
-    assert [a["idempotency_key"] for a in placed] == [
+    assert all(isinstance(a, BidResponse) for a in placed), answers
+    assert [a.idempotency_key for a in placed] == [
         b["idempotency_key"] for i, b in enumerate(bodies) if i != 7
     ]
-    assert len({a["id"] for a in placed}) == 39
+    assert len({a.id for a in placed}) == 39
     batcher = next(b for k, b in bid_batch._batchers.items() if key_of(alice) in k[1])
     assert 1 <= batcher.requests - before.get(batcher, 0) <= 12  # not 40 requests
     again = place_from_threads(market.base_url, key_of(alice), bodies[:7])  # retried runs
-    assert [a["id"] for a in again] == [a["id"] for a in placed[:7]]  # no bid twice
+    assert [a.id for a in again] == [a.id for a in placed[:7]]  # no bid twice
 
 
 def test_a_balance_that_covers_some_bids_answers_each_run_alone(market):

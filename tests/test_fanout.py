@@ -21,6 +21,7 @@ from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
+from helpers import quote
 from prefect_spotgpu.cli.stack import LocalStack
 from prefect_spotgpu.fanout import Shard, ShardStatus, cost_report, market_width, plan
 
@@ -48,13 +49,10 @@ def test_the_width_never_passes_the_cap_and_a_running_shard_is_never_given_twice
 
 def test_the_market_sets_the_width_but_work_always_moves():
     quotes = [
-        {"gpu_model": "A100-80G", "region": "a", "capacity": "spot", "gpus_free": 3,
-         "clearing_price": 1.0, "reserve_price": 0.9},
-        {"gpu_model": "A100-80G", "region": "b", "capacity": "on_demand", "gpus_free": 8,
-         "clearing_price": None, "reserve_price": None},
-        {"gpu_model": "H100-80G", "region": "a", "capacity": "spot", "gpus_free": 8,
-         "clearing_price": 2.0, "reserve_price": 2.0},
-    ]  # fmt: skip
+        quote("a", gpus_free=3, clearing_price=1.0, reserve_price=0.9),
+        quote("b", capacity="on_demand", gpus_free=8, clearing_price=None, reserve_price=None),
+        quote("a", gpu_model="H100-80G", gpus_free=8, clearing_price=2.0, reserve_price=2.0),
+    ]
     assert market_width(quotes, gpu_model="A100-80G", region="any", max_price=1.2,
                         gpus_per_child=1) == 3  # fmt: skip
     assert market_width(quotes, gpu_model="A100-80G", region="any", max_price=0.95,

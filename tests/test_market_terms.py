@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 import httpx
 
 from conftest import start_service
+from helpers import bid
 from prefect_spotgpu.protocol import MarketTerms
 from prefect_spotgpu.worker.market_api import MarketApi
 from prefect_spotgpu.worker.reactions import Settings, window_over
@@ -44,9 +45,9 @@ def test_the_worker_reads_the_markets_notice_and_hysteresis(tmp_path):
     settings = Settings.of(Configuration(), terms)
     assert settings.notice_seconds == 120
     now = datetime(2026, 12, 7, 8, 57, tzinfo=UTC)  # a window that closes in 150 s
-    bid = {"window_end": (now + timedelta(seconds=150)).isoformat()}
-    assert not window_over(bid, now, terms.notice_seconds)  # a 120 s notice still fits
-    assert window_over(bid, now)  # the 300 s default would not
+    closing = bid(window_start=now - timedelta(hours=1), window_end=now + timedelta(seconds=150))
+    assert not window_over(closing, now, terms.notice_seconds)  # a 120 s notice still fits
+    assert window_over(closing, now)  # the 300 s default would not
 
 
 def test_an_older_or_newer_market_reply_still_reads():

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from helpers import allocation
+from helpers import allocation, bid, quote
 from prefect_spotgpu.economics.policies import POLICIES
 from prefect_spotgpu.protocol import MarketTerms
 from prefect_spotgpu.worker.config import PolicyChoice, SpotGPUJobConfiguration
@@ -41,8 +41,8 @@ def alloc(start_h, end_h=None, status=None):
     return allocation(status=status, started_at=T0.timestamp() + start_h * H, ended_at=ended)
 
 
-SPOT = {"id": 1, "capacity": "spot", "max_price": 1.2}
-ON_DEMAND = {"id": 2, "capacity": "on_demand", "max_price": 2.1}
+SPOT = bid(id=1, capacity="spot", max_price=1.2)
+ON_DEMAND = bid(id=2, capacity="on_demand", max_price=2.1)
 
 
 @pytest.mark.parametrize(
@@ -127,7 +127,7 @@ ON_DEMAND = {"id": 2, "capacity": "on_demand", "max_price": 2.1}
             "a waiting on-demand bid goes back to spot too",
             pace(policy="deadline-aware"),
             1.0,
-            {**ON_DEMAND, "max_price": 0.0001},
+            ON_DEMAND.model_copy(update={"max_price": 0.0001}),
             [alloc(0.1, 0.9)],
             "spot",
             1.185,  # waiting, a little ahead: uniform progress's pace
@@ -191,16 +191,13 @@ def test_bad_pacing_terms_are_refused(fields, words):
         SpotGPUJobConfiguration(**fields)
 
 
-QUOTE = {"gpu_model": "A100-80G", "capacity": "spot", "reserve_price": 0.9}
-
-
 def test_every_regions_quote_reaches_the_policy_which_picks_where_capacity_is():
     quotes = [
-        {**QUOTE, "region": "eu-west", "clearing_price": 1.19, "gpus_free": 0},  # closed at 1.2
-        {**QUOTE, "region": "us-east", "clearing_price": 0.95, "gpus_free": 1},
-        {**QUOTE, "region": "us-west", "clearing_price": 1.0, "gpus_free": 1},
-        {**QUOTE, "region": "us-east", "capacity": "on_demand", "clearing_price": 2.1},
-        {**QUOTE, "gpu_model": "H100-80G", "region": "ap", "clearing_price": 0.5, "gpus_free": 8},
+        quote("eu-west", clearing_price=1.19, gpus_free=0),  # closed at 1.2
+        quote("us-east", clearing_price=0.95, gpus_free=1),
+        quote("us-west", clearing_price=1.0, gpus_free=1),
+        quote("us-east", capacity="on_demand", clearing_price=2.1, gpus_free=4),
+        quote("ap", gpu_model="H100-80G", clearing_price=0.5, gpus_free=8),
     ]
     p = pace(policy="deadline-aware", deadline_h=20)
     course = plan(p, T0 + timedelta(hours=1), SPOT, [], quotes)
@@ -209,7 +206,7 @@ def test_every_regions_quote_reaches_the_policy_which_picks_where_capacity_is():
     assert (course.mode, course.price, course.region) == ("spot", 1.2, None)  # any region
     assert course.view.spot_open and course.view.spot_floor == 0.95
 
-    closed = [{**q, "gpus_free": 0, "clearing_price": 1.19} for q in quotes[:3]]
+    closed = [q.model_copy(update={"gpus_free": 0, "clearing_price": 1.19}) for q in quotes[:3]]
     course = plan(p, T0 + timedelta(hours=1), SPOT, [], closed)
     assert not course.view.spot_open and course.mode == "spot"  # 18.8 h of slack: it waits
     course = plan(p, T0 + timedelta(hours=15.2), SPOT, [alloc(0, 1)], closed)
@@ -250,8 +247,7 @@ class _Run:
         self.events.append(str(what))
 
 
-OPEN_SPOT = [{"gpu_model": "A100-80G", "capacity": "spot", "region": "eu", "reserve_price": 0.9,
-              "clearing_price": None, "gpus_free": 2, "gpus_total": 2}]  # fmt: skip
+OPEN_SPOT = [quote("eu", gpus_free=2, gpus_total=2)]
 
 
 @pytest.mark.parametrize(
@@ -286,6 +282,6 @@ def test_steering_never_cancels_a_running_job(case, policy, bid, status, kept, e
     placement = Placement(market=market, run=run, configuration=None, pool_name="p")
     got, _course, replaced = asyncio.run(placement.steer(p, bid))
     assert (got is bid) == kept, case
-    assert market.cancelled == ([] if kept else [bid["id"]]), case
+    assert market.cancelled == ([] if kept else [bid.id]), case
     assert run.events == ([] if event is None else [event]), case
     assert (replaced is None) == kept, case

@@ -12,7 +12,7 @@ import uuid
 import pytest
 from prefect.exceptions import InfrastructureNotFound
 
-from helpers import allocation, bid_event
+from helpers import allocation, bid, bid_event
 from prefect_spotgpu.blocks import CheckpointStorage
 from prefect_spotgpu.worker import SpotGPUWorker
 from prefect_spotgpu.worker.config import LAUNCH_COMMAND, SpotGPUJobConfiguration
@@ -53,7 +53,7 @@ def test_a_failed_job_is_not_counted_as_a_preemption():
 
 
 def test_the_cost_report_compares_spot_with_on_demand():
-    bid = {"id": 5, "gpu_model": "A100-80G", "gpu_count": 2, "max_price": 1.5, "region": "x"}
+    five = bid(id=5, gpu_model="A100-80G", gpu_count=2, max_price=1.5, region="x")
     base = {"gpu_count": 2, "price": 1.0, "node_id": 1, "bid_id": 5}
     allocations = [
         # one hour on 2 GPUs at 1.0, preempted without a final save 600 s after its start
@@ -63,7 +63,7 @@ def test_the_cost_report_compares_spot_with_on_demand():
                    charged_seconds=1800.0, charged_amount=1.0),
         allocation(3, **base, status="released", started_at=0.0, ended_at=1.0),
     ]  # fmt: skip
-    rows, summary = allocation_report(bid, allocations)
+    rows, summary = allocation_report(five, allocations)
     assert [r["allocation"] for r in rows] == [1, 2]
     assert rows[0]["cost"] == 2.0 and rows[0]["end"] == "1970-01-01T01:00:00+00:00"
     assert "| GPU-hours | 3.0000 |" in summary
@@ -74,7 +74,7 @@ def test_the_cost_report_compares_spot_with_on_demand():
     assert "| Work lost | 600.0 s" in summary
     assert summary.startswith("### GPU cost of bid 5\n")
     earlier = [a.model_copy(update={"bid_id": 4}) for a in allocations[:1]]  # replaced bid
-    rows, summary = allocation_report(bid, earlier + allocations[1:])
+    rows, summary = allocation_report(five, earlier + allocations[1:])
     assert [(r["bid"], r["allocation"]) for r in rows] == [(4, 1), (5, 2)]
     assert summary.startswith("### GPU cost of bids 4, 5\n")
 

@@ -19,7 +19,7 @@ import pytest
 from pydantic import ValidationError
 
 from conftest import wait_for
-from helpers import allocation, bid_event
+from helpers import allocation, bid, bid_event
 from prefect_spotgpu.worker import SpotGPUWorker
 from prefect_spotgpu.worker.attempt import gang_lead
 from prefect_spotgpu.worker.config import SpotGPUJobConfiguration
@@ -72,13 +72,13 @@ def ev(kind, alloc, bid, node=1, **payload):
     return bid_event(kind, alloc, bid=bid, node=node, **payload)
 
 
-GANG = {"id": 10, "node_count": 2, "members": [10, 11], "gpu_count": 1,
-        "gpu_model": "A100-80G", "region": "eu-west", "max_price": 1.5}  # fmt: skip
+GANG = bid(id=10, node_count=2, members=[10, 11], gpu_count=1, gpu_model="A100-80G",
+           region="eu-west", max_price=1.5)  # fmt: skip
 
 
 def test_a_gang_is_followed_through_rank_0s_bid():
-    assert gang_lead(GANG) == 10 and gang_lead({"id": 7, "node_count": 1}) is None
-    assert gang_lead({"id": 7}) is None  # a market without gangs
+    assert gang_lead(GANG) == 10 and gang_lead(bid(id=7, node_count=1)) is None
+    assert gang_lead(bid(id=7)) is None  # a market without gangs: no node_count, one node
     settings, track = Settings(max_preemptions=3), Track(gang_lead(GANG))
     events = [ev("allocated", 100, 10), ev("allocated", 101, 11, node=2)]
     reactions = [react(e, track.apply(e), track, settings, NOW) for e in events]
@@ -131,7 +131,7 @@ def test_the_allocation_table_lists_every_member():
     assert "2 nodes of 1 x A100-80G" in describe(GANG)
     assert [a.id for a in lead_allocations(allocations)] == [100]  # progress: rank 0's
     one_node = [allocation(**{**base, "id": 5, "bid_id": 3, "node_id": 1})]
-    rows, _ = allocation_report({**GANG, "id": 3, "node_count": 1}, one_node)
+    rows, _ = allocation_report(GANG.model_copy(update={"id": 3, "node_count": 1}), one_node)
     assert "rank" not in rows[0]
 
 

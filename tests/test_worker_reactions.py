@@ -11,8 +11,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from helpers import bid_event
-from prefect_spotgpu.protocol import EndReason, WorkerEvent
+from helpers import bid, bid_event
+from prefect_spotgpu.messages import EventResponse
+from prefect_spotgpu.protocol import BidStatus, EndReason, WorkerEvent
 from prefect_spotgpu.worker.reactions import (
     ENGINE_EXIT_SECONDS,
     Ask,
@@ -40,11 +41,11 @@ from prefect_spotgpu.worker.reactions import (
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 SETTINGS = Settings(max_preemptions=3)
-BID = {"id": 7, "gpu_model": "A100-80G", "gpu_count": 1, "region": "any", "max_price": 1.5}
+BID = bid(id=7, gpu_model="A100-80G", gpu_count=1, region="any", max_price=1.5)
 
 
 def event(kind: str, alloc: int, node: int = 1, **payload):
-    return bid_event(kind, alloc, bid=BID["id"], node=node, **payload)
+    return bid_event(kind, alloc, bid=BID.id, node=node, **payload)
 
 
 def run(phase: Phase | None, name: str | None = None) -> RunView:
@@ -54,11 +55,11 @@ def run(phase: Phase | None, name: str | None = None) -> RunView:
 class Follow:
     """A track and the reactions to events as a worker folds them in."""
 
-    def __init__(self, *earlier: dict, settings: Settings = SETTINGS) -> None:
+    def __init__(self, *earlier: EventResponse, settings: Settings = SETTINGS) -> None:
         self.track = Track.from_events(list(earlier))
         self.settings = settings
 
-    def react(self, e: dict, facts: Facts | None = None, now: datetime = NOW):
+    def react(self, e: EventResponse, facts: Facts | None = None, now: datetime = NOW):
         ended = self.track.apply(e)
         return react(e, ended, self.track, self.settings, now, facts or Facts())
 
@@ -238,7 +239,7 @@ def test_a_finished_job_asks_for_the_run_then_ends_with_its_final_state():
 def test_a_job_that_finished_while_its_bid_is_held_waits_for_credit_and_keeps_the_bid():
     not_final = Facts(run=run(Phase.RUNNING))
     assert finished(not_final) == Ask(what="bid")
-    held = {**BID, "status": "held", "hold_reason": "out of credit: balance 0.0000"}
+    held = bid(status=BidStatus.HELD, hold_reason="out of credit: balance 0.0000")
     reaction = finished(Facts(run=not_final.run, bid=held))
     assert isinstance(reaction, Reschedule) and reaction.when == NOW
     assert not reaction.cancel_if_over and not reaction.job_stopped
@@ -248,7 +249,7 @@ def test_a_job_that_finished_while_its_bid_is_held_waits_for_credit_and_keeps_th
 
 
 def test_a_job_that_ended_without_a_final_state_cancels_the_bid_and_fails_the_attempt():
-    gone = finished(Facts(run=run(Phase.RUNNING), bid={**BID, "status": "finished"}))
+    gone = finished(Facts(run=run(Phase.RUNNING), bid=bid(status=BidStatus.FINISHED)))
     assert gone == CancelBid(
         status_code=1,
         log=(
@@ -340,10 +341,10 @@ def test_which_runs_a_worker_adopts(phase, owner, released_by, adopted):
 
 def test_a_cheap_window_is_over_a_notice_before_it_closes():
     end = NOW + timedelta(seconds=299)
-    assert window_over({"window_end": end.isoformat()}, NOW)
-    assert not window_over({"window_end": (NOW + timedelta(seconds=301)).isoformat()}, NOW)
-    assert window_over({"window_end": end.replace(tzinfo=None).isoformat()}, NOW)  # naive: UTC
-    assert not window_over({"window_end": None}, NOW) and not window_over({}, NOW)
+    assert window_over(bid(window_end=end.isoformat()), NOW)
+    assert not window_over(bid(window_end=(NOW + timedelta(seconds=301)).isoformat()), NOW)
+    assert window_over(bid(window_end=end.replace(tzinfo=None).isoformat()), NOW)  # naive: UTC
+    assert not window_over(bid(window_end=None), NOW)
 
 
 def test_the_phases_are_prefects_state_types_with_the_same_final_ones():

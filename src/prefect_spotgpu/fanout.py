@@ -37,7 +37,8 @@ from enum import StrEnum
 from typing import Any
 
 from prefect_spotgpu.market import DEFAULT_CATALOG
-from prefect_spotgpu.messages import AllocationResponse
+from prefect_spotgpu.messages import AllocationResponse, BidResponse, QuoteResponse
+from prefect_spotgpu.protocol import Capacity
 
 
 class ShardStatus(StrEnum):
@@ -70,28 +71,33 @@ class Plan:
 
 
 def market_width(
-    quotes: list[dict], *, gpu_model: str, region: str, max_price: float, gpus_per_child: int
+    quotes: list[QuoteResponse],
+    *,
+    gpu_model: str,
+    region: str,
+    max_price: float,
+    gpus_per_child: int,
 ) -> int:
     """How many more children the market can place now: the GPUs free in the model's spot
     pools (every region, or ``region``) whose price is at or below ``max_price``, in whole
     children.
 
-    >>> q = [{"gpu_model": "A100-80G", "region": "eu", "capacity": "spot", "gpus_free": 5,
-    ...       "clearing_price": 0.9, "reserve_price": 0.9},
-    ...      {"gpu_model": "A100-80G", "region": "us", "capacity": "spot", "gpus_free": 4,
-    ...       "clearing_price": 2.0, "reserve_price": 0.9}]
+    >>> pool = dict(gpu_model="A100-80G", capacity="spot", reserve_price=0.9,
+    ...             on_demand_price=2.1, gpus_total=8, gpus_running=0, waiting_bids=0)
+    >>> q = [QuoteResponse(**pool, region="eu", gpus_free=5, clearing_price=0.9),
+    ...      QuoteResponse(**pool, region="us", gpus_free=4, clearing_price=2.0)]
     >>> market_width(q, gpu_model="A100-80G", region="any", max_price=1.2, gpus_per_child=2)
     2
     """
     free = 0
     for q in quotes:
-        if q["gpu_model"] != gpu_model or q.get("capacity", "spot") != "spot":
+        if q.gpu_model != gpu_model or q.capacity != Capacity.SPOT:
             continue
-        if region not in ("any", q["region"]):
+        if region not in ("any", q.region):
             continue
-        price = q.get("clearing_price") or q.get("reserve_price") or 0.0
+        price = q.clearing_price or q.reserve_price or 0.0
         if price <= max_price:
-            free += q["gpus_free"]
+            free += q.gpus_free
     return free // max(1, gpus_per_child)
 
 
@@ -140,7 +146,7 @@ def summary(shards: Sequence[Shard]) -> dict[str, int]:
     return counts
 
 
-def cost_report(bids: list[tuple[dict, list[AllocationResponse]]]) -> dict:
+def cost_report(bids: list[tuple[BidResponse, list[AllocationResponse]]]) -> dict:
     """Spot cost of the children's bids against the same GPU-hours on demand (money in the
     market's units), and their preemptions."""
     from prefect_spotgpu.worker.report import bid_costs
@@ -333,7 +339,7 @@ class _Market:
         if response.status_code != 200:
             return 0
         return market_width(
-            response.json(),
+            [QuoteResponse.model_validate(q) for q in response.json()],
             gpu_model=DEFAULT_CATALOG.normalize(c.gpu_model),
             region=c.region,
             max_price=c.max_price,
@@ -357,7 +363,7 @@ class _Market:
                 allocations = http.get(f"/bids/{bid_id}/allocations")
                 if bid.status_code == 200 and allocations.status_code == 200:
                     listed = [AllocationResponse.model_validate(a) for a in allocations.json()]
-                    bids.append((bid.json(), listed))
+                    bids.append((BidResponse.model_validate(bid.json()), listed))
         return cost_report(bids)
 
 

@@ -1,11 +1,17 @@
 """The replies the market service sends to its own clients (node agents, the worker), as
 pydantic models all three import: the service declares them as its response models, and the
-clients parse what they read into them instead of reading dicts by string keys.
+clients parse what they read into them instead of reading dicts by string keys. Here: a bid
+(``BidResponse``, and a batch of them placed together, ``BidBatchResponse``), a pool's quote
+(``QuoteResponse``), an allocation (``AllocationResponse``; as its node agent sees it, with its
+job: ``Assignment``) and a bid's events (``EventResponse``, a page of them: ``EventsPage``).
 
 Wire compatibility: a field a newer service adds is ignored by an older client (pydantic's
 default ``extra="ignore"``), and a field a client needs that a reply lacks fails the parse
 naming it (``pydantic.ValidationError``), never a ``KeyError`` deep in the client. An event's
-``payload`` stays a mapping: its keys depend on the event's kind (``protocol.EventKind``).
+``payload`` stays a mapping: its keys depend on the event's kind (``protocol.EventKind``); so do
+a bid's ``labels`` and ``job``. Statuses and capacities stay strings, so an older client still
+reads a status a newer service adds: compare them with ``protocol``'s ``StrEnum``s
+(``BidStatus.HELD``, ``Capacity.ON_DEMAND``), never with bare strings.
 
 Imports only pydantic and ``protocol`` (``tests/test_architecture.py``), so the agent and the
 worker may use it without the service's dependencies.
@@ -85,3 +91,57 @@ class EventsPage(BaseModel):
 
     events: list[EventResponse]
     cursor: int = Field(description="Pass as `after` to wait for the next events.")
+
+
+# BidResponse, BidBatchResponse and QuoteResponse have no docstring: the service's OpenAPI
+# schema shows a model's docstring as its description, and theirs has none.
+
+
+class BidResponse(BaseModel):
+    id: int
+    tenant_id: int
+    idempotency_key: str | None
+    gpu_model: str
+    region: str
+    gpu_count: int
+    max_price: float
+    capacity: str = "spot"
+    status: str
+    hold_reason: str | None
+    window_start: datetime | None
+    window_end: datetime | None
+    deadline: datetime | None
+    labels: dict | None
+    job: dict | None = Field(
+        None,
+        description="The job: command, image, checkpoint_url and env_names. The "
+        "environment's values are sealed: never returned, given only to the node running it.",
+    )
+    created_at: datetime
+    node_count: int = 1
+    gang_id: int | None = Field(None, description="A gang member's gang: rank 0's bid id.")
+    members: list[int] = Field(
+        default_factory=list,
+        description="A gang's member bid ids in rank order ([] for a one-node bid).",
+    )
+
+
+class BidBatchResponse(BaseModel):
+    bids: list[BidResponse] = Field(description="The batch's bids, in the request's order.")
+    created: list[bool] = Field(
+        description="Per bid: true when this request created it, false when its idempotency "
+        "key found an earlier one."
+    )
+
+
+class QuoteResponse(BaseModel):
+    gpu_model: str
+    region: str
+    capacity: str = "spot"
+    clearing_price: float | None
+    reserve_price: float | None
+    on_demand_price: float
+    gpus_total: int
+    gpus_free: int
+    gpus_running: int
+    waiting_bids: int

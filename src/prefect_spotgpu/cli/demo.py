@@ -26,6 +26,7 @@ from rich.table import Table
 from prefect_spotgpu.cli.stack import LocalStack
 from prefect_spotgpu.economics.schedules import aware
 from prefect_spotgpu.market import NodeState
+from prefect_spotgpu.messages import AllocationResponse, BidResponse, EventResponse, EventsPage
 from prefect_spotgpu.protocol import LABELS, AllocationStatus, EventKind
 
 GPU_MODEL = "A100-80G"
@@ -206,22 +207,24 @@ def _pretrain_with_a_reclaim(console: Console, stack: LocalStack, ui: str, steps
         logs = _logs(prefect, run.id)
         bid_id = flow_run.labels[LABELS.BID]
     allocations = _ended_allocations(market, bid_id)
-    bid = market.get(f"/bids/{bid_id}").json()
-    events = market.get(f"/bids/{bid_id}/events", params={"after": 0, "timeout": 0}).json()
-    moments += _timeline(bid, events["events"], states, logs, nodes, allocations)
+    bid = BidResponse.model_validate(market.get(f"/bids/{bid_id}").json())
+    page = market.get(f"/bids/{bid_id}/events", params={"after": 0, "timeout": 0}).json()
+    events = EventsPage.model_validate(page).events
+    moments += _timeline(bid, events, states, logs, nodes, allocations)
     summary = _cost(allocations, bid)
     _print(console, sorted(moments, key=lambda m: m.at), summary, url, run.created.timestamp())
     return {"flow_run": str(run.id), "state": state.name, **summary}
 
 
-def _ended_allocations(market, bid_id, seconds: float = 30.0) -> list[dict]:
+def _ended_allocations(market, bid_id, seconds: float = 30.0) -> list[AllocationResponse]:
     """The bid's allocations once none holds GPUs: the run is Completed a moment before its
     job exits and its allocation stops paying. Then the cost printed is the one the worker's
     cost artifact shows in the Prefect UI (published when the allocation has ended)."""
     deadline = time.monotonic() + seconds
     while True:
-        allocations = market.get(f"/bids/{bid_id}/allocations").json()
-        held = [a for a in allocations if AllocationStatus(a["status"]).holds_gpus()]
+        listed = market.get(f"/bids/{bid_id}/allocations").json()
+        allocations = [AllocationResponse.model_validate(a) for a in listed]
+        held = [a for a in allocations if AllocationStatus(a.status).holds_gpus()]
         if not held or time.monotonic() > deadline:
             return allocations
         time.sleep(0.2)
@@ -246,25 +249,32 @@ def _last_step(logs) -> tuple[int, float | None]:
     return 0, None
 
 
-def _timeline(bid, events, states, logs, nodes, allocations) -> list[Moment]:
-    moments = [Moment(_ts(bid["created_at"]), "bid placed", _bid_text(bid))]
+def _timeline(
+    bid: BidResponse,
+    events: list[EventResponse],
+    states,
+    logs,
+    nodes: dict,
+    allocations: list[AllocationResponse],
+) -> list[Moment]:
+    moments = [Moment(_ts(bid.created_at), "bid placed", _bid_text(bid))]
     for e in events:
-        node = nodes.get(e["node_id"], e["node_id"])
+        node = nodes.get(e.node_id, e.node_id)
         what = {
             EventKind.ALLOCATED: "GPUs allocated"
-            if e["payload"].get("placement") == "new"
+            if e.payload.get("placement") == "new"
             else "resumes on the reserved node",
             EventKind.RESERVED: "migration target reserved",
             EventKind.NOTICED: "notice (SIGUSR1, webhook, Prefect event)",
             EventKind.PREEMPTED: "job stopped",
             EventKind.FINISHED: "job finished",
-        }.get(e["kind"], e["kind"])
-        detail = f"{node}, allocation {e['allocation_id']}"
-        if e["kind"] == EventKind.NOTICED:
-            detail += f", deadline in {e['payload']['deadline'] - e['payload']['at']:.0f} s"
-        if e["kind"] == EventKind.PREEMPTED:
-            detail += f" ({e['payload'].get('reason')})"
-        moments.append(Moment(_ts(e["created_at"]), what, detail))
+        }.get(e.kind, e.kind)
+        detail = f"{node}, allocation {e.allocation_id}"
+        if e.kind == EventKind.NOTICED:
+            detail += f", deadline in {e.payload['deadline'] - e.payload['at']:.0f} s"
+        if e.kind == EventKind.PREEMPTED:
+            detail += f" ({e.payload.get('reason')})"
+        moments.append(Moment(_ts(e.created_at), what, detail))
     running = 0
     for s in states:
         if s.is_running():
@@ -277,25 +287,22 @@ def _timeline(bid, events, states, logs, nodes, allocations) -> list[Moment]:
             moments.append(Moment(s.timestamp.timestamp(), s.name, message))
     saves = [FINAL_SAVE_LOG.search(log.message) for log in logs]
     saves = [m for m in saves if m]  # the checkpoint library's own log lines, when they arrived
-    notices = {
-        e["allocation_id"]: e["payload"]["at"] for e in events if e["kind"] == EventKind.NOTICED
-    }
+    notices = {e.allocation_id: e.payload["at"] for e in events if e.kind == EventKind.NOTICED}
     for a in allocations:  # the market's record of each acknowledged final save
-        if a["final_save"] == "ok" and a["last_checkpoint_at"]:
-            detail = f"{a['last_checkpoint_at'] - notices.get(a['id'], a['started_at']):.2f} s "
+        if a.final_save == "ok" and a.last_checkpoint_at:
+            detail = f"{a.last_checkpoint_at - notices.get(a.id, a.started_at):.2f} s "
             detail += "after the notice"
             if saves:
                 match = saves.pop(0)
                 detail += f": step {match[1]}, {float(match[2]):.1f} MB in {float(match[3]):.2f} s"
-            moments.append(Moment(a["last_checkpoint_at"], "final save durable", detail))
+            moments.append(Moment(a.last_checkpoint_at, "final save durable", detail))
     return moments
 
 
-def _cost(allocations: list[dict], bid: dict) -> dict:
-    from prefect_spotgpu.messages import AllocationResponse
+def _cost(allocations: list[AllocationResponse], bid: BidResponse) -> dict:
     from prefect_spotgpu.worker.report import bid_costs
 
-    c = bid_costs(bid, [AllocationResponse.model_validate(a) for a in allocations])
+    c = bid_costs(bid, allocations)
     return {
         "gpu_seconds": round(c["gpu_hours"] * 3600, 1),
         "spot_cost": round(c["spot_cost"], 6),
@@ -323,10 +330,10 @@ def _print(console: Console, moments: list[Moment], cost: dict, url: str, t0: fl
     )
 
 
-def _bid_text(bid: dict) -> str:
-    price = f"{bid['max_price']:.2f}"
-    return f"bid {bid['id']}: {bid['gpu_count']} x {bid['gpu_model']} at most {price}/GPU-h"
+def _bid_text(bid: BidResponse) -> str:
+    price = f"{bid.max_price:.2f}"
+    return f"bid {bid.id}: {bid.gpu_count} x {bid.gpu_model} at most {price}/GPU-h"
 
 
-def _ts(value: str) -> float:
-    return aware(datetime.fromisoformat(value)).timestamp()
+def _ts(value: datetime) -> float:
+    return aware(value).timestamp()

@@ -23,7 +23,7 @@ from prefect.exceptions import Abort
 from prefect.states import Cancelled, Crashed, Failed, Pending, Scheduled
 from prefect.utilities.engine import propose_state
 
-from prefect_spotgpu.messages import EventResponse
+from prefect_spotgpu.messages import BidResponse, EventResponse
 from prefect_spotgpu.protocol import HOLDING_STATUSES, LABELS, LIVE_BID_STATUSES, WorkerEvent
 from prefect_spotgpu.worker import reactions as rules
 from prefect_spotgpu.worker.config import SpotGPUJobConfiguration
@@ -85,14 +85,14 @@ class PrefectRun:
     async def retry(self, doing: str, call: Callable[[], Awaitable[T]]) -> T:
         return await retry(doing, call, self.logger.warning)
 
-    def emit(self, what: WorkerEvent, bid: dict, **payload: Any) -> None:
+    def emit(self, what: WorkerEvent, bid: BidResponse, **payload: Any) -> None:
         pool = self.worker.work_pool
         emit_event(
             event=what.event,
             resource={
-                "prefect.resource.id": f"spotgpu.bid.{bid['id']}",
-                "prefect.resource.name": f"bid {bid['id']}",
-                "spotgpu.gpu-model": str(bid["gpu_model"]),
+                "prefect.resource.id": f"spotgpu.bid.{bid.id}",
+                "prefect.resource.name": f"bid {bid.id}",
+                "spotgpu.gpu-model": bid.gpu_model,
             },
             related=[
                 {
@@ -106,7 +106,7 @@ class PrefectRun:
                     "prefect.resource.name": pool.name,
                 },
             ],
-            payload={"bid_id": bid["id"], **payload},
+            payload={"bid_id": bid.id, **payload},
         )
 
     async def engine_done(self, seconds: float) -> RunView:
@@ -132,17 +132,19 @@ class PrefectRun:
         self.logger.error("The run stays Crashed: its engine had the last word")
 
 
-async def open_bid(run: PrefectRun, market: MarketApi, placement: Placement, configuration) -> dict:
+async def open_bid(
+    run: PrefectRun, market: MarketApi, placement: Placement, configuration
+) -> BidResponse:
     """The flow run's open bid (a resumed run), or a new one; then Pending "AwaitingGPU"."""
     bid = None
     known = (run.flow_run.labels or {}).get(LABELS.BID)
     if known:
         found = await run.retry("read the bid", lambda: market.bid_or_none(known))
-        if found is not None and found["status"] in LIVE_BID_STATUSES:
+        if found is not None and found.status in LIVE_BID_STATUSES:
             bid = found
             terms = await run.retry("read the market's terms", market.terms)
             if rules.window_over(bid, datetime.now(UTC), terms.notice_seconds):  # paused:
-                await market.cancel(bid["id"])  # bid for the next window
+                await market.cancel(bid.id)  # bid for the next window
                 bid = None
     pace, course, replaced = configuration.pace(run.flow_run), None, None
     if pace is not None:
@@ -151,18 +153,19 @@ async def open_bid(run: PrefectRun, market: MarketApi, placement: Placement, con
         bid = await placement.place(course, replaced)
     quote, refused = await market.quote(bid)
     if refused:  # it would wait for ever: say so at once, in the run's logs too
-        run.logger.warning("Bid %s: %s", bid["id"], quote)
-    if bid.get("window_start"):
-        quote += f"; runs in the cheap window {bid['window_start']} to {bid['window_end']}"
+        run.logger.warning("Bid %s: %s", bid.id, quote)
+    if bid.window_start is not None and bid.window_end is not None:
+        window = f"{bid.window_start.isoformat()} to {bid.window_end.isoformat()}"
+        quote += f"; runs in the cheap window {window}"
     await run.set_state(
-        Pending(name="AwaitingGPU", message=f"Bid {bid['id']}: {describe(bid)}; {quote}")
+        Pending(name="AwaitingGPU", message=f"Bid {bid.id}: {describe(bid)}; {quote}")
     )
     return bid
 
 
-def gang_lead(bid: dict) -> int | None:
+def gang_lead(bid: BidResponse) -> int | None:
     """Rank 0's bid id for a gang bid (the id the worker follows), None for a one-node bid."""
-    return bid["id"] if (bid.get("node_count") or 1) > 1 else None
+    return bid.id if bid.node_count > 1 else None
 
 
 class Attempt:
@@ -174,7 +177,7 @@ class Attempt:
         market: MarketApi,
         placement: Placement,
         configuration: SpotGPUJobConfiguration,
-        bid: dict,
+        bid: BidResponse,
     ) -> None:
         self.run = run
         self.market = market
@@ -191,7 +194,7 @@ class Attempt:
         The market or Prefect being briefly unreachable does not end the attempt: every call
         is retried with backoff; each event is folded into the track once and its reaction's
         effects (idempotent) are retried until they land."""
-        run, bid_id = self.run, self.bid["id"]
+        run, bid_id = self.run, self.bid.id
         terms = await run.retry("read the market's terms", self.market.terms)
         self.settings = rules.Settings.of(self.configuration, terms)
         history = await run.retry("read the bid's events", lambda: self.market.events(bid_id, 0))
@@ -252,11 +255,11 @@ class Attempt:
         for good: no node of its pools can run it as asked (``rules.unserved_message``); once
         per reason. (Not its state: Prefect refuses Pending over Pending, and forcing it could
         undo a cancellation.) What was said, for the next call."""
-        bid = await self.run.retry("read the bid", lambda: self.market.bid(self.bid["id"]))
+        bid = await self.run.retry("read the bid", lambda: self.market.bid(self.bid.id))
         message = rules.unserved_message(bid)
         if message is not None and message != said:
             self.run.logger.warning(message)
-            self.run.emit(WorkerEvent.HELD, bid, reason=bid["hold_reason"])
+            self.run.emit(WorkerEvent.HELD, bid, reason=bid.hold_reason)
         return message
 
     async def _on_event(self, event: EventResponse, ended_current: bool) -> int | None:
@@ -271,7 +274,7 @@ class Attempt:
             if reaction.what == "run":
                 facts = Facts(run=await self.run.view(), bid=facts.bid)
             else:
-                facts = Facts(run=facts.run, bid=await self.market.bid(self.bid["id"]))
+                facts = Facts(run=facts.run, bid=await self.market.bid(self.bid.id))
         return await self._carry_out(reaction, event)
 
     async def _carry_out(self, reaction: rules.Reaction, event: EventResponse) -> int | None:
@@ -288,11 +291,11 @@ class Attempt:
                 await self._reschedule(reaction)
                 return 0
             case rules.Fail():
-                await self.market.cancel(self.bid["id"])
+                await self.market.cancel(self.bid.id)
                 await self.run.set_state(Failed(message=reaction.message), force=True)
                 return 0
             case rules.CancelBid():
-                await self.market.cancel(self.bid["id"])
+                await self.market.cancel(self.bid.id)
                 return reaction.status_code
             case rules.Ended():
                 return reaction.status_code
@@ -329,7 +332,7 @@ class Attempt:
         if then.over:
             if reschedule.cancel_if_over:
                 run.logger.info("Not rescheduled: the run is %s; its bid is cancelled", state.name)
-                await self.market.cancel(self.bid["id"])
+                await self.market.cancel(self.bid.id)
             else:
                 run.logger.info("Not rescheduled: the run is %s", state.name)
             return
@@ -348,7 +351,7 @@ class Attempt:
     async def _check_cancelled(self) -> int | None:
         """When the user cancelled the run: cancel the bid, wait (bounded) for the market to
         stop its job and for the engine's last word, and mark the run Cancelled."""
-        run, bid_id = self.run, self.bid["id"]
+        run, bid_id = self.run, self.bid.id
         if not rules.cancel_requested(await run.view()):
             return None
         await self.market.cancel(bid_id)
@@ -371,15 +374,15 @@ class Attempt:
         try:
             allocations, current = [], bid
             for _ in range(REPORT_BIDS):
-                allocations = await self.market.allocations(current["id"]) + allocations
-                earlier = (current.get("labels") or {}).get(LABELS.REPLACES)
+                allocations = await self.market.allocations(current.id) + allocations
+                earlier = (current.labels or {}).get(LABELS.REPLACES)
                 if not earlier:
                     break
                 current = await self.market.bid(earlier)
             table, summary = allocation_report(bid, allocations)
             key = f"spotgpu-{run.flow_run.id}"
             for suffix, kind, data, description in (
-                ("allocations", "table", json.dumps(table), f"GPU allocations of bid {bid['id']}"),
+                ("allocations", "table", json.dumps(table), f"GPU allocations of bid {bid.id}"),
                 ("cost", "markdown", summary, "Spot cost, preemptions and work lost"),
             ):
                 await run.client.create_artifact(

@@ -23,6 +23,7 @@ from concurrent.futures import Future
 
 import httpx
 
+from prefect_spotgpu.messages import BidBatchResponse, BidResponse
 from prefect_spotgpu.protocol import MAX_BIDS_PER_BATCH
 
 WINDOW_SECONDS = 0.02
@@ -83,9 +84,9 @@ class BidBatcher:
             self.requests += 1
             response = http.post("/bids/batch", json={"bids": [body for body, _ in items]})
             if response.status_code in (200, 201):
-                placed = response.json()
+                placed = BidBatchResponse.model_validate(response.json())
                 for (_, future), bid, created in zip(
-                    items, placed["bids"], placed["created"], strict=True
+                    items, placed.bids, placed.created, strict=True
                 ):
                     future.set_result(_single(response, bid, 201 if created else 200))
                 return
@@ -112,8 +113,9 @@ def _refused_index(response: httpx.Response) -> int | None:
     return int(match[1]) if match else None
 
 
-def _single(batch: httpx.Response, bid: dict, status: int) -> httpx.Response:
-    return httpx.Response(status, json=bid, request=batch.request)
+def _single(batch: httpx.Response, bid: BidResponse, status: int) -> httpx.Response:
+    """One bid of a batch's answer as the answer of ``POST /bids`` for it alone."""
+    return httpx.Response(status, json=bid.model_dump(mode="json"), request=batch.request)
 
 
 def _without_index(response: httpx.Response, index: int) -> httpx.Response:

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import anyio
 import httpx
 
-from prefect_spotgpu.messages import AllocationResponse, EventsPage
+from prefect_spotgpu.messages import AllocationResponse, BidResponse, EventsPage, QuoteResponse
 from prefect_spotgpu.protocol import LIVE_BID_STATUSES, MarketTerms
 from prefect_spotgpu.worker.bid_batch import batcher_for
 from prefect_spotgpu.worker.report import quote_summary
@@ -96,10 +96,12 @@ class MarketApi:
             )
         return self._terms
 
-    async def bid(self, bid_id: int | str) -> dict:
-        return checked(await self.http.get(f"/bids/{bid_id}"), "read the bid")
+    async def bid(self, bid_id: int | str) -> BidResponse:
+        return BidResponse.model_validate(
+            checked(await self.http.get(f"/bids/{bid_id}"), "read the bid")
+        )
 
-    async def bid_or_none(self, bid_id: int | str) -> dict | None:
+    async def bid_or_none(self, bid_id: int | str) -> BidResponse | None:
         """The bid, or None when the market does not know it (404)."""
         try:
             return await self.bid(bid_id)
@@ -130,13 +132,17 @@ class MarketApi:
         """The market's image catalogue (``GET /images``)."""
         return checked(await self.http.get("/images"), "read the image catalogue")
 
-    async def place(self, body: dict) -> dict:
+    async def place(self, body: dict) -> BidResponse:
         """Place a bid: in one ``/bids/batch`` with the process's other new bids
         (``bid_batch``), answered for this bid alone."""
-        return checked(await batcher_for(self.http).place(body), "place the bid")
+        placed = checked(await batcher_for(self.http).place(body), "place the bid")
+        return BidResponse.model_validate(placed)
 
-    async def reprice(self, bid_id: int, price: float, doing: str = "reprice the bid") -> dict:
-        return checked(await self.http.patch(f"/bids/{bid_id}", json={"max_price": price}), doing)
+    async def reprice(
+        self, bid_id: int, price: float, doing: str = "reprice the bid"
+    ) -> BidResponse:
+        response = await self.http.patch(f"/bids/{bid_id}", json={"max_price": price})
+        return BidResponse.model_validate(checked(response, doing))
 
     async def cancel(self, bid_id: int) -> None:
         """Cancel the bid; one already over (409) is fine."""
@@ -158,29 +164,31 @@ class MarketApi:
             return
         checked(await self.http.put("/webhook", json={"url": url}), "set the notice webhook")
 
-    async def quotes(self) -> list[dict] | None:
+    async def quotes(self) -> list[QuoteResponse] | None:
         """Every pool's quote (``GET /prices``); None when the market does not answer them
         (the policy then assumes spot open, as before it had quotes)."""
         try:
             response = await self.http.get("/prices")
         except httpx.HTTPError:
             return None
-        return response.json() if response.status_code == 200 else None
+        if response.status_code != 200:
+            return None
+        return [QuoteResponse.model_validate(q) for q in response.json()]
 
-    async def quote(self, bid: dict) -> tuple[str, bool]:
+    async def quote(self, bid: BidResponse) -> tuple[str, bool]:
         """What the market offers this bid now (``report.quote_summary``), from ``/prices``."""
         response = await self.http.get("/prices")
         if response.status_code != 200:
             return "no quote", False
-        return quote_summary(bid, response.json())
+        return quote_summary(bid, [QuoteResponse.model_validate(q) for q in response.json()])
 
-    async def live_bids(self) -> list[dict]:
+    async def live_bids(self) -> list[BidResponse]:
         """Every open or held bid of the tenant (every page, newest first, by the Link header)."""
-        bids: list[dict] = []
+        bids: list[BidResponse] = []
         for status in LIVE_BID_STATUSES:
             response = await self.http.get("/bids", params={"status": status, "limit": 1000})
             while True:
-                bids += checked(response, "list bids")
+                bids += [BidResponse.model_validate(b) for b in checked(response, "list bids")]
                 if "next" not in response.links:
                     break
                 response = await self.http.get(response.links["next"]["url"])

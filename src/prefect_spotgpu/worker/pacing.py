@@ -38,8 +38,8 @@ from typing import Literal
 from prefect_spotgpu.economics.deadline import JobView, RegionQuote
 from prefect_spotgpu.economics.policies import get_policy
 from prefect_spotgpu.market import DEFAULT_CATALOG
-from prefect_spotgpu.messages import AllocationResponse
-from prefect_spotgpu.protocol import HOLDING_STATUSES, AllocationStatus, MarketTerms
+from prefect_spotgpu.messages import AllocationResponse, BidResponse, QuoteResponse
+from prefect_spotgpu.protocol import HOLDING_STATUSES, AllocationStatus, Capacity, MarketTerms
 
 RAN_AND_ENDED = (AllocationStatus.PREEMPTED, AllocationStatus.FINISHED)
 """Allocations that held GPUs and ended (a reserved one released never ran)."""
@@ -107,7 +107,7 @@ def done_hours(
 
 
 def region_quotes(
-    pace: Pace, quotes: list[dict], hysteresis: float = MarketTerms().hysteresis
+    pace: Pace, quotes: list[QuoteResponse], hysteresis: float = MarketTerms().hysteresis
 ) -> tuple[RegionQuote, ...]:
     """The spot pools of the run's model (of its region, or every region for ``any``) from
     the market's ``GET /prices``, as the policy reads them: open when a bid at the cap would
@@ -117,23 +117,23 @@ def region_quotes(
     >>> from datetime import UTC
     >>> p = Pace(4, datetime(2026, 12, 2, tzinfo=UTC), datetime(2026, 12, 1, tzinfo=UTC),
     ...          "deadline-aware", 5, 1.2, "A100-80G", gpu_count=2)
-    >>> q = {"gpu_model": "A100-80G", "capacity": "spot", "reserve_price": 0.9}
-    >>> found = region_quotes(p, [{**q, "region": "eu", "clearing_price": 1.15, "gpus_free": 0},
-    ...                           {**q, "region": "us", "clearing_price": None, "gpus_free": 2}])
+    >>> q = dict(gpu_model="A100-80G", capacity="spot", reserve_price=0.9, on_demand_price=2.1,
+    ...          gpus_total=2, gpus_running=0, waiting_bids=0)
+    >>> eu = QuoteResponse(**q, region="eu", clearing_price=1.15, gpus_free=0)
+    >>> found = region_quotes(p, [eu, QuoteResponse(**q, region="us", clearing_price=None,
+    ...                                             gpus_free=2)])
     >>> [(r.region, r.open, r.floor, r.free_nodes) for r in found]
     [('eu', False, 1.15, 0), ('us', True, 0.9, 1)]
     """
     found = []
     for q in quotes:
-        if q.get("gpu_model") != pace.gpu_model or q.get("capacity", "spot") != "spot":
+        if q.gpu_model != pace.gpu_model or q.capacity != Capacity.SPOT:
             continue
-        if pace.region != "any" and q.get("region") != pace.region:
+        if pace.region != "any" and q.region != pace.region:
             continue
-        clearing = q.get("clearing_price")
         seen = RegionQuote.read(
-            q["region"], clearing_price=None if clearing is None else float(clearing),
-            reserve=float(q.get("reserve_price") or 0.0),
-            gpus_total=int(q.get("gpus_total", 1)), gpus_free=int(q.get("gpus_free") or 0),
+            q.region, clearing_price=q.clearing_price, reserve=q.reserve_price or 0.0,
+            gpus_total=q.gpus_total, gpus_free=q.gpus_free,
             gpus_per_node=pace.gpu_count, cap=pace.cap, hysteresis=hysteresis,
         )  # fmt: skip
         found.append(seen)
@@ -143,9 +143,9 @@ def region_quotes(
 def plan(
     pace: Pace,
     now: datetime,
-    bid: dict | None,
+    bid: BidResponse | None,
     allocations: list[AllocationResponse],
-    quotes: list[dict] | None = None,
+    quotes: list[QuoteResponse] | None = None,
     hysteresis: float = MarketTerms().hysteresis,
 ) -> Plan:
     """What the run should bid for now (see the module docstring); ``quotes``: the market's
@@ -156,7 +156,7 @@ def plan(
     on_demand_price = DEFAULT_CATALOG.get(pace.gpu_model).on_demand_price
     mode = "wait"
     if holding and bid is not None:
-        mode = "on_demand" if bid.get("capacity") == "on_demand" else "spot"
+        mode = "on_demand" if bid.capacity == Capacity.ON_DEMAND else "spot"
     regions = region_quotes(pace, quotes, hysteresis) if quotes is not None else ()
     view = JobView(
         now_h=_hours(now - pace.origin),

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol, TypeVar
 
 from prefect_spotgpu.economics.schedules import cheap_window
-from prefect_spotgpu.messages import AllocationResponse
+from prefect_spotgpu.messages import AllocationResponse, BidResponse
 from prefect_spotgpu.protocol import LABELS, Capacity, WorkerEvent
 from prefect_spotgpu.worker.config import SpotGPUJobConfiguration
 from prefect_spotgpu.worker.market_api import MarketApi
@@ -33,7 +33,7 @@ class RunSide(Protocol):
 
     async def label(self, labels: dict[str, str]) -> None: ...
 
-    def emit(self, what: WorkerEvent, bid: dict, **payload: Any) -> None: ...
+    def emit(self, what: WorkerEvent, bid: BidResponse, **payload: Any) -> None: ...
 
     async def retry(self, doing: str, call: Callable[[], Awaitable[T]]) -> T: ...
 
@@ -42,7 +42,7 @@ class RunSide(Protocol):
 class SwitchBid:
     """Pacing replaced the run's waiting spot bid by this on-demand bid: follow it."""
 
-    bid: dict
+    bid: BidResponse
 
 
 class Placement:
@@ -70,7 +70,7 @@ class Placement:
             self._image, self._image_read = self.configuration.catalogue_image(catalogue), True
         return self._image
 
-    async def place(self, course: Plan | None, replaces: dict | None = None) -> dict:
+    async def place(self, course: Plan | None, replaces: BidResponse | None = None) -> BidResponse:
         """A new bid for the run (idempotent: retries are safe), named on the run; a bid that
         ``replaces`` another names it (label ``spotgpu.replaces``) for the run's cost report."""
         configuration = self.configuration
@@ -78,32 +78,34 @@ class Placement:
             await self.market.set_webhook(configuration.notice_webhook)
         body = self.bid_body(course, await self.image())
         if replaces is not None:  # (its own key: a run may go back to a capacity it left)
-            body["labels"][LABELS.REPLACES] = str(replaces["id"])
-            body["idempotency_key"] += f"-after-{replaces['id']}"
+            body["labels"][LABELS.REPLACES] = str(replaces.id)
+            body["idempotency_key"] += f"-after-{replaces.id}"
         bid = await self.run.retry("place the bid", lambda: self.market.place(body))
-        await self.run.label({LABELS.BID: str(bid["id"])})
+        await self.run.label({LABELS.BID: str(bid.id)})
         why = f" ({course.describe()})" if course else ""
-        self.run.logger.info("Bid %s placed: %s%s", bid["id"], describe(bid), why)
+        self.run.logger.info("Bid %s placed: %s%s", bid.id, describe(bid), why)
         self.run.emit(WorkerEvent.CREATED, bid)
         return bid
 
-    async def _plan(self, pace: Pace, bid: dict | None, allocations: list[AllocationResponse]):
+    async def _plan(
+        self, pace: Pace, bid: BidResponse | None, allocations: list[AllocationResponse]
+    ):
         """``pacing.plan`` now, on the market's quotes and its hysteresis margin."""
         quotes = await self.market.quotes()
         hysteresis = (await self.market.terms()).hysteresis
         return plan(pace, datetime.now(UTC), bid, lead_allocations(allocations), quotes, hysteresis)
 
-    async def steer(self, pace: Pace, bid: dict | None):
+    async def steer(self, pace: Pace, bid: BidResponse | None):
         """Ask the run's bidding policy (``pacing.plan``); returns the bid to keep (None:
         place a new one), the plan, and the bid it cancelled. A waiting spot bid is repriced
         to the plan's price; a waiting bid is cancelled when the plan moves the run to the
         other capacity. A bid whose job runs is kept: ``pace`` releases it with a notice, so
         the job saves first (never a cancel, which stops it without a final save)."""
-        allocations = [] if bid is None else await self.market.allocations(bid["id"])
+        allocations = [] if bid is None else await self.market.allocations(bid.id)
         course = await self._plan(pace, bid, allocations)
         if bid is None:
             return None, course, None
-        on_demand = bid.get("capacity") == Capacity.ON_DEMAND
+        on_demand = bid.capacity == Capacity.ON_DEMAND
         if (course.mode == "on_demand") != on_demand:  # the other capacity
             if course.view.ran:  # a running job moves through ``pace``: a notice, a save
                 return bid, course, None
@@ -111,15 +113,15 @@ class Placement:
                 ("spot", WorkerEvent.SPOT) if on_demand else ("on-demand", WorkerEvent.ON_DEMAND)
             )
             self.run.logger.warning("Moving to %s capacity: %s", where, course.describe())
-            await self.market.cancel(bid["id"])
+            await self.market.cancel(bid.id)
             self.run.emit(what, bid, plan=course.describe())
             return None, course, bid
-        if course.mode == "spot" and bid["max_price"] != course.price:
-            bid = await self.market.reprice(bid["id"], course.price)
-            self.run.logger.info("Bid %s repriced: %s", bid["id"], course.describe())
+        if course.mode == "spot" and bid.max_price != course.price:
+            bid = await self.market.reprice(bid.id, course.price)
+            self.run.logger.info("Bid %s repriced: %s", bid.id, course.describe())
         return bid, course, None
 
-    async def pace(self, pace: Pace, bid: dict, running: bool) -> SwitchBid | dict:
+    async def pace(self, pace: Pace, bid: BidResponse, running: bool) -> SwitchBid | BidResponse:
         """Every ``PACE_SECONDS`` of a paced attempt: a waiting bid is steered (repriced, or
         replaced by a bid of the other capacity: ``SwitchBid``); a ``running`` job that must
         move (spot to on-demand, or back) gets the usual notice, through its bid lowered below
@@ -129,17 +131,17 @@ class Placement:
             if kept is None:
                 return SwitchBid(await self.place(course, replaced))
             return kept
-        if bid["max_price"] == RELEASE_PRICE:
+        if bid.max_price == RELEASE_PRICE:
             return bid  # released already: its job is saving
-        course = await self._plan(pace, bid, await self.market.allocations(bid["id"]))
-        on_demand = bid.get("capacity") == Capacity.ON_DEMAND
+        course = await self._plan(pace, bid, await self.market.allocations(bid.id))
+        on_demand = bid.capacity == Capacity.ON_DEMAND
         if (course.mode == "on_demand") == on_demand:
             return bid
         where = "spot" if on_demand else "on-demand"
         self.run.logger.warning(
             "Moving to %s capacity after a final save: %s", where, course.describe()
         )
-        return await self.market.reprice(bid["id"], RELEASE_PRICE, "release the GPUs")
+        return await self.market.reprice(bid.id, RELEASE_PRICE, "release the GPUs")
 
     def bid_body(self, course: Plan | None = None, image: str | None = None) -> dict:
         """The ``POST /bids`` body: the run's GPUs (``node_count`` nodes of ``gpu_count``),

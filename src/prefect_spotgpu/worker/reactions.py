@@ -47,7 +47,7 @@ from enum import StrEnum
 from typing import Literal
 
 from prefect_spotgpu.economics.schedules import aware, cheap_window
-from prefect_spotgpu.messages import EventResponse
+from prefect_spotgpu.messages import BidResponse, EventResponse
 from prefect_spotgpu.protocol import (
     HELD_UNSERVED,
     BidStatus,
@@ -113,7 +113,7 @@ class Facts:
     """What the caller has read for this event so far; ``None``: not read (yet)."""
 
     run: RunView | None = None
-    bid: dict | None = None
+    bid: BidResponse | None = None
 
 
 class Track:
@@ -335,9 +335,9 @@ def react(
         if facts.bid is None:
             return Ask(what="bid")
         bid = facts.bid
-        if bid["status"] == BidStatus.HELD:  # e.g. out of credit: wait for it, keep the bid
+        if bid.status == BidStatus.HELD:  # e.g. out of credit: wait for it, keep the bid
             message = (
-                f"Bid {bid['id']} is held ({bid['hold_reason']}); the run resumes when the "
+                f"Bid {bid.id} is held ({bid.hold_reason}); the run resumes when the "
                 "market releases it"
             )
             return Reschedule(
@@ -438,7 +438,7 @@ def hand_over(run: RunView) -> bool:
     return not (run.phase is Phase.RUNNING or (run.phase is not None and run.phase.is_final))
 
 
-def starting_message(go: Go, bid: dict) -> str:
+def starting_message(go: Go, bid: BidResponse) -> str:
     """The message of a ``Pending("Starting")`` state."""
     text = f"Allocation {go.allocation_id} on node {go.node_id}: {describe(bid)}"
     if go.resumed:
@@ -474,19 +474,20 @@ def after_engine(run: RunView, reschedule: Reschedule) -> AfterEngine:
     return AfterEngine(over=False, insist=not reschedule.job_stopped and run.phase is Phase.RUNNING)
 
 
-def unserved_message(bid: dict) -> str | None:
+def unserved_message(bid: BidResponse) -> str | None:
     """What the worker says (the run's log, ``spotgpu.bid.held``) of a bid the market holds
     because no node can run it as asked (its runner: ``protocol.HELD_UNSERVED``), or None.
 
-        >>> unserved_message({"id": 4, "status": "held", "hold_reason": HELD_UNSERVED + ": x"})
+        >>> held = BidResponse.model_construct(id=4, status="held", hold_reason=HELD_UNSERVED)
+        >>> unserved_message(held.model_copy(update={"hold_reason": HELD_UNSERVED + ": x"}))
         'Bid 4 is held: no node can run it: x'
-        >>> unserved_message({"id": 4, "status": "open", "hold_reason": None}) is None
+        >>> unserved_message(held.model_copy(update={"status": "open"})) is None
         True
     """
-    reason = bid.get("hold_reason") or ""
-    if bid.get("status") != BidStatus.HELD or not reason.startswith(HELD_UNSERVED):
+    reason = bid.hold_reason or ""
+    if bid.status != BidStatus.HELD or not reason.startswith(HELD_UNSERVED):
         return None
-    return f"Bid {bid['id']} is held: {reason}"
+    return f"Bid {bid.id} is held: {reason}"
 
 
 def cancel_requested(run: RunView) -> bool:
@@ -519,13 +520,13 @@ def resume_time(now: datetime, settings: Settings) -> datetime:
 
 
 def window_over(
-    bid: dict, now: datetime, notice_seconds: float = MarketTerms().notice_seconds
+    bid: BidResponse, now: datetime, notice_seconds: float = MarketTerms().notice_seconds
 ) -> bool:
-    """Whether a bid's cheap window has closed (or closes within a notice's length)."""
-    end = bid.get("window_end")
-    if not end:
+    """Whether a bid's cheap window has closed (or closes within a notice's length); a naive
+    ``window_end`` is UTC."""
+    if bid.window_end is None:
         return False
-    return aware(datetime.fromisoformat(end)).timestamp() <= now.timestamp() + notice_seconds
+    return aware(bid.window_end).timestamp() <= now.timestamp() + notice_seconds
 
 
 def plain(payload: dict) -> dict:

@@ -10,15 +10,15 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from prefect_spotgpu.market import DEFAULT_CATALOG
-from prefect_spotgpu.messages import AllocationResponse
+from prefect_spotgpu.messages import AllocationResponse, BidResponse, QuoteResponse
 from prefect_spotgpu.protocol import AllocationStatus, Capacity
 
 
-def bid_costs(bid: dict, allocations: list[AllocationResponse]) -> dict:
+def bid_costs(bid: BidResponse, allocations: list[AllocationResponse]) -> dict:
     """A bid's spot cost against the same GPU-hours on-demand, its preemptions, final saves
     and the work lost (seconds since the last checkpoint of preemptions without a final save).
     """
-    on_demand_price = DEFAULT_CATALOG.get(bid["gpu_model"]).on_demand_price
+    on_demand_price = DEFAULT_CATALOG.get(bid.gpu_model).on_demand_price
     spot = sum(a.charged_amount for a in allocations)
     gpu_hours = sum(a.charged_seconds * a.gpu_count for a in allocations) / 3600
     preempted = [a for a in allocations if a.status == AllocationStatus.PREEMPTED]
@@ -40,12 +40,14 @@ def bid_costs(bid: dict, allocations: list[AllocationResponse]) -> dict:
     }
 
 
-def _bids(allocations: list[AllocationResponse], bid: dict) -> str:
-    ids = sorted({a.bid_id for a in allocations} | {bid["id"]})
+def _bids(allocations: list[AllocationResponse], bid: BidResponse) -> str:
+    ids = sorted({a.bid_id for a in allocations} | {bid.id})
     return f"bid {ids[0]}" if len(ids) == 1 else "bids " + ", ".join(map(str, ids))
 
 
-def allocation_report(bid: dict, allocations: list[AllocationResponse]) -> tuple[list[dict], str]:
+def allocation_report(
+    bid: BidResponse, allocations: list[AllocationResponse]
+) -> tuple[list[dict], str]:
     """Rows for the allocations table and the markdown summary of the cost of a run's bid (and
     of the bids it replaced, whose allocations come with it): what was paid, on spot or
     on-demand, against the same GPU-hours all on-demand. A gang's table has one row per member
@@ -62,7 +64,7 @@ def allocation_report(bid: dict, allocations: list[AllocationResponse]) -> tuple
                 "bid": a.bid_id,
                 **({"rank": a.rank} if gang else {}),
                 "node": a.node_id,
-                "gpu": f"{a.gpu_count} x {bid['gpu_model']}",
+                "gpu": f"{a.gpu_count} x {bid.gpu_model}",
                 "start": iso(a.started_at),
                 "end": iso(end) if end else "running",
                 "status": a.status,
@@ -90,45 +92,43 @@ def allocation_report(bid: dict, allocations: list[AllocationResponse]) -> tuple
     return rows, summary
 
 
-def quote_summary(bid: dict, quotes: list[dict]) -> tuple[str, bool]:
+def quote_summary(bid: BidResponse, quotes: list[QuoteResponse]) -> tuple[str, bool]:
     """A line on the pools a bid can run in, and whether none of them accepts its price (its
     maximum is below every node's reserve: it would wait for ever).
 
-        >>> pool = {"gpu_model": "A100-80G", "region": "eu-west", "capacity": "spot",
-        ...         "gpus_free": 1, "clearing_price": None, "reserve_price": 0.9}
-        >>> bid = {"gpu_model": "A100-80G", "region": "any", "max_price": 0.4}
+        >>> pool = QuoteResponse(gpu_model="A100-80G", region="eu-west", capacity="spot",
+        ...     clearing_price=None, reserve_price=0.9, on_demand_price=2.1, gpus_total=1,
+        ...     gpus_free=1, gpus_running=0, waiting_bids=0)
+        >>> bid = BidResponse.model_construct(  # the fields it reads
+        ...     gpu_model="A100-80G", region="any", capacity="spot", max_price=0.4)
         >>> text, refused = quote_summary(bid, [pool])
         >>> refused, text.split(": ")[0]
         (True, 'no A100-80G node in any region accepts 0.40 per GPU-hour')
         >>> text.split(": ")[1]
         'the lowest reserve is 0.90; raise max_price to at least 0.90'
-        >>> quote_summary({**bid, "max_price": 1.2}, [pool])
+        >>> quote_summary(bid.model_copy(update={"max_price": 1.2}), [pool])
         ('market from 0.90 per GPU-hour, 1 GPU free', False)
     """
     pools = [
         q
         for q in quotes
-        if q["gpu_model"] == bid["gpu_model"]
-        and bid["region"] in ("any", q["region"])
-        and q.get("capacity", Capacity.SPOT) == bid.get("capacity", Capacity.SPOT)
+        if q.gpu_model == bid.gpu_model
+        and bid.region in ("any", q.region)
+        and q.capacity == bid.capacity
     ]
     if not pools:
-        kind = "on-demand " if bid.get("capacity") == Capacity.ON_DEMAND else ""
-        return f"no {kind}{bid['gpu_model']} nodes in {bid['region']} yet", False
-    reserves = [q["reserve_price"] for q in pools if q.get("reserve_price") is not None]
-    if (
-        reserves
-        and bid.get("capacity", Capacity.SPOT) == Capacity.SPOT
-        and bid["max_price"] < min(reserves)
-    ):
-        where = "any region" if bid["region"] == "any" else bid["region"]
+        kind = "on-demand " if bid.capacity == Capacity.ON_DEMAND else ""
+        return f"no {kind}{bid.gpu_model} nodes in {bid.region} yet", False
+    reserves = [q.reserve_price for q in pools if q.reserve_price is not None]
+    if reserves and bid.capacity == Capacity.SPOT and bid.max_price < min(reserves):
+        where = "any region" if bid.region == "any" else bid.region
         return (
-            f"no {bid['gpu_model']} node in {where} accepts {bid['max_price']:.2f} per "
+            f"no {bid.gpu_model} node in {where} accepts {bid.max_price:.2f} per "
             f"GPU-hour: the lowest reserve is {min(reserves):.2f}; raise max_price to at "
             f"least {min(reserves):.2f}"
         ), True
-    free = sum(q["gpus_free"] for q in pools)
-    prices = [q["clearing_price"] or q["reserve_price"] for q in pools]
+    free = sum(q.gpus_free for q in pools)
+    prices = [q.clearing_price or q.reserve_price for q in pools]
     prices = [p for p in prices if p is not None]
     price = f"from {min(prices):.2f}" if prices else "no price yet"
     return f"market {price} per GPU-hour, {free} GPU{'' if free == 1 else 's'} free", False
@@ -140,14 +140,14 @@ def lead_allocations(allocations: list[AllocationResponse]) -> list[AllocationRe
     return [a for a in allocations if a.rank in (None, 0)]
 
 
-def describe(bid: dict) -> str:
-    gpus = f"{bid['gpu_count']} x {bid['gpu_model']}"
-    nodes = bid.get("node_count") or 1
-    if nodes > 1:
-        gpus = f"{nodes} nodes of {gpus}"
-    if bid.get("capacity") == Capacity.ON_DEMAND:
-        return f"{gpus} in {bid['region']}, on-demand at {bid['max_price']:.2f} per GPU-hour"
-    return f"{gpus} in {bid['region']}, at most {bid['max_price']:.2f} per GPU-hour"
+def describe(bid: BidResponse) -> str:
+    """A bid in words: its GPUs (and nodes), region and price."""
+    gpus = f"{bid.gpu_count} x {bid.gpu_model}"
+    if bid.node_count > 1:
+        gpus = f"{bid.node_count} nodes of {gpus}"
+    if bid.capacity == Capacity.ON_DEMAND:
+        return f"{gpus} in {bid.region}, on-demand at {bid.max_price:.2f} per GPU-hour"
+    return f"{gpus} in {bid.region}, at most {bid.max_price:.2f} per GPU-hour"
 
 
 def iso(ts: float) -> str:

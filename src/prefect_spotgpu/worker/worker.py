@@ -45,6 +45,7 @@ from prefect.settings import PREFECT_WORKER_QUERY_SECONDS, temporary_settings
 from prefect.workers.base import BaseVariables, BaseWorker, BaseWorkerResult
 
 from prefect_spotgpu.blocks import DOCS, LOGO
+from prefect_spotgpu.messages import BidResponse
 from prefect_spotgpu.prefect_internals import flush_prefect_queues
 from prefect_spotgpu.protocol import LABELS, PID_PREFIX
 from prefect_spotgpu.worker import reactions as rules
@@ -71,8 +72,8 @@ class SpotGPUWorkerResult(BaseWorkerResult):
     """The end of one attempt: 0 when the run completed, was rescheduled or was failed by us."""
 
 
-def infrastructure_id(bid: dict) -> str:
-    return f"{PID_PREFIX}{bid['id']}"
+def infrastructure_id(bid: BidResponse) -> str:
+    return f"{PID_PREFIX}{bid.id}"
 
 
 class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, BaseVariables, SpotGPUWorkerResult]):
@@ -231,7 +232,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, BaseVariables, SpotGPUWo
             self._following.discard(str(flow_run.id))
 
     async def _follow_bids(
-        self, run: PrefectRun, api: MarketApi, placement: Placement, bid: dict
+        self, run: PrefectRun, api: MarketApi, placement: Placement, bid: BidResponse
     ) -> SpotGPUWorkerResult:
         """Follow the run's bid; when pacing moves a waiting run to on-demand capacity,
         follow the new bid instead (once: on-demand is never left)."""
@@ -286,7 +287,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, BaseVariables, SpotGPUWo
         async with pool_config.market.get_async_client() as http:
             bids = await MarketApi(http).live_bids()
         for bid in bids:
-            labels = bid.get("labels") or {}
+            labels = bid.labels or {}
             if (
                 labels.get(LABELS.POOL) != work_pool.name
                 or labels.get(LABELS.FLOW_RUN) in self._following
@@ -295,7 +296,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, BaseVariables, SpotGPUWo
             try:
                 flow_run = await self.client.read_flow_run(labels[LABELS.FLOW_RUN])
             except Exception as exc:  # deleted, or Prefect unreachable: the next pass retries
-                self._logger.debug("cannot read flow run of bid %s: %s", bid["id"], exc)
+                self._logger.debug("cannot read flow run of bid %s: %s", bid.id, exc)
                 continue
             run_labels = flow_run.labels or {}
             owner = run_labels.get(LABELS.WORKER)
@@ -304,7 +305,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, BaseVariables, SpotGPUWo
             ):
                 continue
             self._logger.info(
-                "Adopting flow run %s (bid %s) left by worker %s", flow_run.id, bid["id"], owner
+                "Adopting flow run %s (bid %s) left by worker %s", flow_run.id, bid.id, owner
             )
             await self.client.update_flow_run_labels(  # claim it: others see a live owner
                 flow_run.id, {LABELS.WORKER: self.name}
@@ -312,7 +313,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, BaseVariables, SpotGPUWo
             self._following.add(str(flow_run.id))
             self._runs_task_group.start_soon(self._adopt, flow_run, bid)
 
-    async def _adopt(self, flow_run, bid: dict) -> None:
+    async def _adopt(self, flow_run, bid: BidResponse) -> None:
         try:
             configuration = await self.job_configuration.resolve_for_flow_run(
                 flow_run, client=self.client, work_pool=self.work_pool, worker_name=self.name

@@ -1,13 +1,16 @@
-"""Bids: what a tenant asks for (GPUs, a price, a window, a job to run) and the events of each."""
+"""Bids: what a tenant asks for (GPUs, a price, a window, a job to run) and the events of each
+(the replies are shared with the clients: ``prefect_spotgpu.messages``)."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 from typing import Annotated
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import Field, model_validator
 
 from prefect_spotgpu.market.types import MAX_GANG_NODES
+from prefect_spotgpu.messages import BidBatchResponse as BidBatchResponse
+from prefect_spotgpu.messages import BidResponse as BidResponse
 from prefect_spotgpu.messages import EventResponse as EventResponse
 from prefect_spotgpu.messages import EventsPage as EventsPage
 from prefect_spotgpu.protocol import MAX_BIDS_PER_BATCH
@@ -137,43 +140,6 @@ class BidBatchCreate(Strict):
 
 class BidUpdate(Strict):
     max_price: Price
-
-
-class BidResponse(BaseModel):
-    id: int
-    tenant_id: int
-    idempotency_key: str | None
-    gpu_model: str
-    region: str
-    gpu_count: int
-    max_price: float
-    capacity: str = "spot"
-    status: str
-    hold_reason: str | None
-    window_start: datetime | None
-    window_end: datetime | None
-    deadline: datetime | None
-    labels: dict | None
-    job: dict | None = Field(
-        None,
-        description="The job: command, image, checkpoint_url and env_names. The "
-        "environment's values are sealed: never returned, given only to the node running it.",
-    )
-    created_at: datetime
-    node_count: int = 1
-    gang_id: int | None = Field(None, description="A gang member's gang: rank 0's bid id.")
-    members: list[int] = Field(
-        default_factory=list,
-        description="A gang's member bid ids in rank order ([] for a one-node bid).",
-    )
-
-
-class BidBatchResponse(BaseModel):
-    bids: list[BidResponse] = Field(description="The batch's bids, in the request's order.")
-    created: list[bool] = Field(
-        description="Per bid: true when this request created it, false when its idempotency "
-        "key found an earlier one."
-    )
 
 
 def bid_response(bid, members: list[int] | None = None) -> BidResponse:

@@ -1,4 +1,5 @@
-"""Prices: every pool's quote, its price history, and a request for the cost estimator."""
+"""Prices: every pool's quote (shared with the clients: ``prefect_spotgpu.messages``), its price
+history, and a request for the cost estimator."""
 
 from __future__ import annotations
 
@@ -6,20 +7,8 @@ from datetime import UTC, datetime
 
 from pydantic import BaseModel, Field, model_validator
 
+from prefect_spotgpu.messages import QuoteResponse as QuoteResponse
 from prefect_spotgpu.service.schemas.fields import GpuCount, GpuModelName, Price, Region, Strict
-
-
-class QuoteResponse(BaseModel):
-    gpu_model: str
-    region: str
-    capacity: str = "spot"
-    clearing_price: float | None
-    reserve_price: float | None
-    on_demand_price: float
-    gpus_total: int
-    gpus_free: int
-    gpus_running: int
-    waiting_bids: int
 
 
 class PriceBarResponse(BaseModel):
