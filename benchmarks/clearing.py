@@ -189,18 +189,19 @@ def cold_tick(
 
 def _misplaced(market: Market, decision) -> int:
     """Placements on a node whose runner does not serve the bid (must be none)."""
-    rows, b = market._node_row, market.b
+    rows, b = market.index.node_row, market.index.b
     return sum(
-        not market._serves(rows[int(n)], int(b.image[market._bid_row[int(i)]]))
+        not market.index.serves(rows[int(n)], int(b.image[market.index.bid_row[int(i)]]))
         for i, n in zip(decision.placements.bid_id, decision.placements.node_id, strict=True)
     )
 
 
 def _with_image(market: Market, decision) -> float:
     """The share of placements on a node that holds the bid's image."""
-    rows = market._node_row
+    rows = market.index.node_row
     hits = sum(
-        int(market.b.image[market._bid_row[int(b)]]) in market.n_images[rows[int(n)]]
+        int(market.index.b.image[market.index.bid_row[int(b)]])
+        in market.index.n_images[rows[int(n)]]
         for b, n in zip(decision.placements.bid_id, decision.placements.node_id, strict=True)
     )
     return round(hits / max(len(decision.placements), 1), 3)
@@ -222,7 +223,7 @@ def steady_ticks(
     for _ in range(ticks):
         changes = max(n_bids // 100, 3)
         third = changes // 3
-        open_ids = np.fromiter(market._bid_row.keys(), np.int64)  # the benchmark's shortcut
+        open_ids = np.fromiter(market.index.bid_row.keys(), np.int64)  # the benchmark's shortcut
         picked = rng.choice(open_ids, 2 * third, replace=False)
         t0 = time.perf_counter()
         new = {
@@ -246,8 +247,8 @@ def steady_ticks(
         for bid_id in picked[:third].tolist():
             if market.has_bid(bid_id):  # (a gang member's cancel closed its whole gang)
                 market.cancel_bid(bid_id, now + 0.5)
-        snapshot_prices = market.b.price  # read-only use: the current prices by row
-        rows = market._bid_row
+        snapshot_prices = market.index.b.price  # read-only use: the current prices by row
+        rows = market.index.bid_row
         for bid_id, factor in zip(
             picked[third:].tolist(), rng.uniform(0.8, 1.25, third), strict=True
         ):

@@ -116,9 +116,9 @@ def test_bulk_loaded_bids_keep_their_images():
 
 
 def test_a_large_fresh_pool_is_packed_in_bulk_whatever_the_images():
-    """The documented trade-off (``clearing.IMAGE_AWARE_BULK_NODES``): a cold start of a pool
+    """The documented trade-off (``bulk.IMAGE_AWARE_BULK_NODES``): a cold start of a pool
     this large is packed in bulk, for speed; every later tick prefers the image again."""
-    from prefect_spotgpu.market.clearing import IMAGE_AWARE_BULK_NODES
+    from prefect_spotgpu.market.bulk import IMAGE_AWARE_BULK_NODES
 
     many = IMAGE_AWARE_BULK_NODES + 1
     m = market_with(*(node(i) for i in range(1, many)), node(many, images={TORCH}))

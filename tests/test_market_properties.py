@@ -168,7 +168,7 @@ def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
                     node_count=node_count,
                     gang_id=first if node_count > 1 else None,
                 )
-                unserved = market.unserved(bid) if member == 0 else None
+                unserved = market.runners.unserved(bid) if member == 0 else None
                 if unserved is not None:  # no node of its pools serves it: the service holds it
                     assert not any(
                         bid_fits_pool(bid, n) for n in state.nodes if n.state != NodeState.LOST

@@ -78,25 +78,26 @@ def test_an_outbidding_image_bid_evicts_only_on_a_docker_node():
 
 def test_a_docker_node_with_a_default_image_serves_process_bids_and_one_without_does_not():
     bare = market_with(node(1, Runner.DOCKER))
-    assert "without a default image" in bare.unserved(bid(1))
-    assert bare.unserved(bid(2, image=TORCH)) is None
+    assert "without a default image" in bare.runners.unserved(bid(1))
+    assert bare.runners.unserved(bid(2, image=TORCH)) is None
     bare.add_bid(bid(1))  # (the service would hold it; the market never places it wrongly)
     assert placed(bare.tick(10.0)) == {}
     with_default = market_with(node(1, Runner.DOCKER, default_image=True))
-    assert with_default.unserved(bid(1)) is None
+    assert with_default.runners.unserved(bid(1)) is None
     with_default.add_bid(bid(1))
     assert placed(with_default.tick(10.0)) == {1: 1}
 
 
 def test_a_bid_no_node_serves_is_named_and_pools_without_nodes_say_nothing():
     m = market_with(node(1, Runner.PROCESS), node(2, Runner.PROCESS))
-    reason = m.unserved(bid(1, image=TORCH))
+    reason = m.runners.unserved(bid(1, image=TORCH))
     assert reason.startswith("the A100-80G nodes in eu-west run jobs as host processes")
     assert TORCH in reason
-    assert m.unserved(bid(2)) is None
-    assert market_with().unserved(bid(3, image=TORCH)) is None  # no node yet: nodes may come
+    assert m.runners.unserved(bid(2)) is None
+    # no node yet: nodes may come
+    assert market_with().runners.unserved(bid(3, image=TORCH)) is None
     lost = market_with(node(1, Runner.DOCKER, state=NodeState.LOST), node(2, Runner.PROCESS))
-    assert lost.unserved(bid(4, image=TORCH)) is not None  # a lost node serves nothing
+    assert lost.runners.unserved(bid(4, image=TORCH)) is not None  # a lost node serves nothing
 
 
 def test_an_agent_restarted_with_another_runner_is_offered_by_its_new_kind():
@@ -107,7 +108,7 @@ def test_an_agent_restarted_with_another_runner_is_offered_by_its_new_kind():
     m.add_bid(bid(3))
     assert placed(m.tick(10.0)) == {2: 1, 3: 2}  # no image bid lands on the old docker node
     m.upsert_node(node(1, None))  # an agent that says nothing serves any bid, as before
-    assert m.unserved(bid(4, image=TORCH)) is None
+    assert m.runners.unserved(bid(4, image=TORCH)) is None
 
 
 def test_a_gang_that_names_an_image_takes_docker_nodes_only():

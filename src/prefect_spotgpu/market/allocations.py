@@ -1,15 +1,16 @@
 """The life of an allocation: create, notice, migrate, promote, end (a part of ``Market``).
 
-Allocation rows change status only through ``_new_alloc``, ``_notice``, ``_try_promote`` and
-``_end``, which keep the per-node GPU counters, the per-pool aggregates and the bid links
+Allocation rows change status only through ``_new_alloc``, ``notice``, ``_try_promote`` and
+``end``, which keep the per-node GPU counters, the per-pool aggregates and the bid links
 consistent with the rows. Every ending names its ``EndReason``. Reads and writes the state
-declared in :mod:`prefect_spotgpu.market.index`; calls ``_final_charge`` (pricing.py).
+declared in :mod:`prefect_spotgpu.market.index`; calls ``Pricing.final_charge``.
 """
 
 from __future__ import annotations
 
 import math
 from heapq import heappop, heappush
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -18,7 +19,6 @@ from prefect_spotgpu.market.decision import (
     Notice,
     PlacementKind,
 )
-from prefect_spotgpu.market.index import MarketIndex
 from prefect_spotgpu.market.tables import (
     ACTIVE,
     KIND_CODES,
@@ -39,15 +39,37 @@ from prefect_spotgpu.market.types import (
     NoticeReason,
 )
 
+if TYPE_CHECKING:
+    from prefect_spotgpu.market.index import MarketIndex
+    from prefect_spotgpu.market.pricing import Pricing
 
-class AllocationsMixin(MarketIndex):
-    """The allocation changes of :class:`prefect_spotgpu.market.engine.Market`."""
+
+class GangRules(Protocol):
+    """What an allocation change asks of the gang rules (``gangs.Gangs``): a notice to a
+    gang member notices its gang, and an ending may end or park its gang."""
+
+    def notice(self, arow: int, reason: NoticeReason, deadline: float, now: float) -> None: ...
+
+    def cascade(self, brow: int, old: int, status: int, at: float) -> None: ...
+
+
+class Allocations:
+    """The allocation changes of a market, on its index: final charges through its
+    ``Pricing``, gang members through its gang rules (``gangs``: given once both exist, the
+    one cycle between the parts, as the gang rules place and end allocations through this)."""
+
+    gangs: GangRules
+
+    def __init__(self, index: MarketIndex, pricing: Pricing) -> None:
+        self.index = index
+        self.pricing = pricing
 
     # ------------------------------------------------------------------ allocations
 
-    def _load_allocation(self, alloc: Allocation) -> None:
-        brow = self._bid_row_of(alloc.bid_id)
-        nrow = self._node_row[alloc.node_id]
+    def load(self, alloc: Allocation) -> None:
+        ix = self.index
+        brow = ix.bid_row_of(alloc.bid_id)
+        nrow = ix.node_row[alloc.node_id]
         status = STATUSES.index(alloc.status)
         self._new_alloc(
             alloc.id,
@@ -60,12 +82,12 @@ class AllocationsMixin(MarketIndex):
             alloc.notice_reason,
             migration=alloc.kind == "migration",
         )
-        arow = self._alloc_row_of(alloc.id)
-        self.a.price[arow] = alloc.price
-        self.a.charged[arow] = alloc.charged_until
-        self.a.carry[arow] = alloc.charge_carry
-        self.a.tick[arow] = -1
-        self._suspect_nodes.add(nrow)
+        arow = ix.alloc_row_of(alloc.id)
+        ix.a.price[arow] = alloc.price
+        ix.a.charged[arow] = alloc.charged_until
+        ix.a.carry[arow] = alloc.charge_carry
+        ix.a.tick[arow] = -1
+        ix.suspect_nodes.add(nrow)
 
     def _new_alloc(
         self,
@@ -79,55 +101,57 @@ class AllocationsMixin(MarketIndex):
         reason: NoticeReason | None,
         migration: bool = False,
     ) -> int:
-        s = self.a.reserve(1)
+        ix = self.index
+        s = ix.a.reserve(1)
         arow = s.start
-        a = self.a
+        a = ix.a
         a.id[arow], a.bid[arow], a.node[arow] = alloc_id, brow, nrow
-        a.pool[arow], a.gpus[arow], a.status[arow] = self.n_pool[nrow], gpus, status
+        a.pool[arow], a.gpus[arow], a.status[arow] = ix.n_pool[nrow], gpus, status
         a.price[arow], a.charged[arow], a.started[arow] = 0.0, now, now
         a.carry[arow] = 0
         a.deadline[arow] = math.nan if deadline is None else deadline
         a.reason[arow] = -1 if reason is None else REASONS.index(reason)
-        a.tick[arow] = self._tick
+        a.tick[arow] = ix.tick_number
         a.mig[arow] = 1 if (migration and status == RESERVED) else 0
-        self._alloc_row[alloc_id] = arow
-        pool = self._pools[self.n_pool[nrow]]
+        ix.alloc_row[alloc_id] = arow
+        pool = ix.pools[ix.n_pool[nrow]]
         pool.busy += gpus
-        if self._csr is not None:
-            self._node_extra.setdefault(nrow, []).append(arow)
-            self._extra_count += 1
-        b = self.b
+        if ix.csr is not None:
+            ix.node_extra.setdefault(nrow, []).append(arow)
+            ix.extra_count += 1
+        b = ix.b
         if status == RESERVED:
             b.res[brow] = arow
         else:
             b.run[brow] = arow
         if b.status[brow] == WAITING:
-            self._leave_book(brow)
+            ix.leave_book(brow)
         if status == RUNNING:
-            self.n_running[nrow] += gpus
+            ix.n_running[nrow] += gpus
             if b.window[brow] >= 0:
-                self._track_window(arow, True)
+                ix.track_window(arow, True)
         elif status == NOTICED:
-            self.n_noticed[nrow] += gpus
+            ix.n_noticed[nrow] += gpus
             pool.noticed_nodes.add(nrow)
-            heappush(self._deadlines, (deadline, alloc_id, arow))
+            heappush(ix.deadlines, (deadline, alloc_id, arow))
             if reason is NoticeReason.OUTBID:
-                self._noticed_outbid.add(arow)
+                ix.noticed_outbid.add(arow)
         else:
-            self.n_reserved[nrow] += gpus
+            ix.n_reserved[nrow] += gpus
             if a.mig[arow]:
-                self.n_res_mig[nrow] += gpus
-            self._reserved.add(arow)
-            heappush(self._deadlines, (deadline, alloc_id, arow))
-        self._refresh_free(nrow)
+                ix.n_res_mig[nrow] += gpus
+            ix.reserved.add(arow)
+            heappush(ix.deadlines, (deadline, alloc_id, arow))
+        ix.refresh_free(nrow)
         return arow
 
-    def _place(
+    def place(
         self, brow: int, nrow: int, kind: PlacementKind, now: float, expires: float | None = None
     ) -> int:
-        alloc_id = self._next_alloc_id
-        self._next_alloc_id += 1
-        gpus = int(self.b.gpus[brow])
+        ix = self.index
+        alloc_id = ix.next_alloc_id
+        ix.next_alloc_id += 1
+        gpus = int(ix.b.gpus[brow])
         status = RUNNING if kind is PlacementKind.NEW else RESERVED
         arow = self._new_alloc(
             alloc_id,
@@ -140,175 +164,181 @@ class AllocationsMixin(MarketIndex):
             None,
             migration=kind is PlacementKind.MIGRATION,
         )
-        out = self._out
+        out = ix.out
         out.p_alloc.append(alloc_id)
-        out.p_bid.append(int(self.b.id[brow]))
-        out.p_node.append(self.n_id[nrow])
+        out.p_bid.append(int(ix.b.id[brow]))
+        out.p_node.append(ix.n_id[nrow])
         out.p_gpus.append(gpus)
         out.p_kind.append(KIND_CODES[kind])
         out.p_expires.append(math.nan if expires is None else expires)
         return arow
 
-    def _notice(self, arow: int, reason: NoticeReason, deadline: float, now: float) -> None:
+    def notice(self, arow: int, reason: NoticeReason, deadline: float, now: float) -> None:
         """Notice a running allocation (and, for a gang, every running member: one notice,
         one deadline) and reserve where it resumes when the reason allows."""
-        if self.a.status[arow] != RUNNING:
+        ix = self.index
+        if ix.a.status[arow] != RUNNING:
             return  # noticed already (with the rest of its gang)
-        brow = int(self.a.bid[arow])
-        if self.b.gang[brow] >= 0:
-            self._notice_gang(arow, reason, deadline, now)
+        brow = int(ix.a.bid[arow])
+        if ix.b.gang[brow] >= 0:
+            self.gangs.notice(arow, reason, deadline, now)
             return
-        self._notice_one(arow, reason, deadline)
+        self.notice_one(arow, reason, deadline)
         if reason in MIGRATING_REASONS:
             self._migrate(brow, deadline, now)
 
-    def _notice_one(self, arow: int, reason: NoticeReason, deadline: float) -> None:
-        a = self.a
+    def notice_one(self, arow: int, reason: NoticeReason, deadline: float) -> None:
+        ix = self.index
+        a = ix.a
         nrow, gpus = int(a.node[arow]), int(a.gpus[arow])
         a.status[arow] = NOTICED
         a.deadline[arow] = deadline
         a.reason[arow] = REASONS.index(reason)
-        self.n_running[nrow] -= gpus
-        self.n_noticed[nrow] += gpus
-        self._pools[self.n_pool[nrow]].noticed_nodes.add(nrow)
-        self._track_window(arow, False)
+        ix.n_running[nrow] -= gpus
+        ix.n_noticed[nrow] += gpus
+        ix.pools[ix.n_pool[nrow]].noticed_nodes.add(nrow)
+        ix.track_window(arow, False)
         alloc_id = int(a.id[arow])
-        heappush(self._deadlines, (deadline, alloc_id, arow))
+        heappush(ix.deadlines, (deadline, alloc_id, arow))
         if reason is NoticeReason.OUTBID:
-            self._noticed_outbid.add(arow)
+            ix.noticed_outbid.add(arow)
         brow = int(a.bid[arow])
-        self._out.notices.append(
-            Notice(alloc_id, int(self.b.id[brow]), self.n_id[nrow], reason, deadline)
-        )
-        self._refresh_free(nrow)
+        ix.out.notices.append(Notice(alloc_id, int(ix.b.id[brow]), ix.n_id[nrow], reason, deadline))
+        ix.refresh_free(nrow)
 
     def _migrate(self, brow: int, deadline: float, now: float) -> None:
         """Reserve free GPUs of the bid's pool at once for a noticed bid
         (docs/operators/architecture.md#design-3)."""
-        if self.b.res[brow] >= 0:
+        ix = self.index
+        if ix.b.res[brow] >= 0:
             return
-        nrow = self._free_fit(brow)
+        nrow = ix.free_fit(brow)
         if nrow is not None:
-            self._place(
+            self.place(
                 brow,
                 nrow,
                 PlacementKind.MIGRATION,
                 now,
-                deadline + self.config.reservation_grace_seconds,
+                deadline + ix.config.reservation_grace_seconds,
             )
 
-    def _end(self, arow: int, status: int, reason: EndReason, at: float) -> None:
-        a = self.a
+    def end(self, arow: int, status: int, reason: EndReason, at: float) -> None:
+        ix = self.index
+        a = ix.a
         old = int(a.status[arow])
         nrow, gpus, brow = int(a.node[arow]), int(a.gpus[arow]), int(a.bid[arow])
         if old == NOTICED:  # billed until its deadline at most, whoever ends it
             at = min(at, float(a.deadline[arow]))
         if old in (RUNNING, NOTICED):
-            self._final_charge(arow, at)
+            self.pricing.final_charge(arow, at)
         if old == RUNNING:
-            self.n_running[nrow] -= gpus
-            self._track_window(arow, False)
+            ix.n_running[nrow] -= gpus
+            ix.track_window(arow, False)
         elif old == NOTICED:
-            self.n_noticed[nrow] -= gpus
-            if not self.n_noticed[nrow]:
-                self._pools[self.n_pool[nrow]].noticed_nodes.discard(nrow)
-            self._noticed_outbid.discard(arow)
+            ix.n_noticed[nrow] -= gpus
+            if not ix.n_noticed[nrow]:
+                ix.pools[ix.n_pool[nrow]].noticed_nodes.discard(nrow)
+            ix.noticed_outbid.discard(arow)
         else:
-            self.n_reserved[nrow] -= gpus
+            ix.n_reserved[nrow] -= gpus
             if a.mig[arow]:
-                self.n_res_mig[nrow] -= gpus
-            self._reserved.discard(arow)
+                ix.n_res_mig[nrow] -= gpus
+            ix.reserved.discard(arow)
         a.status[arow] = status
-        self._pools[self.n_pool[nrow]].busy -= gpus
+        ix.pools[ix.n_pool[nrow]].busy -= gpus
         if old == RUNNING:
-            self._pools[int(a.pool[arow])].incumbents = None
-        b = self.b
+            ix.pools[int(a.pool[arow])].incumbents = None
+        b = ix.b
         if b.res[brow] == arow:
             b.res[brow] = -1
         if b.run[brow] == arow:
             b.run[brow] = -1
         if b.res[brow] < 0 and b.run[brow] < 0 and b.status[brow] == ACTIVE:
-            self._to_waiting(brow)
-        self._out.endings.append(
+            ix.to_waiting(brow)
+        ix.out.endings.append(
             Ending(
                 int(a.id[arow]),
-                int(self.b.id[brow]),
-                self.n_id[nrow],
+                int(ix.b.id[brow]),
+                ix.n_id[nrow],
                 STATUSES[status],
                 reason,
                 at,
                 STATUSES[old],
             )
         )
-        self._refresh_free(nrow)
-        if b.gang[brow] >= 0 and not self._gang_ending:
-            self._gang_cascade(brow, old, status, at)
+        ix.refresh_free(nrow)
+        if b.gang[brow] >= 0 and not ix.gang_ending:
+            self.gangs.cascade(brow, old, status, at)
 
-    def _node_conditions(self, now: float) -> None:
+    def node_conditions(self, now: float) -> None:
         """Notices or endings for allocations on reclaimed, lost or re-priced nodes, and on
         nodes that no longer serve them (an agent restarted with another runner: to those
         jobs, the owner took the node back)."""
-        suspects = sorted(self._suspect_nodes, key=self.n_id.__getitem__)
-        self._suspect_nodes = set()
-        a = self.a
-        deadline = now + self.config.notice_seconds
+        ix = self.index
+        suspects = sorted(ix.suspect_nodes, key=ix.n_id.__getitem__)
+        ix.suspect_nodes = set()
+        a = ix.a
+        deadline = now + ix.config.notice_seconds
         for nrow in suspects:
-            state = self.n_state[nrow]
-            for arow in self._node_allocs(nrow):
+            state = ix.n_state[nrow]
+            for arow in ix.node_allocs(nrow):
                 status = a.status[arow]
                 if status >= PREEMPTED:
                     continue  # ended with its gang on another node
                 if state is NodeState.LOST:
                     ended = RELEASED if status == RESERVED else PREEMPTED
-                    self._end(arow, ended, EndReason.NODE_LOST, now)
+                    self.end(arow, ended, EndReason.NODE_LOST, now)
                 elif state is NodeState.DRAINING and status == RESERVED:
-                    self._end(arow, RELEASED, EndReason.NODE_DRAINING, now)
-                elif state is NodeState.RECLAIMED or not self._serves(
-                    nrow, int(self.b.image[a.bid[arow]])
+                    self.end(arow, RELEASED, EndReason.NODE_DRAINING, now)
+                elif state is NodeState.RECLAIMED or not ix.serves(
+                    nrow, int(ix.b.image[a.bid[arow]])
                 ):
                     if status == RESERVED:
-                        self._end(arow, RELEASED, EndReason.NODE_RECLAIMED, now)
+                        self.end(arow, RELEASED, EndReason.NODE_RECLAIMED, now)
                     elif status == RUNNING:
-                        self._notice(arow, NoticeReason.RECLAIMED, deadline, now)
-                elif self.b.price[a.bid[arow]] < self.n_reserve[nrow]:
+                        self.notice(arow, NoticeReason.RECLAIMED, deadline, now)
+                elif ix.b.price[a.bid[arow]] < ix.n_reserve[nrow]:
                     if status == RUNNING:
-                        self._notice(arow, NoticeReason.BELOW_RESERVE, deadline, now)
+                        self.notice(arow, NoticeReason.BELOW_RESERVE, deadline, now)
                     elif status == RESERVED:
-                        self._end(arow, RELEASED, EndReason.BELOW_RESERVE, now)
+                        self.end(arow, RELEASED, EndReason.BELOW_RESERVE, now)
 
-    def _deadlines_due(self, now: float) -> None:
-        a = self.a
-        heap = self._deadlines
+    def deadlines_due(self, now: float) -> None:
+        ix = self.index
+        a = ix.a
+        heap = ix.deadlines
         while heap and heap[0][0] <= now:
             deadline, _, arow = heappop(heap)
             status = a.status[arow]
             if status in (NOTICED, RESERVED) and a.deadline[arow] == deadline:
                 if status == NOTICED:
-                    self._end(arow, PREEMPTED, EndReason.NOTICE_DEADLINE_PASSED, deadline)
+                    self.end(arow, PREEMPTED, EndReason.NOTICE_DEADLINE_PASSED, deadline)
                 elif not self._try_promote(arow, now):  # late tick: start it if it can
-                    self._end(arow, RELEASED, EndReason.RESERVATION_EXPIRED, deadline)
+                    self.end(arow, RELEASED, EndReason.RESERVATION_EXPIRED, deadline)
 
-    def _windows_closing(self, now: float) -> None:
-        a = self.a
-        for window in sorted(self._window_allocs, key=self._windows.__getitem__):
-            interval = self._windows[window]
-            if interval.end - now > self.config.notice_seconds and interval.start <= now:
+    def windows_closing(self, now: float) -> None:
+        ix = self.index
+        a = ix.a
+        for window in sorted(ix.window_allocs, key=ix.windows.__getitem__):
+            interval = ix.windows[window]
+            if interval.end - now > ix.config.notice_seconds and interval.start <= now:
                 continue
             deadline = max(interval.end, now) if interval.start <= now else now
-            for arow in sorted(self._window_allocs[window], key=lambda r: a.id[r]):
-                self._notice(arow, NoticeReason.WINDOW_CLOSING, deadline, now)
+            for arow in sorted(ix.window_allocs[window], key=lambda r: a.id[r]):
+                self.notice(arow, NoticeReason.WINDOW_CLOSING, deadline, now)
 
-    def _promote(self, now: float) -> None:
+    def promote(self, now: float) -> None:
         """Start every reservation that can start, by allocation id."""
-        a, b = self.a, self.b
-        rows = np.fromiter(self._reserved, np.int64, len(self._reserved))
+        ix = self.index
+        a, b = ix.a, ix.b
+        rows = np.fromiter(ix.reserved, np.int64, len(ix.reserved))
         failed: dict[int, int] = {}  # gang -> promotions so far when it could not start
         for arow in rows[np.argsort(a.id[rows])].tolist():
             gang = int(b.gang[a.bid[arow]])
             if gang < 0:
                 self._try_promote(arow, now)
                 continue
-            started = len(self._out.promotions)
+            started = len(ix.out.promotions)
             if failed.get(gang) == started:
                 continue  # its check failed and nothing has started since: it fails again
             if not self._try_promote(arow, now):
@@ -316,10 +346,11 @@ class AllocationsMixin(MarketIndex):
 
     def _try_promote(self, arow: int, now: float) -> bool:
         """Start a reservation whose bid runs nowhere else and whose GPUs are free now."""
-        brow = int(self.a.bid[arow])
-        members = self._members(brow)
+        ix = self.index
+        brow = int(ix.a.bid[arow])
+        members = ix.members(brow)
         if len(members) > 1:  # a gang starts whole: every member reserved and startable
-            rows = [int(self.b.res[m]) for m in members]
+            rows = [int(ix.b.res[m]) for m in members]
             if min(rows) < 0 or not all(self._can_start(r, now) for r in rows):
                 return False
             for r in rows:
@@ -333,32 +364,34 @@ class AllocationsMixin(MarketIndex):
     def _can_start(self, arow: int, now: float) -> bool:
         """Whether a reservation may run now: its bid runs nowhere else, its GPUs are free,
         its node is live and serves it, its reserve is met and its window is open."""
-        a = self.a
+        ix = self.index
+        a = ix.a
         brow, nrow, gpus = int(a.bid[arow]), int(a.node[arow]), int(a.gpus[arow])
         return (
-            self.b.run[brow] < 0
-            and self.n_running[nrow] + self.n_noticed[nrow] + gpus <= self.n_cap[nrow]
-            and self.n_state[nrow] is NodeState.LIVE
-            and self._serves(nrow, int(self.b.image[brow]))
-            and self.b.price[brow] >= self.n_reserve[nrow]
-            and self._window_open(int(self.b.window[brow]), now)  # else waits (or expires)
+            ix.b.run[brow] < 0
+            and ix.n_running[nrow] + ix.n_noticed[nrow] + gpus <= ix.n_cap[nrow]
+            and ix.n_state[nrow] is NodeState.LIVE
+            and ix.serves(nrow, int(ix.b.image[brow]))
+            and ix.b.price[brow] >= ix.n_reserve[nrow]
+            and ix.window_open(int(ix.b.window[brow]), now)  # else waits (or expires)
         )
 
     def _start(self, arow: int, now: float) -> None:
         """RESERVED -> RUNNING."""
-        a = self.a
+        ix = self.index
+        a = ix.a
         brow, nrow, gpus = int(a.bid[arow]), int(a.node[arow]), int(a.gpus[arow])
-        self._reserved.discard(arow)
-        self.b.res[brow], self.b.run[brow] = -1, arow
-        self.n_reserved[nrow] -= gpus
+        ix.reserved.discard(arow)
+        ix.b.res[brow], ix.b.run[brow] = -1, arow
+        ix.n_reserved[nrow] -= gpus
         if a.mig[arow]:
-            self.n_res_mig[nrow] -= gpus
+            ix.n_res_mig[nrow] -= gpus
             a.mig[arow] = 0
-        self.n_running[nrow] += gpus
+        ix.n_running[nrow] += gpus
         a.status[arow] = RUNNING
         a.charged[arow] = a.started[arow] = now
         a.deadline[arow] = math.nan
         a.tick[arow] = -1  # an incumbent: challengers of this tick may outbid it
-        self._track_window(arow, True)
-        self._out.promotions.append(int(a.id[arow]))
-        self._refresh_free(nrow)
+        ix.track_window(arow, True)
+        ix.out.promotions.append(int(a.id[arow]))
+        ix.refresh_free(nrow)

@@ -1,11 +1,11 @@
 """Bulk admission: the fast paths of a cold tick, where a model's pools hold nothing yet.
 
-A part of ``Market`` (its ``ClearingMixin`` builds on it). Both paths write their allocation
-rows at once (``_record_running``) instead of through ``_place``:
+A part of ``Market``, given to its ``Clearing``. Both paths write their allocation rows at once
+(``_record_running``) instead of through ``Allocations.place``:
 
-- ``_bulk_admit`` packs the best bids of empty pools whose bid sizes divide every node size
+- ``admit`` packs the best bids of empty pools whose bid sizes divide every node size
   perfectly, largest first (its own placement rule, documented there);
-- ``_replay_fresh`` then decides every other bid of a model whose pools held nothing at the
+- ``replay_fresh`` then decides every other bid of a model whose pools held nothing at the
   start of the tick -- gangs among them -- exactly as the one-by-one loop of ``clearing.py``
   would (the same bids, nodes, allocation ids and order), only without its per-bid
   bookkeeping: in such a model no allocation is noticed, reserved or from an earlier tick, so
@@ -34,19 +34,22 @@ packed in bulk whatever the images: a cold start of 10^6 bids one by one takes 5
 (``benchmarks/clearing.py``). Every later tick places one by one, preferring images."""
 
 REPLAY_SLICE = 4096
-"""The fewest bids ``_replay_fresh`` sorts at a time."""
+"""The fewest bids ``replay_fresh`` sorts at a time."""
 
 
 def first_slice(free_gpus: int, mean_gpus: float) -> int:
-    """How many of its best bids ``_replay_fresh`` sorts first: twice as many as the free GPUs
+    """How many of its best bids ``replay_fresh`` sorts first: twice as many as the free GPUs
     could hold, plus ``REPLAY_SLICE`` (each further slice is twice the one before)."""
     return REPLAY_SLICE + int(2 * free_gpus / max(mean_gpus, 1.0))
 
 
-class BulkAdmissionMixin(MarketIndex):
-    """The bulk admission of :class:`prefect_spotgpu.market.engine.Market` (module doc)."""
+class BulkAdmission:
+    """The bulk admission of a market's cold tick, on its index (module doc)."""
 
-    def _bulk_admit(self, model: int, open_books: list[Book], now: float) -> None:
+    def __init__(self, index: MarketIndex) -> None:
+        self.index = index
+
+    def admit(self, model: int, open_books: list[Book], now: float) -> None:
         """Place the best bids of a model's empty, divisible pools at once, packed perfectly.
 
         A pool qualifies when nothing is allocated on its live nodes and they share one reserve;
@@ -65,21 +68,22 @@ class BulkAdmissionMixin(MarketIndex):
         Bids are packed largest first into the smallest nodes first, so whole large nodes stay
         free longest.
         """
-        b = self.b
+        ix = self.index
+        b = ix.b
         fresh: dict[int, tuple[Pool, list[int], float, int]] = {}
         all_fresh, any_gcd = True, 0
-        for p in self._model_pools[model]:
-            pool = self._pools[p]
-            live = self._live(pool)
+        for p in ix.model_pools[model]:
+            pool = ix.pools[p]
+            live = ix.live(pool)
             if not live:
                 continue
             reserve = pool.min_reserve
-            if pool.busy or pool.mixed or any(self.n_reserve[r] != reserve for r in live):
+            if pool.busy or pool.mixed or any(ix.n_reserve[r] != reserve for r in live):
                 all_fresh = False
                 continue
             gcd = 0
             for r in live:
-                gcd = math.gcd(gcd, self.n_cap[r])
+                gcd = math.gcd(gcd, ix.n_cap[r])
             fresh[pool.region] = (pool, live, reserve, gcd)
             any_gcd = math.gcd(any_gcd, gcd)
         if not fresh:
@@ -116,7 +120,7 @@ class BulkAdmissionMixin(MarketIndex):
         rows = rows[priority_order(b.price[rows], b.created[rows], b.id[rows])]
         live_nodes = sum(len(entry[1]) for entry in fresh.values())
         if live_nodes <= IMAGE_AWARE_BULK_NODES and any(
-            self.n_images[r] for entry in fresh.values() for r in entry[1]
+            ix.n_images[r] for entry in fresh.values() for r in entry[1]
         ):
             wants_image = b.image[rows] > 0  # placed one by one: they prefer their image's nodes
             if wants_image.any():
@@ -124,10 +128,10 @@ class BulkAdmissionMixin(MarketIndex):
         if len(rows) == 0:
             return
         # the greedy admission: each pool's remaining GPUs are all that matter
-        regions = sorted(fresh, key=self._regions.__getitem__)
-        remaining = {r: sum(self.n_cap[n] for n in fresh[r][1]) for r in regions}
+        regions = sorted(fresh, key=ix.regions.__getitem__)
+        remaining = {r: sum(ix.n_cap[n] for n in fresh[r][1]) for r in regions}
         reserve = {r: fresh[r][2] for r in regions}
-        smallest_node = {r: min(self.n_cap[n] for n in fresh[r][1]) for r in regions}
+        smallest_node = {r: min(ix.n_cap[n] for n in fresh[r][1]) for r in regions}
         left = sum(remaining.values())
         smallest = min(bk.size for bk in mine)
         won: list[int] = []
@@ -167,14 +171,14 @@ class BulkAdmissionMixin(MarketIndex):
         pool_of = np.empty(k, np.int64)
         for region in regions:
             pool, live, _, _ = fresh[region]
-            live = sorted(live, key=lambda r: (self.n_cap[r], self.n_id[r]))  # small nodes first
+            live = sorted(live, key=lambda r: (ix.n_cap[r], ix.n_id[r]))  # small nodes first
             sel = np.flatnonzero(won_region_arr == region)
             if len(sel) == 0:
                 continue
             g = gpus[sel]
             by_size = np.argsort(-g, kind="stable")
             offsets = np.cumsum(g[by_size]) - g[by_size]
-            cum_cap = np.cumsum([self.n_cap[r] for r in live])
+            cum_cap = np.cumsum([ix.n_cap[r] for r in live])
             node_pos = np.empty(len(sel), np.int64)
             node_pos[by_size] = np.searchsorted(cum_cap, offsets, side="right")
             nrows[sel] = np.asarray(live, np.int64)[node_pos]
@@ -182,40 +186,40 @@ class BulkAdmissionMixin(MarketIndex):
             used = np.bincount(node_pos, weights=g, minlength=len(live)).astype(np.int64)
             for r, u in zip(live, used.tolist(), strict=True):
                 if u:
-                    self.n_running[r] += u
-                    self.n_free[r] = self.n_cap[r] - self.n_running[r]
+                    ix.n_running[r] += u
+                    ix.n_free[r] = ix.n_cap[r] - ix.n_running[r]
             taken = int(g.sum())
             pool.busy += taken
             pool.free -= taken
-            self._rebuild_capacity(pool, live)
+            ix.rebuild_capacity(pool, live)
         self._record_running(won_rows, nrows, pool_of, gpus, now, mine)
 
-    def _fresh_model(self, model: int) -> bool:
+    def fresh_model(self, model: int) -> bool:
         """Whether every pool of a model that has live nodes holds no allocation at all, at one
         reserve, on nodes that hold no image (so the image preference cannot matter): the
-        condition under which ``_replay_fresh`` may decide the model's tick."""
-        pools = [self._pools[p] for p in self._model_pools[model]]
-        if any(pool.busy for pool in pools if self._live(pool)):
+        condition under which ``replay_fresh`` may decide the model's tick."""
+        ix = self.index
+        pools = [ix.pools[p] for p in ix.model_pools[model]]
+        if any(pool.busy for pool in pools if ix.live(pool)):
             return False
         for pool in pools:
             reserve = pool.min_reserve
-            if pool.mixed or any(
-                self.n_reserve[r] != reserve or self.n_images[r] for r in pool.live
-            ):
+            if pool.mixed or any(ix.n_reserve[r] != reserve or ix.n_images[r] for r in pool.live):
                 return False
         return True
 
-    def _replay_fresh(self, model: int, open_books: list[Book], now: float) -> None:
-        """Decide the rest of a fresh model's tick (``_fresh_model`` held before
-        ``_bulk_admit``) exactly as the one-by-one loop would (module doc).
+    def replay_fresh(self, model: int, open_books: list[Book], now: float) -> None:
+        """Decide the rest of a fresh model's tick (``fresh_model`` held before
+        ``admit``) exactly as the one-by-one loop would (module doc).
 
         Every waiting bid of the open books, best first, until no GPU is free or every book
         is done; the bids are sorted a highest-priced slice at a time (a cold tick places only
         its best bids, so most are never looked at).
         """
-        b = self.b
-        pools = [self._pools[p] for p in self._model_pools[model]]
-        fits = FreeFits(self, pools, len(open_books))
+        ix = self.index
+        b = ix.b
+        pools = [ix.pools[p] for p in ix.model_pools[model]]
+        fits = FreeFits(ix, pools, len(open_books))
         if fits.free_gpus == 0:
             return  # nothing fits anywhere: every book's head waits
         rest = np.concatenate([bk.live_rows(b.status, b.epoch, WAITING) for bk in open_books])
@@ -229,7 +233,7 @@ class BulkAdmissionMixin(MarketIndex):
             else:
                 part, rest = rest, rest[:0]
             part = part[priority_order(b.price[part], b.created[part], b.id[part])]
-            if fits.replay(part, b, self._gangs, nodes_of):
+            if fits.replay(part, b, ix.gangs, nodes_of):
                 break
             chunk *= 2
         if not fits.won:
@@ -238,19 +242,19 @@ class BulkAdmissionMixin(MarketIndex):
         keys = np.asarray(fits.won_key, np.int64)
         nrows = keys & ROW_MASK
         gpus = b.gpus[brows].astype(np.int64)
-        used = np.bincount(nrows, weights=gpus, minlength=len(self.n_id)).astype(np.int64)
+        used = np.bincount(nrows, weights=gpus, minlength=len(ix.n_id)).astype(np.int64)
         touched = np.flatnonzero(used)
         for r, u in zip(touched.tolist(), used[touched].tolist(), strict=True):
-            self.n_running[r] += u
-            self.n_free[r] = self.n_cap[r] - self.n_running[r]
+            ix.n_running[r] += u
+            ix.n_free[r] = ix.n_cap[r] - ix.n_running[r]
         pool_of = np.asarray(fits.won_pool, np.int64)
         for pool in pools:
             taken = int(gpus[pool_of == pool.index].sum())
             if taken:
                 pool.busy += taken
                 pool.free -= taken
-                self._rebuild_capacity(pool, pool.live)
-        books = [self._books[i] for i in np.unique(b.book[brows]).tolist()]
+                ix.rebuild_capacity(pool, pool.live)
+        books = [ix.books[i] for i in np.unique(b.book[brows]).tolist()]
         self._record_running(brows, nrows, pool_of, gpus, now, books, keys >> ROW_BITS)
 
     def _record_running(
@@ -266,20 +270,21 @@ class BulkAdmissionMixin(MarketIndex):
         """Write placements decided in bulk (the nodes' GPU counters already moved): RUNNING
         allocation rows with ids in decision order, their bids ACTIVE, ``books`` (those they
         came from) past them, the tick's output (``node_ids``: the nodes' ids, when known)."""
-        b = self.b
+        ix = self.index
+        b = ix.b
         k = len(brows)
-        alloc_ids = np.arange(self._next_alloc_id, self._next_alloc_id + k, dtype=np.int64)
-        self._next_alloc_id += k
-        s = self.a.reserve(k)
-        a = self.a
+        alloc_ids = np.arange(ix.next_alloc_id, ix.next_alloc_id + k, dtype=np.int64)
+        ix.next_alloc_id += k
+        s = ix.a.reserve(k)
+        a = ix.a
         a.id[s], a.bid[s], a.node[s], a.pool[s] = alloc_ids, brows, nrows, pool_of
         a.gpus[s], a.status[s], a.price[s], a.charged[s] = gpus, RUNNING, 0.0, now
-        a.started[s], a.deadline[s], a.reason[s], a.tick[s] = now, math.nan, -1, self._tick
+        a.started[s], a.deadline[s], a.reason[s], a.tick[s] = now, math.nan, -1, ix.tick_number
         a.carry[s], a.mig[s] = 0, 0
         b.status[brows] = ACTIVE
         b.run[brows] = np.arange(s.start, s.stop)
-        self._alloc_blocks.append((int(alloc_ids[0]), int(alloc_ids[-1]) + 1, s.start))
-        self._csr = None
+        ix.alloc_blocks.append((int(alloc_ids[0]), int(alloc_ids[-1]) + 1, s.start))
+        ix.csr = None
         for book in books:
             rest = book.rows[book.head :]
             alive = (b.status[rest] == WAITING) & (b.epoch[rest] == book.epochs[book.head :])
@@ -290,11 +295,11 @@ class BulkAdmissionMixin(MarketIndex):
         windows = b.window[brows]
         if (windows >= 0).any():
             for arow in np.arange(s.start, s.stop)[windows >= 0].tolist():
-                self._track_window(arow, True)
-        self._out.add_chunk(
+                ix.track_window(arow, True)
+        ix.out.add_chunk(
             alloc_ids,
             b.id[brows],
-            np.asarray(self.n_id, np.int64)[nrows] if node_ids is None else node_ids,
+            np.asarray(ix.n_id, np.int64)[nrows] if node_ids is None else node_ids,
             gpus,
             np.full(k, KIND_CODES[PlacementKind.NEW], np.int8),
             np.full(k, math.nan),
@@ -303,7 +308,7 @@ class BulkAdmissionMixin(MarketIndex):
 
 class FreeFits:
     """The free GPUs of a fresh model's pools, node by node, as the one-by-one best fit sees
-    them, and the bids the replay placed on them (``BulkAdmissionMixin._replay_fresh``).
+    them, and the bids the replay placed on them (``BulkAdmission.replay_fresh``).
 
     Per pool (in region-name order): its reserve, heaps of node keys (``id << ROW_BITS | row``)
     by free GPUs, and a bit mask of the free counts some node has. A free fit is the node with
@@ -327,7 +332,7 @@ class FreeFits:
         "won_pool",
     )
 
-    def __init__(self, market: MarketIndex, pools: list[Pool], books: int) -> None:
+    def __init__(self, index: MarketIndex, pools: list[Pool], books: int) -> None:
         self.position = {pool.region: i for i, pool in enumerate(pools)}
         self.pool_index = [pool.index for pool in pools]
         self.reserves: list[float] = []
@@ -338,9 +343,9 @@ class FreeFits:
             by_free: list[list[int]] = [[] for _ in range(MAX_GPUS_PER_NODE + 1)]
             mask = 0
             for r in pool.live:
-                f = market.n_free[r]
+                f = index.n_free[r]
                 if f > 0:
-                    by_free[f].append((market.n_id[r] << ROW_BITS) | r)
+                    by_free[f].append((index.n_id[r] << ROW_BITS) | r)
                     mask |= 1 << f
                     self.free_gpus += f
             for heap in by_free:
@@ -348,7 +353,7 @@ class FreeFits:
             self.reserves.append(math.inf if pool.min_reserve is None else pool.min_reserve)
             self.buckets.append(by_free)
             self.masks.append(mask)
-        self.done = bytearray(len(market._books))  # books whose head found no fit
+        self.done = bytearray(len(index.books))  # books whose head found no fit
         self.books_left = books  # open books not done
         self.won: list[int] = []  # bid rows, in the order they were placed
         self.won_key: list[int] = []  # the node key each took

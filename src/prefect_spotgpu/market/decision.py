@@ -187,6 +187,14 @@ class PoolQuote:
 
 
 @dataclass(frozen=True, slots=True)
+class Settlement:
+    """What an external change (cancel, ack, job end) ended and charged."""
+
+    endings: tuple[Ending, ...]
+    charges: Charges
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     now: float
     placements: Placements

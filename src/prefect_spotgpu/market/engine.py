@@ -42,19 +42,20 @@ holds its public methods: building, nodes, bids, external endings, the tick and 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
-from prefect_spotgpu.market.allocations import AllocationsMixin
+from prefect_spotgpu.market.allocations import Allocations
 from prefect_spotgpu.market.book import MAX_NODES, priority_order
-from prefect_spotgpu.market.clearing import ClearingMixin
-from prefect_spotgpu.market.decision import Charges, Decision, Ending
-from prefect_spotgpu.market.gangs import GangsMixin
+from prefect_spotgpu.market.bulk import BulkAdmission
+from prefect_spotgpu.market.clearing import Clearing
+from prefect_spotgpu.market.decision import Charges, Decision, Settlement
+from prefect_spotgpu.market.gangs import Gangs
 from prefect_spotgpu.market.gpus import DEFAULT_CATALOG
-from prefect_spotgpu.market.holds import HoldsMixin
-from prefect_spotgpu.market.pricing import PricingMixin
-from prefect_spotgpu.market.runners import RunnersMixin
+from prefect_spotgpu.market.holds import Holds
+from prefect_spotgpu.market.index import MarketIndex
+from prefect_spotgpu.market.pricing import Pricing
+from prefect_spotgpu.market.runners import Runners
 from prefect_spotgpu.market.tables import (
     FINISHED,
     GONE,
@@ -75,6 +76,7 @@ from prefect_spotgpu.market.types import (
     AllocationStatus,
     Bid,
     EndReason,
+    MarketConfig,
     MarketState,
     Node,
     check_price,
@@ -90,19 +92,14 @@ _ENDED_AS = {  # why an allocation ended from outside the tick, by the status it
 }
 
 
-@dataclass(frozen=True, slots=True)
-class Settlement:
-    """What an external change (cancel, ack, job end) ended and charged."""
-
-    endings: tuple[Ending, ...]
-    charges: Charges
-
-
-class Market(AllocationsMixin, ClearingMixin, GangsMixin, HoldsMixin, PricingMixin, RunnersMixin):
+class Market:
     """The market's order book and allocations, cleared by :meth:`tick`.
 
-    ``Market(config, next_allocation_id=1)`` is an empty market (its state is declared by
-    :class:`~prefect_spotgpu.market.index.MarketIndex`); :meth:`from_state` fills one.
+    ``Market(config, next_allocation_id=1)`` is an empty market; :meth:`from_state` fills one.
+    Its state is one :class:`~prefect_spotgpu.market.index.MarketIndex` (``index``), which
+    its parts are given: ``pricing``, ``allocations``, ``gangs``, ``bulk``, ``clearing``,
+    ``holds`` and ``runners``, each an object that uses only the index and the parts it is
+    given (each testable alone on an index, ``tests/test_market_parts.py``).
 
     >>> m = Market()
     >>> m.upsert_node(Node(1, "A100-80G", "eu-west", 8, reserve_price=0.9))
@@ -113,6 +110,18 @@ class Market(AllocationsMixin, ClearingMixin, GangsMixin, HoldsMixin, PricingMix
     >>> d.quote("A100-80G", "eu-west").clearing_price
     0.9
     """
+
+    def __init__(self, config: MarketConfig | None = None, *, next_allocation_id: int = 1) -> None:
+        self.index = index = MarketIndex(config, next_allocation_id=next_allocation_id)
+        self.config = index.config
+        self.pricing = Pricing(index)
+        self.allocations = Allocations(index, self.pricing)
+        self.gangs = Gangs(index, self.allocations)
+        self.allocations.gangs = self.gangs  # (the one cycle: Allocations' docstring)
+        self.bulk = BulkAdmission(index)
+        self.clearing = Clearing(index, self.allocations, self.gangs, self.bulk)
+        self.holds = Holds(index, self.allocations)
+        self.runners = Runners(index)
 
     # ------------------------------------------------------------------ building
 
@@ -135,99 +144,101 @@ class Market(AllocationsMixin, ClearingMixin, GangsMixin, HoldsMixin, PricingMix
         Its bid and node must be loaded first. Unlike ``from_state``, this does not check the
         whole state at once: the caller vouches that it came from a consistent store.
         """
-        self._load_allocation(alloc)
+        self.allocations.load(alloc)
 
     def compact(self) -> None:
         """Re-sort every book (after a bulk rebuild; ticks compact as they go)."""
-        self._compact_books(force=True)
+        self.index.compact_books(force=True)
 
     # ------------------------------------------------------------------ nodes
 
     def upsert_node(self, node: Node) -> None:
         """Register a node, or change its state or reserve price (model, region, size are fixed)."""
-        row = self._node_row.get(node.id)
+        ix = self.index
+        row = ix.node_row.get(node.id)
         if row is None:
-            if len(self.n_id) >= MAX_NODES:
+            if len(ix.n_id) >= MAX_NODES:
                 raise ValueError(f"a market holds at most {MAX_NODES} nodes")
-            self._add_node_row(node)
+            ix.add_node_row(node)
             return
-        pool = self._pools[self.n_pool[row]]
+        pool = ix.pools[ix.n_pool[row]]
         if (
-            self._models[pool.model] != node.gpu_model
-            or self._model_capacity[pool.model] != node.capacity
-            or self._regions[pool.region] != node.region
-            or self.n_cap[row] != node.gpu_count
+            ix.models[pool.model] != node.gpu_model
+            or ix.model_capacity[pool.model] != node.capacity
+            or ix.regions[pool.region] != node.region
+            or ix.n_cap[row] != node.gpu_count
         ):
             raise ValueError(
                 f"node {node.id}: gpu_model, region, gpu_count and capacity cannot change "
                 "(register the host as a new node)"
             )
-        self.n_state[row] = node.state
-        self.n_reserve[row] = node.reserve_price
-        self.n_images[row] = frozenset(self._intern_image(i) for i in node.images)
-        served, self.n_serves[row] = self.n_serves[row], node.serves
-        self._n_reserve_np = None
+        ix.n_state[row] = node.state
+        ix.n_reserve[row] = node.reserve_price
+        ix.n_images[row] = frozenset(ix.intern_image(i) for i in node.images)
+        served, ix.n_serves[row] = ix.n_serves[row], node.serves
+        ix.n_reserve_np = None
         pool.live = None
-        self._suspect_nodes.add(row)
-        self._refresh_free(row, force=True)
+        ix.suspect_nodes.add(row)
+        ix.refresh_free(row, force=True)
         if node.serves != served:
-            self._remix(pool)  # (its jobs it no longer serves: _node_conditions, next tick)
+            ix.remix(pool)  # (its jobs it no longer serves: _node_conditions, next tick)
 
     # ------------------------------------------------------------------ bids
 
     def add_bid(self, bid: Bid) -> None:
         """Add an open bid to the book (it waits until a tick places it)."""
-        if bid.id in self._bid_row:
+        ix = self.index
+        if bid.id in ix.bid_row:
             raise ValueError(f"bid.id {bid.id} is already in the book")
-        if bid.region != ANY_REGION and not self._known_region(bid.region):
-            known = self._regions if self.config.regions is None else self.config.regions
+        if bid.region != ANY_REGION and not ix.known_region(bid.region):
+            known = ix.regions if ix.config.regions is None else ix.config.regions
             raise ValueError(
                 f"region {bid.region!r} is not a known region; known regions: "
                 f"{', '.join(sorted(known)) or 'none'}"
             )
         leader = -1
         if bid.gang_id is not None and bid.gang_id != bid.id:
-            leader = self._bid_row.get(bid.gang_id, -1)
-            if leader < 0 or self.b.status[leader] == GONE:
+            leader = ix.bid_row.get(bid.gang_id, -1)
+            if leader < 0 or ix.b.status[leader] == GONE:
                 raise ValueError(
                     f"gang_id {bid.gang_id} of bid {bid.id}: add the gang's first member first"
                 )
-            if len(self._gangs[leader]) >= bid.node_count:
+            if len(ix.gangs[leader]) >= bid.node_count:
                 raise ValueError(f"gang {bid.gang_id} already has its {bid.node_count} members")
-            if self.b.status[leader] != WAITING:
+            if ix.b.status[leader] != WAITING:
                 raise ValueError(f"gang {bid.gang_id} is already placed: it takes no members")
-            if self._gang_terms_of(leader) != gang_terms(bid):
+            if self.gangs.terms_of(leader) != gang_terms(bid):
                 raise ValueError(f"bid {bid.id} must share every term of gang {bid.gang_id}")
-        model = self._intern_model(bid.gpu_model, bid.capacity)
-        region = -1 if bid.region == ANY_REGION else self._intern_region(bid.region)
+        model = ix.intern_model(bid.gpu_model, bid.capacity)
+        region = -1 if bid.region == ANY_REGION else ix.intern_region(bid.region)
         window = -1
         if bid.window is not None:
-            window = self._window_index.get(bid.window, -1)
+            window = ix.window_index.get(bid.window, -1)
             if window < 0:
-                window = self._window_index[bid.window] = len(self._windows)
-                self._windows.append(bid.window)
-        book = self._book_for(
+                window = ix.window_index[bid.window] = len(ix.windows)
+                ix.windows.append(bid.window)
+        book = ix.book_for(
             model, region, bid.gpu_count, window, bid.node_count, bid.image is not None
         )
-        s = self.b.reserve(1)
+        s = ix.b.reserve(1)
         row = s.start
-        b = self.b
+        b = ix.b
         b.id[row], b.model[row], b.region[row], b.gpus[row] = bid.id, model, region, bid.gpu_count
         b.price[row], b.created[row], b.window[row] = bid.max_price, bid.created_at, window
-        b.image[row] = self._intern_image(bid.image)
+        b.image[row] = ix.intern_image(bid.image)
         b.deadline[row] = math.nan if bid.deadline is None else bid.deadline
         b.tenant[row], b.status[row], b.epoch[row] = bid.tenant_id, WAITING, 0
         b.book[row] = book.index
         b.run[row] = b.res[row] = -1
-        self._bid_row[bid.id] = row
+        ix.bid_row[bid.id] = row
         if bid.node_count == 1:
             b.gang[row] = -1
         elif leader < 0:  # the gang's first member: the gang's entry in its book
             b.gang[row] = row
-            self._gangs[row] = [row]
+            ix.gangs[row] = [row]
         else:
             b.gang[row] = leader
-            self._gangs[leader].append(row)
+            ix.gangs[leader].append(row)
             return
         book.insert((-bid.max_price, bid.created_at, bid.id), row, 0)
 
@@ -248,9 +259,10 @@ class Market(AllocationsMixin, ClearingMixin, GangsMixin, HoldsMixin, PricingMix
         The fast path for loading a large book; each array holds one value per bid
         (``images``: each bid's image reference, or None).
         """
+        ix = self.index
         gpu_model = DEFAULT_CATALOG.normalize(gpu_model)
         region = check_region("region", region, allow_any=True)
-        if region != ANY_REGION and not self._known_region(region):
+        if region != ANY_REGION and not ix.known_region(region):
             raise ValueError(f"region {region!r} is not a known region")
         for name, values in (("ids", ids), ("gpu_counts", gpu_counts), ("tenant_ids", tenant_ids)):
             if values is not None and not np.issubdtype(np.asarray(values).dtype, np.integer):
@@ -288,21 +300,21 @@ class Market(AllocationsMixin, ClearingMixin, GangsMixin, HoldsMixin, PricingMix
         if not np.isfinite(created).all():
             raise ValueError("created_at must be finite")
         id_list = ids.tolist()
-        if not self._bid_row.keys().isdisjoint(id_list):
+        if not ix.bid_row.keys().isdisjoint(id_list):
             raise ValueError("bid ids must be unique and not already in the book")
-        before = len(self._bid_row)
-        self._bid_row.update(zip(id_list, range(self.b.n, self.b.n + n), strict=True))
-        if len(self._bid_row) != before + n:  # duplicates within ids: undo, write nothing
+        before = len(ix.bid_row)
+        ix.bid_row.update(zip(id_list, range(ix.b.n, ix.b.n + n), strict=True))
+        if len(ix.bid_row) != before + n:  # duplicates within ids: undo, write nothing
             for i in id_list:
-                self._bid_row.pop(i, None)
+                ix.bid_row.pop(i, None)
             raise ValueError("bid ids must be unique and not already in the book")
-        model = self._intern_model(gpu_model)
-        reg = -1 if region == ANY_REGION else self._intern_region(region)
-        s = self.b.reserve(n)
-        b = self.b
+        model = ix.intern_model(gpu_model)
+        reg = -1 if region == ANY_REGION else ix.intern_region(region)
+        s = ix.b.reserve(n)
+        b = ix.b
         b.id[s], b.model[s], b.region[s], b.gpus[s] = ids, model, reg, gpus
         b.price[s], b.created[s], b.window[s], b.deadline[s] = prices, created, -1, math.nan
-        b.image[s] = 0 if images is None else [self._intern_image(i) for i in images]
+        b.image[s] = 0 if images is None else [ix.intern_image(i) for i in images]
         b.tenant[s], b.status[s], b.epoch[s] = tenants, WAITING, 0
         b.run[s] = b.res[s] = b.gang[s] = -1
         rows = np.arange(s.start, s.stop, dtype=np.int64)
@@ -312,7 +324,7 @@ class Market(AllocationsMixin, ClearingMixin, GangsMixin, HoldsMixin, PricingMix
             sel = rows[(gpus == size) & (imaged == image)]
             if len(sel) == 0:
                 continue
-            book = self._book_for(model, reg, int(size), -1, 1, image)
+            book = ix.book_for(model, reg, int(size), -1, 1, image)
             b.book[sel] = book.index
             merged = np.concatenate([book.live_rows(b.status, b.epoch, WAITING), sel])
             order = priority_order(b.price[merged], b.created[merged], b.id[merged])
@@ -322,34 +334,37 @@ class Market(AllocationsMixin, ClearingMixin, GangsMixin, HoldsMixin, PricingMix
         """Change a bid's maximum price; it keeps its age (and its GPUs, if it runs). A running
         allocation is billed at the new maximum from the next tick on; lowered below its node's
         reserve (a release: the tick notices it), it pays that reserve until it ends."""
+        ix = self.index
         price = check_price("max_price", max_price)
-        for row in self._members(self._bid_row_of(bid_id)):  # a gang's members share it
+        for row in ix.members(ix.bid_row_of(bid_id)):  # a gang's members share it
             self._reprice_row(row, price)
 
     def _reprice_row(self, row: int, price: float) -> None:
-        b = self.b
+        ix = self.index
+        b = ix.b
         b.price[row] = price
         if b.status[row] == WAITING and b.gang[row] in (-1, row):
             b.epoch[row] += 1
-            book = self._books[b.book[row]]
+            book = ix.books[b.book[row]]
             book.count -= 1
             book.insert((-price, float(b.created[row]), int(b.id[row])), row, int(b.epoch[row]))
         else:
             for arow in (b.run[row], b.res[row]):  # below a reserve now?
                 if arow >= 0:
-                    self._suspect_nodes.add(int(self.a.node[arow]))
+                    ix.suspect_nodes.add(int(ix.a.node[arow]))
             # a running allocation takes the new maximum at the next tick (pricing.py)
 
     def cancel_bid(self, bid_id: int, at: float) -> Settlement:
         """Close a bid: it leaves the book; its allocations end FINISHED (reservations RELEASED)."""
+        ix = self.index
         at = check_time("at", at)
-        members = self._members(self._bid_row_of(bid_id))
-        out, self._out = self._out, TickOut()
+        members = ix.members(ix.bid_row_of(bid_id))
+        out, ix.out = ix.out, TickOut()
         try:
             self._close_gang(members, EndReason.BID_CANCELLED, at)
             return self._settlement()
         finally:
-            self._out = out
+            ix.out = out
 
     def end_allocation(
         self, allocation_id: int, status: AllocationStatus | str, at: float
@@ -360,100 +375,83 @@ class Market(AllocationsMixin, ClearingMixin, GangsMixin, HoldsMixin, PricingMix
         migration reservation). ``FINISHED``: the job completed; its bid closes.
         ``RELEASED``: a reservation given up.
         """
+        ix = self.index
         at = check_time("at", at)
         status = AllocationStatus(status)
         if not status.is_terminal():
             raise ValueError(f"status must be a terminal status, got {status.value!r}")
-        arow = self._alloc_row_of(allocation_id)
-        if arow is None or STATUSES[self.a.status[arow]].is_terminal():
+        arow = ix.alloc_row_of(allocation_id)
+        if arow is None or STATUSES[ix.a.status[arow]].is_terminal():
             raise KeyError(f"allocation {allocation_id} is not active")
-        current = self.a.status[arow]
+        current = ix.a.status[arow]
         if (status is AllocationStatus.RELEASED) != (current == RESERVED):
             raise ValueError(
                 f"allocation {allocation_id} is {STATUSES[current].value}: "
                 f"it cannot end as {status.value}"
             )
-        out, self._out = self._out, TickOut()
+        out, ix.out = ix.out, TickOut()
         try:
-            self._end(
+            self.allocations.end(
                 arow,
                 STATUSES.index(status),
                 _ENDED_AS[status],
-                max(at, float(self.a.charged[arow])),
+                max(at, float(ix.a.charged[arow])),
             )
             if status is AllocationStatus.FINISHED:  # the job is done: on every member
-                self._close_gang(self._members(int(self.a.bid[arow])), EndReason.BID_FINISHED, at)
+                self._close_gang(ix.members(int(ix.a.bid[arow])), EndReason.BID_FINISHED, at)
             return self._settlement()
         finally:
-            self._out = out
+            ix.out = out
 
     def _close_gang(self, members: list[int], reason: EndReason, at: float) -> None:
         """End every allocation of a bid (of each member of its gang) and close it."""
-        self._gang_ending = True  # the gang ends whole: no cascades while its members end
+        ix = self.index
+        ix.gang_ending = True  # the gang ends whole: no cascades while its members end
         try:
             for row in members:
-                for arow in self._bid_alloc_rows(row):
-                    status = RELEASED if self.a.status[arow] == RESERVED else FINISHED
-                    self._end(arow, status, reason, max(at, float(self.a.charged[arow])))
+                for arow in ix.bid_alloc_rows(row):
+                    status = RELEASED if ix.a.status[arow] == RESERVED else FINISHED
+                    self.allocations.end(arow, status, reason, max(at, float(ix.a.charged[arow])))
             for row in members:
-                self._close_bid(row)
+                ix.close_bid(row)
             if len(members) > 1:
-                del self._gangs[members[0]]
-            self._held.discard(members[0])
+                del ix.gangs[members[0]]
+            ix.held.discard(members[0])
         finally:
-            self._gang_ending = False
-
-    def _bid_value(self, row: int) -> Bid:
-        """The open bid of a row, as a frozen value."""
-        b = self.b
-        window = int(b.window[row])
-        deadline = float(b.deadline[row])
-        leader = int(b.gang[row])
-        return Bid(
-            id=int(b.id[row]),
-            gpu_model=self._models[b.model[row]],
-            gpu_count=int(b.gpus[row]),
-            max_price=float(b.price[row]),
-            region=ANY_REGION if b.region[row] < 0 else self._regions[b.region[row]],
-            created_at=float(b.created[row]),
-            window=None if window < 0 else self._windows[window],
-            deadline=None if math.isnan(deadline) else deadline,
-            tenant_id=int(b.tenant[row]),
-            capacity=self._model_capacity[b.model[row]],
-            image=self._images[b.image[row]] or None,
-            node_count=1 if leader < 0 else self._books[b.book[row]].nodes,
-            gang_id=None if leader < 0 else int(b.id[leader]),
-        )
+            ix.gang_ending = False
 
     def _settlement(self) -> Settlement:
-        return Settlement(tuple(self._out.endings), self._final_charges())
+        return Settlement(tuple(self.index.out.endings), self.pricing.final_charges())
 
     # ------------------------------------------------------------------ the tick
 
     def tick(self, now: float) -> Decision:
         """Clear every pool at time ``now`` and return what changed
         (docs/operators/architecture.md#design-3)."""
+        ix = self.index
         now = check_time("now", now)
-        if now < self._now:
-            raise ValueError(f"now must not go backwards: {now!r} < {self._now!r}")
-        self._now = now
-        self._tick += 1
-        self._out = TickOut()
-        self._compact_books()
-        for pool in self._pools:
+        if now < ix.now:
+            raise ValueError(f"now must not go backwards: {now!r} < {ix.now!r}")
+        ix.now = now
+        ix.tick_number += 1
+        ix.out = TickOut()
+        ix.compact_books()
+        for pool in ix.pools:
             pool.incumbents = None
-        self._holds_due(now)
-        self._node_conditions(now)
-        self._deadlines_due(now)
-        self._windows_closing(now)
-        self._promote(now)
-        for model in sorted(range(len(self._models)), key=self._models.__getitem__):
-            self._clear_model(model, now)
-        quotes, clearing = self._quotes(now)
-        charges = Charges.concat([self._final_charges(), self._charge_running(now, clearing)])
-        out = self._out
+        self.holds.due(now)
+        self.allocations.node_conditions(now)
+        self.allocations.deadlines_due(now)
+        self.allocations.windows_closing(now)
+        self.allocations.promote(now)
+        for model in sorted(range(len(ix.models)), key=ix.models.__getitem__):
+            self.clearing.clear_model(model, now)
+        quotes, clearing = self.pricing.quotes(now)
+        charges = Charges.concat(
+            [self.pricing.final_charges(), self.pricing.charge_running(now, clearing)]
+        )
+        out = ix.out
         placements = out.placements()
-        self._out = TickOut()
+        ix.out = TickOut()
         return Decision(
             now,
             placements,
@@ -468,9 +466,10 @@ class Market(AllocationsMixin, ClearingMixin, GangsMixin, HoldsMixin, PricingMix
 
     def snapshot(self) -> MarketState:
         """The market's current contents as frozen values (``from_state`` rebuilds it)."""
-        b, a = self.b, self.a
-        nodes = tuple(self._node_value(r) for r in range(len(self.n_id)))
-        bids = [self._bid_value(row) for row in range(b.n) if b.status[row] != GONE]
+        ix = self.index
+        b, a = ix.b, ix.a
+        nodes = tuple(self.runners.node_value(r) for r in range(len(ix.n_id)))
+        bids = [self.index.bid_value(row) for row in range(b.n) if b.status[row] != GONE]
         allocs = []
         for arow in range(a.n):
             status = STATUSES[a.status[arow]]
@@ -482,7 +481,7 @@ class Market(AllocationsMixin, ClearingMixin, GangsMixin, HoldsMixin, PricingMix
                 Allocation(
                     id=int(a.id[arow]),
                     bid_id=int(b.id[a.bid[arow]]),
-                    node_id=self.n_id[a.node[arow]],
+                    node_id=ix.n_id[a.node[arow]],
                     gpu_count=int(a.gpus[arow]),
                     status=status,
                     started_at=float(a.started[arow]),
@@ -496,41 +495,47 @@ class Market(AllocationsMixin, ClearingMixin, GangsMixin, HoldsMixin, PricingMix
                     else "new",
                 )
             )
-        return MarketState(nodes, tuple(bids), tuple(allocs), self.config, self._next_alloc_id)
+        return MarketState(nodes, tuple(bids), tuple(allocs), ix.config, ix.next_alloc_id)
 
     def charge_state(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``(allocation ids, price in force, charged until, charge carry)`` of every charged
         allocation."""
-        a = self.a
+        a = self.index.a
         rows = np.flatnonzero((a.status[: a.n] == RUNNING) | (a.status[: a.n] == NOTICED))
         return a.id[rows].copy(), a.price[rows].copy(), a.charged[rows].copy(), a.carry[rows].copy()
 
     def price_in_force(self, alloc_id: int) -> float:
         """The price per GPU-hour an allocation pays from now on (0 while only reserved)."""
-        return float(self.a.price[self._alloc_row_of(alloc_id)])
+        ix = self.index
+        return float(ix.a.price[ix.alloc_row_of(alloc_id)])
 
     def bid_tenant(self, bid_id: int) -> int:
-        return int(self.b.tenant[self._bid_row_of(bid_id)])
+        ix = self.index
+        return int(ix.b.tenant[ix.bid_row_of(bid_id)])
 
     def has_bid(self, bid_id: int) -> bool:
-        row = self._bid_row.get(bid_id)
-        return row is not None and self.b.status[row] != GONE
+        ix = self.index
+        row = ix.bid_row.get(bid_id)
+        return row is not None and ix.b.status[row] != GONE
 
     def bid_price(self, bid_id: int) -> float:
-        return float(self.b.price[self._bid_row_of(bid_id)])
+        ix = self.index
+        return float(ix.b.price[ix.bid_row_of(bid_id)])
 
     def allocation_status(self, allocation_id: int) -> AllocationStatus | None:
-        row = self._alloc_row_of(allocation_id)
-        return None if row is None else STATUSES[self.a.status[row]]
+        ix = self.index
+        row = ix.alloc_row_of(allocation_id)
+        return None if row is None else STATUSES[ix.a.status[row]]
 
     @property
     def now(self) -> float:
-        return self._now
+        return self.index.now
 
     def node_load(self, node_id: int) -> tuple[int, int, int, int]:
         """``(gpu_count, running, noticed, reserved)`` GPUs of a node."""
-        r = self._node_row[node_id]
-        return self.n_cap[r], self.n_running[r], self.n_noticed[r], self.n_reserved[r]
+        ix = self.index
+        r = ix.node_row[node_id]
+        return ix.n_cap[r], ix.n_running[r], ix.n_noticed[r], ix.n_reserved[r]
 
 
 def clear(state: MarketState, now: float) -> Decision:

@@ -8,7 +8,7 @@ every term; each member holds ``gpu_count`` GPUs on its own node, all in one poo
   gang takes ``node_count`` distinct nodes of one pool or none. With free fits for all, every
   member runs at once; when some members need GPUs that noticed allocations will free (a claim
   or an eviction, by the same price and hysteresis rule as any bid), every member is reserved
-  instead, and the gang starts when every reservation can (``_try_promote``).
+  instead, and the gang starts when every reservation can (``Allocations.promote``).
 - **One notice.** A notice to any member is a notice to every running member, with the same
   reason and deadline. After a reclaim, an outbid or a raised reserve, the market reserves a
   replacement (free GPUs on a node the gang does not use, in the same pool) for the noticed
@@ -23,12 +23,13 @@ every term; each member holds ``gpu_count`` GPUs on its own node, all in one poo
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from prefect_spotgpu.market.book import ROW_MASK
 from prefect_spotgpu.market.decision import PlacementKind
-from prefect_spotgpu.market.index import MarketIndex
+from prefect_spotgpu.market.incumbents import bid_terms, incumbents, victims_on
 from prefect_spotgpu.market.tables import (
     MIGRATING_REASONS,
     NOTICED,
@@ -40,27 +41,37 @@ from prefect_spotgpu.market.tables import (
 )
 from prefect_spotgpu.market.types import ANY_REGION, EndReason, NodeState, NoticeReason
 
+if TYPE_CHECKING:
+    from prefect_spotgpu.market.allocations import Allocations
+    from prefect_spotgpu.market.index import MarketIndex
 
-class GangsMixin(MarketIndex):
-    """The gang rules of :class:`prefect_spotgpu.market.engine.Market`."""
 
-    def _gang_terms_of(self, first: int) -> tuple:
+class Gangs:
+    """The gang rules of a market, on its index; places, notices and ends members through
+    its ``Allocations``."""
+
+    def __init__(self, index: MarketIndex, allocations: Allocations) -> None:
+        self.index = index
+        self.allocations = allocations
+
+    def terms_of(self, first: int) -> tuple:
         """``types.gang_terms`` of a waiting gang's first member, read from its row (what a
         member added later must share)."""
-        b = self.b
+        ix = self.index
+        b = ix.b
         window, deadline, model = int(b.window[first]), float(b.deadline[first]), b.model[first]
         return (
-            self._models[model],
+            ix.models[model],
             int(b.gpus[first]),
             float(b.price[first]),
-            ANY_REGION if b.region[first] < 0 else self._regions[b.region[first]],
+            ANY_REGION if b.region[first] < 0 else ix.regions[b.region[first]],
             float(b.created[first]),
-            None if window < 0 else self._windows[window],
+            None if window < 0 else ix.windows[window],
             None if math.isnan(deadline) else deadline,
             int(b.tenant[first]),
-            self._model_capacity[model],
-            self._images[b.image[first]] or None,
-            self._books[b.book[first]].nodes,
+            ix.model_capacity[model],
+            ix.images[b.image[first]] or None,
+            ix.books[b.book[first]].nodes,
         )
 
     def _distinct_fits(
@@ -68,14 +79,15 @@ class GangsMixin(MarketIndex):
     ) -> list[int]:
         """Up to ``count`` node rows of a pool, each with a free fit, none twice and none in
         ``exclude`` (the gang's nodes so far), tightest first."""
-        if not image and self._policy.name == "best-fit":  # (the same, in one pass)
-            capacity = self._capacity_for(pool, image)
-            keys = capacity.best_fits(size, price, self.n_free, self.n_reserve, count, exclude)
+        ix = self.index
+        if not image and ix.policy.name == "best-fit":  # (the same, in one pass)
+            capacity = ix.capacity_for(pool, image)
+            keys = capacity.best_fits(size, price, ix.n_free, ix.n_reserve, count, exclude)
             return [key & ROW_MASK for key in keys]
         taken = set(exclude)
         rows = []
         while len(rows) < count:
-            found = self._fit(pool, size, price, image, taken)
+            found = ix.fit(pool, size, price, image, taken)
             if found is None:
                 break
             row = found[-1] & ROW_MASK
@@ -83,66 +95,68 @@ class GangsMixin(MarketIndex):
             taken.add(row)
         return rows
 
-    def _place_gang(self, first: int, now: float) -> bool:
+    def place(self, first: int, now: float) -> bool:
         """Place a waiting gang whole (True), or leave it waiting and change nothing."""
-        members = self._gangs[first]
-        b = self.b
-        count = self._books[b.book[first]].nodes
+        ix = self.index
+        members = ix.gangs[first]
+        b = ix.b
+        count = ix.books[b.book[first]].nodes
         if len(members) < count:
             return False  # not all its members are in the book yet
-        size, price, pools = self._bid_terms(first)
+        size, price, pools = bid_terms(ix, first)
         image = int(b.image[first])
         partial = []
         for p in pools:
             if p is None:
                 continue
-            pool = self._pools[p]
+            pool = ix.pools[p]
             rows = self._distinct_fits(pool, size, price, image, count, set())
             if len(rows) == count:
                 for member, nrow in zip(members, rows, strict=True):
-                    self._place(member, nrow, PlacementKind.NEW, now)
+                    self.allocations.place(member, nrow, PlacementKind.NEW, now)
                 return True
             partial.append((pool, rows))
         for pool, rows in partial:  # free fits for some members, takeovers for the rest
-            takeovers = self._gang_takeovers(pool, count - len(rows), size, price, set(rows), image)
+            takeovers = self._takeovers(pool, count - len(rows), size, price, set(rows), image)
             if takeovers is None:
                 continue
-            deadline = now + self.config.notice_seconds
-            expires = deadline + self.config.reservation_grace_seconds
+            deadline = now + ix.config.notice_seconds
+            expires = deadline + ix.config.reservation_grace_seconds
             # reserve every member first, so a victim's migration cannot take these GPUs
             for member, nrow in zip(members, rows, strict=False):
-                self._place(member, nrow, PlacementKind.MIGRATION, now, expires)
+                self.allocations.place(member, nrow, PlacementKind.MIGRATION, now, expires)
             for member, (nrow, _) in zip(members[len(rows) :], takeovers, strict=True):
-                self._place(member, nrow, PlacementKind.TAKEOVER, now, expires)
+                self.allocations.place(member, nrow, PlacementKind.TAKEOVER, now, expires)
             for _, victims in takeovers:
                 for arow in victims:
-                    self._notice(arow, NoticeReason.OUTBID, deadline, now)
+                    self.allocations.notice(arow, NoticeReason.OUTBID, deadline, now)
             return True
         return False
 
-    def _gang_takeovers(
+    def _takeovers(
         self, pool, count: int, size: int, price: float, taken: set[int], image: int = 0
     ) -> list[tuple[int, list[int]]] | None:
         """``count`` nodes of a pool, none in ``taken``, where a gang member can reserve GPUs
         that noticed allocations will free (no victims) or that weaker incumbents it beats
         by the hysteresis margin hold (their rows); None when there are not enough."""
-        cap, running, reserved, state = self.n_cap, self.n_running, self.n_reserved, self.n_state
+        ix = self.index
+        cap, running, reserved, state = ix.n_cap, ix.n_running, ix.n_reserved, ix.n_state
         claimable = [  # noticed GPUs nobody has claimed yet, lowest node id first
             nrow
             for nrow in pool.claimable  # (noticed nodes with room)
             if cap[nrow] - running[nrow] - reserved[nrow] >= size
-            and self.n_reserve[nrow] <= price
+            and ix.n_reserve[nrow] <= price
             and nrow not in taken
             and state[nrow] is NodeState.LIVE
-            and self._serves(nrow, image)
+            and ix.serves(nrow, image)
         ]
-        claimable.sort(key=self.n_id.__getitem__)
+        claimable.sort(key=ix.n_id.__getitem__)
         found: list[tuple[int, list[int]]] = [(nrow, []) for nrow in claimable[:count]]
         if len(found) == count:
             return found
         taken = taken | set(claimable)
-        a = self.a
-        rows, eff = self._incumbents(pool)
+        a = ix.a
+        rows, eff = incumbents(ix, pool)
         limit = int(np.searchsorted(eff, price, side="left"))  # those it beats: eff < price
         start = pool.scan_from  # (those before it run no more)
         while start < limit and a.status[rows[start]] != RUNNING:
@@ -157,9 +171,9 @@ class GangsMixin(MarketIndex):
                     continue
                 taken.add(nrow)
                 examined += 1
-                if examined > self.config.eviction_scan_limit:
+                if examined > ix.config.eviction_scan_limit:
                     return None
-                victims = self._victims_on(nrow, size, price, image)
+                victims = victims_on(ix, nrow, size, price, image)
                 if victims is not None:
                     found.append((nrow, victims))
                     if len(found) == count:
@@ -168,21 +182,22 @@ class GangsMixin(MarketIndex):
             step *= 2
         return None
 
-    def _notice_gang(self, arow: int, reason: NoticeReason, deadline: float, now: float) -> None:
+    def notice(self, arow: int, reason: NoticeReason, deadline: float, now: float) -> None:
         """Notice every running member of a gang; reserve where it resumes (module doc)."""
-        a, b = self.a, self.b
+        ix = self.index
+        a, b = ix.a, ix.b
         noticed = int(a.bid[arow])
-        members = self._members(noticed)
+        members = ix.members(noticed)
         for member in members:
             run = int(b.run[member])
             if run >= 0 and a.status[run] == RUNNING:
-                self._notice_one(run, reason, deadline)
+                self.allocations.notice_one(run, reason, deadline)
         if reason not in MIGRATING_REASONS or any(b.res[m] >= 0 for m in members):
             return
         runs = [int(b.run[m]) for m in members]
         if min(runs) < 0:
             return
-        pool = self._pools[int(a.pool[arow])]
+        pool = ix.pools[int(a.pool[arow])]
         size, price = int(b.gpus[noticed]), float(b.price[noticed])
         used = {int(a.node[r]) for r in runs}
         replacement = self._distinct_fits(pool, size, price, int(b.image[noticed]), 1, used)
@@ -192,36 +207,37 @@ class GangsMixin(MarketIndex):
         for member, run in zip(members, runs, strict=True):
             nrow = replacement[0] if member == noticed else int(a.node[run])
             if member != noticed:  # a survivor keeps its own GPUs for the resume
-                room = self.n_cap[nrow] - self.n_running[nrow] - self.n_reserved[nrow]
+                room = ix.n_cap[nrow] - ix.n_running[nrow] - ix.n_reserved[nrow]
                 if (
                     room < size
-                    or not self.n_state[nrow].offers_capacity()
-                    or self.n_reserve[nrow] > price
-                    or not self._serves(nrow, int(b.image[member]))
+                    or not ix.n_state[nrow].offers_capacity()
+                    or ix.n_reserve[nrow] > price
+                    or not ix.serves(nrow, int(b.image[member]))
                 ):
                     return
             plan.append((member, nrow))
-        expires = deadline + self.config.reservation_grace_seconds
+        expires = deadline + ix.config.reservation_grace_seconds
         for member, nrow in plan:
             kind = PlacementKind.MIGRATION if member == noticed else PlacementKind.TAKEOVER
-            self._place(member, nrow, kind, now, expires)
+            self.allocations.place(member, nrow, kind, now, expires)
 
-    def _gang_cascade(self, brow: int, old: int, status: int, at: float) -> None:
+    def cascade(self, brow: int, old: int, status: int, at: float) -> None:
         """After a member's allocation ended: end the rest of the gang where a gang would
         otherwise run or be reserved partially."""
-        a, b = self.a, self.b
+        ix = self.index
+        a, b = ix.a, ix.b
         if old == RUNNING and status == PREEMPTED:  # lost without notice: the gang is down
-            for member in self._members(brow):
+            for member in ix.members(brow):
                 for r in (int(b.run[member]), int(b.res[member])):
                     if r < 0:
                         continue
                     if a.status[r] == RESERVED:
-                        self._end(r, RELEASED, EndReason.GANG_RESERVATION_RELEASED, at)
+                        self.allocations.end(r, RELEASED, EndReason.GANG_RESERVATION_RELEASED, at)
                     elif a.status[r] in (RUNNING, NOTICED):
                         ended = max(at, float(a.charged[r]))
-                        self._end(r, PREEMPTED, EndReason.GANG_MEMBER_ENDED, ended)
+                        self.allocations.end(r, PREEMPTED, EndReason.GANG_MEMBER_ENDED, ended)
         elif old == RESERVED and status == RELEASED:  # reserved whole or not at all
-            for member in self._members(brow):
+            for member in ix.members(brow):
                 r = int(b.res[member])
                 if r >= 0:
-                    self._end(r, RELEASED, EndReason.GANG_RESERVATION_RELEASED, at)
+                    self.allocations.end(r, RELEASED, EndReason.GANG_RESERVATION_RELEASED, at)

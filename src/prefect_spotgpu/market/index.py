@@ -5,23 +5,27 @@ lists, the bid and allocation columns, the deadline heap, the tick's output — 
 operations that keep them consistent or read them (free GPUs of a node, a bid's row, the
 allocations on a node, the fit of a bid among free GPUs). It decides nothing.
 
-The parts of the market each subclass it and use only what it declares:
+The market's parts are objects, each given this index and the parts it calls (the graph is
+built once, in ``Market.__init__``; ``tests/test_market_parts.py`` builds each part alone):
 
-- ``allocations.py`` (``AllocationsMixin``): create, notice, promote and end allocations;
-- ``clearing.py`` (``ClearingMixin``): the clearing loop, which places and evicts;
-- ``bulk.py`` (``BulkAdmissionMixin``, under ``ClearingMixin``): the cold tick of empty pools;
-- ``gangs.py`` (``GangsMixin``): placing, noticing and ending gangs;
-- ``pricing.py`` (``PricingMixin``): quotes and charges.
+- ``pricing.py`` (``Pricing(index)``): quotes and charges;
+- ``allocations.py`` (``Allocations(index, pricing)``): create, notice, promote and end
+  allocations; its ``gangs`` are given once the gang rules exist (the one cycle: a member's
+  notice notices its gang, and the gang rules place and end through ``Allocations``);
+- ``gangs.py`` (``Gangs(index, allocations)``): placing, noticing and ending gangs;
+- ``bulk.py`` (``BulkAdmission(index)``): the cold tick of empty pools;
+- ``clearing.py`` (``Clearing(index, allocations, gangs, bulk)``): the clearing loop;
+- ``holds.py`` (``Holds(index, allocations)``) and ``runners.py`` (``Runners(index)``);
+- ``incumbents.py``: functions of the index, who a bid may evict (clearing and gangs).
 
-The three methods one part calls in another are declared at the end of the class, with the
-part that defines them. Rows are appended and never moved; a bid's row is ``GONE`` once it has
-left the book, an allocation's row keeps its terminal status.
+Every attribute and operation here is public to those parts and to nobody else (the service
+uses ``Market`` and its parts, never the index). Rows are appended and never moved; a bid's
+row is ``GONE`` once it has left the book, an allocation's row keeps its terminal status.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -38,6 +42,8 @@ from prefect_spotgpu.market.tables import (
     TickOut,
 )
 from prefect_spotgpu.market.types import (
+    ANY_REGION,
+    Bid,
     Capacity,
     Interval,
     MarketConfig,
@@ -45,41 +51,37 @@ from prefect_spotgpu.market.types import (
     NodeState,
 )
 
-if TYPE_CHECKING:
-    from prefect_spotgpu.market.decision import PlacementKind
-    from prefect_spotgpu.market.types import EndReason, NoticeReason
-
 
 class MarketIndex:
     """A market's in-memory state (see the module docstring for who changes what)."""
 
     def __init__(self, config: MarketConfig | None = None, *, next_allocation_id: int = 1) -> None:
         self.config = config or MarketConfig()
-        self._policy = get_packing_policy(self.config.packing)
-        self._next_alloc_id = next_allocation_id  # ids are never reused
-        self._now = -math.inf  # the last tick's time: ticks never go backwards
-        self._tick = 0  # the tick's number: allocations placed in it are no incumbents yet
-        self._out = TickOut()  # what this tick (or this cancel, this ack) decided so far
+        self.policy = get_packing_policy(self.config.packing)
+        self.next_alloc_id = next_allocation_id  # ids are never reused
+        self.now = -math.inf  # the last tick's time: ticks never go backwards
+        self.tick_number = 0  # the tick's number: allocations placed in it are no incumbents yet
+        self.out = TickOut()  # what this tick (or this cancel, this ack) decided so far
         # interning: names become small ints; pools are (model, region), books are (model,
         # region or -1 for any, GPU count, window or -1) of waiting bids
-        self._models: list[str] = []  # a model id is one (gpu model, capacity) pair
-        self._model_capacity: list[Capacity] = []
-        self._model_index: dict[tuple[str, Capacity], int] = {}
-        self._regions: list[str] = []
-        self._region_index: dict[str, int] = {}
-        self._images: list[str] = [""]  # image ids: 0 is none
-        self._image_index: dict[str, int] = {}
-        self._windows: list[Interval] = []
-        self._window_index: dict[Interval, int] = {}
-        self._pools: list[Pool] = []
-        self._pool_index: dict[tuple[int, int], int] = {}
-        self._model_pools: dict[int, list[int]] = {}  # sorted by region name
-        self._books: list[Book] = []
-        self._book_index: dict[tuple[int, int, int, int, int, bool], int] = {}
-        self._model_books: dict[int, list[int]] = {}
+        self.models: list[str] = []  # a model id is one (gpu model, capacity) pair
+        self.model_capacity: list[Capacity] = []
+        self.model_index: dict[tuple[str, Capacity], int] = {}
+        self.regions: list[str] = []
+        self.region_index: dict[str, int] = {}
+        self.images: list[str] = [""]  # image ids: 0 is none
+        self.image_index: dict[str, int] = {}
+        self.windows: list[Interval] = []
+        self.window_index: dict[Interval, int] = {}
+        self.pools: list[Pool] = []
+        self.pool_index: dict[tuple[int, int], int] = {}
+        self.model_pools: dict[int, list[int]] = {}  # sorted by region name
+        self.books: list[Book] = []
+        self.book_index: dict[tuple[int, int, int, int, int, bool], int] = {}
+        self.model_books: dict[int, list[int]] = {}
         # nodes, one row each by registration order (python lists: scalar access in the hot
-        # loop); GPU counters are kept by the allocation changes, n_free by _refresh_free
-        self._node_row: dict[int, int] = {}  # node id -> row
+        # loop); GPU counters are kept by the allocation changes, n_free by refresh_free
+        self.node_row: dict[int, int] = {}  # node id -> row
         self.n_id: list[int] = []
         self.n_pool: list[int] = []
         self.n_cap: list[int] = []
@@ -92,11 +94,11 @@ class MarketIndex:
         self.n_free: list[int] = []  # -1: offers no capacity (not live)
         self.n_images: list[frozenset[int]] = []  # the image ids the node holds
         self.n_serves: list[int] = []  # what it serves: SERVES_* bits (types.serves_mask)
-        self._csr: tuple[list[int], list[int]] | None = None  # node -> alloc rows index
-        self._node_extra: dict[int, list[int]] = {}  # alloc rows added since the index
-        self._extra_count = 0
-        self._n_reserve_np: np.ndarray | None = None  # n_reserve as an array (None: stale)
-        self._suspect_nodes: set[int] = set()  # rows to re-check next tick (state, reserve)
+        self.csr: tuple[list[int], list[int]] | None = None  # node -> alloc rows index
+        self.node_extra: dict[int, list[int]] = {}  # alloc rows added since the index
+        self.extra_count = 0
+        self.n_reserve_np: np.ndarray | None = None  # n_reserve as an array (None: stale)
+        self.suspect_nodes: set[int] = set()  # rows to re-check next tick (state, reserve)
         # bids, one row each (status GONE / WAITING / ACTIVE, from tables.py); epoch counts
         # the bid's book entries (an older entry is stale); run and res: its allocation rows
         self.b = Columns(
@@ -119,11 +121,11 @@ class MarketIndex:
         )
         # gangs: first member's row -> member rows in rank order. Only the first member has a
         # book entry; the members leave and rejoin the book together (all WAITING, or none)
-        self._gangs: dict[int, list[int]] = {}
-        self._gang_ending = False  # a whole gang is being ended: its members do not cascade
+        self.gangs: dict[int, list[int]] = {}
+        self.gang_ending = False  # a whole gang is being ended: its members do not cascade
         # bids held for credit (their first member's row): they leave the market once idle
-        self._held: set[int] = set()
-        self._bid_row: dict[int, int] = {}  # id -> row of an open bid
+        self.held: set[int] = set()
+        self.bid_row: dict[int, int] = {}  # id -> row of an open bid
         # allocations, one row each (status: an AllocationStatus code, from tables.py); reason:
         # the notice reason; mig: a migration reservation; tick: the tick that placed it
         self.a = Columns(
@@ -142,81 +144,81 @@ class MarketIndex:
             mig=np.int8,
             tick=np.int64,
         )
-        self._alloc_row: dict[int, int] = {}  # id -> row, except those placed in bulk:
-        self._alloc_blocks: list[tuple[int, int, int]] = []  # (first id, end id, first row)
-        self._deadlines: list[tuple[float, int, int]] = []  # heap of (deadline, id, row)
-        self._reserved: set[int] = set()  # rows of RESERVED allocations
-        self._window_allocs: dict[int, set[int]] = {}  # window -> rows running in it
-        self._noticed_outbid: set[int] = set()  # rows NOTICED as outbid (they bid in quotes)
+        self.alloc_row: dict[int, int] = {}  # id -> row, except those placed in bulk:
+        self.alloc_blocks: list[tuple[int, int, int]] = []  # (first id, end id, first row)
+        self.deadlines: list[tuple[float, int, int]] = []  # heap of (deadline, id, row)
+        self.reserved: set[int] = set()  # rows of RESERVED allocations
+        self.window_allocs: dict[int, set[int]] = {}  # window -> rows running in it
+        self.noticed_outbid: set[int] = set()  # rows NOTICED as outbid (they bid in quotes)
 
     # ------------------------------------------------------------------ interning
 
-    def _intern_model(self, name: str, capacity: Capacity = Capacity.SPOT) -> int:
+    def intern_model(self, name: str, capacity: Capacity = Capacity.SPOT) -> int:
         """The model id of ``name`` sold as ``capacity``: spot and on-demand GPUs of one model
         are different models to the clearing, so neither kind is ever placed on the other."""
-        i = self._model_index.get((name, capacity))
+        i = self.model_index.get((name, capacity))
         if i is None:
-            i = self._model_index[(name, capacity)] = len(self._models)
-            self._models.append(name)
-            self._model_capacity.append(capacity)
-            self._model_pools[i] = []
-            self._model_books[i] = []
+            i = self.model_index[(name, capacity)] = len(self.models)
+            self.models.append(name)
+            self.model_capacity.append(capacity)
+            self.model_pools[i] = []
+            self.model_books[i] = []
         return i
 
-    def _intern_image(self, name: str | None) -> int:
+    def intern_image(self, name: str | None) -> int:
         if not name:
             return 0
-        image = self._image_index.get(name)
+        image = self.image_index.get(name)
         if image is None:
-            image = self._image_index[name] = len(self._images)
-            self._images.append(name)
+            image = self.image_index[name] = len(self.images)
+            self.images.append(name)
         return image
 
-    def _intern_region(self, name: str) -> int:
-        i = self._region_index.get(name)
+    def intern_region(self, name: str) -> int:
+        i = self.region_index.get(name)
         if i is None:
-            i = self._region_index[name] = len(self._regions)
-            self._regions.append(name)
+            i = self.region_index[name] = len(self.regions)
+            self.regions.append(name)
         return i
 
-    def _pool_for(self, model: int, region: int) -> Pool:
-        i = self._pool_index.get((model, region))
+    def pool_for(self, model: int, region: int) -> Pool:
+        i = self.pool_index.get((model, region))
         if i is None:
-            i = self._pool_index[(model, region)] = len(self._pools)
-            self._pools.append(Pool(i, model, region))
-            pools = self._model_pools[model]
+            i = self.pool_index[(model, region)] = len(self.pools)
+            self.pools.append(Pool(i, model, region))
+            pools = self.model_pools[model]
             pools.append(i)
-            pools.sort(key=lambda p: self._regions[self._pools[p].region])
-        return self._pools[i]
+            pools.sort(key=lambda p: self.regions[self.pools[p].region])
+        return self.pools[i]
 
-    def _known_region(self, region: str) -> bool:
+    def known_region(self, region: str) -> bool:
         if self.config.open_regions:
             return True
         if self.config.regions is not None:
             return region in self.config.regions
-        return region in self._region_index
+        return region in self.region_index
 
-    def _book_for(
+    def book_for(
         self, model: int, region: int, size: int, window: int, nodes: int = 1, image: bool = False
     ) -> Book:
         """The book of waiting bids of these terms; bids with an image apart from those without
         (in a mixed pool one kind can wait while the other is placed)."""
         key = (model, region, size, window, nodes, image)
-        i = self._book_index.get(key)
+        i = self.book_index.get(key)
         if i is None:
-            i = self._book_index[key] = len(self._books)
-            self._books.append(Book(i, model, region, size, window, nodes, image))
-            self._model_books[model].append(i)
-        return self._books[i]
+            i = self.book_index[key] = len(self.books)
+            self.books.append(Book(i, model, region, size, window, nodes, image))
+            self.model_books[model].append(i)
+        return self.books[i]
 
     # ------------------------------------------------------------------ nodes and capacity
 
-    def _add_node_row(self, node: Node) -> None:
+    def add_node_row(self, node: Node) -> None:
         """Register a new node: a row in every node list, in its pool (kept by node id)."""
-        model = self._intern_model(node.gpu_model, node.capacity)
-        region = self._intern_region(node.region)
-        pool = self._pool_for(model, region)
-        row = self._node_row[node.id] = len(self.n_id)
+        model = self.intern_model(node.gpu_model, node.capacity)
+        region = self.intern_region(node.region)
+        pool = self.pool_for(model, region)
+        row = self.node_row[node.id] = len(self.n_id)
         self.n_id.append(node.id)
         self.n_pool.append(pool.index)
         self.n_cap.append(node.gpu_count)
@@ -227,18 +229,18 @@ class MarketIndex:
         self.n_reserved.append(0)
         self.n_res_mig.append(0)
         self.n_free.append(-1)
-        self.n_images.append(frozenset(self._intern_image(i) for i in node.images))
+        self.n_images.append(frozenset(self.intern_image(i) for i in node.images))
         self.n_serves.append(node.serves)
-        self._n_reserve_np = None
+        self.n_reserve_np = None
         pool.nodes.append(row)
         pool.live = None
         if len(pool.nodes) > 1 and self.n_id[pool.nodes[-2]] > node.id:
             pool.nodes.sort(key=self.n_id.__getitem__)
-        self._refresh_free(row)
+        self.refresh_free(row)
         if node.serves != SERVES_ALL and not pool.mixed:
-            self._remix(pool)
+            self.remix(pool)
 
-    def _remix(self, pool: Pool) -> None:
+    def remix(self, pool: Pool) -> None:
         """After a node of the pool changed what it serves: the pool is mixed while any of its
         nodes serves not every bid (its fits then look at the nodes that serve a bid's kind),
         and its free-capacity buckets are rebuilt either way (none may offer a node to a kind
@@ -246,9 +248,9 @@ class MarketIndex:
         pool.mixed = any(self.n_serves[r] != SERVES_ALL for r in pool.nodes)
         if not pool.mixed:
             pool.kind_capacity = {}
-        self._rebuild_capacity(pool, [r for r in pool.nodes if self.n_free[r] > 0])
+        self.rebuild_capacity(pool, [r for r in pool.nodes if self.n_free[r] > 0])
 
-    def _refresh_free(self, row: int, force: bool = False) -> None:
+    def refresh_free(self, row: int, force: bool = False) -> None:
         """Recompute a node's free GPUs: not running, not noticed, not promised.
 
         Migration reservations sit on GPUs that were free; takeover reservations on GPUs that
@@ -256,7 +258,7 @@ class MarketIndex:
         ``cap - running - migrations - max(noticed, takeovers)``. Every change to a node's
         counters ends here, so it also keeps the pool's ``claimable`` nodes.
         """
-        pool = self._pools[self.n_pool[row]]
+        pool = self.pools[self.n_pool[row]]
         unclaimed = self.n_cap[row] - self.n_running[row] - self.n_reserved[row]
         if unclaimed > 0 and row in pool.noticed_nodes:
             pool.claimable.add(row)
@@ -290,7 +292,7 @@ class MarketIndex:
                         holders = pool.image_capacity[image] = PoolCapacity()
                     holders.push(key, self.n_reserve[row], free)
 
-    def _live(self, pool: Pool) -> list[int]:
+    def live(self, pool: Pool) -> list[int]:
         """A pool's live node rows, and its largest node, GPUs and lowest reserve among them
         (kept until a node of the pool changes)."""
         if pool.live is None:
@@ -303,7 +305,7 @@ class MarketIndex:
                 pool.serves |= self.n_serves[r]
         return pool.live
 
-    def _free_fit(self, brow: int) -> int | None:
+    def free_fit(self, brow: int) -> int | None:
         """The node row a bid would take among free GPUs now, or None."""
         b = self.b
         size, price, model, region, image = (
@@ -314,26 +316,26 @@ class MarketIndex:
             int(b.image[brow]),
         )
         if region >= 0:
-            p = self._pool_index.get((model, region))
+            p = self.pool_index.get((model, region))
             if p is None:
                 return None
-            found = self._fit(self._pools[p], size, price, image)
+            found = self.fit(self.pools[p], size, price, image)
             return None if found is None else found[-1] & ROW_MASK
         best = None
-        for p in self._model_pools[model]:
-            found = self._fit(self._pools[p], size, price, image)
+        for p in self.model_pools[model]:
+            found = self.fit(self.pools[p], size, price, image)
             if found is not None and (best is None or found < best):
                 best = found
         return None if best is None else best[-1] & ROW_MASK
 
-    def _fit(
+    def fit(
         self, pool: Pool, size: int, price: float, image: int = 0, exclude: set[int] | None = None
     ):
         """The fit of a bid in a pool, as a key that orders fits (its last item the node's
         key), on a node not in ``exclude``. Best fit: ``(free, reserve, misses its image,
         key)`` -- among equal fits, a node that holds the bid's image comes first."""
-        capacity = self._capacity_for(pool, image)
-        if self._policy.name != "best-fit":
+        capacity = self.capacity_for(pool, image)
+        if self.policy.name != "best-fit":
             return capacity.first_fit(size, price, self.n_free, self.n_reserve, exclude)
         found = capacity.best_fit(size, price, self.n_free, self.n_reserve, exclude)
         if found is None or not image:
@@ -354,16 +356,16 @@ class MarketIndex:
                 return (free, reserve, 0, held)
         return (free, reserve, 1, key)
 
-    def _capacity_for(self, pool: Pool, image: int) -> PoolCapacity:
+    def capacity_for(self, pool: Pool, image: int) -> PoolCapacity:
         """The free capacity a bid (with image id ``image``, 0: none) may take in a pool: all
         of it, or in a mixed pool only the nodes that serve the bid (``types.Runner``)."""
         return pool.kind_capacity[needs_mask(image)] if pool.mixed else pool.capacity
 
-    def _serves(self, nrow: int, image: int) -> bool:
+    def serves(self, nrow: int, image: int) -> bool:
         """Whether node row ``nrow`` serves a bid with image id ``image``."""
         return bool(self.n_serves[nrow] & needs_mask(image))
 
-    def _rebuild_capacity(self, pool: Pool, rows: list[int]) -> None:
+    def rebuild_capacity(self, pool: Pool, rows: list[int]) -> None:
         """Rebuild a pool's free-GPU buckets (and its image holders' and, in a mixed pool, its
         kinds') from its node ``rows``."""
         keys = [(self.n_id[r] << ROW_BITS) | r for r in rows]
@@ -384,165 +386,148 @@ class MarketIndex:
 
     # ------------------------------------------------------------------ bid and allocation rows
 
-    def _bid_row_of(self, bid_id: int) -> int:
-        row = self._bid_row.get(bid_id)
+    def bid_value(self, row: int) -> Bid:
+        """The open bid of a row, as a frozen value."""
+        b = self.b
+        window = int(b.window[row])
+        deadline = float(b.deadline[row])
+        leader = int(b.gang[row])
+        return Bid(
+            id=int(b.id[row]),
+            gpu_model=self.models[b.model[row]],
+            gpu_count=int(b.gpus[row]),
+            max_price=float(b.price[row]),
+            region=ANY_REGION if b.region[row] < 0 else self.regions[b.region[row]],
+            created_at=float(b.created[row]),
+            window=None if window < 0 else self.windows[window],
+            deadline=None if math.isnan(deadline) else deadline,
+            tenant_id=int(b.tenant[row]),
+            capacity=self.model_capacity[b.model[row]],
+            image=self.images[b.image[row]] or None,
+            node_count=1 if leader < 0 else self.books[b.book[row]].nodes,
+            gang_id=None if leader < 0 else int(b.id[leader]),
+        )
+
+    def bid_row_of(self, bid_id: int) -> int:
+        row = self.bid_row.get(bid_id)
         if row is None or self.b.status[row] == GONE:
             raise KeyError(f"bid {bid_id} is not open in the market")
         return row
 
-    def _close_bid(self, row: int) -> None:
+    def close_bid(self, row: int) -> None:
         b = self.b
         if b.status[row] == WAITING and b.gang[row] in (-1, row):  # it has a book entry
-            self._books[b.book[row]].count -= 1
+            self.books[b.book[row]].count -= 1
         b.status[row] = GONE
-        del self._bid_row[int(b.id[row])]
+        del self.bid_row[int(b.id[row])]
 
-    def _members(self, row: int) -> list[int]:
+    def members(self, row: int) -> list[int]:
         """The rows of a bid's gang in rank order (``[row]`` for a one-node bid)."""
         leader = int(self.b.gang[row])
-        return [row] if leader < 0 else self._gangs[leader]
+        return [row] if leader < 0 else self.gangs[leader]
 
-    def _idle(self, row: int) -> bool:
+    def idle(self, row: int) -> bool:
         return self.b.run[row] < 0 and self.b.res[row] < 0
 
-    def _close_held(self, members: list[int]) -> None:
+    def close_held(self, members: list[int]) -> None:
         """A bid held for credit that holds nothing leaves the market (every gang member)."""
         leader = members[0]
         for m in members:
-            self._close_bid(m)
+            self.close_bid(m)
         if len(members) > 1:
-            del self._gangs[leader]
-        self._held.discard(leader)
+            del self.gangs[leader]
+        self.held.discard(leader)
 
-    def _to_waiting(self, row: int) -> None:
+    def to_waiting(self, row: int) -> None:
         """A bid with no allocation left waits again; a gang member only once every member
         has none (then the gang's first member rejoins its book)."""
         b = self.b
-        members = self._members(row)
-        if len(members) > 1 and not all(self._idle(m) for m in members):
+        members = self.members(row)
+        if len(members) > 1 and not all(self.idle(m) for m in members):
             return  # parked (ACTIVE with no allocation) until the rest of the gang ends
-        if members[0] in self._held:  # held for credit: it leaves instead (market/holds.py)
-            self._close_held(members)
+        if members[0] in self.held:  # held for credit: it leaves instead (market/holds.py)
+            self.close_held(members)
             return
         for m in members:
             b.status[m] = WAITING
             b.epoch[m] += 1
         first = members[0]
-        self._books[b.book[first]].insert(
+        self.books[b.book[first]].insert(
             (-float(b.price[first]), float(b.created[first]), int(b.id[first])),
             first,
             int(b.epoch[first]),
         )
 
-    def _leave_book(self, row: int) -> None:
+    def leave_book(self, row: int) -> None:
         """A bid (every member of its gang) stops waiting: it has an allocation now."""
         b = self.b
-        members = self._members(row)
+        members = self.members(row)
         if b.status[members[0]] == WAITING:
-            self._books[b.book[members[0]]].count -= 1
+            self.books[b.book[members[0]]].count -= 1
         for m in members:
             b.status[m] = ACTIVE
 
-    def _alloc_row_of(self, alloc_id: int) -> int | None:
-        row = self._alloc_row.get(alloc_id)
+    def alloc_row_of(self, alloc_id: int) -> int | None:
+        row = self.alloc_row.get(alloc_id)
         if row is None:
-            for first, end, first_row in self._alloc_blocks:
+            for first, end, first_row in self.alloc_blocks:
                 if first <= alloc_id < end:
                     return first_row + alloc_id - first
         return row
 
-    def _bid_alloc_rows(self, brow: int) -> list[int]:
+    def bid_alloc_rows(self, brow: int) -> list[int]:
         """Active allocation rows of a bid, by allocation id."""
         rows = [int(r) for r in (self.b.run[brow], self.b.res[brow]) if r >= 0]
         return sorted(rows, key=lambda r: int(self.a.id[r]))
 
-    def _node_allocs(self, nrow: int) -> list[int]:
+    def node_allocs(self, nrow: int) -> list[int]:
         """Active allocation rows on a node, by allocation id."""
-        return sorted(self._node_alloc_rows(nrow), key=lambda r: int(self.a.id[r]))
+        return sorted(self.node_alloc_rows(nrow), key=lambda r: int(self.a.id[r]))
 
-    def _node_alloc_rows(self, nrow: int) -> list[int]:
+    def node_alloc_rows(self, nrow: int) -> list[int]:
         """Active allocation rows on a node, in no particular order."""
         a = self.a
-        if self._csr is None or self._extra_count > 65536:
+        if self.csr is None or self.extra_count > 65536:
             n = a.n
             active = np.flatnonzero(a.status[:n] < PREEMPTED)
             rows = active[np.argsort(a.node[active], kind="stable")]
             starts = np.searchsorted(a.node[rows], np.arange(len(self.n_id) + 1))
-            self._csr = (rows.tolist(), starts.tolist())  # lists: sliced one node at a time
-            self._node_extra, self._extra_count = {}, 0
-        rows, starts = self._csr
+            self.csr = (rows.tolist(), starts.tolist())  # lists: sliced one node at a time
+            self.node_extra, self.extra_count = {}, 0
+        rows, starts = self.csr
         found = rows[starts[nrow] : starts[nrow + 1]] if nrow + 1 < len(starts) else []
-        found.extend(self._node_extra.get(nrow, ()))
+        found.extend(self.node_extra.get(nrow, ()))
         return [r for r in found if a.status[r] < PREEMPTED]
 
-    def _track_window(self, arow: int, running: bool) -> None:
+    def track_window(self, arow: int, running: bool) -> None:
         window = int(self.b.window[self.a.bid[arow]])
         if window >= 0:
-            allocs = self._window_allocs.setdefault(window, set())
+            allocs = self.window_allocs.setdefault(window, set())
             if running:
                 allocs.add(arow)
             else:
                 allocs.discard(arow)
 
-    def _window_open(self, window: int, now: float) -> bool:
+    def window_open(self, window: int, now: float) -> bool:
         """Whether a bid with this window may start now (not within a notice of its close)."""
         if window < 0:
             return True
-        interval = self._windows[window]
+        interval = self.windows[window]
         return interval.start <= now and interval.end - now > self.config.notice_seconds
 
     # ------------------------------------------------------------------ books
 
-    def _compact_books(self, force: bool = False) -> None:
+    def compact_books(self, force: bool = False) -> None:
         b = self.b
-        for book in self._books:
+        for book in self.books:
             if force or book.needs_compaction():
                 rows = book.live_rows(b.status, b.epoch, WAITING)
                 order = priority_order(b.price[rows], b.created[rows], b.id[rows])
                 book.reset(rows[order], b.epoch[rows[order]])
-        for pool in self._pools:
+        for pool in self.pools:
             bound = 4 * len(pool.nodes) + 64
             if pool.capacity.entries > bound or any(
                 h.entries > bound
                 for h in (*pool.image_capacity.values(), *pool.kind_capacity.values())
             ):
-                self._rebuild_capacity(pool, [r for r in pool.nodes if self.n_free[r] > 0])
-
-    # ------------------------------------------------------------------ between the parts
-
-    if TYPE_CHECKING:  # what one part calls in another (all of them make up a Market)
-
-        def _place(  # allocations.py
-            self,
-            brow: int,
-            nrow: int,
-            kind: PlacementKind,
-            now: float,
-            expires: float | None = None,
-        ) -> int: ...
-
-        def _notice(  # allocations.py
-            self, arow: int, reason: NoticeReason, deadline: float, now: float
-        ) -> None: ...
-
-        def _final_charge(self, arow: int, at: float) -> None: ...  # pricing.py
-
-        def _notice_one(  # allocations.py
-            self, arow: int, reason: NoticeReason, deadline: float
-        ) -> None: ...
-
-        def _end(self, arow: int, status: int, reason: EndReason, at: float) -> None: ...
-
-        def _bid_terms(self, brow: int) -> tuple[int, float, list[int | None]]: ...  # clearing
-
-        def _incumbents(self, pool: Pool) -> tuple[np.ndarray, np.ndarray]: ...  # clearing
-
-        def _victims_on(self, nrow: int, size: int, price: float) -> list[int] | None: ...
-
-        def _place_gang(self, first: int, now: float) -> bool: ...  # gangs.py
-
-        def _notice_gang(
-            self, arow: int, reason: NoticeReason, deadline: float, now: float
-        ) -> None: ...
-
-        def _gang_cascade(self, brow: int, old: int, status: int, at: float) -> None: ...
+                self.rebuild_capacity(pool, [r for r in pool.nodes if self.n_free[r] > 0])

@@ -21,33 +21,37 @@ from prefect_spotgpu.market.serving import SERVES_IMAGES, SERVES_PROCESS, needs_
 from prefect_spotgpu.market.tables import NOTICED, RUNNING, WAITING
 
 
-class PricingMixin(MarketIndex):
-    """The prices and charges of :class:`prefect_spotgpu.market.engine.Market`."""
+class Pricing:
+    """The prices and charges of a market, on its index."""
+
+    def __init__(self, index: MarketIndex) -> None:
+        self.index = index
 
     # ------------------------------------------------------------------ prices and charges
 
-    def _quotes(self, now: float) -> tuple[tuple[PoolQuote, ...], np.ndarray]:
+    def quotes(self, now: float) -> tuple[tuple[PoolQuote, ...], np.ndarray]:
         """Every pool's quote, and the clearing prices as an array ``[pool, need]`` (need: a
         bid's ``SERVES_*`` bit). In a uniform pool both needs pay the one clearing price; in a
         mixed pool (``types.Runner``) each kind of bid is priced by the losers of its own kind:
         a bid that waits for a Docker node does not raise what process jobs pay."""
-        b, a = self.b, self.a
-        n_pools = len(self._pools)
+        ix = self.index
+        b, a = ix.b, ix.a
+        n_pools = len(ix.pools)
         losing = np.full((n_pools, SERVES_IMAGES + 1), -math.inf)  # [pool, need]
         waiting = np.zeros(n_pools, np.int64)
-        for pool in self._pools:
-            self._live(pool)
-        max_cap = [pool.max_cap for pool in self._pools]
-        serves = [pool.serves for pool in self._pools]
+        for pool in ix.pools:
+            ix.live(pool)
+        max_cap = [pool.max_cap for pool in ix.pools]
+        serves = [pool.serves for pool in ix.pools]
         peek_args = (b.status, b.epoch, b.price, b.created, b.id, WAITING)
-        for book in self._books:
-            if book.count <= 0 or not self._window_open(book.window, now):
+        for book in ix.books:
+            if book.count <= 0 or not ix.window_open(book.window, now):
                 continue
             head = book.peek(*peek_args)
             pools = (
-                self._model_pools[book.model]
+                ix.model_pools[book.model]
                 if book.region < 0
-                else [self._pool_index.get((book.model, book.region))]
+                else [ix.pool_index.get((book.model, book.region))]
             )
             need = needs_mask(book.image)
             for p in pools:
@@ -56,13 +60,13 @@ class PricingMixin(MarketIndex):
                 waiting[p] += book.count
                 if head is not None:
                     losing[p, need] = max(losing[p, need], -head[0][0])
-        for arow in self._noticed_outbid:
+        for arow in ix.noticed_outbid:
             if a.status[arow] != NOTICED:
                 continue
             brow = int(a.bid[arow])
             if b.res[brow] >= 0:
                 continue
-            if self._window_open(int(b.window[brow]), now):
+            if ix.window_open(int(b.window[brow]), now):
                 p, need = int(a.pool[arow]), needs_mask(b.image[brow])
                 losing[p, need] = max(losing[p, need], float(b.price[brow]))
         n = a.n
@@ -71,11 +75,11 @@ class PricingMixin(MarketIndex):
         clearing = np.full((n_pools, SERVES_IMAGES + 1), np.nan)
         quotes = []
         for pool in sorted(
-            self._pools,
+            ix.pools,
             key=lambda q: (
-                self._models[q.model],
-                self._regions[q.region],
-                self._model_capacity[q.model],
+                ix.models[q.model],
+                ix.regions[q.region],
+                ix.model_capacity[q.model],
             ),
         ):
             reserve = pool.min_reserve
@@ -94,9 +98,9 @@ class PricingMixin(MarketIndex):
                     clearing[pool.index, SERVES_IMAGES] = kind_prices[1]
             quotes.append(
                 PoolQuote(
-                    gpu_model=self._models[pool.model],
-                    region=self._regions[pool.region],
-                    capacity=self._model_capacity[pool.model],
+                    gpu_model=ix.models[pool.model],
+                    region=ix.regions[pool.region],
+                    capacity=ix.model_capacity[pool.model],
                     clearing_price=price,
                     reserve_price=reserve,
                     highest_losing_bid=lose,
@@ -109,8 +113,9 @@ class PricingMixin(MarketIndex):
             )
         return tuple(quotes), clearing
 
-    def _charge_running(self, now: float, clearing: np.ndarray) -> Charges:
-        a, b = self.a, self.b
+    def charge_running(self, now: float, clearing: np.ndarray) -> Charges:
+        ix = self.index
+        a, b = ix.a, ix.b
         n = a.n
         status = a.status[:n]
         rows = np.flatnonzero((status == RUNNING) | (status == NOTICED))
@@ -136,9 +141,9 @@ class PricingMixin(MarketIndex):
         )
         # the price in force from now on: the pool's, at least the node's reserve (the reserve
         # alone where the pool has no price), at most the bid's maximum (engine.py's rule)
-        if self._n_reserve_np is None:
-            self._n_reserve_np = np.asarray(self.n_reserve, np.float64)
-        node_reserve = self._n_reserve_np[a.node[rows]]
+        if ix.n_reserve_np is None:
+            ix.n_reserve_np = np.asarray(ix.n_reserve, np.float64)
+        node_reserve = ix.n_reserve_np[a.node[rows]]
         bid_max = b.price[brows]
         need = np.where(b.image[brows] > 0, SERVES_IMAGES, SERVES_PROCESS)
         price = np.minimum(np.fmax(clearing[a.pool[rows], need], node_reserve), bid_max)
@@ -150,20 +155,21 @@ class PricingMixin(MarketIndex):
         a.charged[charged] += c_seconds  # whole milliseconds billed: the rest bills next
         return charges
 
-    def _final_charge(self, arow: int, at: float) -> None:
+    def final_charge(self, arow: int, at: float) -> None:
         """The last charge of an allocation that ends at ``at``: up to ``at``, and whatever
         carry is left rounds up to one micro (an ended allocation owes nothing later)."""
-        a = self.a
+        ix = self.index
+        a = ix.a
         ms = int(elapsed_ms(float(a.charged[arow]), at))
         carry = int(a.carry[arow])
         if ms > 0 or carry > 0:
             brow = int(a.bid[arow])
             price, gpus = float(a.price[arow]), int(a.gpus[arow])
-            self._out.final_charges.append(
+            ix.out.final_charges.append(
                 (
                     int(a.id[arow]),
-                    int(self.b.id[brow]),
-                    int(self.b.tenant[brow]),
+                    int(ix.b.id[brow]),
+                    int(ix.b.tenant[brow]),
                     gpus,
                     price,
                     ms,
@@ -173,8 +179,8 @@ class PricingMixin(MarketIndex):
         a.carry[arow] = 0
         a.charged[arow] = max(at, float(a.charged[arow]))
 
-    def _final_charges(self) -> Charges:
-        rows = self._out.final_charges
+    def final_charges(self) -> Charges:
+        rows = self.index.out.final_charges
         if not rows:
             return Charges.empty()
         ids, bids, tenants, gpus, price, ms, carry = (

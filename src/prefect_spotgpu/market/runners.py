@@ -32,23 +32,26 @@ RUNNER_OF = {  # what a node serves, back as its (runner, default_image): the sa
 }
 
 
-class RunnersMixin(MarketIndex):
-    """What :class:`prefect_spotgpu.market.engine.Market` says of bids no node serves, and
-    of what a node serves."""
+class Runners:
+    """What a market says of bids no node serves, and of what a node serves, on its index."""
 
-    def _node_value(self, r: int) -> Node:
+    def __init__(self, index: MarketIndex) -> None:
+        self.index = index
+
+    def node_value(self, r: int) -> Node:
         """Node row ``r`` as a ``Node`` (its runner as what it serves: the same to the market)."""
-        pool = self._pools[self.n_pool[r]]
+        ix = self.index
+        pool = ix.pools[ix.n_pool[r]]
         return Node(
-            self.n_id[r],
-            self._models[pool.model],
-            self._regions[pool.region],
-            self.n_cap[r],
-            self.n_reserve[r],
-            self.n_state[r],
-            self._model_capacity[pool.model],
-            frozenset(self._images[i] for i in self.n_images[r]),
-            *RUNNER_OF[self.n_serves[r]],
+            ix.n_id[r],
+            ix.models[pool.model],
+            ix.regions[pool.region],
+            ix.n_cap[r],
+            ix.n_reserve[r],
+            ix.n_state[r],
+            ix.model_capacity[pool.model],
+            frozenset(ix.images[i] for i in ix.n_images[r]),
+            *RUNNER_OF[ix.n_serves[r]],
         )
 
     def unserved(self, bid: Bid) -> str | None:
@@ -56,18 +59,19 @@ class RunnersMixin(MarketIndex):
         The service holds a new bid with this reason instead of adding it; the market itself
         never places a bid on a node that does not serve it. Pools without nodes yet say
         nothing (nodes may come); lost nodes do not count."""
-        model = self._model_index.get((DEFAULT_CATALOG.normalize(bid.gpu_model), bid.capacity))
+        ix = self.index
+        model = ix.model_index.get((DEFAULT_CATALOG.normalize(bid.gpu_model), bid.capacity))
         if model is None:
             return None
-        region = -1 if bid.region == ANY_REGION else self._region_index.get(bid.region, -2)
+        region = -1 if bid.region == ANY_REGION else ix.region_index.get(bid.region, -2)
         need = needs_mask(bid.image)
         pools = (
-            self._model_pools.get(model, [])
+            ix.model_pools.get(model, [])
             if region == -1
-            else [p for p in [self._pool_index.get((model, region))] if p is not None]
+            else [p for p in [ix.pool_index.get((model, region))] if p is not None]
         )
-        rows = [r for p in pools for r in self._pools[p].nodes if self.n_state[r] != NodeState.LOST]
-        if not rows or any(self.n_serves[r] & need for r in rows):
+        rows = [r for p in pools for r in ix.pools[p].nodes if ix.n_state[r] != NodeState.LOST]
+        if not rows or any(ix.n_serves[r] & need for r in rows):
             return None
         where = f"the {bid.gpu_model} nodes in {'any region' if region == -1 else bid.region}"
         if need == SERVES_IMAGES:

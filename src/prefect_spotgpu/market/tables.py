@@ -63,7 +63,7 @@ class Pool:
     scan_from: int = 0  # incumbents before this index are no longer running
     noticed_nodes: set[int] = field(default_factory=set)  # nodes with noticed GPUs
     claimable: set[int] = field(default_factory=set)  # of those, nodes with unclaimed GPUs
-    # (cap > running + reserved), kept by MarketIndex._refresh_free
+    # (cap > running + reserved), kept by MarketIndex.refresh_free
     evict_failed_size: int = MAX_GPUS_PER_NODE + 1
     busy: int = 0  # GPUs running, noticed or reserved on its nodes
     free: int = 0  # sum of free GPUs of its live nodes

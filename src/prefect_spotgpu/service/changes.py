@@ -75,7 +75,7 @@ def apply_change(writes: TickWrites, change: MarketChange, now: float) -> None:
         if row.status == BidStatus.OPEN and not market.has_bid(row.id):
             try:
                 first_row = row.gang_id in (None, row.id)  # (members follow their rank 0)
-                unserved = market.unserved(market_bid(row)) if first_row else None
+                unserved = market.runners.unserved(market_bid(row)) if first_row else None
                 if unserved is not None:  # no node of its pools runs it as asked: named
                     raise ValueError(f"{HELD_UNSERVED}: {unserved}")
                 add_bid_row(market, row)
@@ -94,8 +94,8 @@ def apply_change(writes: TickWrites, change: MarketChange, now: float) -> None:
         elif row.status == BidStatus.OPEN and market.bid_price(row.id) != row.max_price:
             market.reprice_bid(row.id, row.max_price)
         elif row.status == BidStatus.HELD and is_credit_hold(row.hold_reason):
-            if market.has_bid(row.id) and not market.is_held(row.id):
-                market.hold_bid(row.id)  # its jobs get a notice, never a kill (service/credit.py)
+            if market.has_bid(row.id) and not market.holds.is_held(row.id):
+                market.holds.hold_bid(row.id)  # its jobs get a notice, never a kill (credit.py)
         elif row.status in (BidStatus.CANCELLED, BidStatus.FINISHED, BidStatus.HELD) and (
             market.has_bid(row.id)
         ):
@@ -227,7 +227,7 @@ def reopen_unserved(writes: TickWrites, node: NodeRow) -> None:
         .order_by(BidRow.id)
     ).all()
     for first in held:
-        if market.unserved(market_bid(first)) is not None or market.has_bid(first.id):
+        if market.runners.unserved(market_bid(first)) is not None or market.has_bid(first.id):
             continue
         if not gate.set_bid_status(
             session=session, bid_id=first.id, expected=BidStatus.HELD, to=BidStatus.OPEN

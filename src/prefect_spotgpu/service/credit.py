@@ -179,7 +179,7 @@ def hold_short_of_credit(writes: TickWrites, owed: dict[int, int], hold_seconds:
     if not owed:
         return
     market = writes.market
-    rates = market.credit_rates()
+    rates = market.holds.credit_rates()
     for tenant_id, (credits, spent) in writes.balances(list(owed)).items():
         available = credits - spent - owed[tenant_id]
         every, _ = rates.get(tenant_id, (0.0, 0.0))
@@ -188,7 +188,7 @@ def hold_short_of_credit(writes: TickWrites, owed: dict[int, int], hold_seconds:
             continue  # every bid it has open is covered (the common case: one vector pass)
         bids = [
             BidExposure(bid_id, exposure_micros(max_price=p, gpus=g, seconds=hold_seconds), run)
-            for bid_id, p, g, run in market.tenant_bids(tenant_id)
+            for bid_id, p, g, run in market.holds.tenant_bids(tenant_id)
         ]
         decided = credit_holds(available=available, bids=bids)
         reason = credit_hold_reason(available, needed)
@@ -200,7 +200,7 @@ def hold_short_of_credit(writes: TickWrites, owed: dict[int, int], hold_seconds:
                 to=BidStatus.HELD,
                 reason=reason,
             ):
-                market.hold_bid(bid_id)
+                market.holds.hold_bid(bid_id)
 
 
 def reopen_credit_holds(writes: TickWrites, tenant_id: int, admission_seconds: float) -> None:
@@ -222,7 +222,7 @@ def reopen_credit_holds(writes: TickWrites, tenant_id: int, admission_seconds: f
     ).all()
     if not held:
         return
-    every, _ = market.credit_rates().get(tenant_id, (0.0, 0.0))
+    every, _ = market.holds.credit_rates().get(tenant_id, (0.0, 0.0))
     spare = (
         tenant.balance_micros
         - writes.accrued.tenants.get(tenant_id, 0)
@@ -242,7 +242,7 @@ def reopen_credit_holds(writes: TickWrites, tenant_id: int, admission_seconds: f
             session=session, bid_id=first.id, expected=BidStatus.HELD, to=BidStatus.OPEN
         ):
             continue
-        if market.unhold_bid(first.id):  # still in the market (its notice runs): it stays
+        if market.holds.unhold_bid(first.id):  # still in the market (its notice runs): it stays
             if market.bid_price(first.id) != first.max_price:
                 market.reprice_bid(first.id, first.max_price)
         elif not market.has_bid(first.id):

@@ -182,8 +182,8 @@ def load_market(*, session: Session, settings: ServiceSettings) -> Market:
         market.load_allocation(market_allocation(a))
     for row in others:  # held for credit while it still holds GPUs: it leaves once idle
         credit_held = row.status == BidStatus.HELD and is_credit_hold(row.hold_reason)
-        if credit_held and market.has_bid(row.id) and not market.is_held(row.id):
-            market.hold_bid(row.id)
+        if credit_held and market.has_bid(row.id) and not market.holds.is_held(row.id):
+            market.holds.hold_bid(row.id)
     market.compact()
     return market
 
