@@ -384,7 +384,7 @@ def main() -> None:
                 with_gangs["market"], with_gangs["rng"], n, args.steady_ticks, gangs=0.10
             )
             row["gangs_share_of_bids"] = 0.10
-            row["gangs_member_bids"] = len(with_gangs["market"]._bid_row)
+            row["gangs_member_bids"] = len(with_gangs["market"].index.bid_row)
             row["gangs_cold_load_seconds"] = round(with_gangs["load_seconds"], 4)
             variant_figures(row, "gangs", with_gangs, steady_gangs)
             del with_gangs
