@@ -114,6 +114,22 @@ def quote(region: str, **fields):
     return QuoteResponse.model_validate({**QUOTE_DEFAULTS, "region": region, **fields})
 
 
+def image(name: str, reference: str, **fields):
+    """One entry of the market's image catalogue as the worker reads it
+    (``messages.ImageResponse``), with the fields a test does not name filled in."""
+    from prefect_spotgpu.messages import ImageResponse
+
+    defaults = {
+        "framework": "PyTorch 2.5.1",
+        "cuda_version": "12.4",
+        "description": "",
+        "updated_at": "2026-12-01T00:00:00Z",
+    }
+    return ImageResponse.model_validate(
+        {**defaults, "name": name, "reference": reference, **fields}
+    )
+
+
 _event_ids = iter(range(1, 10**9))
 
 

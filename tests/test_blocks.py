@@ -8,6 +8,7 @@ import pytest
 from prefect.testing.standard_test_suites import BlockStandardTestSuite
 from pydantic import ValidationError
 
+from helpers import image
 from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
 from prefect_spotgpu.checkpoint import LocalStorage, S3Storage
 from prefect_spotgpu.market import DEFAULT_CATALOG
@@ -95,9 +96,9 @@ def test_each_job_variable_is_declared_once_and_the_form_is_the_configuration():
 
 
 def test_job_configuration_rules():
-    catalogue = [
-        {"name": "pytorch", "reference": "pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime"},
-        {"name": "train", "reference": "ghcr.io/me/train:1"},
+    catalogue = [  # as the worker reads GET /images (messages.ImageResponse)
+        image("pytorch", "pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime"),
+        image("train", "ghcr.io/me/train:1"),
     ]
     config = SpotGPUJobConfiguration(gpu_model="nvidia h200", image="pytorch")
     assert config.gpu_model == "H200"

@@ -4,12 +4,19 @@ agree."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
+import httpx
 import pytest
 from pydantic import ValidationError
 
-from helpers import assignment, bid, quote
+from helpers import assignment, bid, image, quote
 from prefect_spotgpu import messages
+from prefect_spotgpu.agent.credentials import CredentialError, obtain_node_token
 from prefect_spotgpu.service import schemas
+from prefect_spotgpu.worker.config import SpotGPUJobConfiguration
+from prefect_spotgpu.worker.market_api import MarketApi
 
 
 def test_the_service_answers_with_the_models_its_clients_parse():
@@ -20,6 +27,11 @@ def test_the_service_answers_with_the_models_its_clients_parse():
     assert schemas.BidResponse is messages.BidResponse
     assert schemas.BidBatchResponse is messages.BidBatchResponse
     assert schemas.QuoteResponse is messages.QuoteResponse
+    assert schemas.NodeResponse is messages.NodeResponse
+    assert schemas.NodeCreated is messages.NodeCreated
+    assert schemas.NodeToken is messages.NodeToken
+    assert schemas.ImageResponse is messages.ImageResponse
+    assert schemas.WebhookConfigResponse is messages.WebhookConfigResponse
 
 
 def test_a_newer_services_extra_fields_are_ignored_and_an_older_ones_missing_defaults_kept():
@@ -88,7 +100,8 @@ def test_a_batch_reply_names_the_bid_and_the_field_it_lacks():
 
 def test_a_real_node_reads_its_assignments_and_events_as_models(service, tmp_path):
     """The agent's own parsing, against the real service: the allocation of a bid on its node,
-    then the page of events that started it."""
+    then the page of events that started it; a checkpoint report as the first agents sent it
+    (no step) is accepted."""
     owner, buyer = service.tenant(), service.tenant()
     node, node_client = service.node(owner, gpus=1)
     placed = buyer.post(
@@ -114,3 +127,185 @@ def test_a_real_node_reads_its_assignments_and_events_as_models(service, tmp_pat
     events = messages.EventsPage.model_validate(page.json())
     assert [e.kind for e in events.events][:1] == ["allocated"]
     assert events.events[0].allocation_id == alloc.id and events.cursor >= events.events[0].id
+    older = {"epoch": alloc.epoch, "outcome": "checkpoint", "checkpoint_at": time.time()}
+    reported = node_client.post(f"/allocations/{alloc.id}/report", json=older)  # no step
+    assert reported.status_code == 200, reported.text
+    assert messages.AllocationResponse.model_validate(reported.json()).id == alloc.id
+
+
+NODE = {
+    "id": 4,
+    "owner_id": 2,
+    "name": "rack-1",
+    "gpu_model": "A100-80G",
+    "region": "eu-west",
+    "gpu_count": 8,
+    "reserve_price": 0.9,
+    "state": "live",
+    "declared": False,
+    "last_heartbeat_at": "2026-12-01T00:00:00Z",
+}
+"""A node's reply as an older market sent it: no capacity, inventory, telemetry, images,
+address or runner terms yet."""
+
+
+@pytest.mark.parametrize(
+    ("model", "reply"),
+    [
+        (messages.NodeResponse, NODE),
+        (messages.NodeCreated, NODE | {"token": "sgn_x"}),
+        (messages.NodeToken, {"token": "sgn_x"}),
+        (messages.ImageResponse, image("pytorch", "pytorch/pytorch:2.5.1").model_dump(mode="json")),
+        (messages.WebhookConfigResponse, {"url": None, "has_secret": False}),
+    ],
+    ids=["node", "node-created", "node-token", "image", "webhook"],
+)
+def test_a_node_an_image_or_a_webhook_with_a_newer_services_extra_field_still_parses(model, reply):
+    parsed = model.model_validate(reply | {"score": 0.5})
+    assert parsed == model.model_validate(reply) and not hasattr(parsed, "score")
+
+
+def test_an_older_markets_node_reads_with_the_defaults():
+    node = messages.NodeResponse.model_validate(NODE)
+    assert (node.capacity, node.runner, node.images, node.address) == ("spot", None, None, None)
+
+
+@pytest.mark.parametrize(
+    ("model", "reply", "missing"),
+    [
+        (messages.NodeResponse, NODE, "gpu_count"),
+        (messages.NodeResponse, NODE, "gpu_model"),
+        (messages.NodeCreated, NODE | {"token": "sgn_x"}, "token"),
+        (messages.NodeCreated, NODE | {"token": "sgn_x"}, "id"),
+        (messages.NodeToken, {"token": "sgn_x"}, "token"),
+        (messages.ImageResponse, image("pytorch", "p/t:1").model_dump(mode="json"), "reference"),
+        (messages.WebhookConfigResponse, {"url": None, "has_secret": False}, "url"),
+    ],
+)
+def test_a_node_an_image_or_a_webhook_without_a_needed_field_fails_naming_it(model, reply, missing):
+    reply = dict(reply)
+    del reply[missing]
+    with pytest.raises(ValidationError, match=missing):
+        model.model_validate(reply)
+
+
+def test_the_agent_names_the_field_a_registration_reply_lacks():
+    """A market whose reply lacks the node's token: the agent's ``CredentialError`` (what
+    ``spotgpu agent`` prints) names it, not a ``KeyError``."""
+
+    def market(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(201, json=NODE)  # a node, but no token
+
+    client = httpx.Client(transport=httpx.MockTransport(market), base_url="http://market")
+    with pytest.raises(CredentialError, match="registration does not parse as NodeCreated") as e:
+        obtain_node_token(client, "http://market", {"name": "rack-1"})
+    assert "\ntoken\n" in str(e.value) and "\nid\n" not in str(e.value)
+
+
+def test_the_worker_reads_the_catalogue_and_its_webhook_as_models():
+    """``MarketApi.images()`` is typed entries (``catalogue_image`` reads them); the webhook
+    already set is not PUT again, another one is."""
+    entry = image("train", "ghcr.io/me/train:1").model_dump(mode="json") | {"licence": "MIT"}
+    put = []
+
+    def market(request: httpx.Request) -> httpx.Response:
+        if request.method == "PUT":
+            put.append(request.content)
+            return httpx.Response(200, json={"url": "https://x.test/new", "has_secret": False})
+        if request.url.path == "/images":
+            return httpx.Response(200, json=[entry])
+        return httpx.Response(200, json={"url": "https://x.test/hook", "has_secret": True})
+
+    async def talk():
+        async with httpx.AsyncClient(
+            transport=httpx.MockTransport(market), base_url="http://market"
+        ) as http:
+            api = MarketApi(http)
+            await api.set_webhook("https://x.test/hook")
+            await api.set_webhook("https://x.test/new")
+            return await api.images()
+
+    catalogue = asyncio.run(talk())
+    assert [type(e) for e in catalogue] == [messages.ImageResponse] and len(put) == 1
+    assert SpotGPUJobConfiguration(image="train").catalogue_image(catalogue) == entry["reference"]
+
+
+# ------------------------------------------------- what an agent sends: old ones still parse
+
+
+def test_an_older_agents_registration_and_heartbeat_are_accepted(api):
+    """An agent from before runner terms, addresses and image lists: it registers with what
+    it had then and heartbeats with telemetry alone; the replies parse as the agent reads
+    them."""
+    owner = api.tenant()
+    api.grant_provider(owner)
+    registration = {"name": "old-agent", "gpu_model": "A100-80G", "region": "eu-west",
+                    "gpu_count": 1, "reserve_price": 0.9}  # fmt: skip
+    created = owner.post("/nodes", json=registration)
+    assert created.status_code == 201, created.text
+    node = messages.NodeCreated.model_validate(created.json())
+    agent = api.client(node.token)
+    for body in (
+        {"telemetry": {"jobs": 0, "gpus": [{"index": 0, "utilization": 5, "power_w": 60.0}]}},
+        {"telemetry": {"jobs": 0, "declared": True}},
+        {},
+    ):
+        beat = agent.post(f"/nodes/{node.id}/heartbeat", json=body)
+        assert beat.status_code == 200, (body, beat.text)
+        assert messages.NodeResponse.model_validate(beat.json()).runner is None
+    me = messages.NodeResponse.model_validate(agent.get("/nodes/me").json())
+    assert (me.id, me.gpu_count, me.gpu_model) == (node.id, 1, "A100-80G")
+
+
+def test_an_older_agents_report_parses(api):
+    """A report with only what the first agents sent (no cause, step or detail) gets past the
+    body's validation: the route answers for the allocation (this node holds none), never a
+    422. (Accepted on a real allocation: ``test_a_real_node_reads_...`` below.)"""
+    _, agent = api.node(api.tenant(), gpus=1)
+    for body in (
+        {"epoch": 1, "outcome": "finished"},
+        {"epoch": 1, "outcome": "checkpoint", "checkpoint_at": time.time()},
+    ):
+        response = agent.post("/allocations/999999/report", json=body)
+        assert response.status_code == 404, response.text
+        assert schemas.AllocationReport.model_validate(body).cause is None
+
+
+def _refused_fields(response: httpx.Response) -> list[list]:
+    assert response.status_code == 422, response.text
+    return [e["loc"] for e in response.json()["detail"]]
+
+
+@pytest.mark.parametrize(
+    ("body", "loc"),
+    [
+        ({"outcome": "finished"}, ["body", "epoch"]),
+        ({"epoch": 1}, ["body", "outcome"]),
+        ({"epoch": "1", "outcome": "finished"}, ["body", "epoch"]),
+        ({"epoch": 1, "outcome": "exploded"}, ["body", "outcome"]),
+        ({"epoch": 1, "outcome": "saved", "step": -1}, ["body", "step"]),
+        ({"epoch": 1, "outcome": "failed", "why": "newer"}, ["body", "why"]),
+    ],
+    ids=["no-epoch", "no-outcome", "string-epoch", "unknown-outcome", "bad-step", "unknown"],
+)
+def test_a_malformed_report_is_422_naming_the_field(api, body, loc):
+    _, agent = api.node(api.tenant(), gpus=1)
+    assert _refused_fields(agent.post("/allocations/999999/report", json=body)) == [loc]
+
+
+@pytest.mark.parametrize(
+    ("body", "loc"),
+    [
+        ({"telemetry": {"jobs": "many"}}, ["body", "telemetry", "jobs"]),
+        ({"telemetry": {"gpus": [{"utilization": 5}]}}, ["body", "telemetry", "gpus", 0, "index"]),
+        ({"address": "169.254.0.1"}, ["body", "address"]),
+        ({"runner": "podman"}, ["body", "runner"]),
+        ({"gpu_clocks": [1, 2]}, ["body", "gpu_clocks"]),
+    ],
+    ids=["bad-jobs", "gpu-without-index", "link-local-address", "unknown-runner", "unknown"],
+)
+def test_a_malformed_heartbeat_is_422_naming_the_field(api, body, loc):
+    """What ``agent.heartbeat.send_heartbeat`` reads to send again without a field a market
+    older than the agent refuses."""
+    node, agent = api.node(api.tenant(), gpus=1)
+    assert _refused_fields(agent.post(f"/nodes/{node['id']}/heartbeat", json=body)) == [loc]

@@ -3,15 +3,19 @@ pydantic models all three import: the service declares them as its response mode
 clients parse what they read into them instead of reading dicts by string keys. Here: a bid
 (``BidResponse``, and a batch of them placed together, ``BidBatchResponse``), a pool's quote
 (``QuoteResponse``), an allocation (``AllocationResponse``; as its node agent sees it, with its
-job: ``Assignment``) and a bid's events (``EventResponse``, a page of them: ``EventsPage``).
+job: ``Assignment``), a bid's events (``EventResponse``, a page of them: ``EventsPage``), a node
+(``NodeResponse``; as registered, with its agent's token: ``NodeCreated``; a new token:
+``NodeToken``), an image catalogue entry (``ImageResponse``) and a tenant's webhook
+(``WebhookConfigResponse``).
 
 Wire compatibility: a field a newer service adds is ignored by an older client (pydantic's
 default ``extra="ignore"``), and a field a client needs that a reply lacks fails the parse
 naming it (``pydantic.ValidationError``), never a ``KeyError`` deep in the client. An event's
 ``payload`` stays a mapping: its keys depend on the event's kind (``protocol.EventKind``); so do
-a bid's ``labels`` and ``job``. Statuses and capacities stay strings, so an older client still
-reads a status a newer service adds: compare them with ``protocol``'s ``StrEnum``s
-(``BidStatus.HELD``, ``Capacity.ON_DEMAND``), never with bare strings.
+a bid's ``labels`` and ``job``, and a node's ``inventory`` and ``telemetry``. Statuses and
+capacities stay strings, so an older client still reads a status a newer service adds: compare
+them with ``protocol``'s ``StrEnum``s (``BidStatus.HELD``, ``Capacity.ON_DEMAND``), never with
+bare strings.
 
 Imports only pydantic and ``protocol`` (``tests/test_architecture.py``), so the agent and the
 worker may use it without the service's dependencies.
@@ -93,8 +97,8 @@ class EventsPage(BaseModel):
     cursor: int = Field(description="Pass as `after` to wait for the next events.")
 
 
-# BidResponse, BidBatchResponse and QuoteResponse have no docstring: the service's OpenAPI
-# schema shows a model's docstring as its description, and theirs has none.
+# BidResponse, BidBatchResponse, QuoteResponse and the models below them have no docstring: the
+# service's OpenAPI schema shows a model's docstring as its description, and theirs has none.
 
 
 class BidResponse(BaseModel):
@@ -145,3 +149,45 @@ class QuoteResponse(BaseModel):
     gpus_free: int
     gpus_running: int
     waiting_bids: int
+
+
+class NodeResponse(BaseModel):
+    id: int
+    owner_id: int
+    name: str
+    gpu_model: str
+    region: str
+    gpu_count: int
+    reserve_price: float
+    capacity: str = "spot"
+    state: str
+    declared: bool
+    inventory: list[dict] | None = None
+    telemetry: dict | None = None
+    images: list[str] | None = None
+    address: str | None = None
+    runner: str | None = None
+    default_image: str | None = None
+    last_heartbeat_at: datetime
+
+
+class NodeCreated(NodeResponse):
+    token: str = Field(description="The node agent's token. Shown once; store it.")
+
+
+class NodeToken(BaseModel):
+    token: str = Field(description="The node agent's new token. Shown once; the old one is dead.")
+
+
+class ImageResponse(BaseModel):
+    name: str
+    reference: str
+    framework: str
+    cuda_version: str | None
+    description: str
+    updated_at: datetime
+
+
+class WebhookConfigResponse(BaseModel):
+    url: str | None
+    has_secret: bool

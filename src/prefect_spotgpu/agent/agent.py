@@ -157,7 +157,7 @@ class Agent:
         self.token = None  # the owner's key is not kept past registration
         self.client = self._http(token)
         self.reporter = Reporter(self.client, self.stop_event)
-        self.node_id = node["id"]
+        self.node_id = node.id
         self.cursor = load_cursor(self.state_dir, self.market, self.node_id)
         logger.info(
             "agent for node %s (%s x %s) on %s",

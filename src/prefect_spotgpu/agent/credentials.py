@@ -12,7 +12,8 @@ first events.
 
 ``register_node`` is the whole registration: the token given, else the one kept, else one
 obtained with the owner's key; then the market's record of the node, which must sell this
-host's GPUs.
+host's GPUs. The market's replies are parsed into ``messages``' models; one that lacks a field
+the agent needs is a ``CredentialError`` naming it.
 """
 
 from __future__ import annotations
@@ -25,13 +26,19 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
+from pydantic import BaseModel, ValidationError
+
+from prefect_spotgpu.messages import NodeCreated, NodeResponse, NodeToken
 
 NODE_FILE = "node.json"
 CURSOR_FILE = "cursor"
 
 logger = logging.getLogger("prefect_spotgpu.agent")
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class CredentialError(RuntimeError):
@@ -84,8 +91,8 @@ def obtain_node_token(client: httpx.Client, market: str, registration: dict) -> 
     that name, issue that node a new token (the old one stops working)."""
     response = client.post("/nodes", json=registration)
     if response.status_code == 201:
-        body = response.json()
-        return NodeRecord(market, body["id"], body["token"])
+        created = _parse(NodeCreated, response.json(), "registration")
+        return NodeRecord(market, created.id, created.token)
     if response.status_code != 409:
         raise CredentialError(
             f"registering node {registration['name']!r} failed: "
@@ -94,16 +101,17 @@ def obtain_node_token(client: httpx.Client, market: str, registration: dict) -> 
     listed = client.get("/nodes")
     if listed.status_code != 200:
         raise CredentialError(f"listing your nodes failed: {listed.status_code}")
-    named = [n for n in listed.json() if n.get("name") == registration["name"]]
+    nodes = [_parse(NodeResponse, n, "list of nodes") for n in listed.json()]
+    named = [n for n in nodes if n.name == registration["name"]]
     if not named:
         raise CredentialError(f"node {registration['name']!r}: {response.text[:300]}")
-    node_id = named[0]["id"]
+    node_id = named[0].id
     issued = client.post(f"/nodes/{node_id}/token")
     if issued.status_code not in (200, 201):
         raise CredentialError(
             f"a new token for node {node_id} was refused: {issued.status_code} {issued.text[:300]}"
         )
-    return NodeRecord(market, node_id, issued.json()["token"])
+    return NodeRecord(market, node_id, _parse(NodeToken, issued.json(), "new token").token)
 
 
 def register_node(
@@ -113,7 +121,7 @@ def register_node(
     state_dir: Path,
     registration: dict,
     http: Callable[[str], httpx.Client],
-) -> tuple[str, dict]:
+) -> tuple[str, NodeResponse]:
     """The node's token and the market's record of the node (``GET /nodes/me``).
 
     ``key`` is a node token (``sgn_...``), the owner's API key, or None (the token kept in
@@ -136,16 +144,24 @@ def register_node(
         me = _me(http, token)
     if me.status_code != 200:
         raise CredentialError(f"the market refused this node's token: {me.status_code} {me.text}")
-    node = me.json()
-    if (node["gpu_count"], node["gpu_model"]) != (
-        registration["gpu_count"],
-        registration["gpu_model"],
-    ):
+    node = _parse(NodeResponse, me.json(), "node record")
+    if (node.gpu_count, node.gpu_model) != (registration["gpu_count"], registration["gpu_model"]):
         raise CredentialError(
-            f"node {node['id']} sells {node['gpu_count']} x {node['gpu_model']}, this host "
+            f"node {node.id} sells {node.gpu_count} x {node.gpu_model}, this host "
             f"has {registration['gpu_count']} x {registration['gpu_model']}"
         )
     return token, node
+
+
+def _parse(model: type[M], reply: object, what: str) -> M:
+    """The market's ``reply`` as ``model``; one without a field the agent needs (an older or a
+    foreign market) is a ``CredentialError`` naming the field."""
+    try:
+        return model.model_validate(reply)
+    except ValidationError as exc:
+        raise CredentialError(
+            f"the market's {what} does not parse as {model.__name__}: {exc}"
+        ) from None
 
 
 def _me(http: Callable[[str], httpx.Client], token: str) -> httpx.Response:

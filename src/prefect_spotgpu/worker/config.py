@@ -25,6 +25,7 @@ from prefect_spotgpu.economics.policies import get_policy
 from prefect_spotgpu.economics.schedules import aware, zone
 from prefect_spotgpu.market import DEFAULT_CATALOG
 from prefect_spotgpu.market.types import MAX_GANG_NODES, check_node_count
+from prefect_spotgpu.messages import ImageResponse
 from prefect_spotgpu.protocol import IMAGE_REFERENCE_PATTERN, JOB_ENV, PROCESS_IMAGE
 from prefect_spotgpu.worker.pacing import Pace
 
@@ -256,16 +257,16 @@ class SpotGPUJobConfiguration(BaseJobConfiguration):
             gpu_count=self.gpu_count,
         )
 
-    def catalogue_image(self, catalogue: list[dict]) -> str | None:
+    def catalogue_image(self, catalogue: list[ImageResponse]) -> str | None:
         """The container image to run, from the market's catalogue (``GET /images``), or None
         to run as a process on the node. ``image`` is a catalogue name, or the reference of a
         catalogue entry; anything else is refused (ValueError) with the catalogue's names."""
         if self.image == PROCESS_IMAGE:
             return None
         for entry in catalogue:
-            if self.image in (entry["name"], entry["reference"]):
-                return entry["reference"]
-        names = ", ".join([PROCESS_IMAGE, *(e["name"] for e in catalogue)])
+            if self.image in (entry.name, entry.reference):
+                return entry.reference
+        names = ", ".join([PROCESS_IMAGE, *(e.name for e in catalogue)])
         raise ValueError(
             f"image {self.image!r} is not in the market's image catalogue; known images: "
             f"{names}. The operator adds images (spotgpu admin image add); nothing was bid"

@@ -15,7 +15,14 @@ from typing import Any, TypeVar
 import anyio
 import httpx
 
-from prefect_spotgpu.messages import AllocationResponse, BidResponse, EventsPage, QuoteResponse
+from prefect_spotgpu.messages import (
+    AllocationResponse,
+    BidResponse,
+    EventsPage,
+    ImageResponse,
+    QuoteResponse,
+    WebhookConfigResponse,
+)
 from prefect_spotgpu.protocol import LIVE_BID_STATUSES, MarketTerms
 from prefect_spotgpu.worker.bid_batch import batcher_for
 from prefect_spotgpu.worker.report import quote_summary
@@ -128,9 +135,10 @@ class MarketApi:
         )
         return [AllocationResponse.model_validate(a) for a in listed]
 
-    async def images(self) -> list[dict]:
+    async def images(self) -> list[ImageResponse]:
         """The market's image catalogue (``GET /images``)."""
-        return checked(await self.http.get("/images"), "read the image catalogue")
+        listed = checked(await self.http.get("/images"), "read the image catalogue")
+        return [ImageResponse.model_validate(i) for i in listed]
 
     async def place(self, body: dict) -> BidResponse:
         """Place a bid: in one ``/bids/batch`` with the process's other new bids
@@ -160,7 +168,10 @@ class MarketApi:
 
     async def set_webhook(self, url: str) -> None:
         current = await self.http.get("/webhook")
-        if current.status_code == 200 and current.json().get("url") == url:
+        if (
+            current.status_code == 200
+            and WebhookConfigResponse.model_validate(current.json()).url == url
+        ):
             return
         checked(await self.http.put("/webhook", json={"url": url}), "set the notice webhook")
 

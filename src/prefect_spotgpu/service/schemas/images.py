@@ -1,13 +1,14 @@
-"""Images: the operator's catalogue of named environments (``GET /images``), and the image
-fields of jobs and heartbeats."""
+"""Images: the operator's catalogue of named environments (``GET /images``; its entries are
+shared with the clients: ``prefect_spotgpu.messages``), and the image fields of jobs and
+heartbeats."""
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import Field, field_validator
 
+from prefect_spotgpu.messages import ImageResponse as ImageResponse
 from prefect_spotgpu.protocol import (
     IMAGE_NAME_PATTERN,
     IMAGE_REFERENCE_PATTERN,
@@ -69,15 +70,6 @@ class ImageCreate(ImageUpdate):
         if name == PROCESS_IMAGE:
             raise ValueError(f"{PROCESS_IMAGE!r} means no container, not an image")
         return name
-
-
-class ImageResponse(BaseModel):
-    name: str
-    reference: str
-    framework: str
-    cuda_version: str | None
-    description: str
-    updated_at: datetime
 
 
 def image_response(row) -> ImageResponse:

@@ -1,13 +1,16 @@
-"""Nodes: the GPUs a provider offers, what its agent reports with each heartbeat, and its token."""
+"""Nodes: the GPUs a provider offers, what its agent reports with each heartbeat, and its token
+(the replies are shared with the clients: ``prefect_spotgpu.messages``)."""
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from prefect_spotgpu.market import MAX_GPUS_PER_NODE
+from prefect_spotgpu.messages import NodeCreated as NodeCreated
+from prefect_spotgpu.messages import NodeResponse as NodeResponse
+from prefect_spotgpu.messages import NodeToken as NodeToken
 from prefect_spotgpu.protocol import (
     MAX_NODE_IMAGES,
     NODE_ADDRESS_PATTERN,
@@ -113,37 +116,9 @@ class NodeDrain(Strict):
     )
 
 
-class NodeResponse(BaseModel):
-    id: int
-    owner_id: int
-    name: str
-    gpu_model: str
-    region: str
-    gpu_count: int
-    reserve_price: float
-    capacity: str = "spot"
-    state: str
-    declared: bool
-    inventory: list[dict] | None = None
-    telemetry: dict | None = None
-    images: list[str] | None = None
-    address: str | None = None
-    runner: str | None = None
-    default_image: str | None = None
-    last_heartbeat_at: datetime
-
-
 def node_response(node) -> NodeResponse:
     """A node row as its ``NodeResponse``."""
     return NodeResponse.model_validate(node, from_attributes=True)
-
-
-class NodeCreated(NodeResponse):
-    token: str = Field(description="The node agent's token. Shown once; store it.")
-
-
-class NodeToken(BaseModel):
-    token: str = Field(description="The node agent's new token. Shown once; the old one is dead.")
 
 
 class Heartbeat(RunnerTerms):

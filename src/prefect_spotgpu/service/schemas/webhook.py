@@ -1,4 +1,5 @@
-"""A tenant's webhook: where its events are POSTed, and the log of every delivery."""
+"""A tenant's webhook: where its events are POSTed (the reply is shared with the clients:
+``prefect_spotgpu.messages``), and the log of every delivery."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, Field, HttpUrl, UrlConstraints, field_validator
 
+from prefect_spotgpu.messages import WebhookConfigResponse as WebhookConfigResponse
 from prefect_spotgpu.service import webhooks
 from prefect_spotgpu.service.schemas.fields import Strict
 
@@ -30,11 +32,6 @@ class WebhookConfig(Strict):
     @classmethod
     def _secret(cls, value: str | None) -> str | None:
         return None if value is None else webhooks.check_secret(value)
-
-
-class WebhookConfigResponse(BaseModel):
-    url: str | None
-    has_secret: bool
 
 
 _OUTCOME = re.compile(r"HTTP \d{3}|refused: [a-z ]+|[A-Za-z]+")
