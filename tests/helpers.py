@@ -134,10 +134,11 @@ _event_ids = iter(range(1, 10**9))
 
 
 def bid_event(kind: str, alloc: int, bid: int = 7, node: int = 1, **payload):
-    """One event of a bid as the worker reads it (``messages.EventResponse``)."""
+    """One event of a bid as the worker reads it (``messages.EventResponse``); ``payload``: the
+    keys the service would write (``messages.EventPayload``'s fields, or any other)."""
     from datetime import UTC, datetime
 
-    from prefect_spotgpu.messages import EventResponse
+    from prefect_spotgpu.messages import EventPayload, EventResponse
 
     return EventResponse(
         id=next(_event_ids),
@@ -145,7 +146,7 @@ def bid_event(kind: str, alloc: int, bid: int = 7, node: int = 1, **payload):
         bid_id=bid,
         node_id=node,
         allocation_id=alloc,
-        payload=payload,
+        payload=EventPayload.model_validate(payload),
         created_at=datetime(2026, 12, 1, tzinfo=UTC),
     )
 

@@ -11,7 +11,8 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from helpers import assignment, bid, image, quote
+from conftest import one_database
+from helpers import assignment, bid, bid_event, image, quote
 from prefect_spotgpu import messages
 from prefect_spotgpu.agent.credentials import CredentialError, obtain_node_token
 from prefect_spotgpu.service import schemas
@@ -98,6 +99,73 @@ def test_a_batch_reply_names_the_bid_and_the_field_it_lacks():
         messages.BidBatchResponse.model_validate({"bids": [placed], "created": [True]})
 
 
+# ---------------------------------------------------------- an event's payload, by its kind
+
+NOTICE = {"allocation_id": 11, "bid_id": 7, "node_id": 1, "event": "noticed", "at": 1700.0,
+          "reason": "outbid", "deadline": 1760.0, "epoch": 2}  # fmt: skip
+"""A ``noticed`` event's payload as the service writes it (``TickWrites.event``)."""
+
+
+def _event(payload: dict) -> dict:
+    return bid_event("noticed", 11).model_dump(mode="json") | {"payload": payload}
+
+
+def test_an_events_payload_keeps_a_key_it_does_not_know_and_reads_as_written():
+    """A newer service's key is kept (``extra="allow"``), the known ones read as fields; the
+    payload dumps as it came, a field it lacks not added as null (what an older client that
+    reads it as a mapping, or a Prefect event, gets)."""
+    written = NOTICE | {"urgency": {"level": "high"}}
+    page = messages.EventsPage.model_validate({"events": [_event(written)], "cursor": 1})
+    payload = page.events[0].payload
+    assert (payload.deadline, payload.epoch, payload.reason) == (1760.0, 2, "outbid")
+    assert payload.at == 1700.0 and payload.detail is None and payload.placement is None
+    assert payload.urgency == {"level": "high"} and payload.model_extra["allocation_id"] == 11
+    assert page.model_dump(mode="json")["events"][0]["payload"] == written
+    assert messages.EventsPage.model_validate_json(page.model_dump_json()) == page
+    assert messages.EventResponse.model_validate(_event({})).payload.model_dump() == {}
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("deadline", "soon"), ("epoch", 1.5), ("epoch", "two"), ("at", "now"),
+     ("reason", ["outbid"]), ("detail", 404), ("placement", {"kind": "new"})],
+)  # fmt: skip
+def test_an_events_payload_key_of_the_wrong_type_fails_naming_it(key, value):
+    with pytest.raises(ValidationError, match=rf"payload\.{key}\n") as e:
+        messages.EventResponse.model_validate(_event(NOTICE | {key: value}))
+    assert [error["loc"] for error in e.value.errors()] == [("payload", key)]
+    with pytest.raises(ValidationError, match=rf"events\.0\.payload\.{key}\n"):
+        messages.EventsPage.model_validate({"events": [_event({key: value})], "cursor": 1})
+
+
+def test_the_agent_reads_an_events_payload_by_its_fields(tmp_path):
+    """``Agent.handle``: each event's epoch kept, a migration target started, a notice given
+    its deadline and epoch, an end stopped; a notice without a deadline fails that event alone
+    (the loop logs it and goes on), its epoch still kept."""
+    from prefect_spotgpu.agent.agent import Agent
+    from prefect_spotgpu.agent.discovery import parse_declared
+    from prefect_spotgpu.agent.runners import ProcessRunner
+
+    agent = Agent(market="http://market", token=None, runner=ProcessRunner(),
+                  gpus=parse_declared("A100-80G:1"), declared=True, state_dir=tmp_path,
+                  name="rack-1")  # fmt: skip
+    calls = []
+    agent.start = lambda alloc_id: calls.append(("start", alloc_id))
+    agent.notice = lambda alloc_id, deadline, epoch: calls.append(
+        ("notice", alloc_id, deadline, epoch)
+    )
+    agent.stop = lambda alloc_id, reason, grace=None: calls.append(("stop", alloc_id, grace))
+    agent.handle(bid_event("reserved", 11, placement="takeover", epoch=1))  # starts when promoted
+    agent.handle(bid_event("reserved", 12, placement="migration", epoch=1))
+    agent.handle(bid_event("noticed", 12, deadline=1760.0, epoch=2, reason="outbid"))
+    agent.handle(bid_event("preempted", 12, reason="notice deadline passed"))  # no epoch
+    with pytest.raises(ValueError, match="no deadline"):
+        agent.handle(bid_event("noticed", 13, epoch=4, reason="reclaimed"))
+    assert calls == [("start", 12), ("notice", 12, 1760.0, 2), ("stop", 12, 0)]
+    assert agent.epochs == {11: 1, 12: 2, 13: 4}
+
+
+@one_database("the agent's side; the service's runs on both databases in its own tests")
 def test_a_real_node_reads_its_assignments_and_events_as_models(service, tmp_path):
     """The agent's own parsing, against the real service: the allocation of a bid on its node,
     then the page of events that started it; a checkpoint report as the first agents sent it
@@ -127,6 +195,9 @@ def test_a_real_node_reads_its_assignments_and_events_as_models(service, tmp_pat
     events = messages.EventsPage.model_validate(page.json())
     assert [e.kind for e in events.events][:1] == ["allocated"]
     assert events.events[0].allocation_id == alloc.id and events.cursor >= events.events[0].id
+    allocated = events.events[0].payload  # the service's payload, as it wrote it: no nulls added
+    assert (allocated.placement, allocated.epoch, allocated.gpu_count) == ("new", 1, 1)
+    assert "deadline" not in page.json()["events"][0]["payload"]
     older = {"epoch": alloc.epoch, "outcome": "checkpoint", "checkpoint_at": time.time()}
     reported = node_client.post(f"/allocations/{alloc.id}/report", json=older)  # no step
     assert reported.status_code == 200, reported.text

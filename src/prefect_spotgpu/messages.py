@@ -3,7 +3,8 @@ pydantic models all three import: the service declares them as its response mode
 clients parse what they read into them instead of reading dicts by string keys. Here: a bid
 (``BidResponse``, and a batch of them placed together, ``BidBatchResponse``), a pool's quote
 (``QuoteResponse``), an allocation (``AllocationResponse``; as its node agent sees it, with its
-job: ``Assignment``), a bid's events (``EventResponse``, a page of them: ``EventsPage``), a node
+job: ``Assignment``), a bid's events (``EventResponse``, its payload ``EventPayload``, a page of
+them: ``EventsPage``), a node
 (``NodeResponse``; as registered, with its agent's token: ``NodeCreated``; a new token:
 ``NodeToken``), an image catalogue entry (``ImageResponse``) and a tenant's webhook
 (``WebhookConfigResponse``).
@@ -11,11 +12,14 @@ job: ``Assignment``), a bid's events (``EventResponse``, a page of them: ``Event
 Wire compatibility: a field a newer service adds is ignored by an older client (pydantic's
 default ``extra="ignore"``), and a field a client needs that a reply lacks fails the parse
 naming it (``pydantic.ValidationError``), never a ``KeyError`` deep in the client. An event's
-``payload`` stays a mapping: its keys depend on the event's kind (``protocol.EventKind``); so do
-a bid's ``labels`` and ``job``, and a node's ``inventory`` and ``telemetry``. Statuses and
-capacities stay strings, so an older client still reads a status a newer service adds: compare
-them with ``protocol``'s ``StrEnum``s (``BidStatus.HELD``, ``Capacity.ON_DEMAND``), never with
-bare strings.
+``payload`` is an ``EventPayload``: each key the service writes into one is an optional field
+(which keys an event carries depends on its kind, ``protocol.EventKind``), a key it does not
+declare is kept as it came (``extra="allow"``: a newer service's), and a declared key of the
+wrong type fails the parse naming it (``payload.deadline``). A bid's ``labels`` and ``job``,
+and a node's ``inventory`` and ``telemetry``, stay mappings. Statuses and capacities stay
+strings, so an older client still reads a status a newer service adds: compare them with
+``protocol``'s ``StrEnum``s (``BidStatus.HELD``, ``Capacity.ON_DEMAND``), never with bare
+strings.
 
 Imports only pydantic and ``protocol`` (``tests/test_architecture.py``), so the agent and the
 worker may use it without the service's dependencies.
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 
 class AllocationResponse(BaseModel):
@@ -78,6 +82,56 @@ class Assignment(AllocationResponse):
     )
 
 
+class EventPayload(BaseModel):
+    """What an event says, by its kind (``EventKind``; times in Unix epoch seconds). Every
+    event: ``at`` (when the market wrote it), and ``allocation_id``, ``bid_id``, ``node_id`` and
+    ``event`` (its kind) as the event itself has them. ``allocated`` and ``reserved`` (an
+    allocation placed): ``status``, ``gpu_count``, ``placement`` and ``epoch``; one the market
+    has just placed also ``expires_at`` (a reservation's expiry; null for a running one).
+    ``noticed``: ``reason`` (a notice reason), ``deadline`` and ``epoch``. ``preempted``,
+    ``finished`` and ``released`` (an end): ``reason`` (an end reason), ``epoch``, and
+    ``detail`` when the node said why its job failed. ``pulling``: ``epoch`` and ``detail`` (how
+    far the image pull is). A key not listed here is kept as it came; a listed one an event does
+    not carry is absent, never sent as null."""
+
+    model_config = ConfigDict(extra="allow")
+
+    at: float | None = Field(None, description="When the market wrote the event (epoch s).")
+    epoch: int | None = Field(
+        None, description="The allocation's epoch: the fencing token its agent's reports carry."
+    )
+    placement: str | None = Field(
+        None,
+        description="How the allocation was placed: new, takeover or migration (its GPUs "
+        "reserved for the bid's next allocation), or promoted (a reservation that now runs).",
+    )
+    status: str | None = Field(None, description="The allocation's status when placed.")
+    gpu_count: int | None = Field(None, description="The allocation's GPUs.")
+    expires_at: float | None = Field(
+        None, description="When a reservation lapses unless promoted (epoch s)."
+    )
+    deadline: float | None = Field(
+        None, description="A notice's deadline: the final save is due by then (epoch s)."
+    )
+    reason: str | None = Field(
+        None, description="Why: a notice's reason, or an end's (the allocation's end_reason)."
+    )
+    detail: str | None = Field(
+        None,
+        description="A pull's progress, or the node's word on why a job failed (e.g. a "
+        "missing image).",
+    )
+
+    @model_serializer(mode="wrap")
+    def _as_written(self, handler: SerializerFunctionWrapHandler):
+        """Only the keys the payload came with: a field it lacks is not added as null, so a
+        client that reads it as a mapping (an older one, a Prefect event) sees what the
+        service wrote."""
+        written = handler(self)
+        fields = type(self).model_fields
+        return {k: v for k, v in written.items() if k in self.model_fields_set or k not in fields}
+
+
 class EventResponse(BaseModel):
     """One event of a bid (and of the node that holds its allocation)."""
 
@@ -86,7 +140,7 @@ class EventResponse(BaseModel):
     bid_id: int
     node_id: int
     allocation_id: int
-    payload: dict
+    payload: EventPayload
     created_at: datetime
 
 

@@ -266,14 +266,16 @@ class Agent:
 
     def handle(self, event: EventResponse) -> None:
         kind, alloc_id, payload = event.kind, event.allocation_id, event.payload
-        if "epoch" in payload:
-            self.epochs[alloc_id] = payload["epoch"]
+        if payload.epoch is not None:
+            self.epochs[alloc_id] = payload.epoch
         if kind == EventKind.ALLOCATED or (  # a migration target starts warm, if given its job
-            kind == EventKind.RESERVED and payload.get("placement") == "migration"
+            kind == EventKind.RESERVED and payload.placement == "migration"
         ):
             self.start(alloc_id)
         elif kind == EventKind.NOTICED:
-            self.notice(alloc_id, payload["deadline"], payload.get("epoch"))
+            if payload.deadline is None:  # fails this event alone (logged), its epoch kept
+                raise ValueError(f"notice {event.id} of allocation {alloc_id} has no deadline")
+            self.notice(alloc_id, payload.deadline, payload.epoch)
         elif kind in ENDING_EVENTS:  # a preemption: SIGKILL only, as at a notice's end
             self.stop(alloc_id, reason=kind, grace=0 if kind == EventKind.PREEMPTED else None)
 
@@ -517,9 +519,7 @@ class Agent:
                 f" ({detail})" if detail else "",
             )
             body = {"epoch": self.epochs.get(alloc_id, 1), "outcome": outcome}
-            if detail:
-                body["detail"] = detail
-            self.reporter.report_later(alloc_id, body)
+            self.reporter.report_later(alloc_id, body | ({"detail": detail} if detail else {}))
 
     # ---------------------------------------------------------------- restart
 

@@ -262,7 +262,7 @@ def _timeline(
         node = nodes.get(e.node_id, e.node_id)
         what = {
             EventKind.ALLOCATED: "GPUs allocated"
-            if e.payload.get("placement") == "new"
+            if e.payload.placement == "new"
             else "resumes on the reserved node",
             EventKind.RESERVED: "migration target reserved",
             EventKind.NOTICED: "notice (SIGUSR1, webhook, Prefect event)",
@@ -271,9 +271,9 @@ def _timeline(
         }.get(e.kind, e.kind)
         detail = f"{node}, allocation {e.allocation_id}"
         if e.kind == EventKind.NOTICED:
-            detail += f", deadline in {e.payload['deadline'] - e.payload['at']:.0f} s"
+            detail += f", deadline in {e.payload.deadline - e.payload.at:.0f} s"
         if e.kind == EventKind.PREEMPTED:
-            detail += f" ({e.payload.get('reason')})"
+            detail += f" ({e.payload.reason})"
         moments.append(Moment(_ts(e.created_at), what, detail))
     running = 0
     for s in states:
@@ -287,7 +287,7 @@ def _timeline(
             moments.append(Moment(s.timestamp.timestamp(), s.name, message))
     saves = [FINAL_SAVE_LOG.search(log.message) for log in logs]
     saves = [m for m in saves if m]  # the checkpoint library's own log lines, when they arrived
-    notices = {e.allocation_id: e.payload["at"] for e in events if e.kind == EventKind.NOTICED}
+    notices = {e.allocation_id: e.payload.at for e in events if e.kind == EventKind.NOTICED}
     for a in allocations:  # the market's record of each acknowledged final save
         if a.final_save == "ok" and a.last_checkpoint_at:
             detail = f"{a.last_checkpoint_at - notices.get(a.id, a.started_at):.2f} s "

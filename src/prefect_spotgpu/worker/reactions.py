@@ -33,7 +33,8 @@ last word (:func:`after_engine`), and which runs a worker may adopt (:func:`adop
     ...                         payload={}, created_at=now)
     >>> react(started, track.apply(started), track, settings, now)
     Go(log=None, emit=None, allocation_id=11, node_id=2, preemptions=0)
-    >>> lost = started.model_copy(update={"kind": "preempted", "payload": {"reason": "node lost"}})
+    >>> lost = started.model_copy(
+    ...     update={"kind": "preempted", "payload": EventPayload(reason="node lost")})
     >>> reaction = react(lost, track.apply(lost), track, settings, now)
     >>> reaction.crashed, reaction.message.split(";")[0]  # never noticed: a crash
     (True, 'Crashed on node 2 (node lost, no notice)')
@@ -47,7 +48,7 @@ from enum import StrEnum
 from typing import Literal
 
 from prefect_spotgpu.economics.schedules import aware, cheap_window
-from prefect_spotgpu.messages import BidResponse, EventResponse
+from prefect_spotgpu.messages import BidResponse, EventPayload, EventResponse
 from prefect_spotgpu.protocol import (
     HELD_UNSERVED,
     BidStatus,
@@ -160,7 +161,7 @@ class Track:
         self.nodes[alloc] = event.node_id
         if self.is_member(event):
             self.members.add(alloc)
-            if kind == EventKind.PREEMPTED and event.payload.get("reason") == JOB_FAILED:
+            if kind == EventKind.PREEMPTED and event.payload.reason == JOB_FAILED:
                 self.member_failure = event
             return False
         if kind == EventKind.ALLOCATED and alloc not in self.ended and alloc not in self.running:
@@ -170,7 +171,7 @@ class Track:
             self.noticed.add(alloc)
         elif kind in (EventKind.PREEMPTED, EventKind.FINISHED, EventKind.RELEASED):
             self.ended.add(alloc)
-            reason = event.payload.get("reason")
+            reason = event.payload.reason
             failed = reason == JOB_FAILED or (
                 reason == GANG_MEMBER_ENDED and self.member_failure is not None
             )
@@ -296,7 +297,7 @@ def react(
         return member_event(event)
     if (
         ended_current
-        and event.payload.get("reason") == GANG_MEMBER_ENDED
+        and event.payload.reason == GANG_MEMBER_ENDED
         and track.member_failure is not None
     ):
         event = track.member_failure  # the gang ended because this member's job failed
@@ -307,23 +308,23 @@ def react(
                 allocation_id=alloc, node_id=track.nodes.get(alloc), preemptions=track.preemptions
             )
         if kind == EventKind.PULLING and alloc == track.live:  # the pull's progress, in its log
-            return Nothing(log=("info", f"Node {node}: {payload.get('detail') or 'pulling'}"))
+            return Nothing(log=("info", f"Node {node}: {payload.detail or 'pulling'}"))
         if kind == EventKind.RESERVED:
             return Nothing(
                 log=("info", f"GPUs reserved for this run on node {node} (allocation {alloc})")
             )
         if kind == EventKind.NOTICED and alloc == track.live:
-            left = float(payload.get("deadline") or now.timestamp()) - now.timestamp()
+            left = (payload.deadline or now.timestamp()) - now.timestamp()
             return Nothing(
                 log=(
                     "warning",
                     f"Notice: allocation {alloc} on node {node} ends "
-                    f"({payload.get('reason', 'reclaimed')}); final save due within {left:.0f} s",
+                    f"({payload.reason or 'reclaimed'}); final save due within {left:.0f} s",
                 ),
                 emit=Emit(WorkerEvent.NOTICED, plain(payload)),
             )
         return Nothing()
-    reason = str(payload.get("reason") or kind)
+    reason = str(payload.reason or kind)
     if kind == EventKind.PREEMPTED and reason != JOB_FAILED:
         return preempted(event, track, settings, now)
     # The job ended by itself: the engine has written the run's final state.
@@ -349,7 +350,7 @@ def react(
         if kind == EventKind.PREEMPTED:  # the process exited non-zero: the bid must not go on
             return CancelBid(status_code=status, log=log)
         return Ended(status_code=status, log=log)
-    detail = payload.get("detail")
+    detail = payload.detail
     if kind == EventKind.PREEMPTED and detail:  # the node said why (e.g. a missing image)
         message = f"The job on allocation {alloc} failed on node {node}: {detail}"
         return Fail(message=message, log=("error", message))
@@ -368,8 +369,8 @@ def member_event(event: EventResponse) -> Nothing:
     kind, alloc, node = event.kind, event.allocation_id, event.node_id
     if kind == EventKind.ALLOCATED:
         return Nothing(log=("info", f"Gang member on node {node} started (allocation {alloc})"))
-    if kind == EventKind.PREEMPTED and event.payload.get("reason") == JOB_FAILED:
-        detail = event.payload.get("detail") or JOB_FAILED
+    if kind == EventKind.PREEMPTED and event.payload.reason == JOB_FAILED:
+        detail = event.payload.detail or JOB_FAILED
         return Nothing(log=("error", f"Gang member's job on node {node} failed: {detail}"))
     return Nothing()
 
@@ -380,7 +381,7 @@ def preempted(
     """A preemption of the run's allocation (``event``): reschedule it to resume from its
     checkpoint, or fail it once it was preempted more than ``max_preemptions`` times."""
     payload = event.payload
-    reason = payload.get("reason", "preempted")
+    reason = payload.reason or "preempted"
     emit = Emit(WorkerEvent.PREEMPTED, plain(payload))
     if track.preemptions > settings.max_preemptions:
         message = (
@@ -424,7 +425,7 @@ def missed_preemption(
         if (
             event.kind == EventKind.PREEMPTED
             and str(event.allocation_id) == str(allocation_label)
-            and event.payload.get("reason") != JOB_FAILED
+            and event.payload.reason != JOB_FAILED
         ):
             return event
     return None
@@ -529,8 +530,11 @@ def window_over(
     return aware(bid.window_end).timestamp() <= now.timestamp() + notice_seconds
 
 
-def plain(payload: dict) -> dict:
-    """The scalar fields of an event's payload (what a Prefect event's payload may carry)."""
+def plain(payload: EventPayload) -> dict:
+    """The scalar fields of an event's payload, as the service wrote it (what a Prefect
+    event's payload may carry)."""
     return {
-        k: v for k, v in payload.items() if isinstance(v, str | int | float | bool) or v is None
+        k: v
+        for k, v in payload.model_dump().items()
+        if isinstance(v, str | int | float | bool) or v is None
     }
