@@ -7,7 +7,7 @@ import os
 
 from typer.testing import CliRunner
 
-from conftest import ADMIN_KEY
+from conftest import ADMIN_KEY, one_database
 from test_cli import spotgpu
 
 
@@ -21,6 +21,7 @@ def _env(service, **extra) -> dict[str, str]:
     }
 
 
+@one_database("the CLI's rendering of the API's replies")
 def test_the_operator_grants_and_revokes_providers_keys_and_node_tokens(service):
     env = _env(service)
     tenant = service.tenant("carol")
@@ -49,6 +50,7 @@ def test_the_operator_grants_and_revokes_providers_keys_and_node_tokens(service)
     assert out.returncode == 1 and "no tenant named" in out.stdout
 
 
+@one_database("the CLI's rendering of the API's replies")
 def test_a_tenant_rotates_its_key_and_its_nodes_token_from_the_environment(service, tmp_path):
     tenant = service.tenant()
     node, agent = service.node(tenant, gpus=1)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import ADMIN_KEY
+from conftest import ADMIN_KEY, one_database
 from conftest import wait_for as wait
 from helpers import assignment, stop_agent
 from prefect_spotgpu.agent.discovery import DiscoveryError, discover_nvml, parse_declared
@@ -458,6 +458,7 @@ def make_agent(service, owner, tmp_path, gpus=1, runner=None):
     return node, agent
 
 
+@one_database("the agent's side; the service's runs on both databases in its own tests")
 def test_a_job_that_cannot_start_gives_its_gpus_back(service, tmp_path):
     owner = service.tenant()
     _, agent = make_agent(service, owner, tmp_path, gpus=2)
@@ -466,6 +467,7 @@ def test_a_job_that_cannot_start_gives_its_gpus_back(service, tmp_path):
     assert agent.gpu_book.free_count() == 2 and agent.gpu_book.held() == {} and agent.jobs == {}
 
 
+@one_database("the agent's side; the service's runs on both databases in its own tests")
 def test_a_job_that_finishes_during_its_notice_is_reported_finished(service, tmp_path):
     import threading
 
@@ -500,6 +502,7 @@ def test_a_job_that_finishes_during_its_notice_is_reported_finished(service, tmp
         thread.join(timeout=10)
 
 
+@one_database("the agent's side; the service's runs on both databases in its own tests")
 def test_a_job_that_exits_non_zero_reports_its_exit_code_and_last_line(service, tmp_path):
     import threading
 
@@ -529,6 +532,7 @@ def test_a_job_that_exits_non_zero_reports_its_exit_code_and_last_line(service, 
         thread.join(timeout=10)
 
 
+@one_database("the agent's side; the service's runs on both databases in its own tests")
 def test_an_allocation_waits_for_gpus_a_stopping_job_still_holds(service, tmp_path):
     owner = service.tenant()
     node, agent = make_agent(service, owner, tmp_path, gpus=1)
@@ -556,6 +560,7 @@ def test_an_allocation_waits_for_gpus_a_stopping_job_still_holds(service, tmp_pa
     assert node["id"] == alloc.node_id
 
 
+@one_database("the agent's side; the service's runs on both databases in its own tests")
 def test_checkpoints_are_reported_and_a_failed_final_save_names_its_cause(service, tmp_path):
     import threading
 
@@ -639,6 +644,7 @@ def owner_agent(service, owner, state_dir, name="node-x"):
     )
 
 
+@one_database("the agent's side; the service's runs on both databases in its own tests")
 def test_registering_keeps_a_node_token_and_a_cursor_of_that_node_only(service, tmp_path):
     from prefect_spotgpu.agent.credentials import NodeRecord, save_cursor, save_record
 
@@ -660,6 +666,7 @@ def test_registering_keeps_a_node_token_and_a_cursor_of_that_node_only(service, 
     assert again.node_id == agent.node_id and len(owner.get("/nodes").json()) == 1
 
 
+@one_database("the agent's side; the service's runs on both databases in its own tests")
 def test_a_second_registration_of_a_name_issues_a_new_token(service, tmp_path):
     owner = service.tenant()
     service.grant_provider(owner)

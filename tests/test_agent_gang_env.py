@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import one_database
 from conftest import wait_for as wait
 from prefect_spotgpu.agent.runners import DockerRunner, JobRequest, ProcessRunner
 from prefect_spotgpu.agent.runners.runner import GangPlace
@@ -151,6 +152,7 @@ def test_a_container_member_gets_the_same_variables_over_its_tenants(tmp_path):
     assert not set(TORCH_DISTRIBUTED_NAMES) & set(env)
 
 
+@one_database("the agent's side; the service's runs on both databases in its own tests")
 def test_an_agent_reports_a_malformed_gang_failed_saying_why(service, tmp_path):
     owner, buyer = service.tenant(), service.tenant()
     _, agent = make_agent(service, owner, tmp_path, runner=ProcessRunner(users=AS_ME))
@@ -179,6 +181,7 @@ def test_an_agent_reports_a_malformed_gang_failed_saying_why(service, tmp_path):
         agent.shutdown()
 
 
+@one_database("the agent's side; the service's runs on both databases in its own tests")
 def test_the_agent_registers_its_advertised_address(service, tmp_path):
     owner = service.tenant()
     service.grant_provider(owner)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
+from conftest import one_database, wait_for
 from helpers import stop_agent
 from prefect_spotgpu.agent.credentials import (
     NodeRecord,
@@ -539,6 +539,7 @@ def cli_agent(service, key, state: Path, name: str, *extra: str) -> subprocess.P
 
 @AS_ROOT
 @NEEDS_PYTHON
+@one_database("the agent's side; the service's runs on both databases in its own tests")
 def test_an_agent_started_by_the_cli_keeps_its_key_from_argv_and_from_its_jobs(service, sandbox):
     owner, buyer = service.tenant(), service.tenant()
     service.grant_provider(owner)
@@ -610,6 +611,7 @@ def test_an_agent_started_by_the_cli_keeps_its_key_from_argv_and_from_its_jobs(s
             )
 
 
+@one_database("the agent's side; the service's runs on both databases in its own tests")
 def test_the_agents_key_comes_from_a_file_or_the_environment_never_argv(service, tmp_path):
     owner = service.tenant()
     service.grant_provider(owner)

@@ -9,10 +9,11 @@ import subprocess
 import sys
 import time
 
-from conftest import start_service, wait_for
+from conftest import one_database, start_service, wait_for
 from prefect_spotgpu.cli.stack import free_port
 
 
+@one_database("the agent's side; the service's runs on both databases in its own tests")
 def test_an_agent_waits_for_a_market_that_is_down_and_registers_when_it_is_up(db_url, tmp_path):
     port = free_port()
     market = f"http://127.0.0.1:{port}"

@@ -8,6 +8,7 @@ import pytest
 from prefect.testing.standard_test_suites import BlockStandardTestSuite
 from pydantic import ValidationError
 
+from conftest import one_database
 from helpers import image
 from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
 from prefect_spotgpu.checkpoint import LocalStorage, S3Storage
@@ -36,6 +37,7 @@ class TestBlockStandards(BlockStandardTestSuite):
         assert img.width == img.height and 1000 > img.width > 45
 
 
+@one_database("the block's client; its routes are tested on both databases")
 def test_the_market_block_talks_to_a_real_market(service):
     alice = service.tenant("alice")
     market = SpotMarket(url=service.base_url, api_key=alice.headers["Authorization"][7:])

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 import docker_engine
+from conftest import one_database
 from conftest import wait_for as wait
 from prefect_spotgpu.agent.heartbeat import NodeImages, send_heartbeat
 from prefect_spotgpu.agent.isolation import JobUsers
@@ -336,6 +337,7 @@ def test_images_are_read_at_start_after_a_pull_and_once_a_minute_and_sent_when_c
     assert images.to_send() is None and reads == [0.0, 30.0, 90.0]  # read; unchanged
 
 
+@one_database("the agent's side; the service's runs on both databases in its own tests")
 def test_a_node_whose_image_list_is_refused_still_heartbeats_and_offers_it_once(service):
     owner = service.tenant()
     node, node_client = service.node(owner, gpus=1)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from conftest import ADMIN_KEY, Service, start_service
+from conftest import ADMIN_KEY, Service, one_database, start_service
 from prefect_spotgpu.worker.config import SEEDED_IMAGES, ImageName
 from test_service_api import bid, events, wait_event
 
@@ -44,6 +44,7 @@ def sqlite_service(tmp_path_factory) -> Iterator[Service]:
 # ---------------------------------------------------------------- the seeded catalogue
 
 
+@one_database("a read of the seeded catalogue")
 def test_anyone_reads_the_seeded_catalogue_of_published_images(service):
     catalogue = service.client().get("/images")  # no key
     assert catalogue.status_code == 200, catalogue.text
@@ -86,6 +87,7 @@ def test_the_operator_adds_replaces_and_removes_images(service):
     assert process.status_code == 422 and process.json()["field"] == "name"
 
 
+@one_database("roles are decided with the caller's key, before any write")
 def test_a_tenant_or_a_node_cannot_change_the_catalogue(service):
     mallory = service.tenant()
     _, agent = service.node(service.tenant())

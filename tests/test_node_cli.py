@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from conftest import one_database
 from test_access_cli import _env
 from test_cli import spotgpu
 
 
+@one_database("the CLI's rendering of the API's replies")
 def test_a_provider_reclaims_drains_and_offers_its_node_by_name(service):
     owner, buyer, stranger = service.tenant(), service.tenant(), service.tenant()
     node, _ = service.node(owner, gpus=2, reserve=0.5, name="rack-7")

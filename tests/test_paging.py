@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from conftest import one_database
 from prefect_spotgpu.cli.market_cmds import PAGE_SIZE
 
 
@@ -63,6 +64,7 @@ def test_bids_come_newest_first_and_every_bid_once_across_pages(service):
         ({"before": 2**63}, "before"),
     ],
 )
+@one_database("validation and headers are decided before any query")
 def test_bad_cursors_are_422_naming_the_parameter(service, params, field):
     alice = service.tenant()
     for path in ("/bids", "/allocations", "/ledger"):
@@ -105,6 +107,7 @@ def test_allocations_and_the_ledger_page_newest_first(service):
     assert pages[-1]["entries"] and not pages[-1]["charges"]
 
 
+@one_database("the CLI's rendering of the API's replies")
 def test_the_cli_shows_the_newest_bids_across_pages(service):
     alice = service.tenant()
     ids = [post_bid(alice)["id"] for _ in range(PAGE_SIZE + 5)]

@@ -9,7 +9,7 @@ import time
 import pytest
 import sqlalchemy as sa
 
-from conftest import ADMIN_KEY, start_service
+from conftest import ADMIN_KEY, one_database, start_service
 from test_service_api import bid, wait_event
 
 SECRET = "AKIA-very-secret-0123456789"
@@ -32,6 +32,7 @@ def node_jobs(node_client, node_id) -> dict[int, dict | None]:
 # ---------------------------------------------------------------- roles: supply is vetted
 
 
+@one_database("a role, read with the caller's key before any write")
 def test_only_a_provider_the_operator_granted_registers_nodes(service):
     mallory = service.tenant()
     body = {"name": "n", "gpu_model": "A100-80G", "region": "eu-west", "gpu_count": 8}
@@ -167,6 +168,7 @@ def test_sealing_uses_the_configured_key_and_seals_old_plaintext_at_start(db_url
         engine.dispose()
 
 
+@one_database("a file's mode, written at the start")
 def test_the_generated_key_file_is_private(service, tmp_path):
     key_file = tmp_path / "home" / "secret_key"
     assert key_file.exists() and key_file.stat().st_mode & 0o777 == 0o600
@@ -400,6 +402,7 @@ def test_a_failed_save_frees_the_gpus_for_the_next_bid(service):
 # ---------------------------------------------------------------- keys
 
 
+@one_database("a key lookup per request; the writes are one row each")
 def test_keys_rotate_and_revoke_at_once(service):
     alice, provider = service.tenant(), service.tenant()
     rotated = alice.post("/me/key")

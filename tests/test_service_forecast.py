@@ -7,7 +7,7 @@ import time
 import numpy as np
 import sqlalchemy as sa
 
-from conftest import start_service
+from conftest import one_database, start_service
 from prefect_spotgpu.service.models import PriceBar
 
 
@@ -89,6 +89,7 @@ def test_an_estimate_for_any_region_takes_the_cheapest_region_hour_by_hour(db_ur
         service.stop()
 
 
+@one_database("validation and headers are decided before any query")
 def test_bad_input_is_named(service):
     api = service.client()
     response = api.post(

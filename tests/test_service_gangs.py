@@ -13,7 +13,7 @@ import uuid
 import pytest
 import sqlalchemy as sa
 
-from conftest import start_service
+from conftest import one_database, start_service
 from test_service_api import wait_event
 
 GANG = {"gpu_model": "A100-80G", "gpu_count": 8, "max_price": 1.2, "region": "eu-west"}
@@ -353,6 +353,7 @@ def test_a_restarted_service_rebuilds_its_gangs(db_url, tmp_path):
         {"node_count": 2, "capacity": "on_demand", "max_price": None},  # no on-demand nodes
     ],
 )
+@one_database("a 422 from validation or from counting the registered nodes, before any write")
 def test_bad_node_counts_get_422_naming_node_count_and_write_nothing(service, db_url, body):
     alice, owner = service.tenant(), service.tenant()
     for region in ("eu-west", "eu-west", "us-east"):
@@ -413,6 +414,7 @@ def test_a_gang_fits_the_region_with_the_most_nodes_and_its_retry_returns_it(ser
         *("169.254.169.254", "fe80::1", "0.0.0.0", "::", "224.0.0.1", "255.255.255.255"),
     ],
 )
+@one_database("validation and headers are decided before any query")
 def test_bad_addresses_get_422_naming_address_and_write_nothing(service, db_url, address):
     owner = service.tenant()
     service.grant_provider(owner)

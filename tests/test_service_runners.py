@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import one_database
 from test_images import TORCH, job
 from test_service_api import bid, wait_event
 
@@ -68,6 +69,7 @@ def test_a_docker_node_serves_bids_without_an_image_only_with_a_default_image(se
         ({"default_image": TORCH}, "default_image"),
     ],
 )
+@one_database("validation and headers are decided before any query")
 def test_a_bad_runner_is_a_422_naming_the_field_and_changes_nothing(service, body, field):
     owner = service.tenant()
     node, agent = service.node(owner, gpus=2, runner="docker")

@@ -10,6 +10,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from conftest import one_database
 from prefect_spotgpu.agent.discovery import discover_nvml, parse_declared, telemetry_nvml
 from prefect_spotgpu.service import telemetry as schema
 from prefect_spotgpu.service.schemas import Heartbeat, NodeCreate
@@ -140,6 +141,7 @@ HOSTILE_TELEMETRY = [
 ]
 
 
+@one_database("validation and headers are decided before any query")
 def test_hostile_telemetry_is_a_422_naming_the_field_and_is_not_stored(service):
     owner = service.tenant()
     node, agent = service.node(owner, gpus=2)
@@ -177,6 +179,7 @@ def test_hostile_telemetry_is_a_422_naming_the_field_and_is_not_stored(service):
     ]  # fmt: skip
 
 
+@one_database("validation and headers are decided before any query")
 def test_hostile_inventory_is_a_422_naming_the_field(service):
     owner = service.tenant()
     service.grant_provider(owner)

@@ -12,6 +12,7 @@ import uuid
 import pytest
 from prefect.exceptions import InfrastructureNotFound
 
+from conftest import one_database
 from helpers import allocation, bid, bid_event
 from prefect_spotgpu.blocks import CheckpointStorage
 from prefect_spotgpu.worker import SpotGPUWorker
@@ -255,6 +256,7 @@ def test_the_launcher_waits_through_crashed_and_acknowledges_an_early_notice(
         assert went.returncode != 0 and "go at" in went.stdout
 
 
+@one_database("refused in the worker before any bid reaches the market")
 def test_a_run_without_checkpoint_storage_is_refused_before_any_bid(service):
     """It would bid, start a billed job and fail on the node; now it fails at
     once, naming the variable, and the market never hears of it."""
@@ -277,6 +279,7 @@ def test_a_run_without_checkpoint_storage_is_refused_before_any_bid(service):
     assert buyer.get("/bids").json() == []
 
 
+@one_database("refused in the worker before any bid reaches the market")
 def test_a_run_whose_image_is_not_in_the_catalogue_is_refused_with_the_list(
     service, tmp_path, prefect_api_url
 ):
