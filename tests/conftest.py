@@ -34,15 +34,17 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 # - job uids: an agent kills a stopped job's processes by its uid, so each worker's agents get
 #   their own range (``--job-uid-base``, by its environment variable), apart from the default
 #   range that agents started with a fresh environment use (the manual path's);
-# - the Docker engine, its job containers and the registry: every test that uses them runs in
-#   one worker (the ``docker`` group, ``pytest_collection_modifyitems`` below);
+# - the Docker engine, its job containers and the registry, the Prefect server and the demos:
+#   every test that uses them runs in one worker (the ``stack`` group,
+#   ``pytest_collection_modifyitems`` below);
 # - PostgreSQL: each worker its own database (``test_gw1``, ...), since the tick leader's
 #   advisory lock is one per database, whatever a test's schema.
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...; None: not in a worker
 WORKER = int(XDIST_WORKER.removeprefix("gw")) if XDIST_WORKER else 0
 if XDIST_WORKER:  # (the controller's conftest ran first: its value is inherited, replace it)
     os.environ["SPOTGPU_JOB_UID_BASE"] = str(300_000 + 100_000 * WORKER)
-DOCKER_FIXTURES = {"job_image", "flow_image", "registry"}
+STACK_FIXTURES = {"job_image", "flow_image", "registry", "prefect_api_url"}
+STACK_MODULES = {"test_demo.py", "test_prefect_ui.py", "test_readme.py", "test_manual_path.py"}
 
 POSTGRES_URL = os.environ.get(
     "SPOTGPU_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -298,14 +300,14 @@ def start_service(db_url: str, home, port: int | None = None, **overrides) -> Se
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60  # (generous: a loaded 2-core machine)
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the service did not start")
         time.sleep(0.02)
     service = Service(f"http://127.0.0.1:{port}", app, server, thread)
     # wait until this replica leads the tick loop
-    service.wait_for(lambda: service.client().get("/health").json()["leader"], timeout=20)
+    service.wait_for(lambda: service.client().get("/health").json()["leader"], timeout=60)
     return service
 
 
@@ -378,8 +380,11 @@ def api(tmp_path) -> Iterator[Service]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests of the Docker engine run in one worker (``--dist loadgroup``): they share the
-    engine, its job containers (found by label) and the registry.
+    """In parallel workers (``--dist loadgroup``), every test that runs the whole stack runs in
+    one worker, the ``stack`` group: the tests of the Docker engine (they share the engine, its
+    job containers, found by label, and the registry) and those of a Prefect server or a demo
+    (so one worker starts one Prefect server, and two end-to-end runs never contend for the two
+    cores); the service's and the pure tests share out over the other workers.
 
     xdist's own ``xdist_group`` marker works by appending ``@group`` to each test's id, which
     pytest 9.2 no longer lets it do (it sets ``item._nodeid``; the id is now ``item._id``), so
@@ -389,5 +394,8 @@ def pytest_collection_modifyitems(config, items):
     from _pytest.nodeid import NodeId
 
     for item in items:
-        if DOCKER_FIXTURES & set(getattr(item, "fixturenames", ())) and "@" not in item.nodeid:
-            item._id = NodeId.parse(f"{item.nodeid}@docker")
+        whole_stack = STACK_FIXTURES & set(getattr(item, "fixturenames", ())) or (
+            item.path.name in STACK_MODULES
+        )
+        if whole_stack and "@" not in item.nodeid:
+            item._id = NodeId.parse(f"{item.nodeid}@stack")
