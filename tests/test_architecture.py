@@ -289,8 +289,13 @@ for heavy in ("prefect", "prefect.flows", "prefect.workers.base", "sqlalchemy", 
               "httpx", "pydantic", "numpy", "boto3", "typer", "rich", "alembic"):
     importlib.import_module(heavy)  # third parties once; nothing of ours is imported yet
 assert not any(m.startswith("prefect_spotgpu") for m in sys.modules)
-failed = []
+failed, children = [], {}
 for name in sys.argv[1:]:
+    if len(children) >= (os.cpu_count() or 1):  # one child per core at a time
+        pid, status = os.wait()
+        if status:
+            failed.append(children[pid])
+        del children[pid]
     pid = os.fork()
     if pid == 0:  # a child with nothing of ours imported: this module alone
         try:
@@ -299,8 +304,9 @@ for name in sys.argv[1:]:
             print(f"{name}: {type(exc).__name__}: {exc}", flush=True)
             os._exit(1)
         os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    if status:
+    children[pid] = name
+for pid, name in children.items():
+    if os.waitpid(pid, 0)[1]:
         failed.append(name)
 sys.exit(1 if failed else 0)
 """

@@ -21,18 +21,21 @@ from prefect_spotgpu.worker.market_api import MarketApi
 
 
 def test_the_service_answers_with_the_models_its_clients_parse():
-    assert schemas.Assignment is messages.Assignment
-    assert schemas.AllocationResponse is messages.AllocationResponse
-    assert schemas.EventsPage is messages.EventsPage
-    assert schemas.EventResponse is messages.EventResponse
-    assert schemas.BidResponse is messages.BidResponse
-    assert schemas.BidBatchResponse is messages.BidBatchResponse
-    assert schemas.QuoteResponse is messages.QuoteResponse
-    assert schemas.NodeResponse is messages.NodeResponse
-    assert schemas.NodeCreated is messages.NodeCreated
-    assert schemas.NodeToken is messages.NodeToken
-    assert schemas.ImageResponse is messages.ImageResponse
-    assert schemas.WebhookConfigResponse is messages.WebhookConfigResponse
+    for name in (
+        "Assignment",
+        "AllocationResponse",
+        "EventsPage",
+        "EventResponse",
+        "BidResponse",
+        "BidBatchResponse",
+        "QuoteResponse",
+        "NodeResponse",
+        "NodeCreated",
+        "NodeToken",
+        "ImageResponse",
+        "WebhookConfigResponse",
+    ):
+        assert getattr(schemas, name) is getattr(messages, name), name
 
 
 def test_a_newer_services_extra_fields_are_ignored_and_an_older_ones_missing_defaults_kept():
