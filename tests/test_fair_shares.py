@@ -131,6 +131,7 @@ def capped(db_url, tmp_path):
 
 
 @pytest.mark.slow
+@one_database("caps, buckets and the forecast cache are in memory")
 def test_a_tenant_over_its_long_poll_cap_gets_429_while_another_tenant_polls(capped):
     hostile, victim = capped.tenant(), capped.tenant()
     bid = hostile.post("/bids", json={"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0})
@@ -158,6 +159,7 @@ def test_a_tenant_over_its_long_poll_cap_gets_429_while_another_tenant_polls(cap
 
 
 @pytest.mark.slow
+@one_database("caps, buckets and the forecast cache are in memory")
 def test_a_client_that_goes_away_gives_its_long_poll_slots_back(capped):
     hostile = capped.tenant()
     results: list = []
@@ -195,6 +197,7 @@ def test_one_address_over_its_long_poll_cap_is_refused_whatever_its_keys(db_url,
 
 
 @pytest.mark.slow
+@one_database("caps, buckets and the forecast cache are in memory")
 def test_anonymous_streams_beyond_the_cap_get_429(capped):
     url = capped.base_url + "/api/v1/stream"
     with (
@@ -394,6 +397,7 @@ def waiting_polls_cost(service: Service, tenants: list, polls: int, window: floa
 
 
 @pytest.mark.slow
+@one_database("the watcher is in memory and its one query is plain SQL on either database")
 def test_waiting_long_polls_do_not_each_query_the_database(service):
     tenants = [service.tenant() for _ in range(3)]
     few = waiting_polls_cost(service, tenants, polls=2, window=2.0)
