@@ -236,6 +236,9 @@ def test_a_gang_with_no_replacement_waits_whole_then_resumes(stack, prefect, uni
         120,
         "the gang stopped",
     )
+    wait_for(  # the worker hears of the preemption by its event feed: a moment after the market
+        lambda: not prefect.read_flow_run(run_id).state.is_running(), 60, "the run Preempted", 0.2
+    )
     for _ in range(6):  # the gang waits whole: no member holds GPUs, none runs alone
         held = [a for a in gang_allocations(stack, prefect, run_id) if a["status"] in HOLDING]
         assert held == [], held
