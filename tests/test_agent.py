@@ -149,7 +149,8 @@ AS_ME = JobUsers(str(os.getuid()))  # jobs as the test's user: they run its inte
 CHILD = """
 import os, signal, subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-open("child.pid", "w").write(str(child.pid))
+open("child.pid.tmp", "w").write(str(child.pid))
+os.replace("child.pid.tmp", "child.pid")  # (whole: the test reads it once it is there)
 signal.signal(signal.SIGUSR1, lambda *a: open("got-usr1", "w").write("1"))
 print(os.environ["CUDA_VISIBLE_DEVICES"], os.environ["SPOTGPU_NOTICE_FILE"], flush=True)
 while True:

@@ -10,7 +10,7 @@ import pytest
 from alembic import command
 from alembic.script import ScriptDirectory
 
-from conftest import ADMIN_KEY
+from conftest import ADMIN_KEY, one_database
 from prefect_spotgpu.service.api import create_app
 from prefect_spotgpu.service.db import (
     SchemaBehind,
@@ -29,6 +29,7 @@ def _env(**extra) -> dict[str, str]:
     return {**env, "COLUMNS": "200", **extra}
 
 
+@one_database("the CLI's rendering of the API's replies")
 def test_admin_credit_adds_a_ledger_entry_the_tenant_reads_with_its_reason(service):
     tenant = service.tenant("dora", credit=1.0)
     env = _env(SPOTGPU_MARKET_URL=service.base_url, SPOTGPU_ADMIN_KEY=ADMIN_KEY)

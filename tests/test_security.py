@@ -12,6 +12,11 @@ import sqlalchemy as sa
 from conftest import ADMIN_KEY, one_database, start_service
 from test_service_api import bid, wait_event
 
+COMPENSATION_ONLY = (
+    "what is compensated is the ledger's pure rules and one write; the money's locking and "
+    "columns run on both databases in test_money and test_credit"
+)
+
 SECRET = "AKIA-very-secret-0123456789"
 
 
@@ -258,6 +263,7 @@ def _notice(service, owner, agent, node) -> int:
     return wait_event(agent, f"/nodes/{node['id']}/events", "noticed")["payload"]["epoch"]
 
 
+@one_database(COMPENSATION_ONLY)
 def test_a_job_that_dies_on_its_notice_is_not_compensated_and_stops_paying_at_once(service):
     alice, provider = service.tenant(), service.tenant()
     node, agent, _, alloc = _running(service, alice, provider)
@@ -278,6 +284,7 @@ def test_a_job_that_dies_on_its_notice_is_not_compensated_and_stops_paying_at_on
     assert ledger_compensation(alice) == []
 
 
+@one_database(COMPENSATION_ONLY)
 def test_a_job_that_ignores_its_notice_is_not_compensated(db_url, tmp_path):
     """A job still running, unsaved, at its deadline is its own loss, reported so by the agent
     (``cause: deadline``) or not reported at all: the market ends it at the deadline, no credit."""
@@ -337,6 +344,7 @@ def alice_status(client, alloc) -> str:
     return client.get(f"/allocations/{alloc}").json()["status"]
 
 
+@one_database(COMPENSATION_ONLY)
 def test_compensation_is_what_was_paid_since_the_last_durable_checkpoint(service):
     alice, provider = service.tenant(), service.tenant()
     node, agent, _, alloc = _running(service, alice, provider)
@@ -366,6 +374,7 @@ def test_compensation_is_what_was_paid_since_the_last_durable_checkpoint(service
     assert len(ledger_compensation(alice)) == 1
 
 
+@one_database(COMPENSATION_ONLY)
 def test_a_lost_node_compensates_what_was_paid_never_more(db_url, tmp_path):
     svc = start_service(db_url, tmp_path / "home", heartbeat_timeout_seconds=1.5)
     try:
@@ -428,6 +437,7 @@ def test_keys_rotate_and_revoke_at_once(service):
     assert service.client(issued).post(f"/nodes/{node['id']}/token").status_code == 403
 
 
+@one_database(COMPENSATION_ONLY)
 def test_a_storage_failure_under_a_notice_the_tenant_caused_is_not_compensated(service):
     """A second, higher bid of one's own outbids the first; its job then claims the storage
     failed. The tenant caused that notice: nothing is credited."""
