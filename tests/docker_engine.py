@@ -1,5 +1,8 @@
 """A real Docker engine, job images and a real registry for the container tests.
 
+The tests list containers with ``ignore_removed=True``: docker-py inspects each container it
+listed, and one an agent removed meanwhile (its own clean-up) would fail the list with a 404.
+
 ``ensure_engine()`` answers with the engine already running, or starts ``dockerd`` (Debian's
 ``docker.io``: no systemd here) and waits for ``docker info``; ``stop()`` stops only an
 engine this module started. ``job_image()`` builds, once per engine, the images the tests run:

@@ -101,7 +101,9 @@ def test_a_reclaimed_container_saves_and_resumes_in_a_container_on_the_other_nod
         import docker
 
         client = docker.from_env()
-        left = client.containers.list(all=True, filters={"label": "io.spotgpu.bid-id"})
+        left = client.containers.list(
+            ignore_removed=True, all=True, filters={"label": "io.spotgpu.bid-id"}
+        )
         assert not [c for c in left if c.labels["io.spotgpu.bid-id"] == str(bid["id"])]
 
         # a lost agent: a long job's container outlives its SIGKILLed agent; the market ends
@@ -113,7 +115,7 @@ def test_a_reclaimed_container_saves_and_resumes_in_a_container_on_the_other_nod
         )
         orphan = wait(
             lambda: client.containers.list(
-                filters={"label": f"io.spotgpu.bid-id={long_bid['id']}"}
+                ignore_removed=True, filters={"label": f"io.spotgpu.bid-id={long_bid['id']}"}
             ),
             60,
             "the long job's container",
@@ -130,7 +132,9 @@ def test_a_reclaimed_container_saves_and_resumes_in_a_container_on_the_other_nod
         assert orphan.status == "running"  # it outlived its agent; the market ended it
         agents.append(start_docker_agent(server, owner_key, survivor_node["name"], tmp_path))
         wait(
-            lambda: not client.containers.list(all=True, filters={"id": orphan.id}),
+            lambda: (
+                not client.containers.list(ignore_removed=True, all=True, filters={"id": orphan.id})
+            ),
             30,
             "the orphan container removed by the agent's reconcile",
         )

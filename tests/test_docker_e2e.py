@@ -103,7 +103,7 @@ def test_a_reclaimed_containerised_run_saves_resumes_in_a_container_and_complete
     market = stack.market()
     first_node = market.get(f"/allocations/{first}").json()["node_id"]
     containers = docker.from_env().containers.list(
-        filters={"label": f"io.spotgpu.allocation-id={first}"}
+        ignore_removed=True, filters={"label": f"io.spotgpu.allocation-id={first}"}
     )
     assert len(containers) == 1  # the flow run's engine is in a container
     reclaimed_at = time.time()

@@ -172,7 +172,9 @@ def test_stop_is_sigterm_then_sigkill_after_the_grace(tmp_path, runner, job_imag
     runner.stop(handle, grace=2)
     took = time.monotonic() - began
     assert 2 <= took < 15, took  # it waited the grace, then killed it
-    assert not runner.client.containers.list(all=True, filters={"id": handle.ref})
+    assert not runner.client.containers.list(
+        ignore_removed=True, all=True, filters={"id": handle.ref}
+    )
 
 
 def test_a_crashing_job_reports_its_exit_code_and_a_clean_one_zero(tmp_path, runner, job_image):
@@ -201,7 +203,9 @@ def test_reconcile_stops_the_container_of_an_allocation_that_ended_while_the_age
         users=JobUsers("auto"), checkpoint_root=tmp_path / "checkpoints", gpu_devices=False
     )  # a new agent process: it knows the allocation only from the market
     assert restarted.reconcile(17, req.workdir) is True
-    assert not runner.client.containers.list(all=True, filters={"id": handle.ref})
+    assert not runner.client.containers.list(
+        ignore_removed=True, all=True, filters={"id": handle.ref}
+    )
     assert restarted.reconcile(17, req.workdir) is False
     # a start after a crash of the agent finds the name free again
     again = runner.start(req)
@@ -254,7 +258,9 @@ def test_stop_with_no_grace_is_sigkill_only_so_the_engine_writes_no_crashed_stat
     assert time.monotonic() - began < 10
     time.sleep(0.5)
     assert not (req.workdir / "sigterm").exists()  # it never heard a SIGTERM
-    assert not runner.client.containers.list(all=True, filters={"id": handle.ref})
+    assert not runner.client.containers.list(
+        ignore_removed=True, all=True, filters={"id": handle.ref}
+    )
 
 
 def test_a_bid_without_an_image_runs_in_the_nodes_default_image_or_fails_naming_the_option(

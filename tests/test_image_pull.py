@@ -243,7 +243,7 @@ def test_an_allocation_ended_or_noticed_while_its_image_pulls_never_starts(sandb
 
         def containers(bid):
             label = f"io.spotgpu.bid-id={bid['id']}"
-            return client.containers.list(all=True, filters={"label": label})
+            return client.containers.list(ignore_removed=True, all=True, filters={"label": label})
 
         def not_started(alloc_id: int) -> bool:
             return f"allocation {alloc_id}: ended while it was prepared" in agent_log.read_text()

@@ -347,11 +347,16 @@ class DockerRunner:
         return found
 
     def _remove(self, allocation_id: int) -> bool:
+        import docker
+
+        # sparse: the engine's list as it is (docker-py's full list inspects each container
+        # after listing, and one removed meanwhile would fail the whole list with a 404)
         containers = self.client.containers.list(
-            all=True, filters={"label": f"{ALLOCATION_LABEL}={allocation_id}"}
+            all=True, filters={"label": f"{ALLOCATION_LABEL}={allocation_id}"}, sparse=True
         )
         for container in containers:
-            container.remove(force=True)
+            with contextlib.suppress(docker.errors.NotFound):  # (gone by itself meanwhile)
+                container.remove(force=True)
         return bool(containers)
 
 
