@@ -113,7 +113,6 @@ class Market:
 
     def __init__(self, config: MarketConfig | None = None, *, next_allocation_id: int = 1) -> None:
         self.index = index = MarketIndex(config, next_allocation_id=next_allocation_id)
-        self.config = index.config
         self.pricing = Pricing(index)
         self.allocations = Allocations(index, self.pricing)
         self.gangs = Gangs(index, self.allocations)
