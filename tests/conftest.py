@@ -399,3 +399,18 @@ def pytest_collection_modifyitems(config, items):
         )
         if whole_stack and "@" not in item.nodeid:
             item._id = NodeId.parse(f"{item.nodeid}@stack")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that ran on a :class:`LocalStack` (its ``stack`` fixture) shows the tail
+    of every process's log (the market, the agents, the worker, Prefect's server) beside its
+    traceback: an end-to-end failure that does not reproduce alone is read from them."""
+    from prefect_spotgpu.cli.stack import LocalStack
+
+    report = yield
+    stack = getattr(item, "funcargs", {}).get("stack")
+    if report.failed and isinstance(stack, LocalStack) and stack.logs.is_dir():
+        for path in sorted(stack.logs.glob("*.log")):
+            report.sections.append((f"stack log {path.name}", stack.log(path.stem, 6000)))
+    return report
