@@ -505,5 +505,10 @@ def push_pull_image(
 
 
 def forget_image(reference: str) -> None:
-    """Remove an image from the engine (its own layers with it), if it has it."""
+    """Remove an image from the engine (its own layers with it), if it has it, and the
+    stopped containers made from it first: an image a container still uses would only be
+    untagged, and stay on the engine's disk, nameless, after every run."""
+    users = _docker("ps", "-aq", "--filter", f"ancestor={reference}", check=False).stdout.split()
+    if users:
+        _docker("rm", "-f", *users, check=False)
     _docker("rmi", "-f", reference, check=False)

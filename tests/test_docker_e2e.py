@@ -28,12 +28,13 @@ from spot_flow import count
 
 STEPS = 60
 MISSING = "spotgpu-test/no-such-image:1"
-"""In the operator's catalogue (as ``broken``), on no node and in no registry."""
+"""In the operator's catalogue (as ``broken``), on no node and not in the registry that its
+reference names (the session's: it answers that it has no such image)."""
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def stack(flow_image):
+def stack(flow_image, registry):
     home = Path(tempfile.mkdtemp(prefix="spotgpu-docker-e2e-"))
     home.chmod(0o711)  # the job users traverse it to their directories
     try:
@@ -41,8 +42,9 @@ def stack(flow_image):
             stack.start_prefect_server(host=docker_engine.bridge_gateway())
             stack.start_market()
             stack.flow_image = flow_image
+            stack.missing = f"{registry.address}/{MISSING}"
             catalogue = stack.market(stack.admin_key)
-            for name, reference in (("test-flow", flow_image), ("broken", MISSING)):
+            for name, reference in (("test-flow", flow_image), ("broken", stack.missing)):
                 entry = {"reference": reference, "framework": "Prefect + NumPy (test)"}
                 assert catalogue.put(f"/images/{name}", json=entry).status_code == 201
             stack.nodes = {
@@ -130,6 +132,7 @@ def test_a_reclaimed_containerised_run_saves_resumes_in_a_container_and_complete
     assert starts[1]["start"] == saved[0]["saved"] + 1  # exactly after the final save
     reference = Checkpointer(LocalStorage(tmp_path / "reference"), "ref", every=1e9)
     assert [e["done"] for e in entries if "done" in e] == [count(reference, STEPS, 0.0, None)]
+    assert owner.patch(f"/nodes/{first_node}", json={"state": "live"}).is_success  # (the next)
     print(
         json.dumps(
             {
@@ -143,9 +146,12 @@ def test_a_reclaimed_containerised_run_saves_resumes_in_a_container_and_complete
 
 
 def test_an_image_that_does_not_exist_fails_the_run_naming_it_at_once(stack, prefect):
+    """The run fails naming the image; the node it was tried on keeps taking work (the
+    registry's "no such image" is the image's fault: one broken catalogue entry must not
+    drain, one after another, every node it is tried on)."""
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
-    missing = MISSING
+    missing = stack.missing
     run = prefect.create_flow_run_from_deployment(
         UUID(stack.deployment), parameters={"steps": 5}, job_variables={"image": "broken"}
     )
@@ -166,6 +172,10 @@ def test_an_image_that_does_not_exist_fails_the_run_naming_it_at_once(stack, pre
     assert "could not be pulled" in wait_for(logged, 30, "the reason in the run's log")[0]
     bid_id = prefect.read_flow_run(run.id).labels["spotgpu.bid"]
     assert stack.market().get(f"/bids/{bid_id}").json()["status"] == "cancelled"
+    tried = {a["node_id"] for a in stack.market().get(f"/bids/{bid_id}/allocations").json()}
+    owner = stack.market(stack.owner_key)
+    states = lambda: {owner.get(f"/nodes/{n}").json()["state"] for n in tried}  # noqa: E731
+    assert tried and wait_for(lambda: states() == {"live"}, 15, "the nodes it was tried on live")
 
 
 def test_an_image_outside_the_catalogue_is_refused_before_any_bid_with_the_list(stack, prefect):

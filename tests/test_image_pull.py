@@ -29,7 +29,10 @@ from conftest import one_database
 from conftest import wait_for as wait
 from prefect_spotgpu.agent.heartbeat import NodeImages, send_heartbeat
 from prefect_spotgpu.agent.isolation import JobUsers
+from prefect_spotgpu.agent.runners import JobFault
 from prefect_spotgpu.agent.runners.docker import DockerRunner, ImageUnavailable
+from prefect_spotgpu.agent.start_failures import StartFailures
+from prefect_spotgpu.cli.stack import free_port
 from prefect_spotgpu.protocol import PULL_REPORT_SECONDS, REPORT_DETAIL_CHARS, EventKind
 from test_agent import a_market, post_job, start_agent
 from test_docker_runner import request, wait_exit
@@ -111,6 +114,9 @@ def test_the_runner_pulls_from_the_registry_telling_how_far_then_runs_the_job(
 
 @pytest.mark.slow
 def test_an_image_the_registry_lacks_fails_at_once_naming_it(tmp_path, docker_runner, registry):
+    """The registry's "no such image" is the image's fault, never the node's: a catalogue
+    entry gone from its registry must not drain every node it is tried on. A registry out of
+    reach is the node's (its network may be the cause)."""
     missing = f"{registry.address}/spotgpu-test/absent:1"
     req = request(tmp_path, 32, ["python3", "-c", "pass"], missing)
     said: list[str] = []
@@ -118,9 +124,18 @@ def test_an_image_the_registry_lacks_fails_at_once_naming_it(tmp_path, docker_ru
     with pytest.raises(ImageUnavailable, match=re.escape(repr(missing))) as refused:
         docker_runner.prepare(req, said.append)
     assert time.monotonic() - began < 10  # never a hang
-    assert "could not be pulled" in str(refused.value) and not said
-    with pytest.raises(ImageUnavailable, match=re.escape(repr(missing))):
+    assert "could not be pulled" in str(refused.value) and "manifest unknown" in str(refused.value)
+    assert isinstance(refused.value, JobFault) and not said
+    count = StartFailures(limit=1)
+    assert count.failed(refused.value) is None and count.in_a_row == 0  # the node not blamed
+    with pytest.raises(JobFault, match=re.escape(repr(missing))):
         docker_runner.start(req)  # a start without a prepare pulls (and fails) the same way
+
+    unreachable = f"127.0.0.1:{free_port()}/spotgpu-test/absent:1"  # no registry answers
+    with pytest.raises(ImageUnavailable, match=re.escape(repr(unreachable))) as refused:
+        docker_runner.prepare(request(tmp_path, 32, ["true"], unreachable), said.append)
+    assert not isinstance(refused.value, JobFault)
+    assert "connection refused" in count.failed(refused.value)  # the node's: it counts
 
 
 @pytest.mark.slow

@@ -1,22 +1,22 @@
-"""A node whose jobs cannot start stops taking work, instead of failing (and billing) every
-bid the market places on it.
+"""A node whose jobs cannot start stops taking work, instead of failing (and billing) every bid the
+market places on it.
 
-A job that cannot start is reported failed at once, and the market places its bid again —
-often on the same node, the cheapest, about twice a second. When the cause is the node's own
-(its job interpreter out of reach of its job users, its Docker engine down, an image it cannot
-pull, its disk full), every attempt fails the same way. So the agent counts the jobs *in a
-row* that could not start for a reason of the node's; at ``DRAIN_AFTER`` it drains its own
-node (``POST /nodes/{node_id}/drain``, then the failure report, in that order: the bid must not
-come back here) and logs an error saying how to offer it again. A job that starts resets the
-count.
+A job that cannot start is reported failed at once, and the market places its bid again — often
+on the same node, the cheapest, about twice a second. When the cause is the node's own (its job
+interpreter out of reach of its job users, its Docker engine down, an image registry out of its
+reach, its disk full), every attempt fails the same way. So the agent counts the jobs *in a row*
+that could not start for a reason of the node's; at ``DRAIN_AFTER`` it drains its own node
+(``POST /nodes/{node_id}/drain``, then the failure report, in that order: the bid must not come
+back here) and logs an error saying how to offer it again. A job that starts resets the count.
 
 A failure that is the job's own (``runners.JobFault``: its program missing, its arguments too
-long, a checkpoint URL refused) neither counts nor resets: it says nothing of the node, and a
-tenant must not be able to drain a healthy node with three broken bids.
+long, a checkpoint URL refused, an image its registry says it does not have) neither counts nor
+resets: it says nothing of the node, and a tenant must not be able to drain a healthy node with
+three broken bids.
 
 A drained node stays drained until its owner offers it again (``spotgpu node live``). Not a
-timed back-off: the agent cannot see when the cause is fixed (a permission, a registry, a
-disk), and each timed retry would fail a bid again. The count and the decision are pure
+timed back-off: the agent cannot see when the cause is fixed (a permission, a registry, a disk),
+and each timed retry would fail a bid again. The count and the decision are pure
 (:class:`StartFailures`); :func:`drain_node` is the one call to the market.
 
     >>> count = StartFailures(limit=2)

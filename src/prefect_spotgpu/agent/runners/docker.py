@@ -13,8 +13,9 @@ when the host has the NVIDIA container toolkit; its output goes to the agent's l
 A missing image is pulled by ``prepare`` (the agent calls it on a thread of its own: a pull may
 take minutes), its progress told every ``PULL_REPORT_SECONDS`` (``pull``); ``start`` pulls one
 still missing too, without progress. An image neither here nor pullable is
-:class:`ImageUnavailable`, naming it. ``local_images`` lists what the engine holds, for the
-heartbeat.
+:class:`ImageUnavailable`, naming it; one its registry answers it does not have (404) is
+:class:`ImageNotInRegistry`, the image's fault and not the node's (``start_failures``).
+``local_images`` lists what the engine holds, for the heartbeat.
 """
 
 from __future__ import annotations
@@ -64,6 +65,16 @@ logger = logging.getLogger("prefect_spotgpu.agent.jobs")
 
 class ImageUnavailable(RuntimeError):
     """The job's image is neither on this node nor pullable: the message names it."""
+
+
+class ImageNotInRegistry(ImageUnavailable, JobFault):
+    """The image's registry answered that it has no such image (the engine's 404: "manifest
+    unknown", "repository does not exist"). Every node gets that answer, so the failure is
+    the image's (a catalogue entry gone from its registry), not this node's: it must not
+    drain the node, nor, one node after another, the fleet. A registry out of reach (DNS, a
+    refused connection, a 5xx) stays :class:`ImageUnavailable`, the node's: its network may
+    be the cause. (A private registry that refuses this node's credentials also answers 404;
+    the run fails naming the image and the registry's answer, and the node keeps its work.)"""
 
 
 @dataclass(eq=False, kw_only=True)
@@ -260,6 +271,8 @@ class DockerRunner:
                 if now - last >= PULL_REPORT_SECONDS or (not said and counts.downloaded):
                     progress(counts.line())
                     said, last = True, now
+        except docker.errors.NotFound as exc:  # the registry's answer: it has no such image
+            raise _unavailable(image, exc.explanation or exc, kind=ImageNotInRegistry) from None
         except (docker.errors.DockerException, requests.exceptions.RequestException) as exc:
             raise _unavailable(image, getattr(exc, "explanation", None) or exc) from None
         progress(counts.done_line(seconds=time.monotonic() - began))
@@ -380,8 +393,8 @@ def command_refused(message: str) -> bool:
     return _COMMAND_REFUSED.search(message) is not None
 
 
-def _unavailable(image: str, why) -> ImageUnavailable:
-    return ImageUnavailable(f"image {image!r} is not on this node and could not be pulled: {why}")
+def _unavailable(image: str, why, kind: type[ImageUnavailable] = ImageUnavailable):
+    return kind(f"image {image!r} is not on this node and could not be pulled: {why}")
 
 
 def _forward_logs(container, allocation_id: int) -> None:
