@@ -152,6 +152,28 @@ def test_views_docstring_examples_and_hourly_slots():
     assert [views.age(s) for s in (0, 59, 61, 7200, 200_000)] == ["0s", "59s", "1m", "2h", "2d"]
 
 
+def test_a_reply_that_does_not_parse_ends_the_command_naming_the_field(capsys):
+    """The CLI reads the market's replies as the shared vocabulary's models: an unexpected
+    body is one red line naming the field (never a KeyError traceback), and markup in it is
+    printed as text."""
+    import typer
+
+    from prefect_spotgpu.cli.common import parsed
+    from prefect_spotgpu.messages import NodeResponse, NodeToken
+
+    assert parsed(NodeToken, {"token": "t", "new": 1}, "POST /nodes/1/token").token == "t"
+    with pytest.raises(typer.Exit) as ended:
+        parsed(list[NodeResponse], [{"id": "[bold]x"}], "GET /nodes")
+    assert ended.value.exit_code == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "the market's reply to GET /nodes does not parse: 0.id: Input should be a valid" in out
+    with pytest.raises(typer.Exit):
+        parsed(NodeToken, {}, "POST /nodes/[red]1/token")
+    assert "POST /nodes/[red]1/token does not parse: token: Field required" in " ".join(
+        capsys.readouterr().out.split()
+    )
+
+
 def test_telemetry_cells_show_what_the_agent_reported_and_dashes_otherwise():
     from prefect_spotgpu.cli.views import telemetry_cells
 

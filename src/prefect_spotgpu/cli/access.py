@@ -207,6 +207,8 @@ def node_token(
 ) -> None:
     """Print a new agent token for one of your nodes; the old token is refused at once
     (give it to the agent with --token-file or SPOTGPU_AGENT_TOKEN)."""
+    from prefect_spotgpu.messages import NodeToken
+
     with market_client(market, tenant_key(api_key_file)) as client:
-        token = call(client, "POST", f"/nodes/{node_id}/token", 201)["token"]
+        token = call(client, "POST", f"/nodes/{node_id}/token", 201, reply=NodeToken).token
     console.print(f"agent token of node {node_id}: {token}")

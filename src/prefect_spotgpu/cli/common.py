@@ -78,12 +78,34 @@ def fail(response: httpx.Response) -> None:
     raise typer.Exit(1)
 
 
-def call(client: httpx.Client, method: str, path: str, ok: int = 200, **kwargs):
-    """The JSON body of one request, or ``fail`` when its status is not ``ok``."""
+def call(client: httpx.Client, method: str, path: str, ok: int = 200, *, reply=None, **kwargs):
+    """The JSON body of one request, or ``fail`` when its status is not ``ok``; with
+    ``reply`` (a model of the shared vocabulary, ``prefect_spotgpu.messages``, or a list of
+    one), the body parsed into it (:func:`parsed`)."""
     response = client.request(method, path, **kwargs)
     if response.status_code != ok:
         fail(response)
-    return response.json()
+    return response.json() if reply is None else parsed(reply, response.json(), f"{method} {path}")
+
+
+def parsed(reply, body, what: str):
+    """``body`` as ``reply`` (a model, or ``list[Model]``); a reply that does not parse ends
+    the command naming the field and what answered it (one red line, exit 1), never a
+    ``KeyError`` traceback."""
+    from pydantic import TypeAdapter, ValidationError
+    from rich.markup import escape
+
+    try:
+        return TypeAdapter(reply).validate_python(body)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = ".".join(str(part) for part in error["loc"]) or "the body"
+        console.print(
+            f"[red]the market's reply to {escape(what)} does not parse[/red]: "
+            f"{escape(field)}: {escape(error['msg'])}",
+            soft_wrap=True,
+        )
+        raise typer.Exit(1) from None
 
 
 def tenant_key(path: Path | None) -> str:

@@ -26,7 +26,13 @@ from rich.table import Table
 from prefect_spotgpu.cli.stack import LocalStack
 from prefect_spotgpu.economics.schedules import aware
 from prefect_spotgpu.market import NodeState
-from prefect_spotgpu.messages import AllocationResponse, BidResponse, EventResponse, EventsPage
+from prefect_spotgpu.messages import (
+    AllocationResponse,
+    BidResponse,
+    EventResponse,
+    EventsPage,
+    NodeResponse,
+)
 from prefect_spotgpu.protocol import LABELS, AllocationStatus, EventKind
 
 GPU_MODEL = "A100-80G"
@@ -145,7 +151,7 @@ def _pretrain_with_a_reclaim(console: Console, stack: LocalStack, ui: str, steps
     from prefect.client.orchestration import get_client
 
     market, owner = stack.market(), stack.market(stack.owner_key)
-    nodes = {n["id"]: n["name"] for n in owner.get("/nodes").json()}
+    nodes = {n.id: n.name for n in map(NodeResponse.model_validate, owner.get("/nodes").json())}
     moments: list[Moment] = []
     with stack._prefect_settings(), get_client(sync_client=True) as prefect:
         deployment = prefect.read_deployment_by_name("pretrain/pretrain-nightly")
@@ -181,7 +187,8 @@ def _pretrain_with_a_reclaim(console: Console, stack: LocalStack, ui: str, steps
                 )
                 allocation = flow_run.labels.get(LABELS.ALLOCATION)
                 if reclaimed is None and state.is_running() and step >= steps * 0.4:
-                    node = market.get(f"/allocations/{allocation}").json()["node_id"]
+                    reply = market.get(f"/allocations/{allocation}").json()
+                    node = AllocationResponse.model_validate(reply).node_id
                     owner.patch(f"/nodes/{node}", json={"state": NodeState.RECLAIMED})
                     reclaimed = time.time()
                     moments.append(

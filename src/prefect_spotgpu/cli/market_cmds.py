@@ -1,6 +1,8 @@
 """``spotgpu prices``, ``estimate``, ``bids`` and ``nodes``: read the market and print it.
 
-Each command fetches the market's JSON and hands it to ``views`` (pure: JSON in, tables out);
+Each command fetches the market's replies, parses them into the shared vocabulary's models
+(``prefect_spotgpu.messages``: quotes, bids, allocations, nodes; a reply that does not parse
+ends the command naming the field) and hands them to ``views`` (pure: replies in, tables out);
 ``app`` registers them as top-level commands. Lists are paged by the market (newest first, the
 next page in the ``Link: rel="next"`` header): ``pages`` follows them.
 """
@@ -12,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from prefect_spotgpu.cli.common import (
@@ -21,6 +24,7 @@ from prefect_spotgpu.cli.common import (
     console,
     fail,
     market_client,
+    parsed,
     tenant_key,
 )
 
@@ -41,10 +45,11 @@ def prices(
     """Every pool's current quote and a sparkline of its clearing price over the last 24 hours
     (hourly closes; on-demand pools sell at a fixed price); with --forecast, its expected price
     ahead and the forecast's error measured on held-back history."""
+    from prefect_spotgpu.messages import QuoteResponse
     from prefect_spotgpu.protocol import Capacity
 
     with market_client(market) as client:
-        quotes = call(client, "GET", "/prices")
+        quotes = call(client, "GET", "/prices", reply=list[QuoteResponse])
         table = Table(title="Spot prices per GPU-hour", title_justify="left")
         columns = ["pool", "free/total", "clearing", "last 24 h", "on-demand", "discount"]
         columns += ["waiting bids"]
@@ -57,19 +62,19 @@ def prices(
                 no_wrap=name == "last 24 h",
             )
         for q in quotes:
-            price = q["clearing_price"] or q["reserve_price"]
-            spot = q.get("capacity", Capacity.SPOT) == Capacity.SPOT
+            price = q.clearing_price or q.reserve_price
+            spot = q.capacity == Capacity.SPOT
             row = [
-                f"{q['gpu_model']} {q['region']}" + ("" if spot else " (on-demand)"),
-                f"{q['gpus_free']}/{q['gpus_total']}",
+                escape(f"{q.gpu_model} {q.region}") + ("" if spot else " (on-demand)"),
+                f"{q.gpus_free}/{q.gpus_total}",
                 "-" if price is None else f"{price:.2f}",
-                _sparkline_cell(client, q["gpu_model"], q["region"]) if spot else "fixed",
-                f"{q['on_demand_price']:.2f}",
-                "-" if price is None else f"{1 - price / q['on_demand_price']:.0%}",
-                str(q["waiting_bids"]),
+                _sparkline_cell(client, q.gpu_model, q.region) if spot else "fixed",
+                f"{q.on_demand_price:.2f}",
+                "-" if price is None else f"{1 - price / q.on_demand_price:.0%}",
+                str(q.waiting_bids),
             ]
             if forecast and spot:
-                row += _forecast_cells(client, q["gpu_model"], q["region"], hours)
+                row += _forecast_cells(client, q.gpu_model, q.region, hours)
             elif forecast:
                 row += ["fixed price", "-", "-"]
             table.add_row(*row)
@@ -159,23 +164,26 @@ def bids(
     market: str = MARKET,
 ) -> None:
     """Your bids: each one's current allocation, price and cost so far, and your balance."""
-    from prefect_spotgpu.cli.views import bids_table, parse_time
+    from prefect_spotgpu.cli.views import bids_table
+    from prefect_spotgpu.economics.schedules import aware
+    from prefect_spotgpu.messages import AllocationResponse, BidResponse
 
     with market_client(market, tenant_key(api_key_file)) as client:
         me = call(client, "GET", "/me")
         params = {"limit": min(limit, PAGE_SIZE), **({"status": status} if status else {})}
-        shown = newest(client, "/bids", params, up_to=limit)  # newest first
-        allocations: dict[int, list[dict]] = {b["id"]: [] for b in shown}
+        shown = parsed(list[BidResponse], newest(client, "/bids", params, limit), "GET /bids")
+        allocations: dict[int, list[AllocationResponse]] = {b.id: [] for b in shown}
         # every allocation of a shown bid started after that bid was made: page back to there
-        since = min((parse_time(b["created_at"]) for b in shown), default=float("inf"))
+        since = min((aware(b.created_at).timestamp() for b in shown), default=float("inf"))
         for page in pages(client, "/allocations", {"limit": 1000}):
-            for a in page:
-                if a["bid_id"] in allocations:
-                    allocations[a["bid_id"]].append(a)
-            if not page or page[-1]["started_at"] < since - 1:
+            attempts = parsed(list[AllocationResponse], page, "GET /allocations")
+            for a in attempts:
+                if a.bid_id in allocations:
+                    allocations[a.bid_id].append(a)
+            if not attempts or attempts[-1].started_at < since - 1:
                 break
         for attempts in allocations.values():
-            attempts.sort(key=lambda a: a["id"])
+            attempts.sort(key=lambda a: a.id)
     console.print(bids_table(shown[::-1], allocations, tenant=me))
 
 
@@ -185,9 +193,10 @@ def nodes(api_key_file: Path | None = API_KEY_FILE, market: str = MARKET) -> Non
     import time
 
     from prefect_spotgpu.cli.views import nodes_table
+    from prefect_spotgpu.messages import NodeResponse
 
     with market_client(market, tenant_key(api_key_file)) as client:
-        listed = call(client, "GET", "/nodes")
+        listed = call(client, "GET", "/nodes", reply=list[NodeResponse])
         busy = {n["id"]: n["gpus_busy"] for n in call(client, "GET", "/market/nodes")}
     console.print(nodes_table(listed, busy, now=time.time()))
 

@@ -9,6 +9,7 @@ the node's id or its name. The key is the provider's own (SPOTGPU_API_KEY or --a
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -20,6 +21,9 @@ from prefect_spotgpu.cli.common import (
     market_client,
     tenant_key,
 )
+
+if TYPE_CHECKING:
+    from prefect_spotgpu.messages import NodeResponse
 
 node_app = typer.Typer(
     help="Take your node back (reclaim), drain it, or offer it again (live).",
@@ -35,13 +39,17 @@ WHAT_HAPPENS = {
 }
 
 
-def _node(client, node: str) -> dict:
-    mine = call(client, "GET", "/nodes", 200)
+def _node(client, node: str) -> NodeResponse:
+    from prefect_spotgpu.messages import NodeResponse
+
+    mine = call(client, "GET", "/nodes", 200, reply=list[NodeResponse])
     for row in mine:
-        if str(row["id"]) == node or row["name"] == node:
+        if str(row.id) == node or row.name == node:
             return row
-    known = ", ".join(f"{n['id']} ({n['name']})" for n in mine) or "none"
-    console.print(f"[red]you have no node {node!r}[/red]; yours: {known}", soft_wrap=True)
+    known = ", ".join(f"{n.id} ({n.name})" for n in mine) or "none"
+    console.print(
+        f"you have no node {node!r}; yours: {known}", style="red", soft_wrap=True, markup=False
+    )
     raise typer.Exit(1)
 
 
@@ -49,11 +57,13 @@ def _set_state(node: str, state: str, api_key_file: Path | None, market: str) ->
     with market_client(market, tenant_key(api_key_file)) as client:
         row = _node(client, node)
         busy = {n["id"]: n["gpus_busy"] for n in call(client, "GET", "/market/nodes", 200)}
-        changed = call(client, "PATCH", f"/nodes/{row['id']}", 200, json={"state": state})
-    used = busy.get(row["id"], 0)
+        changed = call(
+            client, "PATCH", f"/nodes/{row.id}", 200, reply=type(row), json={"state": state}
+        )
+    used = busy.get(row.id, 0)
     console.print(
-        f"node {row['id']} ({row['name']}): {row['state']} -> {changed['state']}; "
-        f"{used} of {row['gpu_count']} GPUs in use: {WHAT_HAPPENS[state]}",
+        f"node {row.id} ({row.name}): {row.state} -> {changed.state}; "
+        f"{used} of {row.gpu_count} GPUs in use: {WHAT_HAPPENS[state]}",
         soft_wrap=True,
         markup=False,
     )

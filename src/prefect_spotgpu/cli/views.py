@@ -1,7 +1,8 @@
 """What ``spotgpu prices``, ``spotgpu bids`` and ``spotgpu nodes`` show: pure functions from the
-market's JSON bodies (and ``now``, in UNIX seconds) to strings and rich tables. No I/O and no
-clock here, so every view is tested on tabled inputs; the commands in ``market_cmds`` fetch and
-print.
+market's replies (the shared vocabulary's models, ``prefect_spotgpu.messages``, where it has
+one; else JSON bodies) and ``now``, in UNIX seconds, to strings and rich tables. No I/O and no
+clock here, so every view is tested on tabled inputs; the commands in ``market_cmds`` fetch,
+parse and print.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from rich.table import Table
 
 from prefect_spotgpu.economics.schedules import aware
 from prefect_spotgpu.market import NodeState
+from prefect_spotgpu.messages import AllocationResponse, BidResponse, NodeResponse
 from prefect_spotgpu.protocol import HOLDING_STATUSES, AllocationStatus, BidStatus
 
 BLOCKS = "▁▂▃▄▅▆▇█"
@@ -116,16 +118,23 @@ def colored(value: str, colors: dict[str, str]) -> str:
 # ---------------------------------------------------------------- bids
 
 
-def current_allocation(allocations: Sequence[dict]) -> dict | None:
+def current_allocation(
+    allocations: Sequence[AllocationResponse],
+) -> AllocationResponse | None:
     """The allocation that stands for the bid now: one holding GPUs, else a reservation, else
     the latest one (ended)."""
     if not allocations:
         return None
     rank = {**dict.fromkeys(HOLDING_STATUSES, 2), AllocationStatus.RESERVED: 1}
-    return max(allocations, key=lambda a: (rank.get(a["status"], 0), a["id"]))
+    return max(allocations, key=lambda a: (rank.get(a.status, 0), a.id))
 
 
-def bids_table(bids: Sequence[dict], allocations: dict[int, list[dict]], *, tenant: dict) -> Table:
+def bids_table(
+    bids: Sequence[BidResponse],
+    allocations: dict[int, list[AllocationResponse]],
+    *,
+    tenant: dict,
+) -> Table:
     """The tenant's bids with their current allocation and their cost so far (the sum of
     every allocation's ``charged_amount``); ``tenant`` is the body of ``GET /me``."""
     table = Table(
@@ -148,25 +157,23 @@ def bids_table(bids: Sequence[dict], allocations: dict[int, list[dict]], *, tena
     ):
         table.add_column(name, justify=justify, overflow="fold")  # wrap, never cut (80 columns)
     for bid in bids:
-        allocs = allocations.get(bid["id"], [])
+        allocs = allocations.get(bid.id, [])
         now = current_allocation(allocs)
-        status = colored(bid["status"], BID_COLORS)
-        if bid.get("hold_reason"):
-            status += f" ({escape(bid['hold_reason'])})"
-        created = datetime.fromtimestamp(parse_time(bid["created_at"]), UTC)
+        status = colored(bid.status, BID_COLORS)
+        if bid.hold_reason:
+            status += f" ({escape(bid.hold_reason)})"
+        created = aware(bid.created_at).astimezone(UTC)
         table.add_row(
-            str(bid["id"]),
-            f"{bid['gpu_model']} x{bid['gpu_count']}",
-            bid["region"],
-            bid["capacity"],
-            f"{bid['max_price']:.2f}",
+            str(bid.id),
+            f"{bid.gpu_model} x{bid.gpu_count}",
+            escape(bid.region),
+            escape(bid.capacity),
+            f"{bid.max_price:.2f}",
             status,
             created.strftime("%Y-%m-%d %H:%M"),
-            "-"
-            if now is None
-            else f"node {now['node_id']} " + colored(now["status"], ALLOCATION_COLORS),
-            "-" if now is None else f"{now['price']:.2f}",
-            f"{sum(a['charged_amount'] for a in allocs):.4f}",
+            "-" if now is None else f"node {now.node_id} " + colored(now.status, ALLOCATION_COLORS),
+            "-" if now is None else f"{now.price:.2f}",
+            f"{sum(a.charged_amount for a in allocs):.4f}",
         )
     return table
 
@@ -174,10 +181,10 @@ def bids_table(bids: Sequence[dict], allocations: dict[int, list[dict]], *, tena
 # ---------------------------------------------------------------- nodes
 
 
-def gpus_used(node: dict, busy: dict[int, int]) -> str:
+def gpus_used(node: NodeResponse, busy: dict[int, int]) -> str:
     """``used/total`` GPUs of a node; ``busy`` maps node ids to GPUs running or noticed
     (``GET /market/nodes``: ``gpus_busy``)."""
-    return f"{busy.get(node['id'], 0)}/{node['gpu_count']}"
+    return f"{busy.get(node.id, 0)}/{node.gpu_count}"
 
 
 def telemetry_cells(telemetry: dict | None) -> tuple[str, str, str]:
@@ -203,7 +210,7 @@ def telemetry_cells(telemetry: dict | None) -> tuple[str, str, str]:
     )
 
 
-def nodes_table(nodes: Sequence[dict], busy: dict[int, int], *, now: float) -> Table:
+def nodes_table(nodes: Sequence[NodeResponse], busy: dict[int, int], *, now: float) -> Table:
     """Nodes (``GET /nodes``) with their state, GPUs in use, telemetry and heartbeat age.
 
     Telemetry columns that say nothing for any node (declared GPUs report none) are left out,
@@ -225,20 +232,20 @@ def nodes_table(nodes: Sequence[dict], busy: dict[int, int], *, now: float) -> T
     )
     rows = []
     for node in nodes:
-        jobs = (node.get("telemetry") or {}).get("jobs")
+        jobs = (node.telemetry or {}).get("jobs")
         rows.append(
             (
-                str(node["id"]),
-                escape(node["name"]),
-                node["gpu_model"],
-                node["region"],
-                node["capacity"],
-                colored(node["state"], NODE_COLORS),
+                str(node.id),
+                escape(node.name),
+                escape(node.gpu_model),
+                escape(node.region),
+                escape(node.capacity),
+                colored(node.state, NODE_COLORS),
                 gpus_used(node, busy),
                 str(jobs) if isinstance(jobs, int) else "-",
-                *telemetry_cells(node.get("telemetry")),
-                f"{node['reserve_price']:.2f}",
-                age(now - parse_time(node["last_heartbeat_at"])) + " ago",
+                *telemetry_cells(node.telemetry),
+                f"{node.reserve_price:.2f}",
+                age(now - aware(node.last_heartbeat_at).timestamp()) + " ago",
             )
         )
     silent = {"util", "temp", "memory"}
