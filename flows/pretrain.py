@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import sysconfig
 import time
 import zlib
@@ -50,6 +51,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -278,7 +280,27 @@ def run(
         ckpt = checkpointer_for_run(storage, key=key, every=every)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         report = on_progress if rank == 0 else (lambda step, loss: None)  # the run is rank 0's
-        return train(ckpt, cfg, on_notice, report, device=device)
+        try:
+            return train(ckpt, cfg, on_notice, report, device=device)
+        finally:
+            ckpt.close()  # a save still in flight is written before the gang is left
+
+
+def leave_now() -> NoReturn:
+    """End a gang rank's process at once, its output flushed, without the interpreter's
+    teardown; everything is written by then (the result, the checkpoints: ``run`` closes its
+    checkpointer).
+
+    Why: gloo's worker threads outlive ``destroy_process_group`` (torch keeps the group
+    referenced once DDP has used it), and one that frees a finished collective's work after
+    the main thread has begun the interpreter's exit must take the GIL to release the work's
+    tensors, and aborts the whole process instead: "terminate called without an active
+    exception", exit -6, after a run that completed (read off a core dump: the worker thread in
+    ``~AsyncBarrierWork`` -> ``~AsyncAllreduceWork`` -> ``decref_pyobject`` -> ``take_gil``
+    while the main thread was in ``Py_FinalizeEx``; torch issue 179291 is the same race)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _prefect_flow():
@@ -341,7 +363,6 @@ def main(argv: list[str] | None = None) -> None:
     module's docstring); rank 0 prints the losses, every rank its checkpoints."""
     import argparse
     import logging
-    import sys
     import tempfile
 
     from _cli import add_flow_parameters  # flows/_cli.py: the flow's parameters as flags
@@ -413,6 +434,9 @@ def main(argv: list[str] | None = None) -> None:
             f"({saved.bytes / 1e6:.1f} MB in {saved.seconds:.3f} s); the same command resumes",
             flush=True,
         )
+        if world_size > 1:
+            ckpt.close()
+            leave_now()
         sys.exit(0)
 
     result = run(
@@ -423,12 +447,13 @@ def main(argv: list[str] | None = None) -> None:
         on_notice=stopped if args.after_notice == "exit" else wait_to_be_stopped,
         on_progress=on_progress,
     )
-    if rank > 0:
-        return
-    print_pace()
-    print(f"final loss {result['final_loss']:.4f}", flush=True)
-    if args.result:
-        Path(args.result).write_text(json.dumps(result))
+    if rank == 0:
+        print_pace()
+        print(f"final loss {result['final_loss']:.4f}", flush=True)
+        if args.result:
+            Path(args.result).write_text(json.dumps(result))
+    if world_size > 1:
+        leave_now()
 
 
 if __name__ == "__main__":  # the command line needs no Prefect flow (importing Prefect: 4 s)

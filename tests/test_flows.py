@@ -144,6 +144,7 @@ def start_ranks(commands: list[list[str]], envs: list[dict], logs: Path) -> list
         }
         env.update(RANK=str(rank), WORLD_SIZE=str(len(envs)), MASTER_ADDR="127.0.0.1")
         env.update(MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+        env.update(PYTHONFAULTHANDLER="1")  # a crash prints every thread's Python stack
         with open(logs / f"rank{rank}.out", "w") as out:
             procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT))
     return procs
