@@ -297,7 +297,8 @@ def leave_now() -> NoReturn:
     tensors, and aborts the whole process instead: "terminate called without an active
     exception", exit -6, after a run that completed (read off a core dump: the worker thread in
     ``~AsyncBarrierWork`` -> ``~AsyncAllreduceWork`` -> ``decref_pyobject`` -> ``take_gil``
-    while the main thread was in ``Py_FinalizeEx``; torch issue 179291 is the same race)."""
+    while the main thread was in ``Py_FinalizeEx``; the same race as in
+    https://github.com/pytorch/pytorch/pull/179291)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
