@@ -174,8 +174,11 @@ def test_an_image_that_does_not_exist_fails_the_run_naming_it_at_once(stack, pre
     assert stack.market().get(f"/bids/{bid_id}").json()["status"] == "cancelled"
     tried = {a["node_id"] for a in stack.market().get(f"/bids/{bid_id}/allocations").json()}
     owner = stack.market(stack.owner_key)
-    states = lambda: {owner.get(f"/nodes/{n}").json()["state"] for n in tried}  # noqa: E731
-    assert tried and wait_for(lambda: states() == {"live"}, 15, "the nodes it was tried on live")
+
+    def all_live() -> bool:
+        return {owner.get(f"/nodes/{n}").json()["state"] for n in tried} == {"live"}
+
+    assert tried and wait_for(all_live, 15, "the nodes it was tried on live")
 
 
 def test_an_image_outside_the_catalogue_is_refused_before_any_bid_with_the_list(stack, prefect):
