@@ -312,6 +312,12 @@ def read_log(path):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def last_step(events: list[dict], alloc: int) -> int:
+    """The last step ``agent_job.py`` logged on allocation ``alloc``: the one its final save
+    holds, since the job saves on the step it sees the notice and then waits to be stopped."""
+    return max(e["step"] for e in events if e["alloc"] == alloc and "step" in e)
+
+
 def post_job(buyer, job: dict) -> dict:
     """A bid for 2 x A100-80G in eu-west, at most 1.5, that runs ``job``: the new bid."""
     response = buyer.post(
@@ -385,7 +391,8 @@ def test_two_agents_a_reclaim_and_a_resume_from_the_checkpoint(tmp_path):
             30,
             "the job on the other node",
         )[0]
-        assert second["start"] > 20  # resumed from its checkpoint, not from 0
+        # resumed from the final save at the first node's last step: not from 0, no step lost
+        assert second["start"] == last_step(read_log(job_log), first["alloc"]) + 1 >= 20
         done = wait(lambda: [e for e in read_log(job_log) if "done" in e], 60, "job done")[0]
         assert done["done"] == sum(range(120))  # the same result as an uninterrupted run
         assert done["alloc"] == second["alloc"]
