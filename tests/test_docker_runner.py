@@ -213,6 +213,33 @@ def test_reconcile_stops_the_container_of_an_allocation_that_ended_while_the_age
     runner.stop(again, grace=1)
 
 
+def test_reconcile_is_no_error_when_a_listed_container_goes_before_it_is_removed(
+    tmp_path, runner, job_image, monkeypatch
+):
+    """The engine lists a container that is gone a moment later (its job's own ``stop``, a
+    second reconcile): the agent's reconcile must not fail on it. The race is made certain by
+    removing each container right after the engine has listed it, before docker-py reads it
+    again (its full list inspects each one) or the runner removes it."""
+    req = request(tmp_path, 9019, ["python3", "-c", "import time; time.sleep(3600)"], job_image)
+    handle = runner.start(req)
+    restarted = DockerRunner(
+        users=JobUsers("auto"), checkpoint_root=tmp_path / "checkpoints", gpu_devices=False
+    )
+    engine_list = restarted.client.api.containers
+
+    def listed_then_gone(*args, **kwargs):
+        listed = engine_list(*args, **kwargs)
+        for container in listed:
+            runner.client.api.remove_container(container["Id"], force=True)
+        return listed
+
+    monkeypatch.setattr(restarted.client.api, "containers", listed_then_gone)
+    assert restarted.reconcile(9019, req.workdir) is True  # it was there when listed
+    assert not runner.client.containers.list(
+        ignore_removed=True, all=True, filters={"id": handle.ref}
+    )
+
+
 def test_the_container_output_goes_to_the_agents_log(tmp_path, runner, job_image, caplog):
     caplog.set_level("INFO", logger="prefect_spotgpu.agent.jobs")
     req = request(
@@ -225,10 +252,6 @@ def test_the_container_output_goes_to_the_agents_log(tmp_path, runner, job_image
         time.sleep(0.05)
     assert "allocation 18 | hello from the job" in caplog.text
     runner.stop(handle, grace=1)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(pytest.main([__file__, "-s"]))
 
 
 def test_a_container_gone_before_its_pid_was_read_is_not_alive():
@@ -280,3 +303,7 @@ def test_a_bid_without_an_image_runs_in_the_nodes_default_image_or_fails_naming_
     handle = default.start(req)
     assert wait_exit(default, handle) == 0
     default.stop(handle, grace=0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-s"]))
