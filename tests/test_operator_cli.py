@@ -55,6 +55,13 @@ def test_admin_credit_adds_a_ledger_entry_the_tenant_reads_with_its_reason(servi
     assert out.returncode == 1 and "error 40" in out.stdout
     assert tenant.get("/me").json()["balance"] == pytest.approx(3.5)
 
+    # the market's refusal quotes what was sent: printed as text, markup and all
+    out = spotgpu("admin", "create-tenant", "[/x] [bold]", env=env)
+    assert out.returncode == 1 and not out.stderr, out.stdout + out.stderr
+    assert "error 422" in out.stdout and "[/x] [bold]" in out.stdout, out.stdout
+    tenants = spotgpu("admin", "tenants", env=env)
+    assert tenants.returncode == 0 and "[/x]" not in tenants.stdout and "dora" in tenants.stdout
+
 
 def tenant_key(client) -> str:
     return client.headers["Authorization"].removeprefix("Bearer ")

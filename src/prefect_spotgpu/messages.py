@@ -1,4 +1,4 @@
-"""The replies the market service sends to its own clients (node agents, the worker), as
+"""The replies the market service sends to its own clients (node agents, the worker, the CLI), as
 pydantic models all three import: the service declares them as its response models, and the
 clients parse what they read into them instead of reading dicts by string keys. Here: a bid
 (``BidResponse``, and a batch of them placed together, ``BidBatchResponse``), a pool's quote
@@ -6,8 +6,11 @@ clients parse what they read into them instead of reading dicts by string keys. 
 job: ``Assignment``), a bid's events (``EventResponse``, its payload ``EventPayload``, a page of
 them: ``EventsPage``), a node
 (``NodeResponse``; as registered, with its agent's token: ``NodeCreated``; a new token:
-``NodeToken``), an image catalogue entry (``ImageResponse``) and a tenant's webhook
-(``WebhookConfigResponse``).
+``NodeToken``; as anyone sees it on the market, with its GPUs in use: ``MarketNodeResponse``), an
+image catalogue entry (``ImageResponse``), a tenant's webhook (``WebhookConfigResponse``), a
+tenant (``TenantResponse``; as created, with its key: ``TenantCreated``), its keys
+(``KeyIssued``, ``KeysRevoked``), a ledger entry (``LedgerEntryResponse``) and a cost estimate
+(``EstimateResponse``, each region's beside it: ``RegionEstimate``).
 
 Wire compatibility: a field a newer service adds is ignored by an older client (pydantic's
 default ``extra="ignore"``), and a field a client needs that a reply lacks fails the parse
@@ -245,3 +248,74 @@ class ImageResponse(BaseModel):
 class WebhookConfigResponse(BaseModel):
     url: str | None
     has_secret: bool
+
+
+class MarketNodeResponse(BaseModel):
+    """A node as anyone sees it on the market (``GET /market/nodes``): no owner, no address."""
+
+    id: int
+    gpu_model: str
+    region: str
+    capacity: str = "spot"
+    state: str
+    gpu_count: int
+    gpus_busy: int = Field(description="GPUs held by an allocation now.")
+    reserve_price: float
+    gpus: list[dict] = Field(description="Each GPU's last readings that pass the schema.")
+    last_heartbeat_at: datetime
+
+
+class TenantResponse(BaseModel):
+    id: int
+    name: str
+    balance: float
+    provider: bool = Field(False, description="Whether the operator lets it register nodes.")
+    created_at: datetime
+
+
+class TenantCreated(TenantResponse):
+    api_key: str = Field(description="Shown once; store it.")
+
+
+class KeyIssued(BaseModel):
+    api_key: str = Field(description="Shown once; store it. Every older key is revoked.")
+
+
+class KeysRevoked(BaseModel):
+    revoked: int = Field(description="How many live keys were revoked.")
+
+
+class LedgerEntryResponse(BaseModel):
+    id: int
+    kind: str
+    amount: float
+    amount_micros: int = Field(description="The amount, exactly, in micros (1 = 1e-6).")
+    allocation_id: int | None
+    reason: str
+    created_at: datetime
+
+
+class RegionEstimate(BaseModel):
+    """What some GPU-hours by a deadline are expected to cost and when they finish, from one
+    forecast: spot where its price is at most the cap, on-demand for what spot cannot cover."""
+
+    expected_cost: float
+    expected_finish: datetime | None = Field(
+        description="None: spot alone does not finish before the deadline."
+    )
+    p_meet_deadline_on_spot: float
+    on_demand_cost: float
+    saving: float = Field(description="1 - expected_cost / on_demand_cost.")
+    expected_spot_gpu_hours: float
+    expected_on_demand_gpu_hours: float
+    region: str | None = Field(None, description="Whose forecast (in ``regions``).")
+
+
+class EstimateResponse(RegionEstimate):
+    """The estimate for the asked region (for ``any``: from every region's forecast at once),
+    with each region's own, cheapest first."""
+
+    gpu_model: str
+    region: str
+    regions: list[RegionEstimate]
+    assumptions: str

@@ -10,8 +10,10 @@ every user).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from prefect_spotgpu.cli.common import (
@@ -23,10 +25,14 @@ from prefect_spotgpu.cli.common import (
     console,
     fail,
     market_client,
+    parsed,
     tenant_key,
     write_key,
 )
 from prefect_spotgpu.cli.images import image_app
+
+if TYPE_CHECKING:
+    from prefect_spotgpu.messages import TenantResponse
 
 admin_app = typer.Typer(help="Administer a running market service.", no_args_is_help=True)
 admin_app.add_typer(image_app, name="image")
@@ -35,12 +41,18 @@ keys_app = typer.Typer(
 )
 
 
-def _tenant_id(client, name: str) -> int:
-    for tenant in call(client, "GET", "/tenants", 200):
-        if tenant["name"] == name:
-            return tenant["id"]
-    console.print(f"[red]no tenant named {name!r}[/red]")
+def _tenant(client, name: str) -> TenantResponse:
+    from prefect_spotgpu import messages
+
+    for tenant in call(client, "GET", "/tenants", 200, reply=list[messages.TenantResponse]):
+        if tenant.name == name:
+            return tenant
+    console.print(f"no tenant named {name!r}", style="red", markup=False)
     raise typer.Exit(1)
+
+
+def _tenant_id(client, name: str) -> int:
+    return _tenant(client, name).id
 
 
 @admin_app.command("grant-provider")
@@ -66,7 +78,7 @@ def _set_provider(name: str, provider: bool, market: str) -> None:
         tenant_id = _tenant_id(client, name)
         call(client, "PUT", f"/tenants/{tenant_id}/provider", 200, json={"provider": provider})
     role = "is now a provider" if provider else "is no longer a provider (its nodes drain)"
-    console.print(f"[bold]{name}[/bold] {role}")
+    console.print(f"[bold]{escape(name)}[/bold] {role}")
 
 
 @admin_app.command("revoke-keys")
@@ -75,10 +87,14 @@ def revoke_keys(
     market: str = MARKET,
 ) -> None:
     """Revoke every API key of a tenant (refused at once); issue-key gives it a new one."""
+    from prefect_spotgpu import messages
+
     with admin_client(market) as client:
         tenant_id = _tenant_id(client, name)
-        revoked = call(client, "POST", f"/tenants/{tenant_id}/keys/revoke", 200)
-    console.print(f"revoked {revoked['revoked']} key(s) of [bold]{name}[/bold]")
+        revoked = call(
+            client, "POST", f"/tenants/{tenant_id}/keys/revoke", reply=messages.KeysRevoked
+        )
+    console.print(f"revoked {revoked.revoked} key(s) of [bold]{escape(name)}[/bold]")
 
 
 @admin_app.command("issue-key")
@@ -87,10 +103,12 @@ def issue_key(
     market: str = MARKET,
 ) -> None:
     """Issue a tenant a new API key (printed once); its older keys are revoked."""
+    from prefect_spotgpu import messages
+
     with admin_client(market) as client:
         tenant_id = _tenant_id(client, name)
-        issued = call(client, "POST", f"/tenants/{tenant_id}/keys", 201)
-    console.print(f"API key of [bold]{name}[/bold]: {issued['api_key']}")
+        issued = call(client, "POST", f"/tenants/{tenant_id}/keys", 201, reply=messages.KeyIssued)
+    console.print(f"API key of [bold]{escape(name)}[/bold]: {escape(issued.api_key)}")
 
 
 @admin_app.command("revoke-node")
@@ -100,9 +118,11 @@ def revoke_node(
 ) -> None:
     """Revoke a node's agent token: the agent can no longer act; the node is lost after
     the heartbeat timeout (its jobs' tenants are compensated as for any lost node)."""
+    from prefect_spotgpu import messages
+
     with admin_client(market) as client:
-        node = call(client, "POST", f"/nodes/{node_id}/token/revoke", 200)
-    console.print(f"node {node['id']} ({node['name']}): agent token revoked")
+        node = call(client, "POST", f"/nodes/{node_id}/token/revoke", reply=messages.NodeResponse)
+    console.print(f"node {node.id} ({node.name}): agent token revoked", markup=False)
 
 
 @admin_app.command("new-secret-key")
@@ -125,6 +145,8 @@ def create_tenant(
     """Create a tenant and print its API key (shown once), or write it to --key-file."""
     import httpx
 
+    from prefect_spotgpu import messages
+
     body = {"name": name}
     if credit is not None:
         body["starting_credit"] = credit
@@ -132,31 +154,33 @@ def create_tenant(
         with admin_client(market) as client:
             response = client.post("/tenants", json=body)
     except httpx.HTTPError as exc:
-        console.print(f"[red]cannot reach the market at {market}[/red]: {exc}")
+        console.print(f"[red]cannot reach the market at {escape(market)}[/red]: {escape(str(exc))}")
         raise typer.Exit(1) from None
     if response.status_code != 201:
         fail(response)
-    tenant = response.json()
+    tenant = parsed(messages.TenantCreated, response.json(), "POST /tenants")
     console.print(
-        f"tenant [bold]{tenant['name']}[/bold] (id {tenant['id']}), balance {tenant['balance']:.2f}"
+        f"tenant [bold]{escape(tenant.name)}[/bold] (id {tenant.id}), balance {tenant.balance:.2f}"
     )
     if key_file is None:
-        console.print(f"API key: {tenant['api_key']}")
+        console.print(f"API key: {escape(tenant.api_key)}")
         return
-    write_key(key_file, tenant["api_key"])
+    write_key(key_file, tenant.api_key)
     console.print(f"API key written to {key_file}")
 
 
 @admin_app.command("tenants")
 def tenants(market: str = MARKET) -> None:
     """List tenants and their balances."""
+    from prefect_spotgpu import messages
+
     with admin_client(market) as client:
-        listed = call(client, "GET", "/tenants", 200)
+        listed = call(client, "GET", "/tenants", 200, reply=list[messages.TenantResponse])
     table = Table(title="tenants")
     for column in ("id", "name", "balance"):
         table.add_column(column)
     for t in listed:
-        table.add_row(str(t["id"]), t["name"], f"{t['balance']:.4f}")
+        table.add_row(str(t.id), escape(t.name), f"{t.balance:.4f}")
     console.print(table)
 
 
@@ -168,17 +192,20 @@ def credit(
     market: str = MARKET,
 ) -> None:
     """Credit a tenant's balance: one ledger entry, with the reason the tenant reads."""
+    from prefect_spotgpu import messages
+
     with admin_client(market) as client:
         entry = call(
             client,
             "POST",
             f"/tenants/{_tenant_id(client, tenant)}/credits",
             201,
+            reply=messages.LedgerEntryResponse,
             json={"amount": amount, "reason": reason},
         )
-        balance = next(t["balance"] for t in call(client, "GET", "/tenants") if t["name"] == tenant)
+        balance = _tenant(client, tenant).balance
     console.print(
-        f"credited [bold]{tenant}[/bold] {entry['amount']:.6f} (ledger entry {entry['id']}); "
+        f"credited [bold]{escape(tenant)}[/bold] {entry.amount:.6f} (ledger entry {entry.id}); "
         f"balance {balance:.4f}"
     )
 
@@ -190,8 +217,10 @@ def rotate(
     write: Path | None = WRITE_KEY,
 ) -> None:
     """Rotate your API key: prints (or writes) a new one; the old one is refused at once."""
+    from prefect_spotgpu import messages
+
     with market_client(market, tenant_key(api_key_file)) as client:
-        key = call(client, "POST", "/me/key", 201)["api_key"]
+        key = call(client, "POST", "/me/key", 201, reply=messages.KeyIssued).api_key
     if write is None:
         console.print(f"new API key (the old one no longer works): {key}")
         return

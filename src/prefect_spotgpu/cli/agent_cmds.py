@@ -159,7 +159,7 @@ def agent_start(
         inventory = parse_declared(gpus) if gpus else discover_nvml()
         job_runner = build_runner(options, state)
     except (DiscoveryError, ValueError) as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(str(exc), style="red", markup=False, soft_wrap=True)  # it may quote input
         raise typer.Exit(2) from None
     agent = Agent(
         market=market,
@@ -181,7 +181,7 @@ def agent_start(
     try:
         agent.run()
     except AgentError as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(str(exc), style="red", markup=False, soft_wrap=True)  # it may quote input
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
         agent.shutdown()

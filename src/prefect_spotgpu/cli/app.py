@@ -84,7 +84,7 @@ def demo(
     try:
         run_demo(console, directory, steps=steps, keep_running=keep_running)
     except DemoError as exc:
-        console.print(f"[red]demo failed:[/red] {exc}")
+        console.print(f"demo failed: {exc}", style="red", markup=False, soft_wrap=True)
         raise typer.Exit(1) from None
 
 

@@ -49,7 +49,9 @@ def market_client(market: str, api_key: str | None = None) -> Iterator[httpx.Cli
         with api_client(market, api_key) as client:
             yield client
     except httpx.TransportError as exc:
-        console.print(f"[red]cannot reach the market at {market}[/red]: {exc}", soft_wrap=True)
+        console.print(
+            f"cannot reach the market at {market}: {exc}", style="red", markup=False, soft_wrap=True
+        )
         raise typer.Exit(1) from None
 
 
@@ -69,12 +71,15 @@ def admin_client(market: str):
 
 
 def fail(response: httpx.Response) -> None:
-    """End the command: the market refused (its status and ``detail``, exit 1)."""
+    """End the command: the market refused (its status and ``detail``, exit 1). The detail
+    is printed as text: it may quote what a caller sent, markup included."""
+    from rich.markup import escape
+
     try:
         detail = response.json().get("detail")
     except ValueError:
         detail = response.text
-    console.print(f"[red]error {response.status_code}[/red]: {detail}")
+    console.print(f"[red]error {response.status_code}[/red]: {escape(str(detail))}")
     raise typer.Exit(1)
 
 
@@ -86,6 +91,14 @@ def call(client: httpx.Client, method: str, path: str, ok: int = 200, *, reply=N
     if response.status_code != ok:
         fail(response)
     return response.json() if reply is None else parsed(reply, response.json(), f"{method} {path}")
+
+
+def busy_gpus(client: httpx.Client) -> dict[int, int]:
+    """Each node's GPUs held by an allocation now, by node id (``GET /market/nodes``)."""
+    from prefect_spotgpu.messages import MarketNodeResponse
+
+    listed = call(client, "GET", "/market/nodes", reply=list[MarketNodeResponse])
+    return {node.id: node.gpus_busy for node in listed}
 
 
 def parsed(reply, body, what: str):

@@ -20,6 +20,7 @@ from rich.table import Table
 from prefect_spotgpu.cli.common import (
     API_KEY_FILE,
     MARKET,
+    busy_gpus,
     call,
     console,
     fail,
@@ -125,30 +126,34 @@ def estimate(
 ) -> None:
     """Expected cost and finish of some GPU-hours by a deadline, against on-demand; for
     region any, from every region's forecast at once, with each region's own beside it."""
+    from prefect_spotgpu.messages import EstimateResponse
+
     body = {"gpu_model": gpu_model, "gpu_hours": gpu_hours, "max_price": max_price,
             "deadline": deadline, "gpus": gpus, "region": region}  # fmt: skip
     if start:
         body["start"] = start
     with market_client(market) as client:
-        e = call(client, "POST", "/estimate", json=body)
-    finish = e["expected_finish"] or "not on spot alone before the deadline"
+        e = call(client, "POST", "/estimate", reply=EstimateResponse, json=body)
+    finish = e.expected_finish or "not on spot alone before the deadline"
     console.print(
-        f"{gpu_hours:g} GPU-hours of {e['gpu_model']} at most {max_price:.2f}/GPU-h "
+        f"{gpu_hours:g} GPU-hours of {e.gpu_model} at most {max_price:.2f}/GPU-h "
         f"by {deadline}:\n"
-        f"  expected cost   {e['expected_cost']:.2f} (on-demand {e['on_demand_cost']:.2f}, "
-        f"saving {e['saving']:.0%})\n"
+        f"  expected cost   {e.expected_cost:.2f} (on-demand {e.on_demand_cost:.2f}, "
+        f"saving {e.saving:.0%})\n"
         f"  expected finish {finish}\n"
-        f"  P(deadline met on spot alone) {e['p_meet_deadline_on_spot']:.0%}; expected "
-        f"on-demand fallback {e['expected_on_demand_gpu_hours']:g} GPU-hours"
+        f"  P(deadline met on spot alone) {e.p_meet_deadline_on_spot:.0%}; expected "
+        f"on-demand fallback {e.expected_on_demand_gpu_hours:g} GPU-hours",
+        markup=False,
     )
-    if e["region"] == "any" and len(e.get("regions", [])) > 1:
+    if e.region == "any" and len(e.regions) > 1:
         console.print("  one region alone:")
-        for r in e["regions"]:
+        for r in e.regions:
             console.print(
-                f"    {r['region']:<14} expected cost {r['expected_cost']:.2f} (saving "
-                f"{r['saving']:.0%}), P(deadline met on spot alone) "
-                f"{r['p_meet_deadline_on_spot']:.0%}",
+                f"    {r.region or '':<14} expected cost {r.expected_cost:.2f} (saving "
+                f"{r.saving:.0%}), P(deadline met on spot alone) "
+                f"{r.p_meet_deadline_on_spot:.0%}",
                 highlight=False,
+                markup=False,
             )
 
 
@@ -166,10 +171,10 @@ def bids(
     """Your bids: each one's current allocation, price and cost so far, and your balance."""
     from prefect_spotgpu.cli.views import bids_table
     from prefect_spotgpu.economics.schedules import aware
-    from prefect_spotgpu.messages import AllocationResponse, BidResponse
+    from prefect_spotgpu.messages import AllocationResponse, BidResponse, TenantResponse
 
     with market_client(market, tenant_key(api_key_file)) as client:
-        me = call(client, "GET", "/me")
+        me = call(client, "GET", "/me", reply=TenantResponse)
         params = {"limit": min(limit, PAGE_SIZE), **({"status": status} if status else {})}
         shown = parsed(list[BidResponse], newest(client, "/bids", params, limit), "GET /bids")
         allocations: dict[int, list[AllocationResponse]] = {b.id: [] for b in shown}
@@ -197,7 +202,7 @@ def nodes(api_key_file: Path | None = API_KEY_FILE, market: str = MARKET) -> Non
 
     with market_client(market, tenant_key(api_key_file)) as client:
         listed = call(client, "GET", "/nodes", reply=list[NodeResponse])
-        busy = {n["id"]: n["gpus_busy"] for n in call(client, "GET", "/market/nodes")}
+        busy = busy_gpus(client)
     console.print(nodes_table(listed, busy, now=time.time()))
 
 

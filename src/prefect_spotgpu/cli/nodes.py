@@ -16,6 +16,7 @@ import typer
 from prefect_spotgpu.cli.common import (
     API_KEY_FILE,
     MARKET,
+    busy_gpus,
     call,
     console,
     market_client,
@@ -56,7 +57,7 @@ def _node(client, node: str) -> NodeResponse:
 def _set_state(node: str, state: str, api_key_file: Path | None, market: str) -> None:
     with market_client(market, tenant_key(api_key_file)) as client:
         row = _node(client, node)
-        busy = {n["id"]: n["gpus_busy"] for n in call(client, "GET", "/market/nodes", 200)}
+        busy = busy_gpus(client)
         changed = call(
             client, "PATCH", f"/nodes/{row.id}", 200, reply=type(row), json={"state": state}
         )

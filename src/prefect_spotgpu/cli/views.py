@@ -16,7 +16,12 @@ from rich.table import Table
 
 from prefect_spotgpu.economics.schedules import aware
 from prefect_spotgpu.market import NodeState
-from prefect_spotgpu.messages import AllocationResponse, BidResponse, NodeResponse
+from prefect_spotgpu.messages import (
+    AllocationResponse,
+    BidResponse,
+    NodeResponse,
+    TenantResponse,
+)
 from prefect_spotgpu.protocol import HOLDING_STATUSES, AllocationStatus, BidStatus
 
 BLOCKS = "▁▂▃▄▅▆▇█"
@@ -133,14 +138,14 @@ def bids_table(
     bids: Sequence[BidResponse],
     allocations: dict[int, list[AllocationResponse]],
     *,
-    tenant: dict,
+    tenant: TenantResponse,
 ) -> Table:
     """The tenant's bids with their current allocation and their cost so far (the sum of
-    every allocation's ``charged_amount``); ``tenant`` is the body of ``GET /me``."""
+    every allocation's ``charged_amount``); ``tenant``: ``GET /me``."""
     table = Table(
-        title=f"Bids of {escape(tenant['name'])}",
+        title=f"Bids of {escape(tenant.name)}",
         title_justify="left",
-        caption=f"balance {tenant['balance']:.4f}",
+        caption=f"balance {tenant.balance:.4f}",
         caption_justify="left",
     )
     for name, justify in (

@@ -47,6 +47,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, RedirectResponse, StreamingResponse
 
 from prefect_spotgpu.market import DEFAULT_CATALOG
+from prefect_spotgpu.messages import MarketNodeResponse
 from prefect_spotgpu.protocol import Capacity
 from prefect_spotgpu.service import crud, queries
 from prefect_spotgpu.service.deps import Db
@@ -84,7 +85,11 @@ def asset(name: Annotated[str, PathParam(pattern=r"^[a-z]+\.(js|css|svg)$")]):
     return FileResponse(path)
 
 
-@api.get("/market/nodes", summary="Every node's GPUs, state, load and telemetry (anonymous)")
+@api.get(
+    "/market/nodes",
+    response_model=list[MarketNodeResponse],
+    summary="Every node's GPUs, state, load and telemetry (anonymous)",
+)
 def market_nodes(db: Db):
     with db.begin() as session:
         busy = queries.count_busy_gpus(session=session)

@@ -168,6 +168,7 @@ def forecast(
 
 @router.post(
     "/estimate",
+    response_model=schemas.EstimateResponse,
     summary="Expected cost and finish of some GPU-hours by a deadline",
     responses={429: {"description": "Too many estimates from this caller: see Retry-After"}},
 )

@@ -63,6 +63,7 @@ from prefect_spotgpu.service.schemas.nodes import (
 )
 from prefect_spotgpu.service.schemas.prices import (
     EstimateRequest,
+    EstimateResponse,
     PriceBarResponse,
     QuoteResponse,
 )
@@ -96,6 +97,7 @@ __all__ = [
     "CreditCreate",
     "DeliveryResponse",
     "EstimateRequest",
+    "EstimateResponse",
     "EventResponse",
     "EventsPage",
     "GpuCount",

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, Field
 
+from prefect_spotgpu.messages import LedgerEntryResponse as LedgerEntryResponse
 from prefect_spotgpu.service.schemas.fields import Strict, whole_micros
 
 
@@ -23,16 +23,6 @@ class CreditCreate(Strict):
         AfterValidator(whole_micros),
     ]
     reason: str = Field(min_length=1, max_length=500)
-
-
-class LedgerEntryResponse(BaseModel):
-    id: int
-    kind: str
-    amount: float
-    amount_micros: int = Field(description="The amount, exactly, in micros (1 = 1e-6).")
-    allocation_id: int | None
-    reason: str
-    created_at: datetime
 
 
 class LedgerCursors(BaseModel):

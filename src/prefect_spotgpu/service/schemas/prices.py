@@ -1,5 +1,5 @@
 """Prices: every pool's quote (shared with the clients: ``prefect_spotgpu.messages``), its price
-history, and a request for the cost estimator."""
+history, and a request for the cost estimator (its reply shared too)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 
 from pydantic import BaseModel, Field, model_validator
 
+from prefect_spotgpu.messages import EstimateResponse as EstimateResponse
 from prefect_spotgpu.messages import QuoteResponse as QuoteResponse
 from prefect_spotgpu.service.schemas.fields import GpuCount, GpuModelName, Price, Region, Strict
 

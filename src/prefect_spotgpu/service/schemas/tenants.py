@@ -1,25 +1,20 @@
-"""Tenants and their keys: who buys (and, once the operator allows it, sells) on the market."""
+"""Tenants and their keys: who buys (and, once the operator allows it, sells) on the market (the
+replies are shared with the clients: ``prefect_spotgpu.messages``)."""
 
 from __future__ import annotations
 
-from datetime import datetime
+from pydantic import Field
 
-from pydantic import BaseModel, Field
-
+from prefect_spotgpu.messages import KeyIssued as KeyIssued
+from prefect_spotgpu.messages import KeysRevoked as KeysRevoked
+from prefect_spotgpu.messages import TenantCreated as TenantCreated
+from prefect_spotgpu.messages import TenantResponse as TenantResponse
 from prefect_spotgpu.service.schemas.fields import Name, Strict
 
 
 class TenantCreate(Strict):
     name: Name
     starting_credit: float | None = Field(None, ge=0, le=1e9, allow_inf_nan=False, strict=True)
-
-
-class TenantResponse(BaseModel):
-    id: int
-    name: str
-    balance: float
-    provider: bool = Field(False, description="Whether the operator lets it register nodes.")
-    created_at: datetime
 
 
 def tenant_response(tenant) -> dict:
@@ -35,15 +30,3 @@ def tenant_response(tenant) -> dict:
 
 class ProviderUpdate(Strict):
     provider: bool = Field(description="true: the tenant may register nodes; false: no more.")
-
-
-class KeyIssued(BaseModel):
-    api_key: str = Field(description="Shown once; store it. Every older key is revoked.")
-
-
-class KeysRevoked(BaseModel):
-    revoked: int = Field(description="How many live keys were revoked.")
-
-
-class TenantCreated(TenantResponse):
-    api_key: str = Field(description="Shown once; store it.")
