@@ -1,5 +1,5 @@
 """The replies the market service sends to its own clients (node agents, the worker, the CLI), as
-pydantic models all three import: the service declares them as its response models, and the
+pydantic models they all import: the service declares them as its response models, and the
 clients parse what they read into them instead of reading dicts by string keys. Here: a bid
 (``BidResponse``, and a batch of them placed together, ``BidBatchResponse``), a pool's quote
 (``QuoteResponse``), an allocation (``AllocationResponse``; as its node agent sees it, with its
