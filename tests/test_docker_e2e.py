@@ -132,7 +132,8 @@ def test_a_reclaimed_containerised_run_saves_resumes_in_a_container_and_complete
     assert starts[1]["start"] == saved[0]["saved"] + 1  # exactly after the final save
     reference = Checkpointer(LocalStorage(tmp_path / "reference"), "ref", every=1e9)
     assert [e["done"] for e in entries if "done" in e] == [count(reference, STEPS, 0.0, None)]
-    assert owner.patch(f"/nodes/{first_node}", json={"state": "live"}).is_success  # (the next)
+    # offered again for the module's next test
+    assert owner.patch(f"/nodes/{first_node}", json={"state": "live"}).is_success
     print(
         json.dumps(
             {
