@@ -266,7 +266,6 @@ def test_children_no_worker_takes_stop_the_fan_out_with_what_to_start(prefect_ap
     from prefect.states import Scheduled
 
     from prefect_spotgpu import decorators
-    from prefect_spotgpu.decorators import SpotRunFuture
     from prefect_spotgpu.fanout import _Unserved
 
     @flow(name="orphan-child")
@@ -275,9 +274,9 @@ def test_children_no_worker_takes_stop_the_fan_out_with_what_to_start(prefect_ap
     with get_client(sync_client=True) as client:
         client.create_work_pool(WorkPoolCreate(name="fanout-unserved", type="spot-gpu"))
         run = client.create_flow_run(orphan, state=Scheduled())
-    waiting = SpotRunFuture(run.id, "fanout-unserved")
     monkeypatch.setattr(decorators, "NO_WORKER_SECONDS", 60.0)
-    _Unserved("fanout-unserved").check(waiting)  # within the grace: no verdict yet
+    _Unserved("fanout-unserved").check(run.id, run.state, False)  # within the grace: wait
     monkeypatch.setattr(decorators, "NO_WORKER_SECONDS", 0.0)
+    _Unserved("fanout-unserved").check(run.id, run.state, True)  # followed from here: fine
     with pytest.raises(RuntimeError, match="prefect worker start --pool fanout-unserved"):
-        _Unserved("fanout-unserved").check(waiting)
+        _Unserved("fanout-unserved").check(run.id, run.state, False)

@@ -162,7 +162,7 @@ class SpotGPUFlow(InfrastructureBoundFlow):
                 name=f"{CALLER_WORKER_PREFIX} {os.uname().nodename}:{os.getpid()}",
                 create_pool_if_not_found=False,
             ) as worker:
-                await _check_pool(worker, self.work_pool)
+                check_pool(work_pool_of(worker), self.work_pool)
                 future = await worker.submit(
                     flow=self, parameters=parameters, job_variables=self.job_variables
                 )
@@ -326,9 +326,9 @@ def _state_once_the_job_stopped(client, flow_run_id: UUID, timeout: float = 15.0
         time.sleep(0.25)
 
 
-async def _check_pool(worker, pool: str) -> None:
-    """A clear error for a pool that cannot run decorated flows (before anything is bid)."""
-    work_pool = work_pool_of(worker)  # None when there is no such pool (not created here)
+def check_pool(work_pool, pool: str) -> None:
+    """A clear error for a pool that cannot run decorated flows (before anything is bid);
+    ``work_pool`` is None when there is no such pool."""
     if work_pool is None:
         raise RuntimeError(
             f"there is no work pool {pool!r}: create it with `spotgpu pool setup --pool {pool}`"

@@ -36,6 +36,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
+from prefect_spotgpu.child_runs import Children
 from prefect_spotgpu.market import DEFAULT_CATALOG
 from prefect_spotgpu.messages import AllocationResponse, BidResponse, QuoteResponse
 from prefect_spotgpu.protocol import Capacity
@@ -189,9 +190,11 @@ def fan_out(
     deadline and its work to its worker's ``deadline-aware`` policy, which bids up when it
     falls behind and moves to on-demand capacity only when spot can no longer make it.
 
-    ``pool_worker``: hand the children to the pool's running worker (``submit_to_work_pool``:
-    it places their bids together), or follow each from a thread of this process (``submit``);
-    by default the pool's worker when one is alive."""
+    The children share one bundle and are created concurrently (``child_runs``).
+    ``pool_worker``: hand them to the pool's running worker (created Scheduled: it takes them
+    and places their bids together), or follow them from one spot-gpu worker in this process
+    (created Pending: the pool's worker never takes them, and adopts one only if this process
+    dies); by default the pool's worker when one is alive."""
     from prefect_spotgpu.decorators import SpotGPUFlow
 
     if not isinstance(child, SpotGPUFlow):
@@ -209,47 +212,38 @@ def fan_out(
         )
     shards = [Shard(i, dict(p)) for i, p in enumerate(params)]
     market = _Market(child)
-    futures: dict[int, Any] = {}
+    if pool_worker is None:
+        pool_worker = bool(_live_workers(child.work_pool))
     report = _Progress(len(shards))
     unserved = _Unserved(child.work_pool)
+    crashed_since: dict[Any, float] = {}
     started = time.monotonic()
-    while any(s.status in (ShardStatus.WAITING, ShardStatus.RUNNING) for s in shards):
-        room = market.room()
-        if deadline is not None:
-            room = max(room, _needed(shards, deadline, shard_gpu_hours))
-        decided = plan(shards, cap=cap, market_room=room, max_attempts=max_attempts)
-        if decided.failed:
-            raise RuntimeError(
-                "fan-out failed: shard(s) "
-                + ", ".join(f"{i} ({shards[i].errors[-1]})" for i in decided.failed)
-                + f" ended without a result {max_attempts} times"
-            )
-        to_pool = pool_worker
-        if decided.submit and to_pool is None:
-            to_pool = bool(_live_workers(child.work_pool))
-        for index in decided.submit:
-            shard = shards[index]
-            submit = child.submit_to_work_pool if to_pool else child.submit
-            futures[index] = submit(**shard.params)
-            shard.status, shard.run_id = ShardStatus.RUNNING, futures[index].flow_run_id
-            shard.attempts += 1
-        for index, future in list(futures.items()):
-            if future.following() or not future.settled():
-                unserved.check(future)
-                continue
-            state, shard = future.state, shards[index]
-            del futures[index]
-            if state.is_completed():
-                shard.status, shard.result = ShardStatus.DONE, future.result()
-            else:  # over without its result: the shard is given to a new child
-                shard.status = ShardStatus.WAITING
-                shard.errors.append(f"{state.name}: {state.message}")
-        counts = summary(shards)
-        if counts != report.counts or time.monotonic() - report.shown_at > COST_SECONDS:
-            report.show(counts, market.costs(shards))
-        if on_progress is not None:
-            on_progress(counts)
-        time.sleep(poll_seconds)
+    with Children(child, to_pool=pool_worker) as children:
+        while any(s.status in (ShardStatus.WAITING, ShardStatus.RUNNING) for s in shards):
+            room = market.room()
+            if deadline is not None:
+                room = max(room, _needed(shards, deadline, shard_gpu_hours))
+            decided = plan(shards, cap=cap, market_room=room, max_attempts=max_attempts)
+            if decided.failed:
+                raise RuntimeError(
+                    "fan-out failed: shard(s) "
+                    + ", ".join(f"{i} ({shards[i].errors[-1]})" for i in decided.failed)
+                    + f" ended without a result {max_attempts} times"
+                )
+            created = children.create([shards[i].params for i in decided.submit])
+            for index, run_id in zip(decided.submit, created, strict=True):
+                shard = shards[index]
+                shard.status, shard.run_id = ShardStatus.RUNNING, run_id
+                shard.attempts += 1
+            _settle(shards, children, unserved, crashed_since, child)
+            counts = summary(shards)
+            if counts != report.counts or time.monotonic() - report.shown_at > COST_SECONDS:
+                report.show(counts, market.costs(shards))
+            if on_progress is not None:
+                on_progress(counts)
+            if any(s.status is ShardStatus.RUNNING for s in shards):
+                time.sleep(poll_seconds)
+        bundle = children.bundle
     costs = market.costs(shards)
     report.show(summary(shards), costs)
     return {
@@ -258,8 +252,45 @@ def fan_out(
         "children": [str(s.run_id) for s in shards],
         "attempts": sum(s.attempts for s in shards),
         "seconds": round(time.monotonic() - started, 2),
+        "bundle": bundle.key,
         "cost": costs,
     }
+
+
+def _settle(shards: Sequence[Shard], children, unserved, crashed_since: dict, child) -> None:
+    """Read the running children's states (in bulk) and close the shards whose child is over:
+    done with its result, or waiting again when it ended without one. A Crashed child is
+    over only once it stayed Crashed ``CRASH_SETTLE_SECONDS`` (a worker turns a preempted
+    run's Crashed into Preempted within a second or two)."""
+    from prefect_spotgpu.child_runs import result_of
+    from prefect_spotgpu.decorators import CRASH_SETTLE_SECONDS, cancel_run
+
+    running = [s for s in shards if s.status is ShardStatus.RUNNING]
+    states = children.states([s.run_id for s in running])
+    now = time.monotonic()
+    for shard in running:
+        state, run_id = states.get(shard.run_id), shard.run_id
+        failed = children.errors.pop(run_id, None)
+        if failed is not None:  # its follower here failed: stop it, the shard goes again
+            cancel_run(child, run_id, f"its follower failed: {type(failed).__name__}: {failed}")
+            shard.status = ShardStatus.WAITING
+            shard.errors.append(f"follower failed: {type(failed).__name__}: {failed}")
+            continue
+        following = children.following(run_id)
+        if state is None or following or not state.is_final():
+            crashed_since.pop(run_id, None)
+            unserved.check(run_id, state, following)
+            continue
+        if state.is_crashed() and now - crashed_since.setdefault(run_id, now) < (
+            CRASH_SETTLE_SECONDS
+        ):
+            continue
+        crashed_since.pop(run_id, None)
+        if state.is_completed():
+            shard.status, shard.result = ShardStatus.DONE, result_of(run_id)
+        else:  # over without its result: the shard is given to a new child
+            shard.status = ShardStatus.WAITING
+            shard.errors.append(f"{state.name}: {state.message}")
 
 
 def _needed(shards: Sequence[Shard], deadline: datetime, shard_gpu_hours: float) -> int:
@@ -289,17 +320,17 @@ class _Unserved:
     def __init__(self, pool: str) -> None:
         self.pool, self.since = pool, {}
 
-    def check(self, future) -> None:
+    def check(self, run_id, state, following: bool) -> None:
         from prefect_spotgpu.decorators import NO_WORKER_SECONDS
 
-        if future.following() or not future.state.is_scheduled():
-            self.since.pop(future.flow_run_id, None)
+        if following or state is None or not state.is_scheduled():
+            self.since.pop(run_id, None)
             return
-        since = self.since.setdefault(future.flow_run_id, time.monotonic())
+        since = self.since.setdefault(run_id, time.monotonic())
         if time.monotonic() - since < NO_WORKER_SECONDS or _live_workers(self.pool):
             return
         raise RuntimeError(
-            f"child flow run {future.flow_run_id} waits for a worker, and no worker of pool "
+            f"child flow run {run_id} waits for a worker, and no worker of pool "
             f"{self.pool!r} is running: start one with `prefect worker start --pool "
             f"{self.pool} --type spot-gpu`, or fan out with pool_worker=False"
         )
@@ -331,6 +362,8 @@ class _Market:
             )
         )
         self.market = market_of(self.configuration)
+        self.bids: dict[Any, tuple[BidResponse, list[AllocationResponse]]] = {}
+        self.finished: set = set()
 
     def room(self) -> int:
         c = self.configuration
@@ -347,14 +380,17 @@ class _Market:
         )
 
     def costs(self, shards: Sequence[Shard]) -> dict:
+        """The children's cost so far: each bid read from the market, a finished child's
+        once (its bid no longer changes), so a wide fan-out's report stays cheap."""
         from prefect.client.orchestration import get_client
 
         from prefect_spotgpu.protocol import LABELS
 
-        bids = []
         with get_client(sync_client=True) as client, self.market.get_client() as http:
             for shard in shards:
-                if shard.run_id is None:
+                if shard.run_id is None or (
+                    shard.status is ShardStatus.DONE and shard.run_id in self.finished
+                ):
                     continue
                 bid_id = (client.read_flow_run(shard.run_id).labels or {}).get(LABELS.BID)
                 if bid_id is None:
@@ -363,8 +399,10 @@ class _Market:
                 allocations = http.get(f"/bids/{bid_id}/allocations")
                 if bid.status_code == 200 and allocations.status_code == 200:
                     listed = [AllocationResponse.model_validate(a) for a in allocations.json()]
-                    bids.append((BidResponse.model_validate(bid.json()), listed))
-        return cost_report(bids)
+                    self.bids[shard.run_id] = (BidResponse.model_validate(bid.json()), listed)
+                    if shard.status is ShardStatus.DONE:
+                        self.finished.add(shard.run_id)
+        return cost_report(list(self.bids.values()))
 
 
 COST_SECONDS = 10.0

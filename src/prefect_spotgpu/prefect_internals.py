@@ -73,3 +73,23 @@ async def flush_prefect_queues(seconds: float, logger) -> None:
     deadline = time.monotonic() + 0.5
     while any(not task.done() for _, task in stuck) and time.monotonic() < deadline:
         await anyio.sleep(0.05)
+
+
+async def with_pool_result_storage(flow: Any, block_id: UUID | None) -> Any:
+    """The flow with the pool's result storage (``block_id``) and persisted results, as
+    ``InfrastructureBoundFlow.submit_to_work_pool`` gives a flow before bundling it, unless
+    the flow has result storage a caller can read already. Relies on prefect 3.9's private
+    ``prefect.results._result_storage_is_configured_for_remote_retrieval``; where it is gone,
+    the pool's storage is given whenever the flow has none of its own."""
+    from prefect import results
+
+    if block_id is None:
+        return flow
+    remote = getattr(results, "_result_storage_is_configured_for_remote_retrieval", None)
+    if remote is not None:
+        if remote(flow.result_storage, results.get_result_store().result_storage):
+            return flow
+    elif flow.result_storage is not None:
+        return flow
+    storage = await results.aresolve_result_storage(block_id)
+    return flow.with_options(result_storage=storage, persist_result=True)

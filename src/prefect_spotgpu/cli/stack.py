@@ -121,9 +121,11 @@ class LocalStack:
                 raise StackError(f"{name} not ready after {timeout:.0f} s:\n{self.log(name)}")
             time.sleep(0.1)
 
-    def start_prefect_server(self, host: str = "127.0.0.1") -> str:
-        """``prefect server start`` with its own SQLite database under ``home``, for a stack
-        made without a ``prefect_api_url``; returns (and uses from now on) its API URL.
+    def start_prefect_server(self, host: str = "127.0.0.1", database_url: str | None = None) -> str:
+        """``prefect server start`` with its own SQLite database under ``home`` (or the
+        PostgreSQL database at ``database_url``, ``postgresql+asyncpg://...``: a wide
+        fan-out's), for a stack made without a ``prefect_api_url``; returns (and uses from
+        now on) its API URL.
 
         ``host``: the address it listens on and is reached at (e.g. the Docker bridge's
         gateway, for flow runs in containers)."""
@@ -139,9 +141,8 @@ class LocalStack:
                 "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                 # the UI asks its API here (by default the settings' port 4200, not --port)
                 "PREFECT_SERVER_UI_API_URL": f"http://{host}:{port}/api",
-                "PREFECT_API_DATABASE_CONNECTION_URL": (
-                    f"sqlite+aiosqlite:///{self.home / 'prefect' / 'prefect.db'}"
-                ),
+                "PREFECT_API_DATABASE_CONNECTION_URL": database_url
+                or f"sqlite+aiosqlite:///{self.home / 'prefect' / 'prefect.db'}",
             },
         )
         self.prefect_api_url = f"http://{host}:{port}/api"

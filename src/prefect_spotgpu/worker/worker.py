@@ -33,6 +33,7 @@ above is decided in ``reactions`` (pure, unit-tested on plain data) and carried 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 from datetime import UTC, datetime
@@ -111,6 +112,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, BaseVariables, SpotGPUWo
         super().__init__(*args, **kwargs)
         self._following: set[str] = set()
         self._polling = False  # True under start(): Prefect's loop picks rescheduled runs
+        self._beats: asyncio.Task | None = None  # a caller's worker: heartbeats while it follows
 
     async def start(self, *args: Any, **kwargs: Any) -> None:
         """Prefect's worker loop, asking for scheduled runs every second (see QUERY_SECONDS);
@@ -128,6 +130,8 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, BaseVariables, SpotGPUWo
 
     async def teardown(self, *exc_info: Any) -> None:
         """Prefect's teardown; a worker stopped while following runs first releases them."""
+        if self._beats is not None:
+            self._beats.cancel()
         if exc_info and exc_info[0] is not None:
             await self._release_runs()
         await super().teardown(*exc_info)
@@ -177,13 +181,47 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, BaseVariables, SpotGPUWo
         the run is over, so the caller's call follows the run across its preemptions. A
         rescheduled run is taken again as Prefect's loop would take it (Pending, compare-and-
         set on the server): when the pool's own worker takes it first, this one lets it go."""
+        if self._polling:
+            return await self._attempt(flow_run, configuration, task_status)
+        self._keep_beating()
         result = await self._attempt(flow_run, configuration, task_status)
-        while not self._polling and result.status_code == 0:
+        while result.status_code == 0:
             flow_run = await self._take_again(flow_run)
             if flow_run is None:
                 break
             result = await self._attempt(flow_run, configuration, None)
         return result
+
+    async def follow(self, flow_run) -> None:
+        """Follow a run this worker did not take from Prefect's loop (a fan-out's child, made
+        Pending by its parent) until it is over or another worker took it; an end without a
+        final state is proposed Crashed, as ``BaseWorker.submit`` does for its own runs."""
+        configuration = await self.job_configuration.resolve_for_flow_run(
+            flow_run, client=self.client, work_pool=self.work_pool, worker_name=self.name
+        )
+        result = await self.run(flow_run, configuration)
+        if result.status_code != 0:
+            await self._propose_crashed_state(
+                flow_run, f"The spot-gpu job ended with status {result.status_code}"
+            )
+
+    def _keep_beating(self) -> None:
+        """A worker that Prefect's loop does not drive (a caller's) sends its heartbeat while
+        it follows runs, as a polling worker does: the pool's worker adopts a run only when
+        the worker that labelled it ``prefect.worker.name`` is silent (``_adopt_orphans``), so
+        a caller that is alive keeps its runs and one that died loses them."""
+        if self._beats is not None and not self._beats.done():
+            return
+
+        async def beat() -> None:
+            while True:  # until teardown
+                await anyio.sleep(self.heartbeat_interval_seconds)
+                try:
+                    await self.sync_with_backend()
+                except Exception as exc:  # Prefect briefly unreachable: the next beat
+                    self._logger.debug("heartbeat failed: %s", exc)
+
+        self._beats = asyncio.get_running_loop().create_task(beat())
 
     async def _take_again(self, flow_run):
         """The run, Pending again for this worker, once it is rescheduled (Preempted now, or
@@ -221,6 +259,8 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, BaseVariables, SpotGPUWo
         check_storage(configuration)
         self._following.add(str(flow_run.id))  # from its first step: no adoption pass takes it
         try:
+            if not self._polling:  # Prefect's loop labels the runs it takes; a caller's claims
+                await self.client.update_flow_run_labels(flow_run.id, {LABELS.WORKER: self.name})
             async with market.get_async_client() as http:
                 prefect_run, api = PrefectRun(self, flow_run), MarketApi(http)
                 placement = Placement(api, prefect_run, configuration, self._work_pool_name)
