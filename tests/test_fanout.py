@@ -280,3 +280,93 @@ def test_children_no_worker_takes_stop_the_fan_out_with_what_to_start(prefect_ap
     _Unserved("fanout-unserved").check(run.id, run.state, True)  # followed from here: fine
     with pytest.raises(RuntimeError, match="prefect worker start --pool fanout-unserved"):
         _Unserved("fanout-unserved").check(run.id, run.state, False)
+
+
+@pytest.mark.slow
+def test_the_first_hour_stack_reads_back_what_its_children_wrote(stack):
+    """The first-hour page's set-up: the storage block names the agents' checkpoint root
+    itself, where the nodes keep each tenant's files in ``tenant-<id>/``; the shipped render
+    queue assembles its animation from the frames its children wrote there."""
+    from render import animation, frame_name, png, render_frame
+    from render_queue import render_queue
+
+    from prefect_spotgpu.checkpoint.objects import NODE_ROOT_MARKER, LocalObjects
+
+    root = stack.home / "node-checkpoints"
+    assert (root / NODE_ROOT_MARKER).is_file()  # the agents marked their root
+    stack.create_pool("spot-first-hour", checkpoint_dir=root,
+                      defaults={"gpu_count": 1, "max_price": 1.5})  # fmt: skip
+
+    @flow(name="first-hour-parent")
+    def parent() -> dict:
+        return render_queue(
+            out="rq1", frames=4, per_child=2, width=16, height=12, work_pool="spot-first-hour",
+            gpu_model="A100-80G", max_price=1.5, cap=2, pool_worker=False,
+        )  # fmt: skip
+
+    manifest = parent()
+    buyer = stack.market(stack.buyer_key).get("/me").json()["id"]
+    mine = LocalObjects(root / f"tenant-{buyer}")
+    names = [frame_name("outputs/rq1", i) for i in range(4)]
+    assert manifest["frames"] == names
+    assert [mine.get(n) for n in names] == [png(render_frame(i, 4, 16, 12)) for i in range(4)]
+    assert mine.get("outputs/rq1/animation.gif") == animation(mine, names)
+    assert not (root / "outputs").exists()  # nothing of the tenant's lands in the root
+
+
+@pytest.mark.slow
+def test_a_child_has_one_follower_when_the_caller_and_the_pools_worker_are_both_alive(stack):
+    """Children followed from the caller while the pool's worker runs, with a reclaim among
+    them (their rescheduled runs are there for either worker to take): the fan-out returns,
+    every child completed, and each child had exactly one bid — none placed again for a run
+    another worker had taken or completed. Two fan-outs in a row (without the follower's
+    label and heartbeat, the first hung: the pool's worker adopted its children)."""
+    from fanout_children import square
+    from prefect_spotgpu import spot_gpu
+    from prefect_spotgpu.fanout import fan_out
+    from prefect_spotgpu.protocol import LABELS
+
+    child = spot_gpu(work_pool=POOL, gpu_model="A100-80G", max_price=1.5)(square)
+
+    # the pool's worker looks for runs to adopt at each heartbeat: every 2 s here
+    worker = stack.start_worker(POOL, name="rival-worker",
+                                env={"PREFECT_WORKER_HEARTBEAT_SECONDS": "2"})  # fmt: skip
+    owner, buyer = stack.market(stack.owner_key), stack.market(stack.buyer_key)
+
+    def reclaim_one(reclaimed: threading.Event) -> None:  # the first node a child runs on
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not reclaimed.is_set():
+            running = buyer.get("/allocations?status=running").json()
+            running = [a for a in running if a["status"] == "running"]
+            if running:
+                node = running[0]["node_id"]
+                owner.patch(f"/nodes/{node}", json={"state": "reclaimed"})
+                time.sleep(1.0)
+                owner.patch(f"/nodes/{node}", json={"state": "live"})
+                reclaimed.set()
+            time.sleep(0.1)
+
+    @flow(name="one-follower-parent")
+    def parent() -> dict:
+        return fan_out(child, [{"index": i} for i in range(6)], cap=4,
+                       pool_worker=False, poll_seconds=0.2)  # fmt: skip
+
+    try:
+        for round_ in range(2):
+            reclaimed = threading.Event()
+            trouble = threading.Thread(target=reclaim_one, args=(reclaimed,), daemon=True)
+            trouble.start()
+            started = time.monotonic()
+            manifest = parent()
+            trouble.join(timeout=5)
+            assert manifest["results"] == [i * i for i in range(6)], round_
+            assert manifest["attempts"] == 6  # no shard given to a second child
+            assert time.monotonic() - started < 240
+            bids = buyer.get("/bids", params={"limit": 1000}).json()
+            for run_id in manifest["children"]:
+                mine = [b for b in bids if (b.get("labels") or {}).get(LABELS.FLOW_RUN) == run_id]
+                assert len(mine) == 1, (round_, run_id, mine)
+            assert reclaimed.is_set(), round_
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(timeout=30)

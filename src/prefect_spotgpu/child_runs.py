@@ -174,7 +174,9 @@ class Children:
                 f"work pool {work_pool.name!r} uploads bundles with another step than "
                 f"{UPLOAD_STEP}: run `spotgpu pool setup --pool {work_pool.name}`"
             )
-        made = create_bundle_for_flow_run(flow=flow, flow_run=FlowRun(flow_id=flow_id))
+        made = create_bundle_for_flow_run(
+            flow=flow, flow_run=FlowRun(flow_id=flow_id), context=_bundle_context()
+        )
         if made["zip_path"] is not None:  # include_files: not carried by this pool's steps
             made["zip_path"].unlink(missing_ok=True)
             raise RuntimeError(
@@ -275,6 +277,25 @@ class Children:
         """Whether the worker of this process still follows the child."""
         task = self._follows.get(flow_run_id)
         return task is not None and not task.done()
+
+
+def _bundle_context() -> dict:
+    """The context a shared bundle carries: the caller's tags, nothing else. Prefect's own
+    submission serializes the caller's whole context, the parent flow run's with its flow
+    (a parent closing over a thread or a lock cannot be pickled) and the caller's settings
+    (its Prefect API key, written into storage); ``bundles.execute`` reads none of it."""
+    from prefect.context import TagsContext
+
+    tags = TagsContext.get()
+    return {
+        "flow_run_context": {},
+        "task_run_context": {},
+        "tags_context": tags.serialize() if tags else {},
+        "settings_context": {},
+        "asset_context": {},
+        "deployment_id": None,
+        "deployment_parameters": None,
+    }
 
 
 def result_of(flow_run_id: UUID) -> Any:

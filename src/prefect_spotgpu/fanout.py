@@ -337,12 +337,23 @@ class _Unserved:
 
 
 def storage_of(child):
-    """The run storage of ``child``'s pool (its checkpoint storage block), as named objects:
-    where the children's outputs are, for the parent to read or assemble."""
-    storage = _Market(child).configuration.checkpoint_storage
+    """The run storage of ``child``'s pool as its children see it, as named objects: where
+    their outputs are, for the parent to read or assemble, and where to put their inputs.
+    A local directory that node agents use as their checkpoint root (the first-hour stack:
+    the block and ``--checkpoint-root`` name one directory) holds each tenant's files in
+    ``tenant-<id>/``, and that is what this returns (``checkpoint.objects.tenant_objects``);
+    a shared directory the nodes use as it is, or S3, is returned as it is."""
+    from prefect_spotgpu.checkpoint.objects import tenant_objects
+
+    market = _Market(child)
+    storage = market.configuration.checkpoint_storage
     if storage is None:
         raise ValueError(f"work pool {child.work_pool!r} has no checkpoint storage")
-    return storage.objects()
+    if storage.path is None:
+        return storage.objects()
+    with market.market.get_client() as http:
+        me = http.get("/me")
+    return tenant_objects(storage.path, me.json()["id"] if me.status_code == 200 else None)
 
 
 class _Market:

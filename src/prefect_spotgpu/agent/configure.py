@@ -7,6 +7,7 @@ is then removed from the agent's environment.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pwd
@@ -17,6 +18,7 @@ from pathlib import Path
 from prefect_spotgpu.agent.isolation import JobUsers, unreachable
 from prefect_spotgpu.agent.preflight import check_job_interpreter
 from prefect_spotgpu.agent.runners import Runner, get_runner
+from prefect_spotgpu.checkpoint.objects import NODE_ROOT_MARKER
 
 logger = logging.getLogger("prefect_spotgpu.agent")
 
@@ -113,6 +115,8 @@ def build_runner(options: RunnerOptions, state_dir: Path) -> Runner:
         # it: service/at_rest.py refuses one others can list); job users may only traverse it
         state_dir.parent.mkdir(parents=True, mode=0o711 if users.isolated else 0o700)
     state_dir.mkdir(parents=True, exist_ok=True)
+    if root is not None:  # buyers reading this root find their files in tenant-<id>
+        mark_node_root(Path(root).absolute())
     if users.isolated:  # job users reach their own directories and list none of ours
         state_dir.chmod(0o711)
         for needed in (state_dir, root):
@@ -122,3 +126,14 @@ def build_runner(options: RunnerOptions, state_dir: Path) -> Runner:
                     "--state-dir and --checkpoint-root elsewhere, e.g. under /var/lib"
                 )
     return runner
+
+
+def mark_node_root(root: Path) -> None:
+    """Make the checkpoint root (traversable, not listable, as ``prepare_job_dirs`` makes it)
+    and leave ``NODE_ROOT_MARKER`` in it (``checkpoint.objects.tenant_objects``)."""
+    with contextlib.suppress(FileExistsError):
+        root.mkdir(mode=0o711, parents=True)
+    marker = root / NODE_ROOT_MARKER
+    if not marker.is_file():
+        marker.write_text("this directory is a spot-gpu node checkpoint root: tenant-<id>/\n")
+        marker.chmod(0o644)

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+from prefect_spotgpu.checkpoint.objects import tenant_dir_name
 from prefect_spotgpu.protocol import JOB_ENV
 
 logger = logging.getLogger("prefect_spotgpu.agent")
@@ -175,7 +176,7 @@ def is_local_url(url: str) -> bool:
 def tenant_checkpoint_dir(root: Path, tenant_id: int | None, bid_id: int) -> Path:
     """The host directory of a tenant's local checkpoints under the operator's root (one per
     tenant: a run resumed on an on-demand bid must find its spot bid's checkpoints)."""
-    return Path(root) / (f"tenant-{tenant_id}" if tenant_id is not None else f"bid-{bid_id}")
+    return Path(root) / (tenant_dir_name(tenant_id) if tenant_id is not None else f"bid-{bid_id}")
 
 
 def prepare_job_dirs(workdir: Path, checkpoints: Path | None, user: JobUser, chown: bool) -> None:

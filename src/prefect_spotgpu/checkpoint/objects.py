@@ -177,3 +177,29 @@ def objects_from_url(url: str, **options) -> ObjectStore:
     if parsed.scheme == "s3":
         return S3Objects(parsed.netloc, parsed.path.lstrip("/"), **options)
     raise ValueError(f"storage URL must be a path, file:// or s3://, got {url!r}")
+
+
+NODE_ROOT_MARKER = ".spotgpu-node-root"
+"""A file that node agents started with ``--checkpoint-root DIR`` write into ``DIR``: there,
+each tenant's files (checkpoints, bundles read back, outputs) live in ``tenant-<id>/``, never
+in ``DIR`` itself. A buyer whose storage block names ``DIR`` (docs/get-started/first-hour.md)
+finds its children's outputs through :func:`tenant_objects`."""
+
+
+def tenant_dir_name(tenant_id: int) -> str:
+    """The directory of one tenant's files under a node checkpoint root."""
+    return f"tenant-{int(tenant_id)}"
+
+
+def tenant_objects(url: str, tenant_id: int | None) -> ObjectStore:
+    """The objects a tenant's jobs see at the storage ``url``: for a local directory that
+    node agents use as their checkpoint root (it holds ``NODE_ROOT_MARKER``), the tenant's own
+    directory in it (made here when no job of the tenant ran yet); else ``url`` itself (a
+    shared directory the jobs are given as is, or S3, which nodes pass through)."""
+    if tenant_id is not None and urlparse(url).scheme in ("", "file"):
+        root = Path(urlparse(url).path if url.startswith("file:") else url)
+        if (root / NODE_ROOT_MARKER).is_file():
+            mine = root / tenant_dir_name(tenant_id)
+            mine.mkdir(exist_ok=True)
+            return LocalObjects(mine)
+    return objects_from_url(url)

@@ -67,6 +67,11 @@ def demo(
     keep_running: bool = typer.Option(
         True, help="Keep the stack up after the timeline, until Ctrl-C (to explore the UI)."
     ),
+    prefect_database_url: str = typer.Option(
+        None,
+        help="The Prefect server's database (postgresql+asyncpg://...): use PostgreSQL to fan "
+        "out to more than a few dozen children at once (default: SQLite under --home).",
+    ),
 ) -> None:
     """Run the whole stack locally and a pretraining flow through a reclaim.
 
@@ -82,7 +87,13 @@ def demo(
 
     directory = Path(home) if home else Path(tempfile.mkdtemp(prefix="spotgpu-demo-"))
     try:
-        run_demo(console, directory, steps=steps, keep_running=keep_running)
+        run_demo(
+            console,
+            directory,
+            steps=steps,
+            keep_running=keep_running,
+            prefect_database_url=prefect_database_url,
+        )
     except DemoError as exc:
         console.print(f"demo failed: {exc}", style="red", markup=False, soft_wrap=True)
         raise typer.Exit(1) from None

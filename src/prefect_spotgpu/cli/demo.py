@@ -72,7 +72,13 @@ def find_project(start: Path | None = None) -> Path:
     )
 
 
-def run_demo(console: Console, home: Path, steps: int = 500, keep_running: bool = True) -> dict:
+def run_demo(
+    console: Console,
+    home: Path,
+    steps: int = 500,
+    keep_running: bool = True,
+    prefect_database_url: str | None = None,
+) -> dict:
     """Bring the stack up, run the pretraining flow through a reclaim, print the timeline."""
     project = find_project()
     home.mkdir(parents=True, exist_ok=True)
@@ -80,7 +86,7 @@ def run_demo(console: Console, home: Path, steps: int = 500, keep_running: bool 
         signal.signal(sig, _interrupt)
     with LocalStack(home, gpu_model=GPU_MODEL, region="local") as stack:
         try:
-            ui = _bring_up(console, stack, project, home)
+            ui = _bring_up(console, stack, project, home, prefect_database_url)
             summary = _pretrain_with_a_reclaim(console, stack, ui, steps)
             if keep_running:
                 console.print(
@@ -104,9 +110,11 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def _bring_up(console: Console, stack: LocalStack, project: Path, home: Path) -> str:
+def _bring_up(
+    console: Console, stack: LocalStack, project: Path, home: Path, database_url: str | None
+) -> str:
     with console.status("Starting the Prefect server (its UI too)...") as status:
-        api = stack.start_prefect_server()
+        api = stack.start_prefect_server(database_url=database_url)
         ui = api.removesuffix("/api")
         console.log(f"Prefect server and UI at [link={ui}]{ui}[/link]")
         status.update("Starting the market service (SQLite)...")

@@ -316,13 +316,14 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, BaseVariables, SpotGPUWo
         )
         if pool_config.market is None:
             return
-        recent = datetime.now(UTC).timestamp() - 3 * self.heartbeat_interval_seconds
-        live_workers = {
+        now = datetime.now(UTC).timestamp()
+        live_workers = {  # each by its own heartbeat: a caller's may beat slower than ours
             w.name
             for w in await self.client.read_workers_for_work_pool(work_pool.name)
             if w.name != self.name
             and w.last_heartbeat_time is not None
-            and w.last_heartbeat_time.timestamp() > recent
+            and now - w.last_heartbeat_time.timestamp()
+            < 3 * (w.heartbeat_interval_seconds or self.heartbeat_interval_seconds)
         }
         async with pool_config.market.get_async_client() as http:
             bids = await MarketApi(http).live_bids()

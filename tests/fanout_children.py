@@ -1,0 +1,12 @@
+"""Child flows the fan-out tests decorate with ``@spot_gpu`` (a module of their own: the
+bundle pickles the flow's module by value, and a test module's is not meant to travel)."""
+
+import time
+
+from prefect import flow
+
+
+@flow(name="one-follower")
+def square(index: int) -> int:
+    time.sleep(1.0)
+    return index * index
