@@ -261,7 +261,9 @@ ARROWS = {
     "deploy": {"worker", "economics", "market"},
     "bundles": {"protocol", "checkpoint", "launch", "blocks", "prefect_internals"},
     "decorators": {"worker", "protocol", "market", "prefect_internals"},
-    "fanout": {"market", "decorators", "worker", "protocol", "messages"},
+    "fanout": {"market", "decorators", "worker", "protocol", "messages", "checkpoint",
+               "child_runs"},  # fmt: skip
+    "child_runs": {"decorators", "worker", "protocol", "blocks", "bundles", "prefect_internals"},
 }
 """What each room of ours may import of ours (docs/operators/architecture.md#design-2: the
 arrows point one way). The worker and the agent reach the service over HTTP only; ``cli`` (the
