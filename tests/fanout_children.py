@@ -10,3 +10,11 @@ from prefect import flow
 def square(index: int) -> int:
     time.sleep(1.0)
     return index * index
+
+
+@flow(name="slow-or-failing")
+def slow_or_failing(index: int, fail: bool) -> int:
+    if fail:
+        raise ValueError(f"shard {index} is broken")
+    time.sleep(60.0)
+    return index

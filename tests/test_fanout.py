@@ -370,3 +370,36 @@ def test_a_child_has_one_follower_when_the_caller_and_the_pools_worker_are_both_
     finally:
         worker.send_signal(signal.SIGTERM)
         worker.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_a_fan_out_that_fails_stops_paying_for_its_other_children(stack):
+    """A shard whose child fails ``max_attempts`` times fails the fan-out, naming it; the
+    children still running are cancelled, bids and flow runs, instead of running on unpaid
+    for by anyone's interest."""
+    from fanout_children import slow_or_failing
+    from prefect_spotgpu import spot_gpu
+    from prefect_spotgpu.fanout import fan_out
+    from prefect_spotgpu.protocol import LABELS
+
+    child = spot_gpu(work_pool=POOL, gpu_model="A100-80G", max_price=1.5)(slow_or_failing)
+    seen: dict = {}
+
+    @flow(name="failing-parent")
+    def parent() -> dict:
+        return fan_out(child, [{"index": i, "fail": i == 0} for i in range(3)], cap=3,
+                       max_attempts=1, pool_worker=False, poll_seconds=0.2,
+                       on_progress=seen.update)  # fmt: skip
+
+    with pytest.raises(RuntimeError, match=r"shard\(s\) 0 \(Failed: .*ended without a result 1"):
+        parent()
+    assert seen["running"] == 2  # the two slow children were running when it failed
+    buyer = stack.market(stack.buyer_key)
+    with get_client(sync_client=True) as client:
+        runs = [r for r in client.read_flow_runs() if r.name and r.flow_id]
+        slow = [r for r in runs if r.parameters.get("fail") is False
+                and r.parameters.get("index") in (1, 2)]  # fmt: skip
+    assert len(slow) == 2 and all(r.state.is_cancelled() for r in slow), [r.state for r in slow]
+    for run in slow:
+        bid = buyer.get(f"/bids/{run.labels[LABELS.BID]}").json()
+        assert bid["status"] == "cancelled", bid

@@ -246,9 +246,15 @@ class Children:
         except BaseException as exc:  # the parent reads it as this child's end
             self.errors[flow_run.id] = exc
 
-    async def _create_many(self, params: Sequence[dict]) -> list[UUID]:
+    async def _create_many(self, params: Sequence[dict]) -> list[UUID | Exception]:
         gate = asyncio.Semaphore(CREATE_CONCURRENCY)
-        return list(await asyncio.gather(*(self._create(p, gate) for p in params)))
+        made = await asyncio.gather(
+            *(self._create(p, gate) for p in params), return_exceptions=True
+        )
+        for outcome in made:  # a cancellation or an interrupt is not one child's failure
+            if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
+                raise outcome
+        return list(made)
 
     async def _read_states(self, ids: Sequence[UUID]) -> dict:
         from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
@@ -264,9 +270,10 @@ class Children:
 
     # ---------------------------------------------------------------- the parent's calls
 
-    def create(self, params: Sequence[dict]) -> list[UUID]:
+    def create(self, params: Sequence[dict]) -> list[UUID | Exception]:
         """Create one child per item of ``params`` (its keyword arguments), concurrently; their
-        flow run ids, in order."""
+        flow run ids, in order, or for a child that could not be created the error (the
+        others are made all the same: none is lost track of)."""
         return self._call(self._create_many(params)) if params else []
 
     def states(self, ids: Sequence[UUID]) -> dict:

@@ -28,6 +28,7 @@ submits, follows and reports.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +41,8 @@ from prefect_spotgpu.child_runs import Children
 from prefect_spotgpu.market import DEFAULT_CATALOG
 from prefect_spotgpu.messages import AllocationResponse, BidResponse, QuoteResponse
 from prefect_spotgpu.protocol import Capacity
+
+logger = logging.getLogger("prefect_spotgpu.fanout")
 
 
 class ShardStatus(StrEnum):
@@ -218,32 +221,40 @@ def fan_out(
     unserved = _Unserved(child.work_pool)
     crashed_since: dict[Any, float] = {}
     started = time.monotonic()
-    with Children(child, to_pool=pool_worker) as children:
-        while any(s.status in (ShardStatus.WAITING, ShardStatus.RUNNING) for s in shards):
-            room = market.room()
-            if deadline is not None:
-                room = max(room, _needed(shards, deadline, shard_gpu_hours))
-            decided = plan(shards, cap=cap, market_room=room, max_attempts=max_attempts)
-            if decided.failed:
-                raise RuntimeError(
-                    "fan-out failed: shard(s) "
-                    + ", ".join(f"{i} ({shards[i].errors[-1]})" for i in decided.failed)
-                    + f" ended without a result {max_attempts} times"
-                )
-            created = children.create([shards[i].params for i in decided.submit])
-            for index, run_id in zip(decided.submit, created, strict=True):
-                shard = shards[index]
-                shard.status, shard.run_id = ShardStatus.RUNNING, run_id
-                shard.attempts += 1
-            _settle(shards, children, unserved, crashed_since, child)
-            counts = summary(shards)
-            if counts != report.counts or time.monotonic() - report.shown_at > COST_SECONDS:
-                report.show(counts, market.costs(shards))
-            if on_progress is not None:
-                on_progress(counts)
-            if any(s.status is ShardStatus.RUNNING for s in shards):
-                time.sleep(poll_seconds)
-        bundle = children.bundle
+    try:
+        with Children(child, to_pool=pool_worker) as children:
+            while any(s.status in (ShardStatus.WAITING, ShardStatus.RUNNING) for s in shards):
+                room = market.room()
+                if deadline is not None:
+                    room = max(room, _needed(shards, deadline, shard_gpu_hours))
+                decided = plan(shards, cap=cap, market_room=room, max_attempts=max_attempts)
+                if decided.failed:
+                    raise RuntimeError(
+                        "fan-out failed: shard(s) "
+                        + ", ".join(f"{i} ({shards[i].errors[-1]})" for i in decided.failed)
+                        + f" ended without a result {max_attempts} times"
+                    )
+                created = children.create([shards[i].params for i in decided.submit])
+                for index, run_id in zip(decided.submit, created, strict=True):
+                    shard = shards[index]
+                    shard.attempts += 1
+                    if isinstance(run_id, Exception):  # not made: the shard waits for another
+                        shard.errors.append(f"not created: {type(run_id).__name__}: {run_id}")
+                    else:
+                        shard.status, shard.run_id = ShardStatus.RUNNING, run_id
+                _settle(shards, children, unserved, crashed_since, child)
+                counts = summary(shards)
+                if counts != report.counts or time.monotonic() - report.shown_at > COST_SECONDS:
+                    report.show(counts, market.costs(shards))
+                if on_progress is not None:
+                    on_progress(counts)
+                if any(s.status is ShardStatus.RUNNING for s in shards):
+                    time.sleep(poll_seconds)
+            bundle = children.bundle
+    except BaseException as exc:  # Ctrl-C, or a shard failed for good: stop paying
+        # (once this process follows none of them: ``Children`` has closed)
+        _stop_children(child, shards, f"its fan-out stopped: {type(exc).__name__}: {exc}")
+        raise
     costs = market.costs(shards)
     report.show(summary(shards), costs)
     return {
@@ -255,6 +266,25 @@ def fan_out(
         "bundle": bundle.key,
         "cost": costs,
     }
+
+
+def _stop_children(child, shards: Sequence[Shard], message: str) -> None:
+    """Cancel the bids and flow runs of the children still running (their stored outputs
+    stay), a few at a time; one that cannot be cancelled is logged, not raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from prefect_spotgpu.decorators import cancel_run
+
+    running = [s.run_id for s in shards if s.status is ShardStatus.RUNNING]
+
+    def stop(run_id) -> None:
+        try:
+            cancel_run(child, run_id, message)
+        except Exception as exc:
+            logger.warning("could not cancel child flow run %s: %s", run_id, exc)
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(stop, running))
 
 
 def _settle(shards: Sequence[Shard], children, unserved, crashed_since: dict, child) -> None:
