@@ -264,6 +264,7 @@ ARROWS = {
     "fanout": {"market", "decorators", "worker", "protocol", "messages", "checkpoint",
                "child_runs"},  # fmt: skip
     "child_runs": {"decorators", "worker", "protocol", "blocks", "bundles", "prefect_internals"},
+    "dask": {"market", "protocol", "messages", "blocks", "checkpoint", "fanout"},
 }
 """What each room of ours may import of ours (docs/operators/architecture.md#design-2: the
 arrows point one way). The worker and the agent reach the service over HTTP only; ``cli`` (the

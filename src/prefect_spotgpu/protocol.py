@@ -29,6 +29,9 @@ from prefect_spotgpu.market.types import (
 )
 
 __all__ = [
+    "DASK_CLUSTER_LABEL",
+    "DASK_ENV",
+    "DASK_UNREACHABLE_EXIT",
     "ENDING_EVENTS",
     "GANG_ENV_NAMES",
     "HELD_FOR_CREDIT",
@@ -392,3 +395,34 @@ class MarketTerms:
             if name in known:
                 known[name] = float(known[name])
         return cls(**known)
+
+
+@dataclass(frozen=True)
+class _DaskEnv:
+    """What a Dask worker job (``python -m prefect_spotgpu.dask.worker_job``) reads from its
+    bid's sealed ``job.env``, set by ``prefect_spotgpu.dask.SpotGPUCluster``. The TLS values
+    are PEM text: the market gives them only to the node holding the bid's allocation."""
+
+    SCHEDULER: str = "SPOTGPU_DASK_SCHEDULER"
+    """The scheduler's address as the nodes reach it (``tls://host:port``)."""
+    TLS_CA: str = "SPOTGPU_DASK_TLS_CA"
+    TLS_CERT: str = "SPOTGPU_DASK_TLS_CERT"
+    TLS_KEY: str = "SPOTGPU_DASK_TLS_KEY"
+    NTHREADS: str = "SPOTGPU_DASK_NTHREADS"
+    RESOURCES: str = "SPOTGPU_DASK_RESOURCES"
+    """The worker's abstract resources, ``NAME=amount`` separated by spaces (``GPU=1``)."""
+    MEMORY_LIMIT: str = "SPOTGPU_DASK_MEMORY_LIMIT"
+    JOIN_TIMEOUT: str = "SPOTGPU_DASK_JOIN_TIMEOUT"
+    """Seconds the worker tries to reach the scheduler before its job fails, saying so."""
+    WORKER_HOST: str = "SPOTGPU_DASK_WORKER_HOST"
+    """Where the worker listens (other workers fetch its results there); default: the
+    node's address on the route to the scheduler."""
+
+
+DASK_ENV = _DaskEnv()
+
+DASK_CLUSTER_LABEL = "spotgpu.dask-cluster"
+"""On a bid: the ``SpotGPUCluster`` whose Dask worker it runs (its scheduler's id)."""
+
+DASK_UNREACHABLE_EXIT = 4
+"""A Dask worker job's exit code when it could not reach its scheduler in time."""
