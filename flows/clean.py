@@ -197,6 +197,56 @@ def shard_signatures(
     return stored
 
 
+def signatures_once(store_url: str, name: str, out_prefix: str, pace_seconds: float = 0.0) -> str:
+    """One input shard's signatures as a Dask task on a spot worker (``clean_on_dask``):
+    computed and stored once (``put_once``) as ``<out_prefix>/signatures/<shard>.json``."""
+    from prefect_spotgpu.checkpoint.objects import objects_from_url
+    from prefect_spotgpu.dask import put_once
+
+    store = objects_from_url(store_url)
+    target = join(out_prefix, f"signatures/{base(name)}.json")
+
+    def compute() -> bytes:
+        log_work(target)
+        began = time.monotonic()
+        sigs = [signature(json.loads(line)) for line in store.get(name).decode().splitlines()]
+        time.sleep(max(0.0, pace_seconds - (time.monotonic() - began)))
+        return json.dumps(sigs).encode()
+
+    put_once(store, target, compute)
+    return target
+
+
+def clean_on_dask(store_url: str, source: str, out: str, *, cluster: dict, workers: int = 16,
+                  pace_seconds: float = 0.0) -> dict:  # fmt: skip
+    """Cleaning for many short shards: each input shard's signatures a Dask task on a
+    ``SpotGPUCluster`` (``cluster``: its keyword arguments) of at most ``workers`` spot
+    workers, under prefect-dask's ``DaskTaskRunner``; then the decisions in the set's order
+    here (``decide_and_write``): the report and the clean shards are an uninterrupted
+    ``clean``'s, byte for byte, however the tasks were spread or recomputed."""
+    from prefect import flow, task
+    from prefect_dask import DaskTaskRunner
+
+    from prefect_spotgpu.checkpoint.objects import objects_from_url
+
+    shard = task(name="clean-signatures", retries=2)(signatures_once)
+    runner = DaskTaskRunner(
+        cluster_class="prefect_spotgpu.dask.SpotGPUCluster",
+        cluster_kwargs=cluster,
+        adapt_kwargs={"minimum": 1, "maximum": workers},
+    )
+
+    @flow(name="clean-on-dask", task_runner=runner)
+    def cleaning() -> dict:
+        store = objects_from_url(store_url)
+        src, dst = join("outputs", source), join("outputs", out)
+        names = shard_names(store, src)
+        shard.map(store_url, names, dst, pace_seconds).result()
+        return decide_and_write(store, names, store, dst)
+
+    return cleaning()
+
+
 def decide_and_write(
     source: ObjectStore, names: list[str], out: ObjectStore, out_prefix: str
 ) -> dict:

@@ -207,6 +207,27 @@ def join(prefix: str, name: str) -> str:
     return f"{prefix.strip('/')}/{name}" if prefix.strip("/") else name
 
 
+def render_one(store_url: str, prefix: str, index: int, frames: int, width: int, height: int,
+               pace_seconds: float = 0.0) -> str:  # fmt: skip
+    """One frame as a Dask task on a spot worker (``render_on_dask``): rendered and stored
+    once (``put_once``: a task Dask recomputes after a lost worker finds its frame stored);
+    its name. ``store_url``: storage every node reaches (S3, or a shared directory)."""
+    from prefect_spotgpu.checkpoint.objects import objects_from_url
+    from prefect_spotgpu.dask import put_once
+
+    name = frame_name(prefix, index)
+
+    def draw() -> bytes:
+        log_work(name)
+        began = time.monotonic()
+        pixels = render_frame(index, frames, width, height)
+        time.sleep(max(0.0, pace_seconds - (time.monotonic() - began)))
+        return png(pixels)
+
+    put_once(objects_from_url(store_url), name, draw)
+    return name
+
+
 def _prefect_flow():
     from prefect import flow, get_run_logger
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -252,6 +273,39 @@ def _prefect_flow():
         )  # fmt: skip
 
     return render_animation, render_frames
+
+
+def render_on_dask(store_url: str, out: str, frames: int = 96, *, cluster: dict,
+                   workers: int = 16, width: int = 160, height: int = 120,
+                   pace_seconds: float = 0.0) -> dict:  # fmt: skip
+    """The render queue for many short frames: one Dask task a frame on a
+    ``SpotGPUCluster`` (``cluster``: its keyword arguments: market, GPU model, price, ...)
+    of at most ``workers`` spot workers, under prefect-dask's ``DaskTaskRunner``; the frames
+    into ``outputs/<out>/`` of the storage at ``store_url``, then the GIF. A reclaimed
+    worker retires and hands its frames on; no task run fails for a preemption."""
+    from prefect import flow, task
+    from prefect_dask import DaskTaskRunner
+
+    from prefect_spotgpu.checkpoint.objects import objects_from_url
+
+    frame = task(name="render-frame", retries=2)(render_one)
+    runner = DaskTaskRunner(
+        cluster_class="prefect_spotgpu.dask.SpotGPUCluster",
+        cluster_kwargs=cluster,
+        adapt_kwargs={"minimum": 1, "maximum": workers},
+    )
+
+    @flow(name="render-on-dask", task_runner=runner)
+    def queue() -> dict:
+        prefix = f"outputs/{out}"
+        names = frame.map(store_url, prefix, range(frames), frames, width, height,
+                          pace_seconds).result()  # fmt: skip
+        store = objects_from_url(store_url)
+        gif = join(prefix, "animation.gif")
+        store.put(gif, animation(store, names))
+        return {"frames": names, "animation": gif}
+
+    return queue()
 
 
 render_animation, render_frames = _prefect_flow()
