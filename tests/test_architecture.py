@@ -261,8 +261,15 @@ ARROWS = {
     "deploy": {"worker", "economics", "market"},
     "bundles": {"protocol", "checkpoint", "launch", "blocks", "prefect_internals"},
     "decorators": {"worker", "protocol", "market", "prefect_internals"},
-    "fanout": {"market", "decorators", "worker", "protocol", "messages", "checkpoint",
-               "child_runs"},  # fmt: skip
+    "fanout": {
+        "market",
+        "decorators",
+        "worker",
+        "protocol",
+        "messages",
+        "checkpoint",
+        "child_runs",
+    },
     "child_runs": {"decorators", "worker", "protocol", "blocks", "bundles", "prefect_internals"},
     "dask": {"market", "protocol", "messages", "blocks", "checkpoint", "fanout"},
 }
