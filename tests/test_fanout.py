@@ -403,3 +403,19 @@ def test_a_fan_out_that_fails_stops_paying_for_its_other_children(stack):
     for run in slow:
         bid = buyer.get(f"/bids/{run.labels[LABELS.BID]}").json()
         assert bid["status"] == "cancelled", bid
+
+
+def test_a_price_no_node_accepts_fails_the_fan_out_before_any_child(stack):
+    """Children whose bids would wait for ever are refused up front, naming the lowest price
+    the market's nodes ask and what to change; no child run is made."""
+    from fanout_children import square
+    from prefect_spotgpu import spot_gpu
+    from prefect_spotgpu.fanout import fan_out
+
+    cheap = spot_gpu(work_pool=POOL, gpu_model="A100-80G", max_price=0.2)(square)
+    with get_client(sync_client=True) as client:
+        before = len(client.read_flow_runs())
+    with pytest.raises(ValueError, match=r"lowest price offered is 0\.9 .*max_price="):
+        fan_out(cheap, [{"index": 1}])
+    with get_client(sync_client=True) as client:
+        assert len(client.read_flow_runs()) == before

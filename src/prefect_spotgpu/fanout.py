@@ -105,6 +105,37 @@ def market_width(
     return free // max(1, gpus_per_child)
 
 
+def check_terms(
+    quotes: list[QuoteResponse], *, gpu_model: str, region: str, max_price: float
+) -> str | None:
+    """Why no node of the market would take a bid of these terms (None: some would): the
+    model has no spot pool (in the region), or every pool asks more than ``max_price`` (the
+    message says the lowest price offered).
+
+    >>> pool = dict(gpu_model="A100-80G", capacity="spot", on_demand_price=2.1, gpus_total=8,
+    ...             gpus_running=0, waiting_bids=0, gpus_free=8, clearing_price=None)
+    >>> q = [QuoteResponse(**pool, region="eu", reserve_price=0.9)]
+    >>> check_terms(q, gpu_model="A100-80G", region="any", max_price=0.5)
+    'max_price 0.5 is below every A100-80G node: the lowest price offered is 0.9 per GPU-hour'
+    >>> check_terms(q, gpu_model="A100-80G", region="us", max_price=2.0)
+    "no A100-80G spot node in region 'us' (regions with one: eu)"
+    """
+    pools = [q for q in quotes if q.gpu_model == gpu_model and q.capacity == Capacity.SPOT]
+    if not pools:
+        return f"no spot node of {gpu_model} on this market"
+    chosen = [q for q in pools if region in ("any", q.region)]
+    if not chosen:
+        regions = ", ".join(sorted({q.region for q in pools}))
+        return f"no {gpu_model} spot node in region {region!r} (regions with one: {regions})"
+    lowest = min(q.reserve_price or 0.0 for q in chosen)
+    if lowest > max_price:
+        return (
+            f"max_price {max_price:g} is below every {gpu_model} node: the lowest price "
+            f"offered is {lowest:g} per GPU-hour"
+        )
+    return None
+
+
 def deadline_width(*, remaining: int, shard_seconds: float, seconds_left: float) -> int:
     """How many children must run at once for ``remaining`` shards of ``shard_seconds`` each
     to finish in ``seconds_left`` (all of them at once when no time is left).
@@ -215,11 +246,14 @@ def fan_out(
         )
     shards = [Shard(i, dict(p)) for i, p in enumerate(params)]
     market = _Market(child)
+    if deadline is None:  # a deadline's policy may raise the price, or go on-demand
+        market.check()
     if pool_worker is None:
         pool_worker = bool(_live_workers(child.work_pool))
     report = _Progress(len(shards))
     unserved = _Unserved(child.work_pool)
     crashed_since: dict[Any, float] = {}
+    costs, costs_at = cost_report([]), 0.0
     started = time.monotonic()
     try:
         with Children(child, to_pool=pool_worker) as children:
@@ -244,8 +278,9 @@ def fan_out(
                         shard.status, shard.run_id = ShardStatus.RUNNING, run_id
                 _settle(shards, children, unserved, crashed_since, child)
                 counts = summary(shards)
-                if counts != report.counts or time.monotonic() - report.shown_at > COST_SECONDS:
-                    report.show(counts, market.costs(shards))
+                if time.monotonic() - costs_at >= COST_SECONDS:  # a few calls per child
+                    costs, costs_at = market.costs(shards), time.monotonic()
+                report.show(counts, costs)
                 if on_progress is not None:
                     on_progress(counts)
                 if any(s.status is ShardStatus.RUNNING for s in shards):
@@ -256,7 +291,7 @@ def fan_out(
         _stop_children(child, shards, f"its fan-out stopped: {type(exc).__name__}: {exc}")
         raise
     costs = market.costs(shards)
-    report.show(summary(shards), costs)
+    report.show(summary(shards), costs, final=True)
     return {
         "shards": len(shards),
         "results": [s.result for s in shards],
@@ -406,14 +441,35 @@ class _Market:
         self.bids: dict[Any, tuple[BidResponse, list[AllocationResponse]]] = {}
         self.finished: set = set()
 
-    def room(self) -> int:
-        c = self.configuration
+    def quotes(self) -> list[QuoteResponse] | None:
+        """The market's prices (``GET /prices``), None when it does not answer."""
         with self.market.get_client() as http:
             response = http.get("/prices")
         if response.status_code != 200:
+            return None
+        return [QuoteResponse.model_validate(q) for q in response.json()]
+
+    def check(self) -> None:
+        """Refuse, before any child is made, children no node of the market would take."""
+        c, quotes = self.configuration, self.quotes()
+        if quotes is None:
+            return
+        problem = check_terms(
+            quotes, gpu_model=DEFAULT_CATALOG.normalize(c.gpu_model), region=c.region,
+            max_price=c.max_price,
+        )  # fmt: skip
+        if problem is not None:
+            raise ValueError(
+                f"fan-out: the children's bids would wait for ever: {problem}; change the "
+                "child's job variables (@spot_gpu(..., max_price=..., region=...))"
+            )
+
+    def room(self) -> int:
+        c, quotes = self.configuration, self.quotes()
+        if quotes is None:
             return 0
         return market_width(
-            [QuoteResponse.model_validate(q) for q in response.json()],
+            quotes,
             gpu_model=DEFAULT_CATALOG.normalize(c.gpu_model),
             region=c.region,
             max_price=c.max_price,
@@ -447,7 +503,10 @@ class _Market:
 
 
 COST_SECONDS = 10.0
-"""How often the parent reads its children's costs when no shard changed status."""
+"""How often the parent reads its running children's costs (three calls each; a finished
+child's once). Reading them at every change made a wide fan-out's parent its own bottleneck."""
+SHOW_SECONDS = 2.0
+"""How often, at most, the parent's progress artifacts are updated (and at the end)."""
 
 
 class _Progress:
@@ -466,7 +525,9 @@ class _Progress:
 
             self.bar = create_progress_artifact(0.0, description="shards done (%)")
 
-    def show(self, counts: dict, costs: dict) -> None:
+    def show(self, counts: dict, costs: dict, final: bool = False) -> None:
+        if not final and time.monotonic() - self.shown_at < SHOW_SECONDS:
+            return
         self.counts, self.shown_at = counts, time.monotonic()
         if not self.inside or (counts, costs) == self.last:
             return

@@ -28,9 +28,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from prefect_spotgpu.fanout import check_terms as check_terms  # shared with fan_out
 from prefect_spotgpu.market import DEFAULT_CATALOG
-from prefect_spotgpu.messages import QuoteResponse
-from prefect_spotgpu.protocol import DASK_UNREACHABLE_EXIT, Capacity
+from prefect_spotgpu.protocol import DASK_UNREACHABLE_EXIT
 
 
 def bids_to_place(*, target: int, live: int, waiting: int, market_width: int) -> int:
@@ -115,37 +115,6 @@ def retire_seconds(*, deadline: float | None, now: float, margin: float = 10.0) 
 
 
 # ---------------------------------------------------------------- checks of the terms
-
-
-def check_terms(
-    quotes: list[QuoteResponse], *, gpu_model: str, region: str, max_price: float
-) -> str | None:
-    """Why no node of the market would take a bid of these terms (None: some would): the
-    model has no spot pool (in the region), or every pool asks more than ``max_price`` (the
-    message says the lowest price offered).
-
-    >>> pool = dict(gpu_model="A100-80G", capacity="spot", on_demand_price=2.1, gpus_total=8,
-    ...             gpus_running=0, waiting_bids=0, gpus_free=8, clearing_price=None)
-    >>> q = [QuoteResponse(**pool, region="eu", reserve_price=0.9)]
-    >>> check_terms(q, gpu_model="A100-80G", region="any", max_price=0.5)
-    'max_price 0.5 is below every A100-80G node: the lowest price offered is 0.9 per GPU-hour'
-    >>> check_terms(q, gpu_model="A100-80G", region="us", max_price=2.0)
-    "no A100-80G spot node in region 'us' (regions with one: eu)"
-    """
-    pools = [q for q in quotes if q.gpu_model == gpu_model and q.capacity == Capacity.SPOT]
-    if not pools:
-        return f"no spot node of {gpu_model} on this market"
-    chosen = [q for q in pools if region in ("any", q.region)]
-    if not chosen:
-        regions = ", ".join(sorted({q.region for q in pools}))
-        return f"no {gpu_model} spot node in region {region!r} (regions with one: {regions})"
-    lowest = min(q.reserve_price or 0.0 for q in chosen)
-    if lowest > max_price:
-        return (
-            f"max_price {max_price:g} is below every {gpu_model} node: the lowest price "
-            f"offered is {lowest:g} per GPU-hour"
-        )
-    return None
 
 
 def normal_gpu_model(name: str) -> str:
