@@ -83,9 +83,11 @@ def main() -> None:
             },
         }
         if "render" in sections:
-            out["render"] = repeated(args.repeats, lambda: render_runs(stack, args.pace, gpus))
+            out["render"] = repeated(args.repeats, lambda i: render_runs(stack, args.pace, gpus, i))
         if "clean" in sections:
-            out["clean"] = repeated(args.repeats, lambda: clean_runs(stack, args.pace * 2, gpus))
+            out["clean"] = repeated(
+                args.repeats, lambda i: clean_runs(stack, args.pace * 2, gpus, i)
+            )
         if "wide" in sections:
             stack.start_worker(POOL, name="pool-worker")
             out["wide"] = wide_runs(stack, args, gpus)
@@ -112,7 +114,7 @@ def repeated(times: int, run) -> dict:
     against the calm fan-out's (with each run's ratio) and the most units redone."""
     import statistics
 
-    runs = [run() for _ in range(times)]
+    runs = [run(i) for i in range(times)]
     ratios = [r["fan_out_reclaimed"]["makespan_vs_fan_out"] for r in runs]
     return {
         **runs[0],
@@ -148,7 +150,7 @@ def wide_runs(stack, args, gpus: int) -> list[dict]:
     return results
 
 
-def render_runs(stack, pace: float, gpus: int) -> dict:
+def render_runs(stack, pace: float, gpus: int, round_: int = 0) -> dict:
     from prefect import flow
     from render_queue import render_queue
 
@@ -168,10 +170,11 @@ def render_runs(stack, pace: float, gpus: int) -> dict:
         return timed(parent, log, frames, trouble)
 
     return compare(stack, run, units=frames, per_child=per_child, pace=pace, gpus=gpus,
-                   outputs="frame-*.png", at=[(8, 18), (24, 34), (40, 50), (56, 66)])  # fmt: skip
+                   outputs="frame-*.png", at=[(8, 18), (24, 34), (40, 50), (56, 66)],
+                   round_=round_)  # fmt: skip
 
 
-def clean_runs(stack, pace: float, gpus: int) -> dict:
+def clean_runs(stack, pace: float, gpus: int, round_: int = 0) -> dict:
     from clean import make_dataset
     from clean_fanout import clean_fanout
     from prefect import flow
@@ -180,7 +183,8 @@ def clean_runs(stack, pace: float, gpus: int) -> dict:
 
     shards, per_child = 40, 5
     store = LocalObjects(tenant_dir(stack))
-    make_dataset(store, pairs=400, shards=shards, seed=5, prefix="outputs/bench-pairs")
+    if round_ == 0:
+        make_dataset(store, pairs=400, shards=shards, seed=5, prefix="outputs/bench-pairs")
 
     def run(tag: str, per: int, trouble) -> dict:
         log = stack.home / f"work-clean-{tag}.log"
@@ -197,19 +201,24 @@ def clean_runs(stack, pace: float, gpus: int) -> dict:
 
     return compare(stack, run, units=shards, per_child=per_child, pace=pace, gpus=gpus,
                    outputs="signatures/*.json", at=[(4, 8), (11, 16), (19, 24), (27, 32)],
-                   prefix="bench-clean-")  # fmt: skip
+                   prefix="bench-clean-", round_=round_)  # fmt: skip
 
 
-def compare(stack, run, *, units, per_child, pace, gpus, outputs, at, prefix="bench-") -> dict:
+def compare(
+    stack, run, *, units, per_child, pace, gpus, outputs, at, prefix="bench-", round_=0
+) -> dict:
+    """The workload as one run (the first round only), fanned out, and fanned out through
+    trouble; each round's outputs under names of its own (``round_``)."""
     from test_fanout import Trouble
 
-    one = run("one", units, None)
-    fan = run("fan", per_child, None)
-    glob_dir = tenant_dir(stack) / "outputs" / f"{prefix}reclaimed"
+    suffix = f"-{round_}" if round_ else ""
+    one = run("one", units, None) if round_ == 0 else None
+    fan = run(f"fan{suffix}", per_child, None)
+    glob_dir = tenant_dir(stack) / "outputs" / f"{prefix}reclaimed{suffix}"
     if outputs.startswith("signatures/"):
         glob_dir, outputs = glob_dir / "signatures", outputs.split("/", 1)[1]
     trouble = Trouble(stack, glob_dir, outputs, at=at, seed=7)
-    hit = run("reclaimed", per_child, trouble)
+    hit = run(f"reclaimed{suffix}", per_child, trouble)
     ideal = units * pace / gpus
     reclaims = len(trouble.log)
     hit.update(
@@ -221,7 +230,8 @@ def compare(stack, run, *, units, per_child, pace, gpus, outputs, at, prefix="be
         else None,
     )
     for r in (one, fan, hit):
-        r["makespan_vs_ideal"] = round(r["makespan_seconds"] / ideal, 2)
+        if r is not None:
+            r["makespan_vs_ideal"] = round(r["makespan_seconds"] / ideal, 2)
     return {
         "units": units,
         "units_per_shard": per_child,
@@ -229,7 +239,11 @@ def compare(stack, run, *, units, per_child, pace, gpus, outputs, at, prefix="be
         "ideal_seconds": round(ideal, 2),
         "one_run": one,
         "fan_out": fan
-        | {"vs_one_run": round(fan["makespan_seconds"] / one["makespan_seconds"], 3)},
+        | (
+            {"vs_one_run": round(fan["makespan_seconds"] / one["makespan_seconds"], 3)}
+            if one
+            else {}
+        ),
         "fan_out_reclaimed": hit,
     }
 
