@@ -90,6 +90,23 @@ ENV_DESCRIPTIONS = {
     "its key files and SQLite database here (the setting above).",
     "SPOTGPU_PACE_SECONDS": "In the worker's environment: how often it asks a paced run's "
     "bidding policy again (seconds, default 60).",
+    # a SpotGPUCluster's worker job (protocol.DASK_ENV): set by the cluster in the bid's
+    # sealed job.env, read by python -m prefect_spotgpu.dask.worker_job on the node
+    "SPOTGPU_DASK_SCHEDULER": "In a Dask worker job: its scheduler's address as the nodes "
+    "reach it (``tls://host:port``), set by ``SpotGPUCluster``.",
+    "SPOTGPU_DASK_TLS_CA": "In a Dask worker job: the cluster's CA certificate (PEM), made "
+    "for that cluster alone.",
+    "SPOTGPU_DASK_TLS_CERT": "In a Dask worker job: the cluster's certificate (PEM).",
+    "SPOTGPU_DASK_TLS_KEY": "In a Dask worker job: the cluster's private key (PEM); the market "
+    "gives it only to the node holding the bid's allocation.",
+    "SPOTGPU_DASK_NTHREADS": "In a Dask worker job: the worker's threads (``nthreads``).",
+    "SPOTGPU_DASK_RESOURCES": "In a Dask worker job: its abstract resources, ``NAME=amount`` "
+    "separated by spaces (``GPU=1``).",
+    "SPOTGPU_DASK_MEMORY_LIMIT": "In a Dask worker job: its memory limit (``0``: none).",
+    "SPOTGPU_DASK_JOIN_TIMEOUT": "In a Dask worker job: seconds it tries to reach the "
+    "scheduler before the job fails, saying so.",
+    "SPOTGPU_DASK_WORKER_HOST": "In a Dask worker job: where the worker listens (other workers "
+    "fetch its results there); default: the node's address on its route to the scheduler.",
 }
 """Other ``SPOTGPU_*`` variables the package reads by name, without a documented constant."""
 
@@ -1046,8 +1063,12 @@ def render_settings() -> str:
         if env not in others:
             others[env] = ("", description)
     rows = []
+    dask_env = getattr(protocol, "DASK_ENV", None)  # read through the constant's name
+    dask_spellings = {v: f"DASK_ENV.{a}" for a, v in vars(dask_env or object()).items()}
     for env, (constant, description) in sorted(others.items()):
-        readers = _files_reading(env, *([constant.rsplit(".", 1)[-1]] if constant else []))
+        spellings = [constant.rsplit(".", 1)[-1]] if constant else []
+        spellings += [dask_spellings[env]] if env in dask_spellings else []
+        readers = _files_reading(env, *spellings)
         if not readers:
             raise RuntimeError(f"{THIS}: ENV_DESCRIPTIONS names {env}, which nothing reads")
         covered.add(env)
