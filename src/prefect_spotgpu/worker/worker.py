@@ -41,7 +41,7 @@ from typing import Any
 from uuid import UUID
 
 import anyio
-from prefect.exceptions import InfrastructureNotFound
+from prefect.exceptions import InfrastructureNotFound, ObjectNotFound
 from prefect.settings import PREFECT_WORKER_QUERY_SECONDS, temporary_settings
 from prefect.workers.base import BaseVariables, BaseWorker, BaseWorkerResult
 
@@ -113,6 +113,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, BaseVariables, SpotGPUWo
         self._following: set[str] = set()
         self._polling = False  # True under start(): Prefect's loop picks rescheduled runs
         self._beats: asyncio.Task | None = None  # a caller's worker: heartbeats while it follows
+        self._callers = 0  # runs a caller's worker follows now (``run`` outside Prefect's loop)
 
     async def start(self, *args: Any, **kwargs: Any) -> None:
         """Prefect's worker loop, asking for scheduled runs every second (see QUERY_SECONDS);
@@ -183,14 +184,20 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, BaseVariables, SpotGPUWo
         set on the server): when the pool's own worker takes it first, this one lets it go."""
         if self._polling:
             return await self._attempt(flow_run, configuration, task_status)
+        self._callers += 1
         self._keep_beating()
-        result = await self._attempt(flow_run, configuration, task_status)
-        while result.status_code == 0:
-            flow_run = await self._take_again(flow_run)
-            if flow_run is None:
-                break
-            result = await self._attempt(flow_run, configuration, None)
-        return result
+        try:
+            result = await self._attempt(flow_run, configuration, task_status)
+            while result.status_code == 0:
+                flow_run = await self._take_again(flow_run)
+                if flow_run is None:
+                    break
+                result = await self._attempt(flow_run, configuration, None)
+            return result
+        finally:
+            self._callers -= 1
+            if self._callers == 0 and self._beats is not None:
+                self._beats.cancel()
 
     async def follow(self, flow_run) -> None:
         """Follow a run this worker did not take from Prefect's loop (a fan-out's child, made
@@ -205,6 +212,15 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, BaseVariables, SpotGPUWo
                 flow_run, f"The spot-gpu job ended with status {result.status_code}"
             )
 
+    async def _claim(self, flow_run) -> None:
+        """Label the run with this worker's name (``prefect.worker.name``), as Prefect's loop
+        does for the runs it takes: the pool's worker then leaves it to this one while this
+        one sends its heartbeat. A run Prefect does not know is not labelled."""
+        try:
+            await self.client.update_flow_run_labels(flow_run.id, {LABELS.WORKER: self.name})
+        except ObjectNotFound:
+            self._logger.debug("flow run %s is not in Prefect: not labelled", flow_run.id)
+
     def _keep_beating(self) -> None:
         """A worker that Prefect's loop does not drive (a caller's) sends its heartbeat while
         it follows runs, as a polling worker does: the pool's worker adopts a run only when
@@ -213,13 +229,17 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, BaseVariables, SpotGPUWo
         if self._beats is not None and not self._beats.done():
             return
 
-        async def beat() -> None:
-            while True:  # until teardown
-                await anyio.sleep(self.heartbeat_interval_seconds)
+        async def beat() -> None:  # a bare heartbeat: sync_with_backend would start tasks
+            while True:  # in the runs' task group, which a caller's worker then waits on
                 try:
-                    await self.sync_with_backend()
+                    await self.client.send_worker_heartbeat(
+                        work_pool_name=self._work_pool_name,
+                        worker_name=self.name,
+                        heartbeat_interval_seconds=self.heartbeat_interval_seconds,
+                    )
                 except Exception as exc:  # Prefect briefly unreachable: the next beat
                     self._logger.debug("heartbeat failed: %s", exc)
+                await anyio.sleep(self.heartbeat_interval_seconds)
 
         self._beats = asyncio.get_running_loop().create_task(beat())
 
@@ -260,7 +280,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, BaseVariables, SpotGPUWo
         self._following.add(str(flow_run.id))  # from its first step: no adoption pass takes it
         try:
             if not self._polling:  # Prefect's loop labels the runs it takes; a caller's claims
-                await self.client.update_flow_run_labels(flow_run.id, {LABELS.WORKER: self.name})
+                await self._claim(flow_run)
             async with market.get_async_client() as http:
                 prefect_run, api = PrefectRun(self, flow_run), MarketApi(http)
                 placement = Placement(api, prefect_run, configuration, self._work_pool_name)
