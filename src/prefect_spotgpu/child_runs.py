@@ -126,6 +126,7 @@ class Children:
                 name=f"{CALLER_WORKER_PREFIX} {os.uname().nodename}:{os.getpid()} fan-out",
                 create_pool_if_not_found=False,
             )
+            worker.claims_runs = True  # the pool's worker leaves its children to it
             ready, self._stop = asyncio.Event(), asyncio.Event()
             self._host = asyncio.get_running_loop().create_task(self._host_worker(worker, ready))
             await asyncio.wait(

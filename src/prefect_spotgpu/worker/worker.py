@@ -41,7 +41,7 @@ from typing import Any
 from uuid import UUID
 
 import anyio
-from prefect.exceptions import InfrastructureNotFound, ObjectNotFound
+from prefect.exceptions import InfrastructureNotFound, ObjectNotFound, PrefectHTTPStatusError
 from prefect.settings import PREFECT_WORKER_QUERY_SECONDS, temporary_settings
 from prefect.workers.base import BaseVariables, BaseWorker, BaseWorkerResult
 
@@ -114,6 +114,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, BaseVariables, SpotGPUWo
         self._polling = False  # True under start(): Prefect's loop picks rescheduled runs
         self._beats: asyncio.Task | None = None  # a caller's worker: heartbeats while it follows
         self._callers = 0  # runs a caller's worker follows now (``run`` outside Prefect's loop)
+        self.claims_runs = False  # a fan-out's worker: label its runs, beat while it follows
 
     async def start(self, *args: Any, **kwargs: Any) -> None:
         """Prefect's worker loop, asking for scheduled runs every second (see QUERY_SECONDS);
@@ -185,7 +186,8 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, BaseVariables, SpotGPUWo
         if self._polling:
             return await self._attempt(flow_run, configuration, task_status)
         self._callers += 1
-        self._keep_beating()
+        if self.claims_runs:
+            self._keep_beating()
         try:
             result = await self._attempt(flow_run, configuration, task_status)
             while result.status_code == 0:
@@ -218,8 +220,8 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, BaseVariables, SpotGPUWo
         one sends its heartbeat. A run Prefect does not know is not labelled."""
         try:
             await self.client.update_flow_run_labels(flow_run.id, {LABELS.WORKER: self.name})
-        except ObjectNotFound:
-            self._logger.debug("flow run %s is not in Prefect: not labelled", flow_run.id)
+        except (ObjectNotFound, PrefectHTTPStatusError) as exc:
+            self._logger.debug("flow run %s not labelled: %s", flow_run.id, exc)
 
     def _keep_beating(self) -> None:
         """A worker that Prefect's loop does not drive (a caller's) sends its heartbeat while
@@ -279,7 +281,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, BaseVariables, SpotGPUWo
         check_storage(configuration)
         self._following.add(str(flow_run.id))  # from its first step: no adoption pass takes it
         try:
-            if not self._polling:  # Prefect's loop labels the runs it takes; a caller's claims
+            if self.claims_runs and not self._polling:  # Prefect's loop labels its own
                 await self._claim(flow_run)
             async with market.get_async_client() as http:
                 prefect_run, api = PrefectRun(self, flow_run), MarketApi(http)
