@@ -142,6 +142,68 @@ def test_nul_characters_are_422_not_500(service, body, field):
     assert response.status_code == 422
 
 
+LONE = "\\ud800"  # JSON's escape of a lone surrogate: valid JSON, no UTF-8
+BID = '"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0'
+
+
+@pytest.mark.parametrize(
+    ("body", "loc"),
+    [
+        (f'{{{BID}, "idempotency_key": "k{LONE}"}}', ["body", "idempotency_key"]),
+        (f'{{{BID}, "labels": {{"a{LONE}": "b"}}}}', ["body", "labels"]),
+        (f'{{{BID}, "labels": {{"a": "{LONE}"}}}}', ["body", "labels"]),
+        (f'{{{BID}, "job": {{"command": ["echo", "{LONE}"]}}}}', ["body", "job", "command"]),
+        (
+            f'{{{BID}, "job": {{"command": ["x"], "checkpoint_url": "s3://b/{LONE}"}}}}',
+            ["body", "job", "checkpoint_url"],
+        ),
+        (f'{{{BID}, "{LONE}": 1}}', ["body"]),  # a key: the object holding it is named
+    ],
+)
+def test_lone_surrogates_are_422_naming_the_field_and_write_nothing(api, body, loc):
+    alice = api.tenant()
+    raw = {"content": body, "headers": {"content-type": "application/json"}}
+    response = alice.post("/bids", **raw)
+    assert response.status_code == 422, response.text
+    errors = response.json()["detail"]
+    assert any(err["loc"][: len(loc)] == loc for err in errors), errors
+    batch = f'{{"bids": [{{{BID}}}, {{{BID}}}, {body}]}}'
+    response = alice.post("/bids/batch", content=batch, headers=raw["headers"])
+    assert response.status_code == 422, response.text
+    assert any(
+        err["loc"][:3] == ["body", "bids", 2] and err["loc"][3:] == loc[1:]
+        for err in response.json()["detail"]
+    ), response.text
+    assert alice.get("/bids").json() == []
+
+
+def test_a_nul_in_a_batch_item_is_named_by_its_index(api):
+    alice = api.tenant()
+    bid = {"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0}
+    bad = {**bid, "job": {"command": ["echo", "a\u0000b"]}}
+    response = alice.post("/bids/batch", json={"bids": [bid, bid, bad]})
+    assert response.status_code == 422, response.text
+    locs = [err["loc"] for err in response.json()["detail"]]
+    assert ["body", "bids", 2, "job", "command"] in locs, locs
+    assert alice.get("/bids").json() == []
+
+
+def test_lone_surrogates_elsewhere_are_422_not_500(api):
+    headers = {"content-type": "application/json"}
+    name = api.admin.post("/tenants", content=f'{{"name": "t{LONE}"}}', headers=headers)
+    assert name.status_code == 422 and name.json()["detail"][0]["loc"] == ["body", "name"]
+    anonymous = api.client().post(
+        "/estimate",
+        content=f'{{"gpu_model": "A100{LONE}", "gpu_hours": 1.0, "max_price": 1.0, '
+        '"deadline": "2030-01-01T00:00:00Z"}',
+        headers=headers,
+    )
+    assert anonymous.status_code == 422, anonymous.text
+    assert anonymous.json()["detail"][0]["loc"] == ["body", "gpu_model"]
+    huge = api.admin.post("/tenants", content=f'{{"name": "{LONE * 100_000}"}}', headers=headers)
+    assert huge.status_code == 422 and len(huge.text) < 10_000
+
+
 def test_non_finite_prices_and_huge_ids_are_422(service):
     alice = service.tenant()
     raw = '{"gpu_model": "A100-80G", "gpu_count": 1, "max_price": NaN}'

@@ -78,6 +78,8 @@ dashboard's)."""
 
 
 def _error_response(request: Request, exc: ServiceError) -> JSONResponse:
+    exc.message = _text(exc.message)
+    exc.field = None if exc.field is None else _text(exc.field)
     body: dict = {"detail": exc.message}
     if exc.field is not None:
         body["field"] = exc.field
@@ -92,19 +94,28 @@ def _error_response(request: Request, exc: ServiceError) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
 
+def _text(value: str) -> str:
+    """A string that encodes as UTF-8 whatever it holds: a lone surrogate is spelled out
+    (``\\ud800``), as the caller sent it."""
+    return value.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _safe(value):
-    """JSON-safe echo of bad input (NaN, infinities and bytes become strings)."""
+    """JSON-safe echo of bad input (NaN, infinities and bytes become strings; lone
+    surrogates are escaped)."""
+    if isinstance(value, str):
+        return _text(value)
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, dict):
-        return {str(k): _safe(v) for k, v in value.items()}
+        return {_text(str(k)): _safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_safe(v) for v in value]
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
-    if value is None or isinstance(value, str | int | float | bool):
+    if value is None or isinstance(value, int | float | bool):
         return value
-    return str(value)
+    return _text(str(value))
 
 
 def _echo(loc: tuple, value):
@@ -122,8 +133,8 @@ def _echo(loc: tuple, value):
 def _validation_response(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = [
         {
-            "loc": list(e.get("loc", ())),
-            "msg": e.get("msg", ""),
+            "loc": [_safe(part) for part in e.get("loc", ())],
+            "msg": _text(e.get("msg", "")),
             "type": e.get("type", ""),
             "input": _echo(tuple(e.get("loc", ())), e.get("input")),
         }

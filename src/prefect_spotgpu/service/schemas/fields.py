@@ -8,9 +8,16 @@ takes an integer; an integer field takes only an integer."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+)
 
 from prefect_spotgpu.market import DEFAULT_CATALOG, MAX_GPUS_PER_NODE
 from prefect_spotgpu.market.types import check_region
@@ -88,26 +95,48 @@ def fixed_price(
     return on_demand
 
 
-def _has_nul(value) -> bool:
+def _bad_character(value) -> str | None:
+    """What of ``value`` (its strings, its keys, nested) no database can store: a NUL, which
+    PostgreSQL refuses, or a lone surrogate (JSON's ``"\\ud800"``), which is no UTF-8."""
     if isinstance(value, str):
-        return "\x00" in value
+        if "\x00" in value:
+            return "NUL characters"
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return "lone surrogates (\\ud800-\\udfff)"
+        return None
     if isinstance(value, dict):
-        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+        items = (x for kv in value.items() for x in kv)
+        return next(filter(None, map(_bad_character, items)), None)
     if isinstance(value, list | tuple):
-        return any(_has_nul(v) for v in value)
-    return False
+        return next(filter(None, map(_bad_character, value)), None)
+    return None
+
+
+def _holds_bodies(annotation) -> bool:
+    """Whether a field's type holds request bodies of their own (``list[BidCreate]``): they
+    check their own strings, so an error names the item (``bids.2.job.command``)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return True
+    return any(_holds_bodies(arg) for arg in get_args(annotation))
 
 
 class Strict(BaseModel):
-    """Request bodies: unknown fields and NUL characters (which PostgreSQL cannot store) are
-    refused with a 422 naming the field. A field typed as a ``protocol`` enum is checked
-    against it and kept as its plain string (``use_enum_values``), as the wire spells it."""
+    """Request bodies: unknown fields, NUL characters and lone surrogates (which no database
+    stores) are refused with a 422 naming the field. A field typed as a ``protocol`` enum is
+    checked against it and kept as its plain string (``use_enum_values``), as the wire spells
+    it."""
 
     model_config = ConfigDict(extra="forbid", use_enum_values=True)
 
     @field_validator("*", mode="before")
     @classmethod
-    def _no_nul(cls, value):
-        if _has_nul(value):
-            raise ValueError("must not contain NUL characters")
+    def _no_bad_characters(cls, value, info: ValidationInfo):
+        if _holds_bodies(cls.model_fields[info.field_name].annotation):
+            return value
+        bad = _bad_character(value)
+        if bad is not None:
+            raise ValueError(f"must not contain {bad}")
         return value
