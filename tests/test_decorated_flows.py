@@ -30,6 +30,7 @@ from prefect_spotgpu.checkpoint.objects import LocalObjects
 from prefect_spotgpu.cli.stack import LocalStack
 from prefect_spotgpu.protocol import LABELS
 from spot_flow import count
+from test_cli import spotgpu
 
 HERE = Path(__file__).parent
 POOL = "spot-decorated"
@@ -251,8 +252,17 @@ def test_a_pool_without_bundle_storage_is_refused_with_the_command_to_fix_it(sta
     def nowhere() -> int:
         return 1
 
-    with pytest.raises(RuntimeError, match="spotgpu pool setup --pool no-such-pool"):
+    with pytest.raises(RuntimeError, match="`spotgpu pool setup no-such-pool`") as refused:
         nowhere()
+    # the command it names works as written (here with the stack's own block names)
+    command = str(refused.value).split("`")[1].split()
+    assert command[:3] == ["spotgpu", "pool", "setup"]
+    made = spotgpu(
+        *command[1:], "--market-block", f"{POOL}-market", "--storage-block", f"{POOL}-checkpoints",
+        env={**os.environ, "PREFECT_API_URL": stack.prefect_api_url},
+    )  # fmt: skip
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert "created work pool 'no-such-pool' of type spot-gpu" in made.stdout
 
 
 @pytest.mark.slow

@@ -173,7 +173,7 @@ class Children:
         if block is None:
             raise RuntimeError(
                 f"work pool {work_pool.name!r} uploads bundles with another step than "
-                f"{UPLOAD_STEP}: run `spotgpu pool setup --pool {work_pool.name}`"
+                f"{UPLOAD_STEP}: run `spotgpu pool setup {work_pool.name}`"
             )
         made = create_bundle_for_flow_run(
             flow=flow, flow_run=FlowRun(flow_id=flow_id), context=_bundle_context()

@@ -331,18 +331,19 @@ def check_pool(work_pool, pool: str) -> None:
     ``work_pool`` is None when there is no such pool."""
     if work_pool is None:
         raise RuntimeError(
-            f"there is no work pool {pool!r}: create it with `spotgpu pool setup --pool {pool}`"
+            f"there is no work pool {pool!r}: create it with `spotgpu pool setup {pool}` "
+            "(after `spotgpu blocks save`, which saves the market and storage blocks it uses)"
         )
     if work_pool.type != "spot-gpu":
         raise RuntimeError(
-            f"work pool {pool!r} is of type {work_pool.type!r}, not spot-gpu: create it with "
-            f"`spotgpu pool setup --pool {pool}`"
+            f"work pool {pool!r} is of type {work_pool.type!r}, not spot-gpu: recreate it with "
+            f"`spotgpu pool setup {pool} --replace` (its queued runs stay)"
         )
     storage = work_pool.storage_configuration
     if storage.bundle_upload_step is None or storage.bundle_execution_step is None:
         raise RuntimeError(
             f"work pool {pool!r} has no bundle storage, so a flow called from code cannot "
-            f"reach its node: run `spotgpu pool setup --pool {pool}` (it configures the "
+            f"reach its node: run `spotgpu pool setup {pool}` (it configures the "
             "pool's checkpoint storage for bundles and results)"
         )
 

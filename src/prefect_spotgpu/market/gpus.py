@@ -136,7 +136,8 @@ class GpuCatalog:
         if canonical is None:
             raise ValueError(
                 f"gpu_model {name!r} is not a known GPU model; known models: "
-                f"{', '.join(sorted(self._models))} (register others with GpuCatalog.register)"
+                f"{', '.join(sorted(self._models))} (`spotgpu models` lists them with their "
+                "on-demand prices)"
             )
         return canonical
 
