@@ -43,6 +43,7 @@ with open(log_path, "a") as log:
             {
                 "alloc": alloc,
                 "start": start,
+                "pid": os.getpid(),
                 "t": time.time(),
                 "gpus": os.environ.get(
                     "CUDA_VISIBLE_DEVICES", os.environ.get("NVIDIA_VISIBLE_DEVICES")

@@ -87,6 +87,7 @@ PURE_CORES = (
     "worker/pacing.py",
     "agent/gpu_book.py",
     "agent/reports.py",
+    "agent/leaving.py",
 )
 """Modules that decide without I/O frameworks: no Prefect, no HTTP, no database."""
 IMPURE = ("prefect", "httpx", "sqlalchemy", "fastapi", "starlette", "uvicorn", "requests")

@@ -13,7 +13,9 @@ ending event it stops whatever still runs. A job that exits by itself is reporte
 one that cannot start is reported failed, and a node whose jobs cannot start several times in
 a row drains itself (``start_failures``). Every durable save in a job's saved file is reported
 as a ``checkpoint`` within about a second. On start it reconciles: local jobs the market no
-longer assigns here are killed (``Runner.reconcile``).
+longer assigns here are killed (``Runner.reconcile``). Asked to stop (SIGTERM, Ctrl-C), it
+leaves as a reclaim of its node: every job saves and stops, and its run resumes elsewhere
+(``leaving``); the CLI's guard kills the jobs of an agent that dies (``guard``).
 
 Its credential is the node's token (``credentials``); the runner isolates the jobs
 (``runners``, ``isolation``).
@@ -39,6 +41,8 @@ from prefect_spotgpu.agent.discovery import GpuInfo
 from prefect_spotgpu.agent.gpu_book import GpuBook, Verdict
 from prefect_spotgpu.agent.heartbeat import NodeImages, send_heartbeat
 from prefect_spotgpu.agent.isolation import read_job_file
+from prefect_spotgpu.agent.leaving import Leaving
+from prefect_spotgpu.agent.lifecycle import Lifecycle
 from prefect_spotgpu.agent.reporter import Reporter
 from prefect_spotgpu.agent.reports import (
     exit_detail,
@@ -67,7 +71,7 @@ class AgentError(RuntimeError):
     pass
 
 
-class Agent:
+class Agent(Lifecycle):
     def __init__(
         self,
         *,
@@ -115,6 +119,9 @@ class Agent:
         self.reporter: Reporter | None = None
         self.images = NodeImages(runner.local_images)
         self.start_failures = StartFailures()  # the node's jobs in a row that did not start
+        self.leaving = Leaving(grace_seconds)  # asked to stop: by when the jobs must be gone
+        self.declined: dict[int, int] = {}  # allocation -> epoch, not started while leaving
+        self.notice_threads: list[threading.Thread] = []
 
     # ---------------------------------------------------------------- registration
 
@@ -193,11 +200,14 @@ class Agent:
         if not self.register_when_reachable():
             return
         self.heartbeat()
+        self._back()
         self.reconcile()
         beat = threading.Thread(target=self._heartbeats, name="spotgpu-heartbeat", daemon=True)
         beat.start()
         try:
             while not self.stop_event.is_set():
+                if self.leaving.asked and self._leave_turn():
+                    break
                 self._check_exits()
                 self._report_saves()
                 with self.lock:
@@ -234,10 +244,6 @@ class Agent:
                         logger.error("could not save the event cursor: %s", exc)
         finally:
             self.stop_event.set()
-
-    def shutdown(self) -> None:
-        """Stop the loop; jobs keep running (the market decides their fate)."""
-        self.stop_event.set()
 
     def heartbeat(self) -> None:
         telemetry = {"jobs": len(self.jobs), "declared": self.declared}
@@ -293,6 +299,10 @@ class Agent:
             if assignment is None or assignment.status not in STARTABLE:
                 self.gpu_book.stop_waiting(alloc_id)
                 return  # ended meanwhile
+            if self.leaving.asked:  # its notice, when it comes, is answered at once
+                self.gpu_book.stop_waiting(alloc_id)
+                self.declined[alloc_id] = assignment.epoch
+                return
             job = assignment.job
             if not job and assignment.status == AllocationStatus.RESERVED:
                 return  # a reservation the market does not warm up: it starts when promoted
@@ -366,8 +376,9 @@ class Agent:
                 logger.info("allocation %s: ended while it was prepared; not started", alloc_id)
                 return
             del self.preparing[alloc_id]
-            if self.stop_event.is_set():  # the agent stops: the market decides the rest
+            if self.stop_event.is_set() or self.leaving.asked:  # the agent stops: never started
                 self.gpu_book.give_back(alloc_id)
+                self.declined[alloc_id] = request.epoch
                 return
             self._launch(request)
 
@@ -416,14 +427,16 @@ class Agent:
         )
 
     def notice(self, alloc_id: int, deadline: float, epoch: int | None) -> None:
+        deadline = self.leaving.deadline(deadline)
         with self.lock:
             handle = self.jobs.get(alloc_id)
             unstarted = self.preparing.pop(alloc_id, None)
             if unstarted is not None:
                 self.gpu_book.give_back(alloc_id)
-        if unstarted is not None:  # its image still pulling: it never starts here
+            declined = self.declined.pop(alloc_id, None)
+        if unstarted is not None or declined is not None:  # it never starts here
             logger.warning("allocation %s: noticed before its job started; not started", alloc_id)
-            body = notice_before_start_report(epoch=epoch or unstarted.epoch)
+            body = notice_before_start_report(epoch=epoch or declined or unstarted.epoch)
             self.reporter.report_later(alloc_id, body)
             return
         if handle is None:
@@ -435,12 +448,15 @@ class Agent:
             )
         except Exception:  # (what the job did to its directory): still wait, stop, report
             logger.exception("allocation %s: the notice could not be delivered", alloc_id)
-        threading.Thread(
+        waiting = threading.Thread(
             target=self._await_final_save,
             args=(alloc_id, handle, deadline),
             name=f"spotgpu-notice-{alloc_id}",
             daemon=True,
-        ).start()
+        )
+        with self.lock:
+            self.notice_threads = [t for t in self.notice_threads if t.is_alive()] + [waiting]
+        waiting.start()
 
     def _await_final_save(self, alloc_id: int, handle: JobHandle, deadline: float) -> None:
         """Wait for the acknowledgement (or the job's exit, or the deadline), stop the job,
@@ -520,22 +536,3 @@ class Agent:
             )
             body = {"epoch": self.epochs.get(alloc_id, 1), "outcome": outcome}
             self.reporter.report_later(alloc_id, body | ({"detail": detail} if detail else {}))
-
-    # ---------------------------------------------------------------- restart
-
-    def reconcile(self) -> None:
-        """Kill local work the market no longer assigns here; start what it does."""
-        active = self.assignments()
-        for workdir in sorted(self.state_dir.glob("alloc-*")):
-            alloc_id = int(workdir.name.removeprefix("alloc-"))
-            if alloc_id in active:
-                continue
-            if self.runner.reconcile(alloc_id, workdir):
-                logger.warning(
-                    "reconcile: killed the job of allocation %s, no longer ours", alloc_id
-                )
-        for alloc_id, assignment in active.items():
-            if assignment.status in STARTABLE:
-                # our previous run's job, if any: stop it, start it cleanly
-                self.runner.reconcile(alloc_id, self.state_dir / f"alloc-{alloc_id}")
-                self.start(alloc_id, assignment)

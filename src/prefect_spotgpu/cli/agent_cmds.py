@@ -102,7 +102,8 @@ def agent_start(
         5.0,
         min=0.0,
         help="SIGTERM-to-SIGKILL grace when stopping a cancelled or finished job; at a "
-        "notice's end the job gets SIGKILL only (its engine must not write Crashed).",
+        "notice's end the job gets SIGKILL only (its engine must not write Crashed). Also how "
+        "long a stopping agent (SIGTERM, Ctrl-C) gives its jobs to save before it kills them.",
     ),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
 ) -> None:
@@ -110,7 +111,9 @@ def agent_start(
 
     On a notice it sends SIGUSR1 to the job's main process and writes the notice file; after
     the job's final save (or at the deadline) it stops the job (SIGKILL: a preemption never
-    reads as a crash) and reports the outcome. Run as
+    reads as a crash) and reports the outcome. Stopped (SIGTERM, Ctrl-C), it takes its node
+    back: each job gets its notice, saves and stops within --grace-seconds, and its run resumes
+    elsewhere; a second signal kills the jobs at once. Its jobs never outlive it. Run as
     root, it runs each job as an unprivileged user of its own (see --job-user), and refuses to
     start when that user cannot execute the job interpreter (see --job-python). A node whose
     jobs cannot start, three in a row, drains itself until its owner offers it again.
@@ -133,6 +136,7 @@ def agent_start(
         parse_declared,
         telemetry_nvml,
     )
+    from prefect_spotgpu.agent.guard import hold_state_dir, start_guard
 
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -177,11 +181,12 @@ def agent_start(
         telemetry=None if gpus else telemetry_nvml,
         address=advertise_address,
     )
-    signals.signal(signals.SIGTERM, lambda *_: agent.shutdown())
+    hold_state_dir(state)  # one agent at a time: a quick restart waits for the last one
+    start_guard(job_runner, state)  # its jobs die with it, however it dies (before threads)
+    for stop_signal in (signals.SIGTERM, signals.SIGINT):  # leave as a reclaim (twice: now)
+        signals.signal(stop_signal, lambda *_: agent.shutdown())
     try:
         agent.run()
     except AgentError as exc:
         console.print(str(exc), style="red", markup=False, soft_wrap=True)  # it may quote input
         raise typer.Exit(1) from None
-    except KeyboardInterrupt:
-        agent.shutdown()

@@ -202,7 +202,11 @@ def lose_silent_nodes(writes: TickWrites, timeout_seconds: float, now: float) ->
     )
     for node in lost:
         gate.set_node_state(
-            session=writes.session, node=node, to=NodeState.LOST, state_before_loss=node.state
+            session=writes.session,
+            node=node,
+            to=NodeState.LOST,
+            # a node its agent left keeps what it was before (routes/presence.py)
+            state_before_loss=node.state_before_loss or node.state,
         )
         writes.market.upsert_node(market_node(node))
         logger.warning("node %s missed heartbeats for %ss: lost", node.id, timeout_seconds)

@@ -235,17 +235,20 @@ def heartbeat_node(
     if changed and node.state != NodeState.LOST:  # a lost node's return records it below
         record_change(session=session, entity=Entity.NODE, entity_id=node.id, op="upsert")
     if node.state == NodeState.LOST:  # the agent is back: the node as it was, empty
-        owner = session.get(Tenant, node.owner_id)
-        # a live node offers its GPUs again, unless its owner is no longer a provider; a
-        # reclaimed or draining one stays so (the owner's word outlives the agent's outage)
-        before = NodeState(node.state_before_loss or NodeState.LIVE)
-        offers = before is NodeState.LIVE and owner is not None and owner.provider
-        back = (
-            NodeState.LIVE if offers else before if before != NodeState.LIVE else NodeState.DRAINING
-        )
+        back = returning_state(session, node)
         gate.set_node_state(session=session, node=node, to=back, state_before_loss=None)
         record_change(session=session, entity=Entity.NODE, entity_id=node.id, op="upsert")
     return node
+
+
+def returning_state(session: Session, node: NodeRow) -> NodeState:
+    """What a node whose agent is back becomes: a live node offers its GPUs again, unless its
+    owner is no longer a provider; a reclaimed or draining one stays so (the owner's word
+    outlives the agent's outage or stop)."""
+    owner = session.get(Tenant, node.owner_id)
+    before = NodeState(node.state_before_loss or NodeState.LIVE)
+    offers = before is NodeState.LIVE and owner is not None and owner.provider
+    return NodeState.LIVE if offers else before if before != NodeState.LIVE else NodeState.DRAINING
 
 
 def update_node(

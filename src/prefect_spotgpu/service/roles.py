@@ -84,6 +84,8 @@ ROUTE_ROLES: dict[tuple[str, str], frozenset[Role]] = {
         ("GET", f"{API}/nodes/me"): {N},
         ("POST", f"{API}/nodes/{{node_id}}/heartbeat"): {N},
         ("POST", f"{API}/nodes/{{node_id}}/drain"): {N},
+        ("POST", f"{API}/nodes/{{node_id}}/leave"): {N},
+        ("POST", f"{API}/nodes/{{node_id}}/back"): {N},
         ("GET", f"{API}/nodes/{{node_id}}/allocations"): {N},
         ("GET", f"{API}/nodes/{{node_id}}/events"): {N},
         ("POST", f"{API}/allocations/{{allocation_id}}/report"): {N},

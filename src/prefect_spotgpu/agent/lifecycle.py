@@ -1,0 +1,114 @@
+"""The agent's lifecycle at its ends: started again (``reconcile``: what an earlier agent
+left), and asked to stop (``shutdown``: it leaves as a reclaim of its node, ``leaving``).
+A part of :class:`~prefect_spotgpu.agent.agent.Agent`, whose state it uses."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import httpx
+
+from prefect_spotgpu.agent.isolation import ACK_NAME, read_job_file
+from prefect_spotgpu.agent.leaving import REPORTS_AFTER_KILL_SECONDS, Turn
+from prefect_spotgpu.agent.reports import notice_report
+from prefect_spotgpu.protocol import STARTABLE, AllocationStatus
+
+logger = logging.getLogger("prefect_spotgpu.agent")
+
+
+class Lifecycle:
+    """How an :class:`~prefect_spotgpu.agent.agent.Agent` starts again and stops."""
+
+    def shutdown(self) -> None:
+        """Stop the agent, as a reclaim of its node (``leaving``): its jobs save, stop and
+        resume elsewhere, within ``grace_seconds``; a second call kills them now. An agent
+        not registered yet just stops."""
+        if self.node_id is None:
+            self.stop_event.set()
+        self.leaving.ask(time.time())
+
+    def _back(self) -> None:
+        """Tell the market the agent runs again: a node it left is offered as it was."""
+        try:
+            response = self.client.post(f"/nodes/{self.node_id}/back")
+        except httpx.HTTPError as exc:
+            logger.warning("could not tell the market this agent is back: %s", exc)
+            return
+        if response.status_code != 200:
+            logger.warning("back: %s %s", response.status_code, response.text[:200])
+
+    def _leave_turn(self) -> bool:
+        """One turn of leaving (``leaving``): True when the agent may exit."""
+        if not self.leaving.told:
+            self.leaving.told = True
+            self._tell_market_leaving()
+        with self.lock:
+            notices = [t for t in self.notice_threads if t.is_alive()]
+            busy = bool(self.jobs or self.preparing or notices)
+        turn = self.leaving.turn(busy=busy, now=time.time())
+        if turn is Turn.KILL:
+            with self.lock:
+                left = sorted(self.jobs) + sorted(self.preparing)
+            logger.error("the agent stops: killing the jobs of allocations %s now", left)
+            for alloc_id in left:
+                self.stop(alloc_id, reason="the agent stops", grace=0)
+            for thread in notices:  # their reports, if the market answers
+                thread.join(timeout=REPORTS_AFTER_KILL_SECONDS)
+        return turn is not Turn.WAIT
+
+    def _tell_market_leaving(self) -> None:
+        """``POST /nodes/{id}/leave``: the market notices this node's allocations. If it
+        cannot be told, the agent notices its jobs itself (their saves are durable; the runs
+        resume once the market finds the node lost)."""
+        try:
+            response = self.client.post(f"/nodes/{self.node_id}/leave")
+            told = response.status_code == 200
+            why = f"{response.status_code} {response.text[:200]}"
+        except httpx.HTTPError as exc:
+            told, why = False, str(exc)
+        with self.lock:
+            running = sorted(self.jobs)
+        if told:
+            logger.warning(
+                "the agent stops: its node is reclaimed; %s job(s) save and stop within %.0f s",
+                len(running),
+                self.grace_seconds,
+            )
+            return
+        logger.error("the market was not told this agent stops (%s): noticing its jobs", why)
+        for alloc_id in running:
+            self.notice(alloc_id, self.leaving.by, None)
+
+    # ---------------------------------------------------------------- restart
+
+    def reconcile(self) -> None:
+        """Kill local work the market no longer assigns here; start what it does."""
+        active = self.assignments()
+        for workdir in sorted(self.state_dir.glob("alloc-*")):
+            alloc_id = int(workdir.name.removeprefix("alloc-"))
+            if alloc_id in active:
+                continue
+            if self.runner.reconcile(alloc_id, workdir):
+                logger.warning(
+                    "reconcile: killed the job of allocation %s, no longer ours", alloc_id
+                )
+        for alloc_id, assignment in active.items():
+            if assignment.status == AllocationStatus.NOTICED:  # its notice outlived an agent
+                self._settle_left_notice(alloc_id, assignment.epoch)
+            elif assignment.status in STARTABLE:
+                # our previous run's job, if any: stop it, start it cleanly
+                self.runner.reconcile(alloc_id, self.state_dir / f"alloc-{alloc_id}")
+                self.start(alloc_id, assignment)
+
+    def _settle_left_notice(self, alloc_id: int, epoch: int) -> None:
+        """A noticed allocation an earlier agent did not see through (killed mid-notice):
+        what is left of its job is killed and its outcome reported now, by its
+        acknowledgement, so the run resumes at once instead of at the notice's deadline."""
+        workdir = self.state_dir / f"alloc-{alloc_id}"
+        self.runner.reconcile(alloc_id, workdir)
+        ack = read_job_file(workdir / ACK_NAME)
+        body = notice_report(epoch=epoch, ack=ack, exit_code=None, now=time.time())
+        logger.warning("allocation %s: noticed under the last agent; reported %s", alloc_id,
+                       body["outcome"])  # fmt: skip
+        self.reporter.report_later(alloc_id, body)
