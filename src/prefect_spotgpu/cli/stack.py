@@ -82,6 +82,7 @@ class LocalStack:
         self.admin_key = admin_key or f"sgadm_{secrets.token_urlsafe(24)}"
         self.market_url = ""
         self.processes: dict[str, subprocess.Popen] = {}
+        self._agent_gpus: dict[str, int] = {}  # agent name -> its declared GPUs
         self.owner_key = self.buyer_key = ""
 
     def __enter__(self) -> LocalStack:
@@ -199,12 +200,14 @@ class LocalStack:
     def start_agent(
         self,
         name: str,
-        gpus: int = 2,
+        gpus: int | None = None,
         reserve_price: float = 0.9,
         capacity: str = "spot",
         runner: str = "process",
     ) -> int:
-        """A node agent with ``gpus`` declared GPUs; returns its node id once registered.
+        """A node agent with ``gpus`` declared GPUs (None: as many as the last agent of that
+        name had, 2 for a new one: a restarted node is the node it was); returns its node id
+        once registered.
 
         ``capacity="on_demand"`` registers non-preemptible capacity at the on-demand price.
 
@@ -214,6 +217,8 @@ class LocalStack:
         interpreter often lives in root's home, which the per-job users cannot reach.
         ``runner="docker"``: jobs in containers of their image, as users of their own
         (``--job-user auto``: ``home`` must then be a directory other users can traverse)."""
+        gpus = self._agent_gpus.setdefault(name, 2) if gpus is None else gpus
+        self._agent_gpus[name] = gpus
         price = ("--reserve-price", str(reserve_price)) if capacity == "spot" else ()
         users = (
             ("--runner", "docker", "--job-user", "auto")
