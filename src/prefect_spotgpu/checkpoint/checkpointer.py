@@ -58,6 +58,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from prefect_spotgpu.checkpoint.background import BackgroundSave, SaveAbandoned
+from prefect_spotgpu.checkpoint.flush import flush_run_logs
 from prefect_spotgpu.checkpoint.format import (
     CorruptCheckpoint,
     decode,
@@ -456,7 +457,8 @@ class Checkpointer:
         return ok
 
     def _acknowledge(self, result: SaveResult) -> None:
-        if self.ack_file is not None:
+        if self.ack_file is not None:  # the agent stops the job at once: its logs go first
+            flush_run_logs()
             write_ack(self.ack_file, step=result.step, durable=True, seconds=result.seconds)
 
     def _acknowledge_failure(self, exc: Exception) -> None:
@@ -464,6 +466,7 @@ class Checkpointer:
         error = f"{type(exc).__name__}: {exc}"[:ERROR_CHARS]
         logger.error("final checkpoint of %s failed: %s", self.key, error)
         if self.ack_file is not None:
+            flush_run_logs()
             with contextlib.suppress(OSError):
                 write_ack(self.ack_file, failed=True, cause="storage", error=error)
 

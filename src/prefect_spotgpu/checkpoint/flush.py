@@ -1,0 +1,32 @@
+"""The run's logs are whole: what Prefect's log and event workers hold is sent before the job
+acknowledges its final save, since the agent stops the job the moment it reads that (with
+SIGKILL, within milliseconds), before Prefect's batched log handler would send the last lines
+(the final save's among them)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+
+FLUSH_SECONDS = 5.0
+"""The longest a flush holds the acknowledgement (Prefect's own bound at exit)."""
+
+
+def flush_run_logs(timeout: float = FLUSH_SECONDS) -> None:
+    """Send what Prefect's log and event workers hold, waiting at most ``timeout``. Nothing to
+    do in a job that never imported Prefect. The drain runs on a thread of its own, where no
+    event loop runs, so it blocks even when called from an async flow's."""
+    if "prefect.logging.handlers" not in sys.modules:
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    def drain() -> None:
+        for service in (APILogWorker, EventsWorker):
+            with contextlib.suppress(Exception):  # a flush never fails the save it follows
+                service.drain_all(timeout=timeout, at_exit=False)
+
+    flusher = threading.Thread(target=drain, name="spotgpu-flush-logs", daemon=True)
+    flusher.start()
+    flusher.join(2 * timeout)
