@@ -14,12 +14,8 @@ and makes the same calls at the same steps::
     ckpt.maybe_save(lambda: this_ranks_state(), step)   # saves at the same step everywhere
 """
 
-from prefect_spotgpu.checkpoint.checkpointer import (
-    Checkpointer,
-    Restored,
-    SaveResult,
-    write_ack,
-)
+from prefect_spotgpu.checkpoint.checkpointer import Checkpointer, Restored, SaveResult
+from prefect_spotgpu.checkpoint.fencing import StaleAttempt
 from prefect_spotgpu.checkpoint.format import (
     CorruptCheckpoint,
     UnreadableCheckpoint,
@@ -27,6 +23,7 @@ from prefect_spotgpu.checkpoint.format import (
 )
 from prefect_spotgpu.checkpoint.gang import GangCheckpointer, GangCheckpointFailed
 from prefect_spotgpu.checkpoint.group import GroupSync, TorchGroupSync
+from prefect_spotgpu.checkpoint.handshake import write_ack
 from prefect_spotgpu.checkpoint.rng import rng_state, set_rng_state
 from prefect_spotgpu.checkpoint.storage import (
     CheckpointStorage,
@@ -47,6 +44,7 @@ __all__ = [
     "Restored",
     "S3Storage",
     "SaveResult",
+    "StaleAttempt",
     "TorchGroupSync",
     "UnreadableCheckpoint",
     "UntrustedCheckpoint",

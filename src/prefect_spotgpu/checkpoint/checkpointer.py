@@ -58,7 +58,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from prefect_spotgpu.checkpoint.background import BackgroundSave, SaveAbandoned
-from prefect_spotgpu.checkpoint.flush import flush_run_logs
+from prefect_spotgpu.checkpoint.fencing import Fence, attempt_from_environment
 from prefect_spotgpu.checkpoint.format import (
     CorruptCheckpoint,
     decode,
@@ -67,6 +67,7 @@ from prefect_spotgpu.checkpoint.format import (
     signature,
     verify,
 )
+from prefect_spotgpu.checkpoint.handshake import flush_run_logs, write_ack
 from prefect_spotgpu.checkpoint.staging import Staging, stage
 from prefect_spotgpu.checkpoint.storage import CheckpointStorage
 from prefect_spotgpu.protocol import JOB_ENV
@@ -158,6 +159,7 @@ class Checkpointer:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep!r}")
         self.storage = storage
+        self._fence = Fence(storage, attempt_from_environment())  # one attempt writes a key
         self.key = key
         self.rank = rank
         self.world_size = world_size
@@ -398,8 +400,9 @@ class Checkpointer:
 
         written: list[bytes] = []
 
-        def manifest() -> bytes:
+        def manifest() -> bytes:  # the commit: refused to a stale attempt (``fencing``)
             checksums.join()
+            self._fence.check(name)
             key = self._signing_key
             sign = None if key is None else (lambda body: signature(key, name, step, body))
             written.append(encoded.manifest_bytes(sign))
@@ -418,6 +421,7 @@ class Checkpointer:
         """Delete what :func:`steps_to_delete` says, verifying checkpoints only as far as
         it looks (each at most once: a verdict is kept for as long as its manifest stays)."""
         try:
+            self._fence.check(self.key)
             doomed = steps_to_delete(
                 self.storage.steps(self.key), self._verified, keep=self.keep, written=written
             )
@@ -491,6 +495,7 @@ class Checkpointer:
         checkpoint is verified. Any other storage error (S3 that does not answer) raises:
         starting the run over is no fallback for a store that is down.
         """
+        self._fence.claim(self.key)  # from now on, no earlier attempt commits to this key
         for step in self.storage.steps(self.key):
             raw = None
             try:
@@ -534,17 +539,3 @@ def steps_to_delete(
         elif step != written:
             doomed.append(step)
     return doomed
-
-
-def write_ack(path: os.PathLike | str, **fields) -> None:
-    """The acknowledgement the node's agent waits for (``saved_at`` added), written
-    atomically and durably: temporary file, fsync, rename."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({**fields, "saved_at": time.time()}))
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)

@@ -39,6 +39,9 @@ logger = logging.getLogger("prefect_spotgpu.checkpoint")
 
 MANIFEST = "manifest.json"
 BLOB = "data.bin"
+CLAIMS = "attempts"
+"""Where a key's claims by attempt lie (``fencing``): ``<key>/.attempts/<n>`` locally,
+``<key>/attempts/<n>`` in S3 (neither a step's name)."""
 BLOB_METADATA = "blob"  # the S3 manifest's metadata naming its blob (absent: data.bin)
 _BLOB_NAME = re.compile(r"data(-[0-9a-f]{32})?\.bin")
 _MISSING_S3 = {"NoSuchKey", "404", "NotFound", "AccessDenied", "403", "InvalidObjectState"}
@@ -144,6 +147,19 @@ class LocalStorage:
             raise
         for _, path in older:  # the same step saved again: the new version is durable
             _remove(path)
+
+    def claim(self, key: str, attempt: int) -> None:
+        """Record, durably, that ``attempt`` writes ``key`` from now on (``fencing``)."""
+        claims = self.root / _check_key(key) / f".{CLAIMS}"
+        claims.mkdir(parents=True, exist_ok=True)
+        (claims / f"{attempt:020d}").touch()
+        _fsync_dir(claims)
+
+    def latest_claim(self, key: str) -> int | None:
+        """The latest attempt that claimed ``key``, if any."""
+        claims = self.root / _check_key(key) / f".{CLAIMS}"
+        found = [int(n) for n in os.listdir(claims) if n.isdigit()] if claims.is_dir() else []
+        return max(found, default=None)
 
     def steps(self, key: str) -> list[int]:
         versions = self._versions(self.root / _check_key(key))
@@ -358,6 +374,17 @@ class S3Storage:
                     Bucket=self.bucket, Key=blob_key, UploadId=upload_id
                 )
             raise
+
+    def claim(self, key: str, attempt: int) -> None:
+        """Record that ``attempt`` writes ``key`` from now on (``fencing``)."""
+        claim = self._key(key) + f"{CLAIMS}/{attempt:020d}"
+        self.client.put_object(Bucket=self.bucket, Key=claim, Body=b"")
+
+    def latest_claim(self, key: str) -> int | None:
+        """The latest attempt that claimed ``key``, if any."""
+        prefix = self._key(key) + f"{CLAIMS}/"
+        found = [int(n[len(prefix) :]) for n in self._objects(prefix) if n[len(prefix) :].isdigit()]
+        return max(found, default=None)
 
     def steps(self, key: str) -> list[int]:
         prefix = self._key(key)

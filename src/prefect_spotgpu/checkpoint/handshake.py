@@ -1,13 +1,19 @@
-"""The run's logs are whole: what Prefect's log and event workers hold is sent before the job
-acknowledges its final save, since the agent stops the job the moment it reads that (with
-SIGKILL, within milliseconds), before Prefect's batched log handler would send the last lines
-(the final save's among them)."""
+"""What a job tells its node's agent through files (``write_ack``: the final save's
+acknowledgement, a durable save), and what it does first: the run's logs are whole, as what
+Prefect's log and event workers hold is sent before the job acknowledges its final save
+(``flush_run_logs``), since the agent stops the job the moment it reads that (with SIGKILL,
+within milliseconds), before Prefect's batched log handler would send the last lines (the
+final save's among them)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import sys
 import threading
+import time
+from pathlib import Path
 
 FLUSH_SECONDS = 5.0
 """The longest a flush holds the acknowledgement (Prefect's own bound at exit)."""
@@ -30,3 +36,17 @@ def flush_run_logs(timeout: float = FLUSH_SECONDS) -> None:
     flusher = threading.Thread(target=drain, name="spotgpu-flush-logs", daemon=True)
     flusher.start()
     flusher.join(2 * timeout)
+
+
+def write_ack(path: os.PathLike | str, **fields) -> None:
+    """The acknowledgement the node's agent waits for (``saved_at`` added), written
+    atomically and durably: temporary file, fsync, rename."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({**fields, "saved_at": time.time()}))
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
