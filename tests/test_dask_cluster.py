@@ -170,6 +170,31 @@ def test_a_scheduler_the_nodes_cannot_reach_is_reported_in_bounded_time(stack):
     assert reported < 30 and time.monotonic() - started < reported + 15, reported
 
 
+def test_workers_without_dask_are_reported_in_bounded_time(stack, tmp_path):
+    """A worker environment without Dask: the jobs fail as Python says it ("No module named
+    'distributed'"), and the cluster stops bidding with a message naming what to change,
+    never waits for workers for ever. (The process runner's jobs use the node's interpreter,
+    which has Dask here: a package of that name that cannot be imported stands in for its
+    absence; a Docker node's image without Dask fails the same way.)"""
+    shadow = tmp_path / "no-dask" / "distributed"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'distributed'\", name='distributed')\n"
+    )
+    started = time.monotonic()
+    no_dask = {"PYTHONPATH": f"{shadow.parent}:{TESTS}"}
+    with cluster_of(stack, env=no_dask) as cluster:
+        cluster.scale(2)
+        wait_for(lambda: cluster.problem, 60, "the cluster to report the missing Dask")
+        assert "has no Dask (distributed): use an image with prefect-spotgpu[dask]" in (
+            cluster.problem
+        )
+        bids = cluster.bids_placed
+    assert time.monotonic() - started < 90
+    live = [b for b in stack.market().get("/bids?status=open").json() if b["id"] in bids]
+    assert live == []  # it stopped bidding
+
+
 @pytest.mark.slow
 def test_two_thousand_shards_survive_three_reclaims_and_a_killed_agent(stack, tmp_path):
     """The issue's end-to-end proof: every output byte-identical to an uninterrupted run's and
