@@ -54,6 +54,10 @@ class Spy:
         self.calls.append(("notice", arow, reason))
         return self.real.notice(arow, reason, deadline, now)
 
+    def outbid(self, takeover, victims, deadline, now):
+        self.calls.append(("outbid", takeover, tuple(victims)))
+        return self.real.outbid(takeover, victims, deadline, now)
+
     def __getattr__(self, name):
         return getattr(self.real, name)
 
@@ -93,8 +97,11 @@ def test_an_eviction_notices_through_the_allocations_it_is_given():
     ix.tick_number += 1  # (bid 10's allocation is an incumbent from an earlier tick)
     clearing.clear_model(ix.intern_model("A100-80G"), now=1.0)
     kinds = [c[0] for c in spy.calls]
-    assert kinds == ["place", "notice"], spy.calls  # reserve first, then notice the victim
+    assert kinds == ["place", "outbid"], spy.calls  # reserve first, then notice the victim
     assert spy.calls[0][1:] == (ix.bid_row[12], ix.node_row[1], PlacementKind.TAKEOVER)
+    (victim,) = spy.calls[1][2]
+    assert int(ix.a.bid[victim]) == ix.bid_row[10]  # bid 10's allocation, on node 1
+    assert ix.a.fee_owed[spy.calls[1][1]] > 0  # the takeover owes the notice's fee
 
 
 def test_victims_are_read_off_the_index_by_price_and_hysteresis():

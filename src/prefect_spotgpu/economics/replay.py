@@ -15,7 +15,8 @@ from its own random stream and never depends on the market or the job (``refresh
 
 One job with ``work_h`` hours of work and a deadline is steered by a bidding policy
 (``deadline.py``). Its spot hours are paid at the market's charges (per second, the pool's
-clearing price at most its bid), its on-demand hours at the on-demand price. Its bid is
+clearing price at most its bid; and the notice fee of a takeover it leaves early, as any bid's:
+``market/notice_fee.py``), its on-demand hours at the on-demand price. Its bid is
 clamped to ``[MIN_BID, cap]`` and follows ``Action.region``: in a single-region replay the
 pool's region; multi-region, ``None`` bids region ``any`` (the market places it where it
 fits and, at a notice, reserves the migration target in any region) and a name pins the bid
@@ -274,18 +275,17 @@ class _Run:
             if action.mode == "spot":
                 self._bid(action, now, ran_in if alloc is not None else None)
             elif self.bid_id is not None:
-                out.cost += market.cancel_bid(self.bid_id, now).charges.total() / MICROS
+                out.cost += _paid(market.cancel_bid(self.bid_id, now))
                 self.bid_id, alloc = None, None
             decision = market.tick(now)
             self._see(decision, alloc)
             noticed = False
             if self.bid_id is not None:
-                mine = decision.charges.bid_id == self.bid_id
-                out.cost += int(decision.charges.amount[mine].sum()) / MICROS
+                out.cost += _paid(decision, self.bid_id)
             for notice in decision.notices:
                 if notice.bid_id == self.bid_id:  # the final save is done within the notice
                     settled = market.end_allocation(notice.allocation_id, "preempted", now)
-                    out.cost += settled.charges.total() / MICROS
+                    out.cost += _paid(settled)
                     out.preemptions += 1
                     noticed = True
             for ending in decision.endings:  # a notice deadline passed (not with instant saves)
@@ -332,7 +332,7 @@ class _Run:
             out.steps.append(mode[0])
         if self.bid_id is not None:  # settle the last charges
             end = finish_at or self.world.t0 + len(out.steps) * self.regions.gap_seconds
-            out.cost += market.cancel_bid(self.bid_id, end).charges.total() / MICROS
+            out.cost += _paid(market.cancel_bid(self.bid_id, end))
         if out.finished_h is not None and out.finished_h > job.deadline_h + 1e-9:
             out.finished_h = None
         return out
@@ -375,8 +375,7 @@ class _Run:
             self.market.reprice_bid(self.bid_id, price)
             return
         if self.bid_id is not None:
-            settled = self.market.cancel_bid(self.bid_id, now)
-            self.out.cost += settled.charges.total() / MICROS
+            self.out.cost += _paid(self.market.cancel_bid(self.bid_id, now))
         self.bid_id, self.bid_region = self.next_bid, wanted
         self.next_bid += 1
         self.market.add_bid(Bid(self.bid_id, MODEL, self.gpus, price, wanted, now))
@@ -403,6 +402,17 @@ class _Run:
 def region_quote_initial(name: str, nodes: int) -> RegionQuote:
     """What a region looks like before the first tick: open at the reserve, nodes free."""
     return RegionQuote(name, True, RESERVE, nodes, None)
+
+
+def _paid(result, bid_id: int | None = None) -> float:
+    """What a decision or a settlement charged (``bid_id``'s only, when given): its charges and
+    the notice fees its endings left owing, in units."""
+    charges, fees = result.charges, result.fees
+    if bid_id is None:
+        return (charges.total() + sum(f.amount for f in fees)) / MICROS
+    mine = charges.bid_id == bid_id
+    owed = sum(f.amount for f in fees if f.bid_id == bid_id)
+    return (int(charges.amount[mine].sum()) + owed) / MICROS
 
 
 def _runs(market: Market, allocation_id: int) -> bool:

@@ -2,7 +2,9 @@
 
 Allocation rows change status only through ``_new_alloc``, ``notice``, ``_try_promote`` and
 ``end``, which keep the per-node GPU counters, the per-pool aggregates and the bid links
-consistent with the rows. Every ending names its ``EndReason``. Reads and writes the state
+consistent with the rows. Every ending names its ``EndReason``. A takeover that notices the
+allocations it outbid (``outbid``) owes their notice's fee, charged at its end for what its
+charges did not cover (:mod:`prefect_spotgpu.market.notice_fee`). Reads and writes the state
 declared in :mod:`prefect_spotgpu.market.index`; calls ``Pricing.final_charge``.
 """
 
@@ -17,8 +19,10 @@ import numpy as np
 from prefect_spotgpu.market.decision import (
     Ending,
     Notice,
+    NoticeFee,
     PlacementKind,
 )
+from prefect_spotgpu.market.notice_fee import fee_due, notice_fee
 from prefect_spotgpu.market.tables import (
     ACTIVE,
     KIND_CODES,
@@ -86,6 +90,7 @@ class Allocations:
         ix.a.price[arow] = alloc.price
         ix.a.charged[arow] = alloc.charged_until
         ix.a.carry[arow] = alloc.charge_carry
+        ix.a.fee_owed[arow] = alloc.notice_fee_owed
         ix.a.tick[arow] = -1
         ix.suspect_nodes.add(nrow)
 
@@ -108,7 +113,7 @@ class Allocations:
         a.id[arow], a.bid[arow], a.node[arow] = alloc_id, brow, nrow
         a.pool[arow], a.gpus[arow], a.status[arow] = ix.n_pool[nrow], gpus, status
         a.price[arow], a.charged[arow], a.started[arow] = 0.0, now, now
-        a.carry[arow] = 0
+        a.carry[arow] = a.fee_owed[arow] = 0
         a.deadline[arow] = math.nan if deadline is None else deadline
         a.reason[arow] = -1 if reason is None else REASONS.index(reason)
         a.tick[arow] = ix.tick_number
@@ -173,6 +178,24 @@ class Allocations:
         out.p_expires.append(math.nan if expires is None else expires)
         return arow
 
+    def outbid(self, takeover: int, victims: list[int], deadline: float, now: float) -> None:
+        """Notice ``victims`` (running allocations on the node of the reservation
+        ``takeover``, which outbid them), and make the takeover owe their notice's fee: its
+        GPUs for the notice's seconds at the highest maximum it outbid
+        (:mod:`prefect_spotgpu.market.notice_fee`)."""
+        ix = self.index
+        a, b = ix.a, ix.b
+        brow = int(a.bid[takeover])
+        a.fee_owed[takeover] = notice_fee(
+            outbid_prices=[float(b.price[a.bid[r]]) for r in victims],
+            reserve=ix.n_reserve[int(a.node[takeover])],
+            max_price=float(b.price[brow]),
+            gpus=int(a.gpus[takeover]),
+            notice_seconds=deadline - now,
+        )
+        for r in victims:
+            self.notice(r, NoticeReason.OUTBID, deadline, now)
+
     def notice(self, arow: int, reason: NoticeReason, deadline: float, now: float) -> None:
         """Notice a running allocation (and, for a gang, every running member: one notice,
         one deadline) and reserve where it resumes when the reason allows."""
@@ -231,6 +254,8 @@ class Allocations:
             at = min(at, float(a.deadline[arow]))
         if old in (RUNNING, NOTICED):
             self.pricing.final_charge(arow, at)
+        if a.fee_owed[arow] > 0:  # (after its last charge, which counts towards it)
+            self._settle_fee(arow, old, reason)
         if old == RUNNING:
             ix.n_running[nrow] -= gpus
             ix.track_window(arow, False)
@@ -269,6 +294,20 @@ class Allocations:
         ix.refresh_free(nrow)
         if b.gang[brow] >= 0 and not ix.gang_ending:
             self.gangs.cascade(brow, old, status, at)
+
+    def _settle_fee(self, arow: int, old: int, reason: EndReason) -> None:
+        """Charge what an ending allocation still owes of its notice fee (unless its node
+        ended it: ``notice_fee.fee_due``)."""
+        ix = self.index
+        a = ix.a
+        owed, a.fee_owed[arow] = int(a.fee_owed[arow]), 0
+        noticed_for = REASONS[a.reason[arow]] if old == NOTICED else None
+        due = fee_due(owed, reason, noticed_for)
+        if due:
+            brow = int(a.bid[arow])
+            ix.out.fees.append(
+                NoticeFee(int(a.id[arow]), int(ix.b.id[brow]), int(ix.b.tenant[brow]), due)
+            )
 
     def node_conditions(self, now: float) -> None:
         """Notices or endings for allocations on reclaimed, lost or re-priced nodes, and on

@@ -18,7 +18,7 @@ import numpy as np
 from prefect_spotgpu.market.decision import PlacementKind
 from prefect_spotgpu.market.incumbents import bid_terms, incumbents, victims_on
 from prefect_spotgpu.market.tables import RUNNING, WAITING
-from prefect_spotgpu.market.types import MAX_GPUS_PER_NODE, NodeState, NoticeReason
+from prefect_spotgpu.market.types import MAX_GPUS_PER_NODE, NodeState
 
 if TYPE_CHECKING:
     from prefect_spotgpu.market.allocations import Allocations
@@ -158,15 +158,14 @@ class Clearing:
                     continue
                 deadline = now + ix.config.notice_seconds
                 # reserve first, so a victim's migration cannot take these GPUs
-                self.allocations.place(
+                takeover = self.allocations.place(
                     brow,
                     nrow,
                     PlacementKind.TAKEOVER,
                     now,
                     deadline + ix.config.reservation_grace_seconds,
                 )
-                for r in chosen:
-                    self.allocations.notice(r, NoticeReason.OUTBID, deadline, now)
+                self.allocations.outbid(takeover, chosen, deadline, now)  # (and its fee)
                 return True
             if not pool.mixed:  # (in a mixed pool, a bid of another kind may still evict)
                 pool.evict_failed_size = min(pool.evict_failed_size, size)

@@ -103,6 +103,18 @@ class Ending:
 
 
 @dataclass(frozen=True, slots=True)
+class NoticeFee:
+    """What an allocation that ended still owed of the notice fee of the takeover it was
+    (:mod:`prefect_spotgpu.market.notice_fee`): charged to its bid's tenant, on it."""
+
+    allocation_id: int
+    bid_id: int
+    tenant_id: int
+    amount: int
+    """In micros."""
+
+
+@dataclass(frozen=True, slots=True)
 class Charge:
     allocation_id: int
     bid_id: int
@@ -192,6 +204,8 @@ class Settlement:
 
     endings: tuple[Ending, ...]
     charges: Charges
+    fees: tuple[NoticeFee, ...] = ()
+    """Notice fees the endings left owing (``notice_fee.py``), besides the charges."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +218,8 @@ class Decision:
     """Reserved allocations that start now (RESERVED -> RUNNING)."""
     charges: Charges = field(default_factory=Charges.empty)
     quotes: tuple[PoolQuote, ...] = ()
+    fees: tuple[NoticeFee, ...] = ()
+    """Notice fees the endings left owing (``notice_fee.py``), besides the charges."""
 
     def quote(self, gpu_model: str, region: str, capacity: Capacity = Capacity.SPOT) -> PoolQuote:
         for q in self.quotes:
@@ -221,4 +237,5 @@ class Decision:
             and self.promotions == other.promotions
             and self.charges.equals(other.charges)
             and self.quotes == other.quotes
+            and self.fees == other.fees
         )

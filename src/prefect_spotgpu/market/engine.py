@@ -30,7 +30,8 @@ The rule, per tick and per GPU model (pools of a model share its "any region" bi
    a noticed bid gets a migration reservation on free GPUs of its pool at once, when there are any;
 3. the clearing price of a pool is the highest losing eligible bid, at least the lowest reserve;
 4. every running or noticed allocation is charged for the seconds since its last charge at the
-   price that was in force, and takes the new price.
+   price that was in force, and takes the new price (a takeover that noticed someone pays at
+   least their notice's fee in all: ``notice_fee.py``).
 
 ``Market`` is the only mutable object in ``market/``: an in-memory index changed only through
 its methods; it reads no clock and does no I/O. Its state is declared in ``index.py``
@@ -420,7 +421,8 @@ class Market:
             ix.gang_ending = False
 
     def _settlement(self) -> Settlement:
-        return Settlement(tuple(self.index.out.endings), self.pricing.final_charges())
+        out = self.index.out
+        return Settlement(tuple(out.endings), self.pricing.final_charges(), tuple(out.fees))
 
     # ------------------------------------------------------------------ the tick
 
@@ -459,6 +461,7 @@ class Market:
             tuple(out.promotions),
             charges,
             quotes,
+            tuple(out.fees),
         )
 
     # ------------------------------------------------------------------ views
@@ -487,6 +490,7 @@ class Market:
                     charged_until=float(a.charged[arow]),
                     price=float(a.price[arow]),
                     charge_carry=int(a.carry[arow]),
+                    notice_fee_owed=int(a.fee_owed[arow]),
                     deadline=None if math.isnan(deadline) else deadline,
                     notice_reason=None if reason < 0 else REASONS[reason],
                     kind=("migration" if a.mig[arow] else "takeover")
@@ -507,6 +511,10 @@ class Market:
         """The price per GPU-hour an allocation pays from now on (0 while only reserved)."""
         ix = self.index
         return float(ix.a.price[ix.alloc_row_of(alloc_id)])
+
+    def notice_fee_owed(self, alloc_id: int) -> int:
+        """Micros of its notice fee an allocation still owes (``notice_fee.py``)."""
+        return int(self.index.a.fee_owed[self.index.alloc_row_of(alloc_id)])
 
     def bid_tenant(self, bid_id: int) -> int:
         ix = self.index

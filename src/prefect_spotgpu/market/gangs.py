@@ -125,11 +125,12 @@ class Gangs:
             # reserve every member first, so a victim's migration cannot take these GPUs
             for member, nrow in zip(members, rows, strict=False):
                 self.allocations.place(member, nrow, PlacementKind.MIGRATION, now, expires)
-            for member, (nrow, _) in zip(members[len(rows) :], takeovers, strict=True):
+            reserved = [
                 self.allocations.place(member, nrow, PlacementKind.TAKEOVER, now, expires)
-            for _, victims in takeovers:
-                for arow in victims:
-                    self.allocations.notice(arow, NoticeReason.OUTBID, deadline, now)
+                for member, (nrow, _) in zip(members[len(rows) :], takeovers, strict=True)
+            ]
+            for takeover, (_, victims) in zip(reserved, takeovers, strict=True):
+                self.allocations.outbid(takeover, victims, deadline, now)  # (and its fee)
             return True
         return False
 

@@ -127,7 +127,8 @@ class MarketIndex:
         self.held: set[int] = set()
         self.bid_row: dict[int, int] = {}  # id -> row of an open bid
         # allocations, one row each (status: an AllocationStatus code, from tables.py); reason:
-        # the notice reason; mig: a migration reservation; tick: the tick that placed it
+        # the notice reason; mig: a migration reservation; tick: the tick that placed it;
+        # fee_owed: a takeover's notice fee still owed (market/notice_fee.py)
         self.a = Columns(
             id=np.int64,
             bid=np.int64,
@@ -143,6 +144,7 @@ class MarketIndex:
             reason=np.int8,
             mig=np.int8,
             tick=np.int64,
+            fee_owed=np.int64,  # micros of its notice fee its charges have not covered yet
         )
         self.alloc_row: dict[int, int] = {}  # id -> row, except those placed in bulk:
         self.alloc_blocks: list[tuple[int, int, int]] = []  # (first id, end id, first row)

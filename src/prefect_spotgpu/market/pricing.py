@@ -1,7 +1,8 @@
 """Pool quotes (the uniform clearing price) and per-second charges (a part of ``Market``).
 
 Reads the state declared in :mod:`prefect_spotgpu.market.index`; writes only the allocations'
-price in force, charged-until time and carry, and the tick's final charges.
+price in force, charged-until time, carry and notice fee still owed (each charge counts towards
+it), and the tick's final charges.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from prefect_spotgpu.market.decision import (
     PoolQuote,
 )
 from prefect_spotgpu.market.index import MarketIndex
+from prefect_spotgpu.market.money import charge, elapsed_ms
 from prefect_spotgpu.market.money import charges as owed
-from prefect_spotgpu.market.money import elapsed_ms
 from prefect_spotgpu.market.serving import SERVES_IMAGES, SERVES_PROCESS, needs_mask
 from prefect_spotgpu.market.tables import NOTICED, RUNNING, WAITING
 
@@ -130,6 +131,9 @@ class Pricing:
         c_gpus = a.gpus[charged].astype(np.int64)
         c_seconds = c_ms / 1000
         amount, a.carry[charged] = owed(c_price, c_gpus, c_ms, a.carry[charged])
+        fee = a.fee_owed[charged]
+        if fee.any():  # what it pays counts towards its notice fee (notice_fee.py)
+            a.fee_owed[charged] = np.maximum(0, fee - amount)
         charges = Charges(
             a.id[charged],
             b.id[c_brows],
@@ -165,6 +169,9 @@ class Pricing:
         if ms > 0 or carry > 0:
             brow = int(a.bid[arow])
             price, gpus = float(a.price[arow]), int(a.gpus[arow])
+            if a.fee_owed[arow] > 0:  # counts towards its notice fee, as final_charges bills it
+                amount, left = charge(price=price, gpus=gpus, milliseconds=ms, carry=carry)
+                a.fee_owed[arow] = max(0, int(a.fee_owed[arow]) - amount - (left > 0))
             ix.out.final_charges.append(
                 (
                     int(a.id[arow]),

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from prefect_spotgpu.market.book import PoolCapacity
-from prefect_spotgpu.market.decision import Ending, Notice, PlacementKind, Placements
+from prefect_spotgpu.market.decision import Ending, Notice, NoticeFee, PlacementKind, Placements
 from prefect_spotgpu.market.types import MAX_GPUS_PER_NODE, AllocationStatus, NoticeReason
 
 # Bid row status.
@@ -87,6 +87,7 @@ class TickOut:
     notices: list[Notice] = field(default_factory=list)
     endings: list[Ending] = field(default_factory=list)
     promotions: list[int] = field(default_factory=list)
+    fees: list[NoticeFee] = field(default_factory=list)
     final_charges: list[tuple[int, int, int, int, float, int, int]] = field(default_factory=list)
     chunks: list[tuple[np.ndarray, ...]] = field(default_factory=list)
 

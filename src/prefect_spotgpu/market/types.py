@@ -365,10 +365,11 @@ class Allocation:
     deadline: float | None = None
     notice_reason: NoticeReason | None = None
     kind: str = "new"
+    """How placed: ``new``, ``takeover`` (on GPUs a notice frees) or ``migration`` (free GPUs)."""
     charge_carry: int = 0
     """Micro-milliseconds per hour owed below one micro: the next charge adds it."""
-    """How it was placed: ``new``, ``takeover`` (a reservation on GPUs that noticed
-    allocations will free) or ``migration`` (a reservation on free GPUs)."""
+    notice_fee_owed: int = 0
+    """Micros of its takeover's notice fee its charges have not covered (``notice_fee.py``)."""
 
     def __post_init__(self) -> None:
         check_id("allocation.id", self.id)
@@ -380,6 +381,8 @@ class Allocation:
         object.__setattr__(self, "status", AllocationStatus(self.status))
         check_time("started_at", self.started_at)
         check_time("charged_until", self.charged_until)
+        if not (isinstance(fee := self.notice_fee_owed, int) and fee >= 0):
+            raise ValueError(f"notice_fee_owed must be whole micros >= 0, got {fee!r}")
         if not 0 <= self.charge_carry < MS_PER_HOUR:
             raise ValueError(f"charge_carry must be in [0, {MS_PER_HOUR}), got {self.charge_carry}")
         if self.status.is_terminal():
