@@ -53,6 +53,11 @@ class AllocationResponse(BaseModel):
     charged_amount: float
     charged_micros: int = Field(description="What it cost so far, exactly, in micros.")
     charged_seconds: float
+    notice_fee_micros: int = Field(
+        0,
+        description="A takeover's notice fee, in micros: it outbid running allocations and "
+        "noticed them, so it pays at least this in all, however soon it ends (0: none).",
+    )
     last_checkpoint_at: float | None
     final_save: str | None
     ended_at: float | None

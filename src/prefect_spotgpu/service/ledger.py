@@ -149,8 +149,13 @@ class Accrued:
         self.allocations: dict[int, list] = {}
         self.tenants: defaultdict[int, int] = defaultdict(int)
 
-    def add(self, charges) -> None:
-        """Accrue a tick's (or a settlement's) ``market.Charges``."""
+    def add(self, charges, fees=()) -> None:
+        """Accrue a tick's (or a settlement's) ``market.Charges``, and the notice fees its
+        endings left owing (``market.NoticeFee``: money on the allocation, no seconds)."""
+        for fee in fees:
+            self.tenants[fee.tenant_id] += fee.amount
+            entry = self.allocations.setdefault(fee.allocation_id, [0, 0.0, fee.tenant_id])
+            entry[0] += fee.amount
         if len(charges) == 0:
             return
         tenants, inverse = np.unique(charges.tenant_id, return_inverse=True)

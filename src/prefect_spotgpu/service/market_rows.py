@@ -99,6 +99,8 @@ def market_allocation(row: AllocationRow) -> MarketAllocation:
         deadline=row.deadline,
         notice_reason=row.notice_reason,
         kind=row.kind,
+        # what its charges have not covered yet (a leader's unwritten charges it bills again)
+        notice_fee_owed=max(0, row.notice_fee_micros - row.charged_micros),
     )
 
 

@@ -174,6 +174,9 @@ class AllocationRow(Base):
         BigInteger, default=0, server_default="0"
     )  # owed below one micro, with charged_until (market/money.py)
     charged_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    notice_fee_micros: Mapped[int] = mapped_column(
+        BigInteger, default=0, server_default="0"
+    )  # a takeover's floor for the notices it caused: paid in all by its end (notice_fee.py)
     last_checkpoint_at: Mapped[float | None] = mapped_column(Float)
     paid_at_checkpoint_micros: Mapped[int] = mapped_column(
         BigInteger, default=0, server_default="0"

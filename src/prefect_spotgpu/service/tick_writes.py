@@ -169,6 +169,8 @@ class TickWrites:
                     "deadline": p.expires_at,
                     "charged_micros": 0,
                     "charged_seconds": 0.0,
+                    # a takeover's floor for the notices it caused (market/notice_fee.py)
+                    "notice_fee_micros": self.market.notice_fee_owed(p.allocation_id),
                 }
                 for p in placements
             ],
@@ -206,7 +208,7 @@ class TickWrites:
                 deadline=n.deadline,
                 epoch=row.epoch,
             )
-        self.accrued.add(decision.charges)  # first: a compensation reads what was paid
+        self.accrued.add(decision.charges, decision.fees)  # first: compensation reads it
         self.settlement_endings(decision.endings)
         for alloc_id in decision.promotions:
             row = gate.set_allocation_status(
@@ -234,7 +236,7 @@ class TickWrites:
     def settlement(self, settlement, reason: str, detail: str | None = None) -> None:
         """Write a settlement made outside the tick (a cancel, a hold, an agent's report;
         ``detail``: what the node said of a failed job, in the ending event)."""
-        self.accrued.add(settlement.charges)
+        self.accrued.add(settlement.charges, settlement.fees)
         self.settlement_endings(settlement.endings, reason=reason, detail=detail)
 
     def paid(self, alloc: AllocationRow) -> int:
