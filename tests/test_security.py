@@ -515,7 +515,8 @@ def test_a_replica_with_another_secret_key_refuses_to_start(db_url, tmp_path):
 
 def test_only_a_one_node_bids_migration_target_is_given_its_job_early():
     """A takeover sits on GPUs a noticed job still holds, and a gang's replacement waits for its
-    gang: neither gets the job before it runs; nor anything when the operator turns it off."""
+    gang: neither gets the job before it runs; nor anything when the operator turns it off; nor
+    the target of an outbid, which any tenant can cause (tests/test_free_preemption.py)."""
     from types import SimpleNamespace as Row
 
     from prefect_spotgpu.service.routes.agents import _warms_up
@@ -526,9 +527,12 @@ def test_only_a_one_node_bids_migration_target_is_given_its_job_early():
     def reserved(kind: str) -> Row:
         return Row(status="reserved", kind=kind)
 
-    assert _warms_up(reserved("migration"), one, on)
-    assert not _warms_up(reserved("migration"), one, off)
-    assert not _warms_up(reserved("migration"), gang, on)
-    assert not _warms_up(reserved("takeover"), one, on)
-    assert not _warms_up(reserved("new"), one, on)
-    assert not _warms_up(Row(status="preempted", kind="migration"), one, on)
+    for moved_by in ("reclaimed", "below_reserve"):  # the job's node's owner, or its own bid
+        assert _warms_up(reserved("migration"), one, on, moved_by)
+    assert not _warms_up(reserved("migration"), one, on, "outbid")
+    assert not _warms_up(reserved("migration"), one, on, None)  # its old allocation ended
+    assert not _warms_up(reserved("migration"), one, off, "reclaimed")
+    assert not _warms_up(reserved("migration"), gang, on, "reclaimed")
+    assert not _warms_up(reserved("takeover"), one, on, "reclaimed")
+    assert not _warms_up(reserved("new"), one, on, "reclaimed")
+    assert not _warms_up(Row(status="preempted", kind="migration"), one, on, "reclaimed")

@@ -34,6 +34,21 @@ def get_bids(*, session: Session, bid_ids: set[int]) -> dict[int, BidRow]:
     return {b.id: b for b in session.scalars(select(BidRow).where(BidRow.id.in_(bid_ids)))}
 
 
+def list_notice_reasons(*, session: Session, bid_ids: set[int]) -> dict[int, str]:
+    """bid id -> the reason of its noticed allocation, for the bids of ``bid_ids`` that have
+    one (what moves a bid to its migration target)."""
+    if not bid_ids:
+        return {}
+    return dict(
+        session.execute(
+            select(AllocationRow.bid_id, AllocationRow.notice_reason).where(
+                AllocationRow.bid_id.in_(bid_ids),
+                AllocationRow.status == AllocationStatus.NOTICED.value,
+            )
+        ).all()
+    )
+
+
 def list_quotes(*, session: Session) -> list[PoolQuoteRow]:
     """Every pool's current quote, by model, region, then spot before on-demand."""
     return list(

@@ -12,7 +12,7 @@ import logging
 
 from fastapi import APIRouter, Request
 
-from prefect_spotgpu.market import AllocationStatus, NodeState
+from prefect_spotgpu.market import AllocationStatus, NodeState, NoticeReason
 from prefect_spotgpu.protocol import HOLDING_STATUSES
 from prefect_spotgpu.service import crud, gangs, queries, schemas
 from prefect_spotgpu.service.deps import CurrentNode, Db
@@ -29,15 +29,26 @@ RUNS_A_JOB = frozenset(s.value for s in HOLDING_STATUSES)
 """The allocations whose node is given their job: running, or noticed (saving); and with
 ``warm_replacement``, a one-node bid's migration target (:func:`_warms_up`)."""
 
+WARMING_NOTICES = frozenset({NoticeReason.RECLAIMED.value, NoticeReason.BELOW_RESERVE.value})
+"""The notices whose migration target is given its job warm: those the job's own node's owner
+(a reclaim, a raised reserve) or its own bid (a release) caused. Never an outbid: any tenant can
+outbid a job, and a provider could then make its own idle node the target (a node of exactly the
+job's size, the lowest reserve) and read the job's secrets before the move is real. After an
+outbid the target gets the job when the move is: once the old allocation has ended and the
+reservation runs (docs/operators/security.md#no-free-preemption)."""
 
-def _warms_up(allocation, bid: BidRow, settings) -> bool:
+
+def _warms_up(allocation, bid: BidRow, settings, moved_by: str | None) -> bool:
     """A migration target that starts its job at the notice, in a waiting role: a one-node
-    bid's (a gang's replacement waits for its whole gang), with ``warm_replacement`` on."""
+    bid's (a gang's replacement waits for its whole gang), with ``warm_replacement`` on, whose
+    bid was moved by a notice of ``WARMING_NOTICES`` (``moved_by``: the reason of its noticed
+    allocation; None once that has ended: the target then runs the job, or soon will)."""
     return (
         settings.warm_replacement
         and allocation.status == AllocationStatus.RESERVED
         and allocation.kind == "migration"
         and bid.node_count == 1
+        and moved_by in WARMING_NOTICES
     )
 
 
@@ -97,8 +108,9 @@ def drain(node_id: Id, data: schemas.NodeDrain, caller_node: CurrentNode, db: Db
 def node_allocations(node_id: Id, caller_node: CurrentNode, db: Db, request: Request):
     """A job, its environment opened, goes only to the node that holds a running (or noticed)
     allocation of its bid, while it holds it, or (``warm_replacement``) a one-node bid's
-    migration target from its notice on; another reserved allocation shows no job yet. A gang
-    member's says where its gang meets (``gang``: rank, world size, rank 0's address)."""
+    migration target from a reclaim's or a reserve's notice on (:func:`_warms_up`: never an
+    outbid's); another reserved allocation shows no job yet. A gang member's says where its
+    gang meets (``gang``: rank, world size, rank 0's address)."""
     _same_node(node_id, caller_node)
     sealer = request.app.state.sealer
     settings = request.app.state.settings
@@ -106,13 +118,16 @@ def node_allocations(node_id: Id, caller_node: CurrentNode, db: Db, request: Req
         allocations = crud.list_allocations(session=session, node_id=node_id, active_only=True)
         bids = queries.get_bids(session=session, bid_ids={a.bid_id for a in allocations})
         places = gangs.gang_places(session=session, allocations=allocations, bids=bids)
+        migrating = {a.bid_id for a in allocations if a.kind == "migration"}
+        moved_by = queries.list_notice_reasons(session=session, bid_ids=migrating)
         return [
             schemas.Assignment(
                 **schemas.allocation_response(a).model_dump(exclude={"rank"}),
                 rank=places[a.id]["rank"] if a.id in places else None,
                 tenant_id=a.tenant_id,
                 job=_job(bids[a.bid_id], sealer)
-                if a.status in RUNS_A_JOB or _warms_up(a, bids[a.bid_id], settings)
+                if a.status in RUNS_A_JOB
+                or _warms_up(a, bids[a.bid_id], settings, moved_by.get(a.bid_id))
                 else None,
                 checkpoint_key=f"bid-{a.bid_id}",
                 gang=places.get(a.id),
