@@ -49,7 +49,8 @@ class ServiceSettings(BaseSettings):
         description="Give a one-node bid's job to the node reserved for its migration at the "
         "notice, so that node starts it at once in a waiting role (its image pulled, the flow "
         "loaded, its set-up done) and it runs the moment the final save is acknowledged. "
-        "The reserved node then holds the job's environment from the notice on.",
+        "The reserved node then holds the job's environment from the notice on. Only after a "
+        "reclaim or a reserve's notice: an outbid's target gets the job when it runs it.",
     )
     heartbeat_timeout_seconds: float = Field(30.0, gt=0)
     charge_flush_seconds: float = Field(
