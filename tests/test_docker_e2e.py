@@ -45,7 +45,8 @@ def stack(flow_image, registry):
             stack.missing = f"{registry.address}/{MISSING}"
             catalogue = stack.market(stack.admin_key)
             for name, reference in (("test-flow", flow_image), ("broken", stack.missing)):
-                entry = {"reference": reference, "framework": "Prefect + NumPy (test)"}
+                entry = {"reference": reference, "framework": "Prefect + NumPy (test)",
+                         "runs_flows": True}  # fmt: skip
                 assert catalogue.put(f"/images/{name}", json=entry).status_code == 201
             stack.nodes = {
                 stack.start_agent(name, runner="docker"): name for name in ("node-a", "node-b")
@@ -210,7 +211,11 @@ def test_a_run_whose_image_a_node_must_pull_shows_the_pull_in_its_log(stack, pre
         registry, flow_image, name="spotgpu-test/flow-pull:1", ballast_bytes=16_000_000
     )
     try:
-        entry = {"reference": pulled, "framework": "Prefect + NumPy (test, from a registry)"}
+        entry = {
+            "reference": pulled,
+            "framework": "Prefect + NumPy (test, from a registry)",
+            "runs_flows": True,
+        }
         assert stack.market(stack.admin_key).put("/images/pulled", json=entry).status_code == 201
         run = prefect.create_flow_run_from_deployment(
             UUID(stack.deployment), parameters={"steps": 5}, job_variables={"image": "pulled"}

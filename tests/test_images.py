@@ -5,13 +5,12 @@ never chose, a provider whose heartbeat lies or floods."""
 
 from __future__ import annotations
 
-import typing
 from collections.abc import Iterator
 
 import pytest
 
 from conftest import ADMIN_KEY, Service, one_database, start_service
-from prefect_spotgpu.worker.config import SEEDED_IMAGES, ImageName
+from prefect_spotgpu.worker.config import SEEDED_IMAGES, SpotGPUJobConfiguration
 from test_service_api import bid, events, wait_event
 
 TORCH = "pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime"
@@ -50,7 +49,10 @@ def test_anyone_reads_the_seeded_catalogue_of_published_images(service):
     assert catalogue.status_code == 200, catalogue.text
     entries = catalogue.json()
     assert [e["name"] for e in entries] == sorted(SEEDED_IMAGES)
-    assert set(typing.get_args(ImageName)) == {"process", *SEEDED_IMAGES}  # the default form
+    # bases without prefect-spotgpu: only a job's own command; the default form offers none
+    assert [e["name"] for e in entries if e["runs_flows"]] == []
+    form = SpotGPUJobConfiguration.model_json_schema()["properties"]["image"]["anyOf"][0]
+    assert form["enum"] == ["process"]
     by_name = {e["name"]: e for e in entries}
     assert by_name["pytorch"]["reference"] == TORCH
     assert by_name["pytorch"]["cuda_version"] == "12.4"
@@ -69,14 +71,17 @@ def test_the_operator_adds_replaces_and_removes_images(service):
     added = admin.post("/images", json={"name": "train", **MINE, "cuda_version": "12.4"})
     assert added.status_code == 201, added.text
     assert added.json()["reference"] == MINE["reference"]
+    assert added.json()["runs_flows"] is False  # unless the operator says it runs flows
     again = admin.post("/images", json={"name": "train", **MINE})
     assert again.status_code == 409 and again.json()["field"] == "name"
     replaced = admin.put(
         "/images/train", json={**MINE, "reference": "registry.example.com/ml/train:1.1"}
     )
     assert replaced.status_code == 200 and replaced.json()["reference"].endswith(":1.1")
-    created = admin.put("/images/render", json={**MINE, "framework": "Blender 4.2"})
-    assert created.status_code == 201
+    created = admin.put(
+        "/images/render", json={**MINE, "framework": "Blender 4.2", "runs_flows": True}
+    )
+    assert created.status_code == 201 and created.json()["runs_flows"] is True
     names = [e["name"] for e in service.client().get("/images").json()]
     assert {"train", "render"} <= set(names) and names == sorted(names)
     assert admin.delete("/images/train").status_code == 204
@@ -115,6 +120,7 @@ def test_a_tenant_or_a_node_cannot_change_the_catalogue(service):
         ({"name": "ok", **MINE, "description": "line one\nline two"}, "description"),
         ({"name": "ok", **MINE, "extra": 1}, "extra"),
         ({"name": "process", **MINE}, "name"),  # it means no container
+        ({"name": "ok", **MINE, "runs_flows": "maybe"}, "runs_flows"),
     ],
 )
 def test_bad_catalogue_entries_get_422_naming_the_field_and_write_nothing(

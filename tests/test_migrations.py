@@ -194,3 +194,35 @@ def test_the_sealed_secrets_migration_keeps_plaintext_for_the_start_to_seal(db_u
         assert secrets() == {1: None, 2: None, 3: plain}
     finally:
         engine.dispose()
+
+
+def test_the_runs_flows_migration_marks_the_seeded_bases_command_only_and_the_rest_flows(db_url):
+    """0011 -> 0012: the six seeded bases hold no prefect-spotgpu (command only); an entry an
+    operator added was, as the documentation asked, a job image (it runs flows)."""
+    engine = make_engine(db_url)
+    try:
+        migrate(engine)
+        with engine.begin() as connection:
+            command.downgrade(_config(connection), "0011")
+            connection.execute(
+                sa.text(
+                    "INSERT INTO images (name, reference, framework, description, created_at, "
+                    "updated_at) VALUES ('train', 'registry.example.com/me/train:1', 'PyTorch', "
+                    "'', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
+                )
+            )
+            connection.execute(  # a seeded name replaced by the operator's job image
+                sa.text(
+                    "UPDATE images SET reference = 'registry.example.com/me/pt:1' "
+                    "WHERE name = 'pytorch-devel'"
+                )
+            )
+        with engine.begin() as connection:
+            command.upgrade(_config(connection), "head")
+        with engine.connect() as connection:
+            rows = connection.execute(sa.text("SELECT name, runs_flows FROM images")).all()
+        flows = sorted(name for name, runs_flows in rows if runs_flows)
+        assert flows == ["pytorch-devel", "train"]
+        assert len(rows) == 7
+    finally:
+        engine.dispose()

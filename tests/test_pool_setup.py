@@ -153,11 +153,13 @@ def _deploy(prefect_api_url: str, pool: str, image: str) -> str | None:
 
 
 def test_pool_setup_offers_the_markets_image_catalogue(prefect_api_url, service, tmp_path):
-    """The pool's form offers what the market's catalogue holds, each image's framework and
-    CUDA in its description, and Prefect validates deployments against it; after the operator
-    adds an image, ``pool setup`` offers it; ``pool check`` says when the two differ (a choice
-    the market no longer holds is a problem); a market that does not answer leaves the choices
-    as they were."""
+    """The pool's form offers the market's flow-ready images (``runs_flows``: a pool's runs are
+    flow runs; the seeded bases run only a job's own command, and the setup names them and
+    the command that makes one flow-ready), each image's framework and CUDA in its
+    description, and Prefect validates deployments against it; after the operator adds an
+    image, ``pool setup`` offers it; ``pool check`` says when the two differ (a choice the
+    market no longer holds is a problem); a market that does not answer leaves the choices as
+    they were."""
     buyer = service.tenant("image-user")
     env = {
         **os.environ,
@@ -174,11 +176,25 @@ def test_pool_setup_offers_the_markets_image_catalogue(prefect_api_url, service,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     catalogue = service.client().get("/images").json()
-    seeded = [i["name"] for i in catalogue]
-    assert len(seeded) >= 6
+    assert len(catalogue) >= 6 and not any(i["runs_flows"] for i in catalogue)  # bases
+    for entry in catalogue:  # two made flow-ready, as `spotgpu admin image build` does
+        if entry["name"] in ("pytorch", "tensorrt"):
+            body = {k: entry[k] for k in ("framework", "cuda_version", "description")}
+            body["reference"] = f"registry.example.com/spotgpu/{entry['name']}:1"
+            made = service.admin.put(f"/images/{entry['name']}", json={**body, "runs_flows": True})
+            assert made.status_code == 200, made.text
+    catalogue = service.client().get("/images").json()
+    seeded = [i["name"] for i in catalogue if i["runs_flows"]]
+    command_only = [i["name"] for i in catalogue if not i["runs_flows"]]
+    assert seeded == ["pytorch", "tensorrt"]
     out = spotgpu("pool", "setup", pool, *blocks, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert f"its form offers {len(seeded)} catalogue image(s) ({', '.join(seeded)})" in out.stdout
+    assert "its form offers 2 flow-ready catalogue image(s) (pytorch, tensorrt)" in out.stdout
+    assert (
+        f"not offered, they run only a job's own command: {', '.join(command_only)} "
+        "(spotgpu admin image build NAME --wheelhouse DIR --registry HOST/PATH makes one "
+        "flow-ready)"
+    ) in out.stdout
     image = _pool_image(prefect_api_url, pool)
     choices, reference = image["anyOf"]
     assert choices["enum"] == ["process", *seeded] and choices["title"] == "Catalogue image"
@@ -186,7 +202,8 @@ def test_pool_setup_offers_the_markets_image_catalogue(prefect_api_url, service,
     assert image["default"] == "process" and image["title"] == "Image"
     for entry in catalogue:  # each choice's framework and CUDA, where the form shows them
         cuda = f"CUDA {entry['cuda_version']}" if entry["cuda_version"] else "no CUDA version"
-        assert f"{entry['name']} ({entry['framework']}, {cuda}" in image["description"]
+        shown = f"{entry['name']} ({entry['framework']}, {cuda}" in image["description"]
+        assert shown == entry["runs_flows"], entry
     assert _deploy(prefect_api_url, pool, "pytorch") is None
     refused = _deploy(prefect_api_url, pool, "Not An Image")
     assert refused is not None and "image" in refused, refused
@@ -194,33 +211,40 @@ def test_pool_setup_offers_the_markets_image_catalogue(prefect_api_url, service,
     added = service.admin.post(
         "/images",
         json={"name": "lab-jax", "reference": "ghcr.io/lab/jax:0.4.35", "framework": "JAX 0.4.35",
-              "cuda_version": "12.6", "description": "The lab's JAX image."},
+              "cuda_version": "12.6", "description": "The lab's JAX image.", "runs_flows": True},
     )  # fmt: skip
     assert added.status_code == 201, added.text
+    command = {"reference": "ghcr.io/lab/blender:4.2", "framework": "Blender 4.2"}
+    assert service.admin.put("/images/lab-blender", json=command).status_code == 201
     out = spotgpu("pool", "check", pool, env=env)
     assert out.returncode == 0, out.stdout  # not offered yet: no run is refused for it
-    assert f"offers {len(seeded)} of the market's {len(seeded) + 1} catalogue image(s)" in (
-        out.stdout
+    assert (
+        f"offers {len(seeded)} of the market's {len(seeded) + 1} flow-ready catalogue image(s)"
+        in out.stdout
     )
     assert f"(not yet: lab-jax; spotgpu pool setup {pool} offers them)" in out.stdout
     out = spotgpu("pool", "setup", pool, *blocks, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert f"its form offers {len(seeded) + 1} catalogue image(s)" in out.stdout
+    assert f"its form offers {len(seeded) + 1} flow-ready catalogue image(s)" in out.stdout
     assert "lab-jax" in out.stdout
     image = _pool_image(prefect_api_url, pool)
     assert "lab-jax" in image["anyOf"][0]["enum"]
+    assert "lab-blender" not in image["anyOf"][0]["enum"] + [image["description"]]
     assert "lab-jax (JAX 0.4.35, CUDA 12.6)" in image["description"]
     assert image["description"].count("Catalogue:") == 1  # set up again: nothing piles up
     assert _deploy(prefect_api_url, pool, "lab-jax") is None
     assert _deploy(prefect_api_url, pool, "ghcr.io/lab/other:1") is None  # references still
     out = spotgpu("pool", "check", pool, env=env)
     assert out.returncode == 0, out.stdout
-    assert f"its form offers the market's {len(seeded) + 1} catalogue image(s)" in out.stdout
+    assert f"its form offers the market's {len(seeded) + 1} flow-ready catalogue image(s)" in (
+        out.stdout
+    )
     assert service.admin.delete("/images/tensorrt").status_code == 204
     out = spotgpu("pool", "check", pool, env=env)
     assert out.returncode == 1, out.stdout
-    assert "FIX   its form offers image(s) no longer in the market's catalogue (tensorrt)" in (
-        out.stdout
+    assert (
+        "FIX   its form offers image(s) the market's catalogue no longer holds as flow-ready "
+        "(tensorrt)" in out.stdout
     )
     assert f"spotgpu pool setup {pool}" in out.stdout
 

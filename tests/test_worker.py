@@ -311,6 +311,41 @@ def test_a_run_whose_image_is_not_in_the_catalogue_is_refused_with_the_list(
     assert buyer.get("/bids").json() == []
 
 
+@one_database("refused in the worker before any bid reaches the market")
+def test_a_run_naming_a_seeded_base_is_refused_naming_the_flow_ready_images(
+    service, tmp_path, prefect_api_url
+):
+    """The seeded catalogue's bases hold no prefect-spotgpu: a flow run that picks one is
+    refused before any bid, with the images that run flows (one the operator built) and the
+    command that makes the base flow-ready."""
+    from prefect.client.schemas.objects import FlowRun
+    from pydantic import SecretStr
+
+    from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
+
+    ready = {"reference": "registry.example.com/spotgpu/pytorch:2", "framework": "PyTorch"}
+    assert service.admin.put("/images/pt-flows", json={**ready, "runs_flows": True}).is_success
+    buyer = service.tenant()
+    key = buyer.headers["Authorization"].removeprefix("Bearer ")
+    config = SpotGPUJobConfiguration(
+        market=SpotMarket(url=service.base_url, api_key=SecretStr(key)),
+        checkpoint_storage=CheckpointStorage(path=str(tmp_path)),
+        image="pytorch",
+    )
+    flow_run = FlowRun(id=uuid.uuid4(), name="command-only-image", flow_id=uuid.uuid4())
+    config.prepare_for_flow_run(flow_run)
+
+    async def run():
+        async with SpotGPUWorker(work_pool_name=f"spot-{uuid.uuid4().hex[:6]}") as worker:
+            await worker.run(flow_run, config)
+
+    with pytest.raises(ValueError, match="runs only a job's own command, not a flow") as refused:
+        asyncio.run(run())
+    assert "Images that run flows: process, pt-flows." in str(refused.value)
+    assert "spotgpu admin image build pytorch --wheelhouse DIR" in str(refused.value)
+    assert buyer.get("/bids").json() == []
+
+
 def test_the_worker_asks_for_scheduled_runs_every_second(monkeypatch):
     """Prefect's default (10 s) would make every start and resume wait up to 10 s. The
     end-to-end pickup test's margin is wide enough for a loaded machine, so the setting the

@@ -427,7 +427,10 @@ def test_a_run_no_node_can_serve_says_why_while_it_waits(stack, prefect, tmp_pat
     """Its image needs a Docker node and the stack's nodes run processes: the market holds the
     bid, never placing it on a process node, and the worker says why (the run's log and a
     ``spotgpu.bid.held`` event) while the run waits AwaitingGPU."""
-    run_id, progress = start_run(prefect, stack, tmp_path, steps=1, image="pytorch")
+    flows = {"reference": "registry.example.com/spotgpu/pytorch:1", "framework": "PyTorch"}
+    admin = stack.market(stack.admin_key)
+    assert admin.put("/images/pytorch-flows", json={**flows, "runs_flows": True}).is_success
+    run_id, progress = start_run(prefect, stack, tmp_path, steps=1, image="pytorch-flows")
     wait_for(lambda: "spotgpu.bid.held" in _spot_events(prefect, run_id), 60, "spotgpu.bid.held")
     bid = bid_of(stack, prefect, run_id)
     assert bid["status"] == "held" and bid["hold_reason"].startswith("no node can run it: ")

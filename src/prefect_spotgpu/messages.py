@@ -247,6 +247,11 @@ class ImageResponse(BaseModel):
     framework: str
     cuda_version: str | None
     description: str
+    runs_flows: bool = Field(
+        True,
+        description="A flow run may pick it (it holds prefect-spotgpu); false: it runs only a "
+        "job's own command. (A market from before the field does not say: taken as true.)",
+    )
     updated_at: datetime
 
 

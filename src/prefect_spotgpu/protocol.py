@@ -37,6 +37,7 @@ __all__ = [
     "HELD_FOR_CREDIT",
     "HELD_UNSERVED",
     "HOLDING_STATUSES",
+    "IMAGE_BUILD_COMMAND",
     "IMAGE_NAME_PATTERN",
     "IMAGE_REFERENCE_PATTERN",
     "JOB_ENV",
@@ -153,6 +154,9 @@ PULL_REPORT_SECONDS = 2.0
 
 PROCESS_IMAGE = "process"
 """The image name that means no container: the job runs as a process on the node."""
+IMAGE_BUILD_COMMAND = "spotgpu admin image build"
+"""The operator's command that makes a flow-ready catalogue image (``runs_flows``) from a base:
+what a refusal of a command-only image for a flow run names."""
 
 IMAGE_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 """A catalogue image's name (what a deployment's ``image`` variable says): lower case, 63 at

@@ -4,8 +4,9 @@
 key; where checkpoints go). ``pool setup`` makes the pool of type ``spot-gpu`` (creating it if
 missing) and links those blocks as its ``market`` and ``checkpoint_storage`` defaults — what the
 UI's form does by hand — keeping the pool's other defaults; it also writes the market's image
-catalogue (``GET /images``) as the choices of the pool's ``image`` variable (``offer_images``),
-so the form offers what the market accepts. A market that does not answer leaves the choices
+catalogue's flow-ready images (``GET /images``, ``runs_flows``: a pool's runs are flow runs)
+as the choices of the pool's ``image`` variable (``offer_images``), so the form offers what a
+flow can run in. A market that does not answer leaves the choices
 as they were. ``pool check`` says what is wrong with a pool, one line each: a pool of another
 type (a ``process`` pool, made by starting a worker before the pool existed, runs spot runs on
 the worker's own host, outside the market), blocks not linked, a market that does not answer,
@@ -23,7 +24,7 @@ from pathlib import Path
 import typer
 
 from prefect_spotgpu.cli.common import API_KEY_FILE, MARKET, console, tenant_key
-from prefect_spotgpu.protocol import IMAGE_NAME_PATTERN, PROCESS_IMAGE
+from prefect_spotgpu.protocol import IMAGE_BUILD_COMMAND, IMAGE_NAME_PATTERN, PROCESS_IMAGE
 
 blocks_app = typer.Typer(help="Save the Prefect blocks a spot-gpu pool uses.", no_args_is_help=True)
 pool_app = typer.Typer(help="Set up or check a spot-gpu work pool.", no_args_is_help=True)
@@ -191,18 +192,19 @@ async def _setup(pool: str, market_block: str, storage_block: str, replace: bool
         properties["market"]["default"] = {"$ref": {"block_document_id": market_id}}
         properties["checkpoint_storage"]["default"] = {"$ref": {"block_document_id": storage_id}}
         try:
-            catalogue = await _catalogue(await SpotMarket.aload(market_block))
+            listed = await _catalogue(await SpotMarket.aload(market_block))
         except _Unread as exc:
             out.append(f"{exc}: the form keeps its image choices ({_choices(properties)})")
         else:
             shape = SpotGPUWorker.get_default_base_job_template()["variables"]["properties"]
+            catalogue = flow_ready(listed)
             properties["image"] = offer_images(
                 properties.get("image", {}), shape["image"], catalogue
             )
             names = ", ".join(i["name"] for i in catalogue) or "none"
             out.append(
-                f"its form offers {len(catalogue)} catalogue image(s) ({names}) "
-                f"and {PROCESS_IMAGE!r} (no container)"
+                f"its form offers {len(catalogue)} flow-ready catalogue image(s) ({names}) "
+                f"and {PROCESS_IMAGE!r} (no container)" + _command_only(listed)
             )
         storage = WorkPoolStorageConfiguration(
             **storage_configuration(
@@ -330,6 +332,24 @@ async def _catalogue(market) -> list[dict]:
     ]
 
 
+def flow_ready(catalogue: list[dict]) -> list[dict]:
+    """The entries a flow run can pick: those that hold prefect-spotgpu (``runs_flows``; a
+    market that does not say is taken at its word, as ``messages.ImageResponse`` does)."""
+    return [image for image in catalogue if image.get("runs_flows", True) is not False]
+
+
+def _command_only(catalogue: list[dict]) -> str:
+    """The rest of a setup's line: the entries that run only a job's own command, not offered
+    for flows, and the command that makes one flow-ready ("" when there are none)."""
+    others = [image["name"] for image in catalogue if image not in flow_ready(catalogue)]
+    if not others:
+        return ""
+    return (
+        f"; not offered, they run only a job's own command: {', '.join(others)} "
+        f"({IMAGE_BUILD_COMMAND} NAME --wheelhouse DIR --registry HOST/PATH makes one flow-ready)"
+    )
+
+
 def offer_images(current: dict, shape: dict, catalogue: list[dict]) -> dict:
     """The pool's ``image`` variable offering ``process`` and the catalogue's names as its
     choices, any image reference still accepted, and each image's framework and CUDA in its
@@ -393,19 +413,21 @@ async def _images_offered(pool: str, properties: dict, market) -> tuple[str, boo
     still name it), but the line says how to offer it."""
     offered = offered_names(properties)
     try:
-        listed = [image["name"] for image in await _catalogue(market)]
+        listed = [image["name"] for image in flow_ready(await _catalogue(market))]
     except _Unread as exc:
         return f"{exc}: its image choices cannot be checked", False
     gone = [name for name in offered if name not in listed]
     if gone:
         return (
-            f"its form offers image(s) no longer in the market's catalogue ({', '.join(gone)}): "
+            f"its form offers image(s) the market's catalogue no longer holds as flow-ready "
+            f"({', '.join(gone)}): "
             f"runs that pick them are refused; spotgpu pool setup {pool}"
         ), False
     missing = [name for name in listed if name not in offered]
     if missing:
         return (
-            f"its form offers {len(offered)} of the market's {len(listed)} catalogue image(s) "
+            f"its form offers {len(offered)} of the market's {len(listed)} flow-ready catalogue "
+            "image(s) "
             f"(not yet: {', '.join(missing)}; spotgpu pool setup {pool} offers them)"
         ), True
-    return f"its form offers the market's {len(listed)} catalogue image(s)", True
+    return f"its form offers the market's {len(listed)} flow-ready catalogue image(s)", True

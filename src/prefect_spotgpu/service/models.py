@@ -236,6 +236,9 @@ class ImageRow(Base):
     framework: Mapped[str] = mapped_column(String(100))
     cuda_version: Mapped[str | None] = mapped_column(String(20))
     description: Mapped[str] = mapped_column(String(500), default="", server_default="")
+    runs_flows: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    """It holds prefect-spotgpu (``spotgpu admin image build``): a flow run may pick it.
+    False: a base that runs only a job's own command."""
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
 

@@ -14,11 +14,11 @@ import hashlib
 import hmac
 import shlex
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Literal
 
 from prefect.settings import PREFECT_API_URL
 from prefect.workers.base import BaseJobConfiguration
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, WithJsonSchema, field_validator, model_validator
 
 from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
 from prefect_spotgpu.economics.policies import get_policy
@@ -26,7 +26,12 @@ from prefect_spotgpu.economics.schedules import aware, zone
 from prefect_spotgpu.market import DEFAULT_CATALOG
 from prefect_spotgpu.market.types import MAX_GANG_NODES, check_node_count
 from prefect_spotgpu.messages import ImageResponse
-from prefect_spotgpu.protocol import IMAGE_REFERENCE_PATTERN, JOB_ENV, PROCESS_IMAGE
+from prefect_spotgpu.protocol import (
+    IMAGE_BUILD_COMMAND,
+    IMAGE_REFERENCE_PATTERN,
+    JOB_ENV,
+    PROCESS_IMAGE,
+)
 from prefect_spotgpu.worker.pacing import Pace
 
 PolicyChoice = Literal["deadline-aware", "uniform-progress", "greedy-spot", "always-on-demand"]
@@ -41,20 +46,23 @@ LAUNCH_COMMAND = "python -m prefect_spotgpu.launch"
 (``python`` is the agent's own interpreter for the process runner, the image's in a container)."""
 
 
-ImageName = Literal[
-    "process",
+ImageName = Annotated[
+    Literal["process"], WithJsonSchema({"enum": [PROCESS_IMAGE], "type": "string"})
+]
+"""The default form's one choice (an ``enum``, which ``spotgpu pool setup`` extends with the
+market's flow-ready images, ``runs_flows``): the seeded catalogue's images are bases that run
+only a job's own command, never a flow."""
+SEEDED_IMAGES: tuple[str, ...] = (
     "pytorch",
     "pytorch-devel",
     "ngc-pytorch",
     "tensorrt",
     "huggingface",
     "stable-diffusion",
-]
-"""``process`` and the seeded catalogue's names (``SEEDED_IMAGES``), the default form's choices;
-``spotgpu pool setup`` replaces them by the market's live catalogue."""
-SEEDED_IMAGES: tuple[str, ...] = get_args(ImageName)[1:]
-"""The names the market's catalogue is seeded with (the operator's to change: ``GET
-/api/v1/images`` has the real list, ``spotgpu pool setup`` writes it into the pool's form)."""
+)
+"""The names the market's catalogue is seeded with, as command-only bases (the operator's to
+change: ``spotgpu admin image build NAME`` makes one flow-ready; ``GET /api/v1/images`` has the
+real list)."""
 ImageReference = Annotated[str, Field(pattern=IMAGE_REFERENCE_PATTERN)]
 """The reference of a catalogue image (``repo/name:tag``), or another name of it."""
 
@@ -260,16 +268,30 @@ class SpotGPUJobConfiguration(BaseJobConfiguration):
     def catalogue_image(self, catalogue: list[ImageResponse]) -> str | None:
         """The container image to run, from the market's catalogue (``GET /images``), or None
         to run as a process on the node. ``image`` is a catalogue name, or the reference of a
-        catalogue entry; anything else is refused (ValueError) with the catalogue's names."""
+        catalogue entry; anything else is refused (ValueError) with the catalogue's names, and
+        so is an entry that runs only a job's own command (``runs_flows`` false: no
+        prefect-spotgpu in it), naming the images that run flows and the command that makes
+        one."""
         if self.image == PROCESS_IMAGE:
             return None
-        for entry in catalogue:
-            if self.image in (entry.name, entry.reference):
+        named = [e for e in catalogue if self.image in (e.name, e.reference)]
+        flow_ready = [e.name for e in catalogue if e.runs_flows]
+        if not named:
+            names = ", ".join([PROCESS_IMAGE, *(e.name for e in catalogue)])
+            raise ValueError(
+                f"image {self.image!r} is not in the market's image catalogue; known images: "
+                f"{names}. The operator adds images (spotgpu admin image add); nothing was bid"
+            )
+        for entry in named:
+            if entry.runs_flows:
                 return entry.reference
-        names = ", ".join([PROCESS_IMAGE, *(e.name for e in catalogue)])
+        entry = named[0]
         raise ValueError(
-            f"image {self.image!r} is not in the market's image catalogue; known images: "
-            f"{names}. The operator adds images (spotgpu admin image add); nothing was bid"
+            f"image {self.image!r} ({entry.reference}) runs only a job's own command, not a "
+            "flow: it holds no prefect-spotgpu. Images that run flows: "
+            f"{', '.join([PROCESS_IMAGE, *flow_ready])}. The operator makes one from this "
+            f"base: {IMAGE_BUILD_COMMAND} {entry.name} --wheelhouse DIR --registry HOST/PATH; "
+            "nothing was bid"
         )
 
     def prepare_for_flow_run(self, flow_run, deployment=None, flow=None, **kwargs) -> None:

@@ -57,6 +57,11 @@ class ImageUpdate(Strict):
         None, description="The CUDA version the image is built on."
     )
     description: Description = ""
+    runs_flows: bool = Field(
+        False,
+        description="The image holds prefect-spotgpu (spotgpu admin image build makes one from "
+        "a base), so a flow run may pick it. False: it runs only a job's own command.",
+    )
 
 
 class ImageCreate(ImageUpdate):
