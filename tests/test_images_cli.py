@@ -4,6 +4,7 @@ the environment), against the real market service on a loopback port."""
 from __future__ import annotations
 
 import os
+import zipfile
 
 import pytest
 from typer.testing import CliRunner
@@ -44,14 +45,28 @@ def test_the_operator_adds_replaces_lists_and_removes_an_image(service):
         "--cuda", "12.6", "--description", markup, env=env,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "added image 'lab-jax': ghcr.io/lab/jax:0.4.35-cuda12 (JAX 0.4.35)" in out.stdout
+    assert (
+        "added image 'lab-jax': ghcr.io/lab/jax:0.4.35-cuda12 (JAX 0.4.35; runs only a job's "
+        "own command)" in out.stdout
+    )
     listed = {i["name"]: i for i in service.client().get("/images").json()}
     assert listed["lab-jax"]["cuda_version"] == "12.6"
     assert listed["lab-jax"]["description"] == markup
     out = image("list", env=env)
     row = next(line for line in out.stdout.splitlines() if "lab-jax" in line)
-    for text in ("ghcr.io/lab/jax:0.4.35-cuda12", "JAX 0.4.35", "12.6", markup):
+    for text in ("ghcr.io/lab/jax:0.4.35-cuda12", "JAX 0.4.35", "12.6", markup, " command "):
         assert text in row, row
+    pytorch = next(line for line in out.stdout.splitlines() if "pytorch/pytorch:" in line)
+    assert " command " in pytorch, pytorch  # a seeded base: no prefect-spotgpu in it
+    assert "'command' images run only a job's own command" in out.stdout
+    assert "spotgpu admin image build NAME --wheelhouse DIR --registry HOST/PATH" in out.stdout
+    out = image(
+        "add", "lab-flows", "ghcr.io/lab/flows:1", "--framework", "F", "--runs-flows", env=env
+    )
+    assert out.returncode == 0 and "(F; runs flows)" in out.stdout, out.stdout
+    row = next(line for line in image("list", env=env).stdout.splitlines() if "lab-flows" in line)
+    assert " flows " in row, row
+    assert image("remove", "lab-flows", env=env).returncode == 0
 
     out = image("add", "lab-jax", "ghcr.io/lab/jax:0.4.36", "--framework", "JAX", env=env)
     assert out.returncode == 1, out.stdout
@@ -123,7 +138,7 @@ def test_every_image_command_has_help():
     runner = CliRunner()
     listing = runner.invoke(app, ["admin", "image", "--help"], env={"COLUMNS": "200"})
     assert listing.exit_code == 0
-    for command in ("list", "add", "remove"):
+    for command in ("list", "add", "build", "remove"):
         assert command in listing.output
         result = runner.invoke(app, ["admin", "image", command, "--help"], env={"COLUMNS": "200"})
         assert result.exit_code == 0, result.output
@@ -132,3 +147,50 @@ def test_every_image_command_has_help():
     for option in ("--framework", "--cuda", "--description", "--replace", "--market"):
         assert option in add.output
     assert "@sha256:DIGEST" in add.output
+    assert "--runs-flows" in add.output and "--command-only" in add.output
+    build = runner.invoke(app, ["admin", "image", "build", "--help"], env={"COLUMNS": "200"})
+    for option in ("--base", "--wheelhouse", "--registry", "--tag", "--framework", "--market"):
+        assert option in build.output
+
+
+@ONE_DATABASE
+def test_image_build_refuses_a_wheelhouse_without_prefect_spotgpu_before_any_engine(
+    service, tmp_path
+):
+    """The wheelhouse and the entry are checked before the engine is asked anything: one line
+    each, saying what to change (``DOCKER_HOST`` points nowhere: no engine is reached)."""
+    env = _env(service, DOCKER_HOST="tcp://127.0.0.1:9")
+    registry = ("--registry", "127.0.0.1:5000/spotgpu")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = image("build", "pytorch", "--wheelhouse", str(empty), *registry, env=env)
+    assert out.returncode == 1, out.stdout
+    assert "holds no wheels" in out.stdout and "pip wheel prefect-spotgpu -w DIR" in out.stdout
+    others = tmp_path / "others"
+    others.mkdir()
+    (others / "numpy-2.0.0-cp311-cp311-manylinux_2_17_x86_64.whl").write_bytes(b"")
+    out = image("build", "pytorch", "--wheelhouse", str(others), *registry, env=env)
+    assert out.returncode == 1 and "holds no prefect-spotgpu wheel" in out.stdout, out.stdout
+    out = image("build", "pytorch", "--wheelhouse", str(tmp_path / "nope"), *registry, env=env)
+    assert out.returncode == 1 and "is not a folder" in out.stdout, out.stdout
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    wheel = ours / "prefect_spotgpu-0.1.0-py3-none-any.whl"
+    wheel.write_bytes(b"not a zip")
+    out = image("build", "pytorch", "--wheelhouse", str(ours), *registry, env=env)
+    assert out.returncode == 1 and "is not a wheel" in out.stdout, out.stdout
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(
+            "prefect_spotgpu-0.1.0.dist-info/METADATA",
+            "Metadata-Version: 2.1\nName: prefect-spotgpu\nVersion: 0.1.0\n"
+            "Requires-Python: >=3.11\n",
+        )
+    out = image("build", "lab-new", "--wheelhouse", str(ours), *registry, env=env)
+    assert out.returncode == 1 and "give its --base" in out.stdout, out.stdout
+    out = image("build", "pytorch", "--wheelhouse", str(ours), "--registry", "Bad Host", env=env)
+    assert out.returncode == 1 and "--registry is HOST[:PORT]/PATH" in out.stdout, out.stdout
+    out = image("build", "pytorch", "--wheelhouse", str(ours), *registry, env=env)
+    assert out.returncode == 1 and "no Docker engine answers" in out.stdout, out.stdout
+    assert "DOCKER_HOST" in out.stdout
+    assert "Traceback" not in out.stdout + out.stderr
+    assert service.client().get("/images").json()[3]["runs_flows"] is False  # nothing written
