@@ -259,8 +259,10 @@ def test_the_images_section_lists_the_catalogue_and_a_new_image(page, market):
     for row, image in enumerate(catalogue):
         cells = rows.nth(row).locator("td").all_inner_texts()
         cuda = image["cuda_version"] or NONE_SHOWN
+        runs = "flows" if image["runs_flows"] else "a command"  # the seeded bases: a command
         assert cells == [
-            image["name"], image["framework"], cuda, image["reference"], image["description"],
+            image["name"], runs, image["framework"], cuda, image["reference"],
+            image["description"],
         ]  # fmt: skip
     assert page.locator("#images-empty").is_hidden()
     added = market.admin.post(

@@ -347,7 +347,9 @@ async function refreshImages() {
 
 function imageRow(i) {
   return h("tr", { class: "image", "data-image": String(i.name ?? "") },
-    h("td", {}, h("strong", {}, String(i.name ?? ""))), h("td", {}, String(i.framework ?? "")),
+    h("td", {}, h("strong", {}, String(i.name ?? ""))),
+    h("td", {}, i.runs_flows === false ? "a command" : "flows"),
+    h("td", {}, String(i.framework ?? "")),
     h("td", {}, i.cuda_version ? String(i.cuda_version) : "–"),
     h("td", {}, h("code", {}, String(i.reference ?? ""))),
     h("td", { class: "wrap" }, String(i.description ?? "")));
