@@ -112,13 +112,22 @@ def test_bad_input_is_refused_naming_the_field(service):
 
 
 @ONE_DATABASE
-def test_a_tenant_key_or_no_market_is_one_clear_line(service):
+def test_a_tenant_key_or_no_market_is_one_clear_line(service, tmp_path):
     tenant = service.tenant("not-the-operator")
     key = tenant.headers["Authorization"].removeprefix("Bearer ")
     env = _env(service, SPOTGPU_ADMIN_KEY=key)
     before = service.client().get("/images").json()
     out = image("add", "mine", "ghcr.io/me/job:1", "--framework", "F", env=env)
     assert out.returncode == 1 and out.stdout.startswith("error 403"), out.stdout
+    wheelhouse = tmp_path / "wheelhouse"  # checked first: a wheelhouse that would do
+    wheelhouse.mkdir()
+    with zipfile.ZipFile(wheelhouse / "prefect_spotgpu-0.1.0-py3-none-any.whl", "w") as wheel:
+        wheel.writestr("prefect_spotgpu-0.1.0.dist-info/METADATA", "Version: 0.1.0\n")
+    build = ("build", "pytorch", "--wheelhouse", str(wheelhouse), "--registry", "r.example/x")
+    out = image(*build, env={**env, "DOCKER_HOST": "tcp://127.0.0.1:9"})
+    assert out.returncode == 1 and out.stdout.startswith("error 403"), out.stdout
+    assert "only the operator changes the catalogue" in out.stdout
+    assert "nothing was built" in out.stdout  # refused before the engine is asked anything
     out = image("remove", "pytorch", env=env)
     assert out.returncode == 1 and out.stdout.startswith("error 403"), out.stdout
     assert service.client().get("/images").json() == before

@@ -59,11 +59,19 @@ def build_image(
     market: str = MARKET,
 ) -> None:
     """The command (registered by ``cli/images.py``): see the module docstring."""
+    from prefect_spotgpu.cli.images import RUNS, refusal, runs
+
     catalogue_client = admin_client(market)  # no key: ends here, before any build
     try:
         house = read_wheelhouse(wheelhouse)
         with catalogue_client as http:
             response = http.get("/images")
+            operator = http.get("/tenants")  # the admin's only: refused now, not after a build
+        if operator.status_code != 200:
+            raise BuildFailed(
+                f"{refusal(operator)}: only the operator changes the catalogue (the admin key: "
+                "SPOTGPU_ADMIN_KEY, or the key file the service generated); nothing was built"
+            )
         listed = {entry["name"]: entry for entry in response.json()}
         entry = listed.get(name) or {}
         base = base or entry.get("reference")
@@ -101,8 +109,6 @@ def build_image(
         else entry.get("description") or f"{base} with {recipe.PACKAGE} {version}: runs flows.",
         "runs_flows": True,
     }
-    from prefect_spotgpu.cli.images import RUNS, refusal, runs
-
     with admin_client(market) as http:
         response = http.put(f"/images/{name}", json=body)
     if response.status_code not in (200, 201):
@@ -288,6 +294,7 @@ def verify(engine, reference: str) -> None:
             entrypoint=["python", "-c", VERIFY],
             command=[],
             user=NOBODY,
+            environment={"HOME": "/tmp"},  # (as the runner gives a job a home of its own)
             network_disabled=True,
             remove=True,
             stderr=True,
