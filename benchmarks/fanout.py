@@ -136,7 +136,8 @@ def wide_runs(stack, args, gpus: int) -> list[dict]:
             if str(n) in args.wide_trouble.split(","):
                 q = n // 5  # four stretches of the outputs stored, one event in each
                 outputs = tenant_dir(stack) / "outputs"
-                trouble = Trouble(stack, outputs, "wide-*hit*/shard-*.txt",
+                # this run's outputs only (an earlier size's or length's are there too)
+                trouble = Trouble(stack, outputs, f"wide-{n}-{seconds}-hit-*/shard-*.txt",
                                   at=[(q, 2 * q - 1), (2 * q, 3 * q - 1), (3 * q, 4 * q - 1),
                                       (4 * q, n - 8)], seed=n)  # fmt: skip
                 hit = wide_run(

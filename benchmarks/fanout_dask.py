@@ -15,6 +15,10 @@ workers came (joined per second from ``scale(16)``). Targets: makespan <= 1.25 x
 ``troubled`` <= 1.10 x ``calm``; redone <= 1 shard per reclaim.
 
     python benchmarks/fanout_dask.py [--shards 10000] [--seconds 0.2]
+    python benchmarks/fanout_dask.py --cells 100x0.2,100x2,1000x0.2,1000x2
+
+``--cells`` runs each ``SHARDSxSECONDS`` cell (calm, then troubled) on the same stack and
+cluster, and reports them as a list under ``cells``.
 
 Prints one JSON object.
 """
@@ -41,7 +45,13 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=10_000)
     parser.add_argument("--seconds", type=float, default=0.2, help="GPU seconds per shard")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--cells", default=None, help="SHARDSxSECONDS,... (a matrix of runs)")
     args = parser.parse_args()
+    cells = (
+        [(int(n), float(s)) for n, s in (c.split("x") for c in args.cells.split(","))]
+        if args.cells
+        else [(args.shards, args.seconds)]
+    )
     home = Path(tempfile.mkdtemp(prefix="fanout-dask-bench-"))
     from distributed import Client
 
@@ -63,19 +73,30 @@ def main() -> None:
         cluster.scale(gpus)
         client.wait_for_workers(gpus, timeout=120)
         joined = time.monotonic() - began
-        runs = {}
-        for tag in ("calm", "troubled"):
-            runs[tag] = run(stack, client, cluster, tag, args, gpus, home)
+        results = []
+        for n, seconds in cells:
+            args.shards, args.seconds = n, seconds
+            runs = {
+                tag: run(stack, client, cluster, f"{tag}-{n}x{seconds}", args, gpus, home)
+                for tag in ("calm", "troubled")
+            }
+            results.append(cell(n, seconds, gpus, runs["calm"], runs["troubled"]))
+            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
         client.close()
         cluster.close()
-    ideal = args.shards * args.seconds / gpus
-    calm, troubled = runs["calm"], runs["troubled"]
+    workers = {"count": gpus, "seconds_to_join": round(joined, 2),
+               "per_second": round(gpus / joined, 2)}  # fmt: skip
+    head = {"benchmark": "fanout_dask", "workers": workers}
+    out = head | ({"cells": results} if args.cells else results[0])
+    print(json.dumps(out, indent=2), flush=True)
+    os._exit(0)
+
+
+def cell(n: int, seconds: float, gpus: int, calm: dict, troubled: dict) -> dict:
+    ideal = n * seconds / gpus
     out = {
-        "benchmark": "fanout_dask",
-        "config": {"shards": args.shards, "shard_seconds": args.seconds, "gpus": gpus,
+        "config": {"shards": n, "shard_seconds": seconds, "gpus": gpus,
                    "agents": AGENTS, "cores": os.cpu_count(), "ideal_seconds": round(ideal, 2)},
-        "workers": {"count": gpus, "seconds_to_join": round(joined, 2),
-                    "per_second": round(gpus / joined, 2)},
         "calm": calm,
         "troubled": troubled,
         "troubled_vs_calm": round(troubled["makespan_seconds"] / calm["makespan_seconds"], 3),
@@ -87,8 +108,7 @@ def main() -> None:
         "reclaims_add_at_most_10pct": out["troubled_vs_calm"] <= 1.10,
         "redone_per_reclaim": troubled["redone_after_notices"] <= troubled["reclaims"],
     }
-    print(json.dumps(out, indent=2), flush=True)
-    os._exit(0)
+    return out
 
 
 def run(stack, client, cluster, tag: str, args, gpus: int, home: Path) -> dict:
@@ -100,7 +120,7 @@ def run(stack, client, cluster, tag: str, args, gpus: int, home: Path) -> dict:
     n, log = args.shards, str(home / f"work-{tag}.log")
     done = [0]
     trouble = None
-    if tag == "troubled":
+    if tag.startswith("troubled"):
         at = [(int(n * f), int(n * (f + 0.08))) for f in (0.15, 0.35, 0.55, 0.75)]
         plan = list(zip(("reclaim", "reclaim", "reclaim", "kill"), at, strict=True))
         trouble = Trouble(stack, lambda: done[0], plan, seed=args.seed, gpus=GPUS_PER_AGENT)
