@@ -289,6 +289,48 @@ def flow_image() -> str:
         return name
 
 
+WHEELHOUSE_HOME = Path(tempfile.gettempdir()) / "spotgpu-test-wheelhouse"
+"""The dependencies' wheels, kept from one session to the next in a folder per key (the
+project's dependencies, the pip constraints of this host and this Python)."""
+
+
+def wheelhouse(into: Path) -> Path:
+    """``into`` made a wheelhouse as an operator makes one (``pip wheel . -w DIR``): this
+    checkout's wheel and its dependencies' wheels for this Python (bookworm's python3 is 3.11,
+    as this venv's). The dependencies come from the folder of their key, made the first time
+    (the package index, or this host's pip sources); this checkout's wheel is the session's."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    constraints = Path("/etc/xdg/pip/constraints.txt")
+    key = hashlib.sha256(
+        "\n".join(project["dependencies"]).encode()
+        + (constraints.read_bytes() if constraints.exists() else b"")
+        + sys.version.encode()
+    ).hexdigest()[:12]
+    kept = WHEELHOUSE_HOME / key
+    if not (kept / "complete").exists():
+        began = time.monotonic()
+        WHEELHOUSE_HOME.mkdir(exist_ok=True)
+        made = Path(tempfile.mkdtemp(prefix="making-", dir=WHEELHOUSE_HOME))
+        subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "-q", "-w", str(made), str(ROOT)],
+            check=True,
+            capture_output=True,
+        )
+        for ours in made.glob("prefect_spotgpu-*.whl"):
+            ours.unlink()
+        (made / "complete").touch()
+        shutil.rmtree(kept, ignore_errors=True)
+        made.rename(kept)
+        TIMINGS["wheelhouse_seconds"] = round(time.monotonic() - began, 1)
+    into.mkdir(parents=True, exist_ok=True)
+    for wheel in kept.glob("*.whl"):
+        shutil.copy(wheel, into)
+    _wheel(str(into))
+    return into
+
+
 def bridge_gateway() -> str:
     """The host's address on Docker's default bridge: what a container reaches the host at."""
     out = subprocess.run(

@@ -97,6 +97,34 @@ def test_each_job_variable_is_declared_once_and_the_form_is_the_configuration():
     assert form["max_price"]["default"] == 1.2
 
 
+def test_a_flow_run_naming_an_image_that_runs_only_a_command_is_refused_with_the_way_out():
+    """A seeded base holds no prefect-spotgpu: a flow in it would fail on the node after a bid
+    was paid for. Refused before any bid, naming the images that run flows and the command
+    that makes one (by name or by reference alike)."""
+    base = "pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime"
+    catalogue = [
+        image("pytorch", base, runs_flows=False),
+        image("tensorrt", "nvcr.io/nvidia/tensorrt:25.06-py3", runs_flows=False),
+        image("pytorch-flows", "registry.example.com/spotgpu/pytorch:2.5.1-spotgpu0.1.0"),
+    ]
+    for named in ("pytorch", base):
+        with pytest.raises(ValueError) as refused:
+            SpotGPUJobConfiguration(image=named).catalogue_image(catalogue)
+        message = str(refused.value)
+        assert f"image {named!r} ({base}) runs only a job's own command, not a flow" in message
+        assert "Images that run flows: process, pytorch-flows." in message
+        assert "spotgpu admin image build pytorch --wheelhouse DIR --registry HOST/PATH" in message
+        assert message.endswith("nothing was bid")
+    ready = SpotGPUJobConfiguration(image="pytorch-flows").catalogue_image(catalogue)
+    assert ready == "registry.example.com/spotgpu/pytorch:2.5.1-spotgpu0.1.0"
+    only_bases = catalogue[:2]
+    with pytest.raises(ValueError, match=r"Images that run flows: process\. The operator"):
+        SpotGPUJobConfiguration(image="tensorrt").catalogue_image(only_bases)
+    # one reference catalogued twice, once as flow-ready: the flow runs
+    twice = [*only_bases, image("pt-ready", base)]
+    assert SpotGPUJobConfiguration(image=base).catalogue_image(twice) == base
+
+
 def test_job_configuration_rules():
     catalogue = [  # as the worker reads GET /images (messages.ImageResponse)
         image("pytorch", "pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime"),
@@ -148,3 +176,25 @@ def test_prefect_block_register_finds_both_blocks(tmp_path):
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "Spot Market" in out.stdout and "Spot Checkpoint Storage" in out.stdout
+
+
+def test_a_local_block_in_a_container_reads_and_writes_the_jobs_mount(tmp_path, monkeypatch):
+    """In a container the node mounts the tenant's directory at the job's checkpoint URL, not at
+    the block's host path: results and outputs go there (where the caller reads them on the
+    host); where the block's path exists (a process job, the caller), the path itself."""
+    from prefect_spotgpu.blocks import CheckpointStorage
+    from prefect_spotgpu.protocol import JOB_ENV
+
+    mount = tmp_path / "mount"
+    mount.mkdir()
+    block = CheckpointStorage(path=str(tmp_path / "host" / "tenant-1"))
+    assert block.here() == block.path  # no job here
+    monkeypatch.setenv(JOB_ENV.CHECKPOINT_URL, str(mount))
+    assert block.here() == str(mount)  # the host path is not in this container
+    block.write_path("r1", b"result")
+    assert (mount / "results" / "r1").read_bytes() == b"result"
+    (tmp_path / "host" / "tenant-1").mkdir(parents=True)
+    assert block.here() == block.path  # the path is here: it wins
+    monkeypatch.setenv(JOB_ENV.CHECKPOINT_URL, "s3://bucket/x")
+    (tmp_path / "host" / "tenant-1").rmdir()
+    assert block.here() == block.path  # not a local mount

@@ -6,6 +6,8 @@ found through the ``prefect.collections`` entry point). Secrets are ``SecretStr`
 
 from __future__ import annotations
 
+import os
+
 import anyio
 import httpx
 from prefect.blocks.core import Block
@@ -103,12 +105,28 @@ class CheckpointStorage(WritableFileSystem):
             return self.path
         return f"s3://{self.bucket}/{self.prefix.strip('/')}".rstrip("/")
 
+    def here(self) -> str | None:
+        """The block's directory as this process reaches it: ``path``; but in a job whose node
+        mounts the tenant's directory elsewhere (a container: the job's
+        ``SPOTGPU_CHECKPOINT_URL``, ``/spotgpu/checkpoints``) and where ``path`` is not, that
+        mount, as the bundle executor reads bundles: so a result a flow writes in a container
+        lands where its caller reads it."""
+        given = os.environ.get(JOB_ENV.CHECKPOINT_URL, "")
+        if (
+            self.path is not None
+            and given.startswith("/")
+            and not os.path.isdir(self.path)
+            and os.path.isdir(given)
+        ):
+            return given
+        return self.path
+
     def get_storage(self):
         """The checkpoint library's storage object for this block."""
         from prefect_spotgpu.checkpoint import LocalStorage, S3Storage
 
         if self.path is not None:
-            return LocalStorage(self.path)
+            return LocalStorage(self.here())
         secret = self.aws_secret_access_key
         return S3Storage(
             self.bucket,
@@ -124,7 +142,7 @@ class CheckpointStorage(WritableFileSystem):
         from prefect_spotgpu.checkpoint.objects import LocalObjects, S3Objects
 
         if self.path is not None:
-            return LocalObjects(self.path)
+            return LocalObjects(self.here())
         return S3Objects(self.bucket, self.prefix, client=self.get_storage().client)
 
     def read_path(self, path: str) -> bytes:

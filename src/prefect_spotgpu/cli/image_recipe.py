@@ -300,6 +300,11 @@ class PushProgress:
     ...     push.add(message)
     >>> push.line()
     'pushing registry.local:5000/spotgpu/pytorch:1: 30 of 120 MB, 1 of 2 layers done'
+    >>> push.add({"status": "Pushing", "progressDetail": {"current": 125_000_000,
+    ...                                                   "total": 120_000_000}, "id": "b2"})
+    >>> push.add({"status": "Pushed", "progressDetail": {}, "id": "b2"})
+    >>> push.line()
+    'pushing registry.local:5000/spotgpu/pytorch:1: 120 of 120 MB, 2 of 2 layers done'
     """
 
     _DONE = ("Pushed", "Layer already exists", "Mounted from")
@@ -322,10 +327,12 @@ class PushProgress:
         if status == "Pushing":
             current, total = detail.get("current") or current, detail.get("total") or total
         if status.startswith(self._DONE):
-            done = True
-        self.layers[layer] = [current, total, done]
+            done, current = True, total or current
+        self.layers[layer] = [min(current, total) if total else current, total, done]
 
     def line(self) -> str:
+        """(The engine's totals are its estimates: a layer's bytes sent are shown at most its
+        total, and all of it once it is pushed.)"""
         sent = sum(current for current, _, _ in self.layers.values()) / 1e6
         total = sum(total for _, total, _ in self.layers.values()) / 1e6
         done = sum(1 for *_, finished in self.layers.values() if finished)
