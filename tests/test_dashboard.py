@@ -609,7 +609,14 @@ def test_hostile_strings_render_as_text_and_nothing_runs(browser, hostile, tmp_p
     ]
     assert page.locator("tr.bid").count() == len(hostile.hostile_bids)  # the gang's is one
     cells = [cell.inner_text() for cell in evil.query_selector_all("td")]
-    assert cells == ["evil-desc", HOSTILE[3], NONE_SHOWN, "ghcr.io/lab/job:1", HOSTILE_DESCRIPTION]
+    assert cells == [
+        "evil-desc",
+        "a command",
+        HOSTILE[3],
+        NONE_SHOWN,
+        "ghcr.io/lab/job:1",
+        HOSTILE_DESCRIPTION,
+    ]  # (an image added without --runs-flows: command-only)
     assert evil.eval_on_selector("td.wrap", "td => td.childElementCount") == 0
     assert HOSTILE[3] in page.inner_text("#ledger")
     assert page.inner_text("#who") == f"Signed in as {HOSTILE[3]}"
