@@ -107,8 +107,8 @@ def test_a_reclaimed_container_saves_and_resumes_in_a_container_on_the_other_nod
         )
         assert not [c for c in left if c.labels["io.spotgpu.bid-id"] == str(bid["id"])]
 
-        # a lost agent: a long job's container outlives its SIGKILLed agent; the market ends
-        # the allocation; the agent comes back and its reconcile removes the container
+        # a lost agent: its guard removes the long job's container at once, before the market
+        # finds the node lost; the agent comes back and the node is offered again
         survivor_node = next(n for n in admin.get("/nodes").json() if n["id"] != victim)
         long_bid = post_job(
             buyer,
@@ -125,19 +125,22 @@ def test_a_reclaimed_container_saves_and_resumes_in_a_container_on_the_other_nod
         agents[index].kill()
         agents[index].wait(timeout=10)
         wait(
+            lambda: (
+                not client.containers.list(ignore_removed=True, all=True, filters={"id": orphan.id})
+            ),
+            10,
+            "the container removed by the killed agent's guard",
+        )
+        wait(
             lambda: admin.get(f"/nodes/{survivor_node['id']}").json()["state"] == "lost",
             30,
             "the node lost",
         )
-        orphan.reload()
-        assert orphan.status == "running"  # it outlived its agent; the market ended it
         agents.append(start_docker_agent(server, owner_key, survivor_node["name"], tmp_path))
         wait(
-            lambda: (
-                not client.containers.list(ignore_removed=True, all=True, filters={"id": orphan.id})
-            ),
+            lambda: admin.get(f"/nodes/{survivor_node['id']}").json()["state"] == "live",
             30,
-            "the orphan container removed by the agent's reconcile",
+            "the node offered again",
         )
         buyer.post(f"/bids/{long_bid['id']}/cancel")
     finally:

@@ -27,6 +27,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -131,9 +132,9 @@ class LocalStorage:
         manifest: Callable[[], bytes],
     ) -> None:
         base = self.root / _check_key(key)
-        base.mkdir(parents=True, exist_ok=True)
+        _shared_dir(base)
         tmp = base / f".tmp-{step_name(step)}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
+        _shared_dir(tmp)
         try:
             _write_file(tmp / BLOB, buffers)
             _write_file(tmp / MANIFEST, [memoryview(manifest())])
@@ -151,7 +152,7 @@ class LocalStorage:
     def claim(self, key: str, attempt: int) -> None:
         """Record, durably, that ``attempt`` writes ``key`` from now on (``fencing``)."""
         claims = self.root / _check_key(key) / f".{CLAIMS}"
-        claims.mkdir(parents=True, exist_ok=True)
+        _shared_dir(claims)
         (claims / f"{attempt:020d}").touch()
         _fsync_dir(claims)
 
@@ -229,6 +230,22 @@ def _write_file(path: Path, buffers: Sequence[memoryview]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _shared_dir(path: Path) -> None:
+    """Make ``path`` (and its missing parents) writable by every job of the tenant, whatever
+    the job's umask (a container's is 022): a node runs each attempt of a run as a user of
+    its own, in the tenant's group, under the setgid directory it gives the tenant, and a
+    later attempt writes steps, and claims, where an earlier one made the directories."""
+    missing = []
+    at = path
+    while not at.exists():
+        missing.append(at)
+        at = at.parent
+    path.mkdir(parents=True, exist_ok=True)
+    for made in missing:
+        with contextlib.suppress(OSError):  # (someone else's directory: as it is)
+            os.chmod(made, 0o770 | (os.stat(made).st_mode & stat.S_ISGID))
 
 
 def _fsync_dir(path: Path) -> None:
