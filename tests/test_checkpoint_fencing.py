@@ -80,3 +80,26 @@ def test_off_the_market_nothing_is_fenced(monkeypatch, store):
     first.save({"n": 2}, 2)  # a user's own two checkpointers: as before
     assert store.steps(KEY) == [2]
     assert store.latest_claim(KEY) is None
+
+
+def test_directories_are_shared_only_under_a_tenants_setgid_directory(tmp_path, monkeypatch):
+    """Under a node's tenant directory (setgid, 2770) a key's directories are writable by the
+    tenant's group whatever the umask (each attempt is another job user); elsewhere they keep
+    the mode the umask gives (a user's own checkpoints are not opened to their group)."""
+    import os
+    import stat
+
+    old = os.umask(0o022)  # a container's
+    try:
+        tenant = tmp_path / "tenant-2"
+        tenant.mkdir()
+        tenant.chmod(0o2770)
+        own = tmp_path / "own"
+        for root in (tenant, own):
+            attempt(monkeypatch, LocalStorage(root), 5).save({"n": 1}, 1)
+    finally:
+        os.umask(old)
+    for made in (tenant / KEY, tenant / KEY / ".attempts"):
+        assert stat.S_IMODE(made.stat().st_mode) == 0o2770, made
+    for made in (own / KEY, own / KEY / ".attempts"):
+        assert stat.S_IMODE(made.stat().st_mode) == 0o755, made

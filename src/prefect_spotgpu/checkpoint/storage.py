@@ -233,10 +233,11 @@ def _write_file(path: Path, buffers: Sequence[memoryview]) -> None:
 
 
 def _shared_dir(path: Path) -> None:
-    """Make ``path`` (and its missing parents) writable by every job of the tenant, whatever
-    the job's umask (a container's is 022): a node runs each attempt of a run as a user of
-    its own, in the tenant's group, under the setgid directory it gives the tenant, and a
-    later attempt writes steps, and claims, where an earlier one made the directories."""
+    """Make ``path`` (and its missing parents); under a node's tenant directory (setgid: its
+    group is the tenant's), each one writable by the tenant's group whatever the job's umask
+    (a container's is 022): a node runs each attempt of a run as a user of its own, and a
+    later attempt writes steps, and claims, where an earlier one made the directories.
+    Elsewhere (no setgid), directories keep the mode the umask gives them."""
     missing = []
     at = path
     while not at.exists():
@@ -245,7 +246,8 @@ def _shared_dir(path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     for made in missing:
         with contextlib.suppress(OSError):  # (someone else's directory: as it is)
-            os.chmod(made, 0o770 | (os.stat(made).st_mode & stat.S_ISGID))
+            if os.stat(made).st_mode & stat.S_ISGID:  # inherited from the tenant's directory
+                os.chmod(made, 0o2770)
 
 
 def _fsync_dir(path: Path) -> None:
