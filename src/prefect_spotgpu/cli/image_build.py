@@ -229,17 +229,11 @@ def pull(engine, base: str):
     from prefect_spotgpu.agent.runners.pull import PullProgress
 
     say(f"pulling the base {base}")
-    began = last = time.monotonic()
+    began = time.monotonic()
     counts = PullProgress(base)
     repository, tag = parse_repository_tag(base)
     try:
-        for message in engine.api.pull(repository, tag=tag or "latest", stream=True, decode=True):
-            if "error" in message:
-                raise docker.errors.APIError(message["error"])
-            counts.add(message)
-            if time.monotonic() - last >= PROGRESS_SECONDS:
-                say(counts.line())
-                last = time.monotonic()
+        _follow(engine.api.pull(repository, tag=tag or "latest", stream=True, decode=True), counts)
         image = engine.images.get(base)
     except docker.errors.DockerException as exc:
         raise BuildFailed(
@@ -314,18 +308,12 @@ def push(engine, reference: str) -> str | None:
     import docker
     from docker.utils import parse_repository_tag
 
-    began = last = time.monotonic()
+    began = time.monotonic()
     counts = recipe.PushProgress(reference)
     repository, tag = parse_repository_tag(reference)
     say(f"pushing {reference}")
     try:
-        for message in engine.api.push(repository, tag=tag, stream=True, decode=True):
-            if "error" in message:
-                raise docker.errors.APIError(message["error"])
-            counts.add(message)
-            if time.monotonic() - last >= PROGRESS_SECONDS:
-                say(counts.line())
-                last = time.monotonic()
+        _follow(engine.api.push(repository, tag=tag, stream=True, decode=True), counts)
     except docker.errors.DockerException as exc:
         host = repository.split("/", 1)[0]
         raise BuildFailed(
@@ -335,6 +323,21 @@ def push(engine, reference: str) -> str | None:
         ) from None
     say(f"pushed {reference} in {time.monotonic() - began:.0f} s ({counts.line().split(': ')[1]})")
     return counts.digest
+
+
+def _follow(messages, counts) -> None:
+    """Read an engine's pull or push stream into ``counts``, printing its line every
+    ``PROGRESS_SECONDS``; an error it reports raises ``APIError``."""
+    import docker
+
+    last = time.monotonic()
+    for message in messages:
+        if "error" in message:
+            raise docker.errors.APIError(message["error"])
+        counts.add(message)
+        if time.monotonic() - last >= PROGRESS_SECONDS:
+            say(counts.line())
+            last = time.monotonic()
 
 
 def _tail(log: list[str], lines: int = 6) -> list[str]:
