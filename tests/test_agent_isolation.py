@@ -150,7 +150,7 @@ def test_a_hostile_process_job_sees_no_secret_and_cannot_escape_its_stop(sandbox
     state, root = sandbox / "state", sandbox / "checkpoints"
     state.mkdir(mode=0o711)
     save_record(state, NodeRecord("http://market", 1, "sgn_the-node-token"))
-    runner = ProcessRunner(users=JobUsers("auto"), checkpoint_root=root)
+    runner = ProcessRunner(users=JobUsers("auto"), checkpoint_root=root, interpreter=PYTHON)
     victim = runner.start(
         job(
             state,
@@ -229,7 +229,9 @@ def test_a_hostile_process_job_sees_no_secret_and_cannot_escape_its_stop(sandbox
 def test_reconciliation_kills_a_stale_job_that_left_its_group(sandbox):
     state = sandbox / "state"
     state.mkdir(mode=0o711)
-    runner = ProcessRunner(users=JobUsers("auto"), checkpoint_root=sandbox / "checkpoints")
+    runner = ProcessRunner(
+        users=JobUsers("auto"), checkpoint_root=sandbox / "checkpoints", interpreter=PYTHON
+    )
     request = job(state, 21, 4, ["sh", "-c", "setsid sleep 600 & sleep 600"])
     handle = runner.start(request)
     escaped = wait_for(
@@ -242,7 +244,9 @@ def test_reconciliation_kills_a_stale_job_that_left_its_group(sandbox):
         "the escaped process",
     )
     # a restarted agent knows only the allocation and the recorded pid
-    fresh = ProcessRunner(users=JobUsers("auto"), checkpoint_root=sandbox / "checkpoints")
+    fresh = ProcessRunner(
+        users=JobUsers("auto"), checkpoint_root=sandbox / "checkpoints", interpreter=PYTHON
+    )
     assert fresh.kill_stale(21, handle.pid, request.workdir)
     handle.process.wait(timeout=5)
     wait_for(lambda: not any(running(p) for p in escaped), 5, "every process of the job")
@@ -469,7 +473,8 @@ def test_stopping_a_job_never_kills_another_agents_job_of_the_same_allocation_id
         jobs.append(runner.start(job(state, 1, 3, ["sleep", "600"])))
     mine, theirs = jobs
     try:
-        assert job_processes(mine.user, job_marker(mine.request.workdir)) == [mine.pid]
+        mine_now = job_processes(mine.user, job_marker(mine.request.workdir))
+        assert set(mine_now) == {mine.pid, mine.job_pid}  # its keeper and the job
         runner.stop(mine, grace=0.2)
         assert mine.poll() is not None
         assert not runner.kill_stale(1, theirs.pid, mine.request.workdir)  # a stale pid of mine

@@ -59,11 +59,13 @@ class RunOnTwoAgents:
     first: dict  # the job's first "start" line (its allocation and pid)
     alloc: dict  # its allocation
     name: str  # the agent it runs on
+    options: tuple[str, ...] = ()  # more of the agents' command line
 
     def start_agent(self, name: str, as_name: str | None = None) -> None:
         self.agents[as_name or name] = start_agent(
-            self.server, self.owner_key, name, self.log.parent, "--grace-seconds", str(GRACE)
-        )
+            self.server, self.owner_key, name, self.log.parent, "--grace-seconds", str(GRACE),
+            *self.options,
+        )  # fmt: skip
 
     def started_after(self, *allocs: int) -> dict:
         """The first "start" line of an allocation other than ``allocs``, once there is one."""
@@ -77,10 +79,12 @@ class RunOnTwoAgents:
         wait(lambda: sum(e.get("alloc") == alloc for e in read_log(self.log)) > steps, 30, "")
 
 
-def a_run_on_one_of_two_agents(tmp_path) -> RunOnTwoAgents:
-    server, admin, owner_key, buyer_key = a_market(tmp_path, heartbeat_timeout=3)
+def a_run_on_one_of_two_agents(
+    tmp_path, heartbeat_timeout: float = 3, options: tuple[str, ...] = ()
+) -> RunOnTwoAgents:
+    server, admin, owner_key, buyer_key = a_market(tmp_path, heartbeat_timeout=heartbeat_timeout)
     run = RunOnTwoAgents(server, admin, owner_key, server.client(buyer_key), {}, {},
-                         tmp_path / "job.jsonl", {}, {}, "")  # fmt: skip
+                         tmp_path / "job.jsonl", {}, {}, "", options)  # fmt: skip
     for name in ("a", "b"):
         run.start_agent(name)
     nodes = wait(lambda: len(r := admin.get("/nodes").json()) == 2 and r, 30, "agents")

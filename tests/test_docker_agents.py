@@ -10,6 +10,7 @@ the job is ``agent_job.py`` run by the image's python3 in the session's job imag
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -25,10 +26,12 @@ STEPS = 120
 pytestmark = pytest.mark.slow
 
 
-def start_docker_agent(server, key: str, name: str, home: Path) -> subprocess.Popen:
+def start_docker_agent(server, key: str, name: str, home: Path, *options) -> subprocess.Popen:
     """A real agent whose jobs are containers, as users of their own."""
     checkpoints = ("--checkpoint-root", str(home / "checkpoints"))
-    return start_agent(server, key, name, home, "--runner", "docker", *checkpoints, job_user="auto")
+    return start_agent(
+        server, key, name, home, "--runner", "docker", *checkpoints, *options, job_user="auto"
+    )
 
 
 def job_logs(tmp_path: Path) -> list[dict]:
@@ -143,6 +146,59 @@ def test_a_reclaimed_container_saves_and_resumes_in_a_container_on_the_other_nod
             "the node offered again",
         )
         buyer.post(f"/bids/{long_bid['id']}/cancel")
+    finally:
+        for agent in agents:
+            agent.terminate()
+        for agent in agents:
+            try:
+                agent.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+            agent.logfile.close()
+        server.stop()
+        docker_engine.remove_job_containers()
+
+
+def test_a_handed_over_container_is_adopted_by_the_next_agent(sandbox, job_image):
+    """SIGUSR2 (an upgrade): the agent exits, its container runs on, and the next agent on its
+    state directory adopts it: the same container, watched (its cancel removes it)."""
+    import docker
+
+    tmp_path = sandbox
+    server, admin, owner_key, buyer_key = a_market(tmp_path, heartbeat_timeout=15)
+    entry = {"reference": job_image, "framework": "Python 3 + NumPy (test job image)"}
+    assert admin.put("/images/test-job", json=entry).status_code == 201
+    buyer = server.client(buyer_key)
+    handover = ("--handover-seconds", "10")
+    agents = [start_docker_agent(server, owner_key, "a", tmp_path, *handover)]
+    client = docker.from_env()
+    try:
+        wait(lambda: len(admin.get("/nodes").json()) == 1, 30, "the agent")
+        bid = post_job(
+            buyer,
+            {"command": ["python3", "-c", "import time; time.sleep(3600)"], "image": "test-job"},
+        )
+        label = {"label": f"io.spotgpu.bid-id={bid['id']}"}
+        (container,) = wait(
+            lambda: client.containers.list(ignore_removed=True, filters=label), 60, "container"
+        )
+        agents[0].send_signal(signal.SIGUSR2)
+        assert agents[0].wait(timeout=15) == 0
+        agents.append(start_docker_agent(server, owner_key, "a", tmp_path, *handover))
+        wait(
+            lambda: "adopted its job" in (tmp_path / "agent-a.log").read_text(),
+            30,
+            "the next agent adopting the container",
+        )
+        assert [c.id for c in client.containers.list(filters=label)] == [container.id]
+        (alloc,) = buyer.get(f"/bids/{bid['id']}/allocations").json()
+        assert alloc["status"] == "running"
+        buyer.post(f"/bids/{bid['id']}/cancel")
+        wait(
+            lambda: not client.containers.list(ignore_removed=True, all=True, filters=label),
+            30,
+            "the adopted container removed at the cancel",
+        )
     finally:
         for agent in agents:
             agent.terminate()

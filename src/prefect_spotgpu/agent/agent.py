@@ -439,7 +439,7 @@ class Agent(Lifecycle):
             body = notice_before_start_report(epoch=epoch or declined or unstarted.epoch)
             self.reporter.report_later(alloc_id, body)
             return
-        if handle is None:
+        if handle is None or handle.signalled_at is not None:  # (noticed already)
             return
         try:
             self.runner.notice(handle, deadline)

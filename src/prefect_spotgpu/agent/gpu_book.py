@@ -66,6 +66,22 @@ class GpuBook:
         self._held[alloc_id] = indices
         return Take(Verdict.TAKEN, indices)
 
+    def hold(self, alloc_id: int, indices: tuple[int, ...]) -> bool:
+        """Give ``alloc_id`` exactly the GPUs ``indices`` (a job adopted from an earlier
+        agent, already running on them); False, taking none, if any is not free or not the
+        node's.
+
+        >>> book = GpuBook(gpu_count=2, patience=1.0)
+        >>> book.hold(3, (1,)), book.hold(4, (1,)), book.hold(5, (2,)), book.held()
+        (True, False, False, {3: (1,)})
+        """
+        wanted = set(indices)
+        if alloc_id in self._held or not wanted <= self._free:
+            return False
+        self._free -= wanted
+        self._held[alloc_id] = tuple(sorted(wanted))
+        return True
+
     def give_back(self, alloc_id: int) -> tuple[int, ...]:
         """Free the GPUs ``alloc_id`` holds (none, if it holds none now): what was freed."""
         indices = self._held.pop(alloc_id, ())

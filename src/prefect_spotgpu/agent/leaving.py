@@ -8,6 +8,9 @@ elsewhere at once. The agent exits once nothing of its jobs is left, or at that 
 what still runs is killed (a second signal: at once). A market that cannot be told is no reason
 to leave a job running: the agent then notices its jobs itself.
 
+Asked to hand its jobs over instead (SIGUSR2: an upgrade, ``handover``), the agent exits at
+once and leaves them running for the next agent.
+
 What stays a job's own decision is pure (:class:`Leaving`); the agent does the I/O.
 """
 
@@ -36,10 +39,18 @@ class Leaving:
     by: float | None = None  # the jobs' deadline (None: not asked to stop)
     urgent: bool = False  # asked twice: now
     told: bool = False  # the market was told (or the agent noticed its jobs itself)
+    handing_over: bool = False  # asked to hand its jobs over to the next agent instead
 
     @property
     def asked(self) -> bool:
-        return self.by is not None
+        """Whether the agent is leaving (either way): it starts no new job."""
+        return self.by is not None or self.handing_over
+
+    def hand_over(self) -> None:
+        """The hand-over signal: leave the jobs running for the next agent (unless a stop
+        was asked first: that one stands)."""
+        if self.by is None:
+            self.handing_over = True
 
     def ask(self, now: float) -> None:
         """A stop signal: the first starts leaving, a second makes it urgent."""

@@ -105,6 +105,13 @@ def agent_start(
         "notice's end the job gets SIGKILL only (its engine must not write Crashed). Also how "
         "long a stopping agent (SIGTERM, Ctrl-C) gives its jobs to save before it kills them.",
     ),
+    handover_seconds: float = typer.Option(
+        20.0,
+        min=1.0,
+        help="After a hand-over (SIGUSR2: an upgrade), how long the jobs left running wait "
+        "for the next agent on this state directory before they are killed. Keep it under the "
+        "market's heartbeat timeout (SPOTGPU_HEARTBEAT_TIMEOUT_SECONDS, default 30).",
+    ),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
 ) -> None:
     """Run the node agent: discover GPUs, register, heartbeat, run assigned jobs.
@@ -113,7 +120,9 @@ def agent_start(
     the job's final save (or at the deadline) it stops the job (SIGKILL: a preemption never
     reads as a crash) and reports the outcome. Stopped (SIGTERM, Ctrl-C), it takes its node
     back: each job gets its notice, saves and stops within --grace-seconds, and its run resumes
-    elsewhere; a second signal kills the jobs at once. Its jobs never outlive it. Run as
+    elsewhere; a second signal kills the jobs at once. Its jobs never outlive it, except
+    when it hands them over (SIGUSR2, for an upgrade): it exits at once and the next agent
+    started on the same --state-dir within --handover-seconds adopts them. Run as
     root, it runs each job as an unprivileged user of its own (see --job-user), and refuses to
     start when that user cannot execute the job interpreter (see --job-python). A node whose
     jobs cannot start, three in a row, drains itself until its owner offers it again.
@@ -181,10 +190,12 @@ def agent_start(
         telemetry=None if gpus else telemetry_nvml,
         address=advertise_address,
     )
-    hold_state_dir(state)  # one agent at a time: a quick restart waits for the last one
-    start_guard(job_runner, state)  # its jobs die with it, however it dies (before threads)
+    lock = hold_state_dir(state)  # one agent at a time: a quick restart waits for the last
+    agent.guard = start_guard(job_runner, state, lock)  # its jobs die with it (before threads)
+    agent.handover_seconds = handover_seconds
     for stop_signal in (signals.SIGTERM, signals.SIGINT):  # leave as a reclaim (twice: now)
         signals.signal(stop_signal, lambda *_: agent.shutdown())
+    signals.signal(signals.SIGUSR2, lambda *_: agent.hand_over())  # an upgrade: jobs stay
     try:
         agent.run()
     except AgentError as exc:

@@ -352,6 +352,20 @@ class DockerRunner:
             pass
         return None
 
+    def adopt(self, request: JobRequest, ref: str, job_ref: str) -> ContainerJob | None:
+        """The container an agent handed over (``agent.handover``), running or exited (the
+        engine keeps its exit code); None if it was removed."""
+        import docker
+
+        try:
+            container = self.client.containers.get(ref)
+        except docker.errors.NotFound:
+            return None
+        if container.labels.get(ALLOCATION_LABEL) != str(request.allocation_id):
+            return None
+        pid = int(container.attrs["State"].get("Pid") or 0)
+        return ContainerJob(request, container.id, time.time(), pid=pid)
+
     def reconcile(self, allocation_id: int, workdir: Path) -> bool:
         """Remove an earlier run's container of this allocation (found by its label), if one
         ran here."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import signal
@@ -34,10 +35,12 @@ from prefect_spotgpu.agent.isolation import (
     kill_job_processes,
     open_job_log,
     prepare_job_dirs,
+    read_job_file,
     read_pid,
     retire_workdir,
     uids_in_use,
 )
+from prefect_spotgpu.agent.keeper import EXIT_NAME
 from prefect_spotgpu.agent.runners.runner import (
     JobFault,
     JobHandle,
@@ -53,6 +56,8 @@ from prefect_spotgpu.agent.runners.runner import (
 logger = logging.getLogger("prefect_spotgpu.agent")
 
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
+KEEPER = (Path(__file__).parent.parent / "keeper.py").read_text()
+"""The job's keeper (``agent/keeper.py``), given to the job's interpreter as its code."""
 TAIL_BYTES = 4096
 """How much of the end of a job's log is read for its last line."""
 
@@ -63,16 +68,22 @@ class ProcessJob(JobHandle):
     its output file (``job.log``) by descriptor, opened before the job ran: whatever the job
     later puts at that name (a link to a file it may not read), the agent reads its own log."""
 
-    process: subprocess.Popen
+    process: subprocess.Popen | None  # None: adopted from an earlier agent (not our child)
+    job_pid: int  # the job's own process (the keeper's child): where the notice goes
     user: JobUser
     log: int | None = None
 
     @property
     def pid(self) -> int:
+        """The keeper's pid: the leader of the job's process group."""
         return int(self.ref)
 
     def poll(self) -> int | None:
-        return self.process.poll()
+        if self.process is not None:
+            return self.process.poll()
+        if _alive(self.pid):
+            return None
+        return recorded_exit(self.request.workdir)
 
 
 def process_environment(
@@ -164,24 +175,17 @@ class ProcessRunner:
         host_dir, url = checkpoint_location(request, self.checkpoint_root)
         prepare_job_dirs(request.workdir, host_dir, user, chown=self.users.isolated)
         clear_job_files(request)
+        (request.workdir / EXIT_NAME).unlink(missing_ok=True)  # an earlier attempt's
         switch = {}
         if self.users.isolated:
             switch = {"user": user.uid, "group": user.gid, "extra_groups": [], "umask": 0o007}
+            # (the keeper, the agent's user, switches to the job's as it starts it)
         log = open_job_log(request.workdir / "job.log")
         try:
             reader = os.open(f"/proc/self/fd/{log}", os.O_RDONLY)  # that file, to read its end
             argv = _resolve_python(request.command, self.interpreter)
             try:
-                process = subprocess.Popen(
-                    argv,
-                    env=process_environment(request, url, self.interpreter),
-                    cwd=request.workdir,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    **switch,
-                )
+                keeper, job_pid = self._start_keeper(request, argv, url, log, switch)
             except BaseException as exc:
                 os.close(reader)
                 if isinstance(exc, OSError) and blames_the_job(
@@ -191,10 +195,63 @@ class ProcessRunner:
                 raise
         finally:
             os.close(log)
-        record_pid(request, process.pid)
+        record_pid(request, keeper.pid)
         return ProcessJob(
-            request, str(process.pid), time.time(), process=process, user=user, log=reader
+            request,
+            str(keeper.pid),
+            time.time(),
+            process=keeper,
+            job_pid=job_pid,
+            user=user,
+            log=reader,
         )
+
+    def _start_keeper(
+        self, request: JobRequest, argv: list[str], url: str | None, log: int, switch: dict
+    ) -> tuple[subprocess.Popen, int]:
+        """Start the job under its keeper (``keeper``): the keeper's ``Popen`` and the job's
+        pid; the ``OSError`` the job's own start raised, if it could not start."""
+        spec = {
+            "command": argv,
+            "env": process_environment(request, url, self.interpreter),
+            "exit_file": str(request.workdir / EXIT_NAME),
+            **switch,
+        }
+        marker_name, _, marker = job_marker(request.workdir).decode().partition("=")
+        read_end, write_end = os.pipe()
+        try:
+            keeper = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", KEEPER, str(write_end)],
+                env={"PATH": SAFE_PATH, marker_name: marker},  # (reconcile finds it by this)
+                cwd=request.workdir,
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                pass_fds=(write_end,),
+            )
+        except BaseException:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)
+        with contextlib.suppress(BrokenPipeError):  # (it died: its handshake says why)
+            keeper.stdin.write(json.dumps(spec).encode())
+        with contextlib.suppress(BrokenPipeError):
+            keeper.stdin.close()
+        with os.fdopen(read_end, "rb") as said:
+            told = said.read()
+        try:
+            answer = json.loads(told or b"{}")
+        except ValueError:
+            answer = {}
+        if "pid" in answer:
+            return keeper, int(answer["pid"])
+        keeper.wait()
+        if "failed" in answer:
+            number, message, filename = answer["failed"]
+            raise OSError(number, message, filename)
+        raise RuntimeError(f"the job's keeper exited {keeper.returncode} before the job started")
 
     def ready(self, request: JobRequest) -> bool:
         return True  # nothing to fetch: the command is the node's
@@ -210,7 +267,7 @@ class ProcessRunner:
             write_notice(handle.request, deadline)  # (fails if the job put a directory there)
         finally:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(handle.pid, signal.SIGUSR1)  # the main process only
+                os.kill(handle.job_pid, signal.SIGUSR1)  # the job's main process only
             handle.signalled_at = time.time()
 
     def stop(self, handle: ProcessJob, grace: float = 10.0) -> None:
@@ -223,8 +280,9 @@ class ProcessRunner:
             time.sleep(0.02)
         _signal_group(handle.pid, signal.SIGKILL)
         kill_job_processes(handle.user, handle.request.workdir)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            handle.process.wait(timeout=5)
+        if handle.process is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                handle.process.wait(timeout=5)
         if handle.log is not None:
             os.close(handle.log)
             handle.log = None
@@ -240,6 +298,20 @@ class ProcessRunner:
             return None
         size = os.fstat(handle.log).st_size
         return last_line_of(os.pread(handle.log, TAIL_BYTES, max(0, size - TAIL_BYTES)))
+
+    def adopt(self, request: JobRequest, ref: str, job_ref: str) -> ProcessJob | None:
+        """The job an agent handed over (``agent.handover``): its keeper ``ref`` and the job's
+        own pid ``job_ref``, if the keeper still is that job's; None if it is gone."""
+        pid, job_pid = int(ref), int(job_ref)
+        if not _is_job(pid, request.workdir):
+            return None
+        user = self.users.for_job(allocation_id=request.allocation_id, tenant_id=request.tenant_id)
+        try:  # the file its keeper writes to: whatever the job put at the log's name since
+            log = os.open(f"/proc/{pid}/fd/1", os.O_RDONLY | os.O_NONBLOCK)
+        except OSError:
+            log = None
+        return ProcessJob(request, ref, time.time(), process=None, job_pid=job_pid, user=user,
+                          log=log)  # fmt: skip
 
     def reconcile(self, allocation_id: int, workdir: Path) -> bool:
         """Kill the job an earlier run recorded in ``workdir`` (:meth:`kill_stale`), if any,
@@ -260,17 +332,37 @@ class ProcessRunner:
         return kill_job_processes(user, workdir) > 0 or killed
 
 
-def _kill_group_if_job(pid: int, workdir: Path) -> bool:
-    """SIGKILL the process group of ``pid`` if it still is the job of ``workdir``.
+def recorded_exit(workdir: Path) -> int:
+    """How a job whose keeper is gone ended, as its keeper recorded it (``keeper.EXIT_NAME``);
+    -9 when nothing was recorded (the keeper was killed with the job)."""
+    code = (read_job_file(workdir / EXIT_NAME) or {}).get("code")
+    return code if isinstance(code, int) and not isinstance(code, bool) else -signal.SIGKILL
 
-    A recorded pid may have been reused by an unrelated process after a reboot or a long
-    outage: the job's environment (:func:`job_marker`) must match before we kill.
-    """
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: it waits for its parent to read it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _is_job(pid: int, workdir: Path) -> bool:
+    """Whether ``pid`` runs and is a process of the job of ``workdir``. A recorded pid may
+    have been reused by an unrelated process after a reboot or a long outage: the job's
+    environment (:func:`job_marker`) must match."""
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
         return False  # gone (or not ours to read)
-    if job_marker(workdir) not in environ:
+    return _alive(pid) and job_marker(workdir) in environ
+
+
+def _kill_group_if_job(pid: int, workdir: Path) -> bool:
+    """SIGKILL the process group of ``pid`` if it still is the job of ``workdir``
+    (:func:`_is_job`)."""
+    if not _is_job(pid, workdir):
         return False
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)

@@ -233,6 +233,12 @@ class Runner(Protocol):
         the heartbeat; a runner without images has none."""
         ...
 
+    def adopt(self, request: JobRequest, ref: str, job_ref: str) -> JobHandle | None:
+        """After a hand-over (``agent.handover``): the job an earlier agent started as
+        ``ref`` (``job_ref``: its own process, where the runner has one), running or ended
+        with its exit status kept, as a handle this agent watches; None if it is gone."""
+        ...
+
     def reconcile(self, allocation_id: int, workdir: Path) -> bool:
         """After an agent restart: kill what is left of an earlier run's job of this
         allocation in ``workdir`` (as recorded by ``start``) and forget it; True if something
