@@ -12,6 +12,11 @@ and makes the same calls at the same steps::
     restored = ckpt.restore()          # this rank's shard of the newest complete gang step
     ...
     ckpt.maybe_save(lambda: this_ranks_state(), step)   # saves at the same step everywhere
+
+A ``torch.distributed.checkpoint`` state (FSDP2, torchtitan) goes through
+``DistributedCheckpointer`` instead (``distributed.py``; DCP's storage plug-ins in ``dcp.py``):
+DCP plans and reshards, this storage keeps the promises. It needs torch, so it is imported
+when first named.
 """
 
 from prefect_spotgpu.checkpoint.checkpointer import Checkpointer, Restored, SaveResult
@@ -37,6 +42,7 @@ __all__ = [
     "CheckpointStorage",
     "Checkpointer",
     "CorruptCheckpoint",
+    "DistributedCheckpointer",
     "GangCheckpointFailed",
     "GangCheckpointer",
     "GroupSync",
@@ -54,3 +60,11 @@ __all__ = [
     "warm_up",
     "write_ack",
 ]
+
+
+def __getattr__(name: str):
+    if name == "DistributedCheckpointer":  # (imports torch: only when asked for)
+        from prefect_spotgpu.checkpoint.distributed import DistributedCheckpointer
+
+        return DistributedCheckpointer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

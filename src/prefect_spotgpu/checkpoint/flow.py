@@ -46,6 +46,53 @@ def checkpointer_for_run(
     and world size from the environment (:func:`rank_from_environment`; a
     ``GangCheckpointer`` when the world is larger than one); ``background`` and ``if_busy``:
     how periodic saves are written (``Checkpointer``)."""
+    storage, key = _storage_and_key(storage, key)
+    rank, world_size = rank_from_environment()
+    return Checkpointer(
+        storage,
+        key,
+        every=every,
+        keep=keep,
+        signing_key=signing_key,
+        rank=rank,
+        world_size=world_size,
+        sync_every=sync_every,
+        background=background,
+        if_busy=if_busy,
+    )
+
+
+def distributed_checkpointer_for_run(
+    storage: CheckpointStorage | str | None = None,
+    *,
+    key: str | None = None,
+    every: timedelta | float = timedelta(minutes=15),
+    keep: int = 3,
+    signing_key: str | bytes | None = None,
+    sync_every: int = 1,
+    process_group=None,
+):
+    """A ``DistributedCheckpointer`` (``torch.distributed.checkpoint``: FSDP2, torchtitan)
+    for the running flow, its storage, key and signing key found as
+    :func:`checkpointer_for_run` finds them; its ranks are torch.distributed's (initialize it
+    first, on every rank), or this process alone."""
+    from prefect_spotgpu.checkpoint.distributed import DistributedCheckpointer
+
+    storage, key = _storage_and_key(storage, key)
+    return DistributedCheckpointer(
+        storage,
+        key,
+        every=every,
+        keep=keep,
+        signing_key=signing_key,
+        sync_every=sync_every,
+        process_group=process_group,
+    )
+
+
+def _storage_and_key(storage: CheckpointStorage | str | None, key: str | None):
+    """The storage (the argument, or ``SPOTGPU_CHECKPOINT_URL``) and the key (the argument,
+    or the flow run's), with the library's saves shown in the run's logs."""
     if storage is None:
         url = os.environ.get(JOB_ENV.CHECKPOINT_URL)
         if not url:
@@ -63,19 +110,7 @@ def checkpointer_for_run(
     library_logger = logging.getLogger("prefect_spotgpu.checkpoint")
     if library_logger.level == logging.NOTSET:  # saves show in the run's logs (the worker
         library_logger.setLevel(logging.INFO)  # sets PREFECT_LOGGING_EXTRA_LOGGERS for that)
-    rank, world_size = rank_from_environment()
-    return Checkpointer(
-        storage,
-        key,
-        every=every,
-        keep=keep,
-        signing_key=signing_key,
-        rank=rank,
-        world_size=world_size,
-        sync_every=sync_every,
-        background=background,
-        if_busy=if_busy,
-    )
+    return storage, key
 
 
 OUTPUTS = "outputs"
