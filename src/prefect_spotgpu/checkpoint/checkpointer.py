@@ -210,7 +210,7 @@ class Checkpointer:
             return True
         return self.notice_file is not None and self.notice_file.exists()
 
-    def _read_deadline(self) -> None:
+    def read_deadline(self) -> None:
         if self.notice_file is None or not self.notice_file.exists():
             return
         with contextlib.suppress(ValueError, KeyError, TypeError, OSError):
@@ -235,7 +235,7 @@ class Checkpointer:
             return None
         self._collect()
         if self.notice_pending():
-            self._read_deadline()
+            self.read_deadline()
             self._settle_in_flight(abandon=True)
             snapshot = state() if callable(state) else state
             started = time.perf_counter()
@@ -244,9 +244,9 @@ class Checkpointer:
                 result = self._commit(encoded, started, step, final=True, retain=False)
             except Exception as exc:
                 self.notice_received = True  # nothing more to save: the agent stops us
-                self._acknowledge_failure(exc)
+                self.acknowledge_failure(exc)
                 raise
-            self._acknowledge(result)  # durable: tell the agent first, tidy up after
+            self.acknowledge(result)  # durable: tell the agent first, tidy up after
             self.notice_received = True
             self._retain(result.step)
             return result
@@ -460,12 +460,12 @@ class Checkpointer:
         self._checked[step] = (hashlib.sha256(raw).digest(), ok)
         return ok
 
-    def _acknowledge(self, result: SaveResult) -> None:
+    def acknowledge(self, result: SaveResult) -> None:
         if self.ack_file is not None:  # the agent stops the job at once: its logs go first
             flush_run_logs()
             write_ack(self.ack_file, step=result.step, durable=True, seconds=result.seconds)
 
-    def _acknowledge_failure(self, exc: Exception) -> None:
+    def acknowledge_failure(self, exc: Exception) -> None:
         """The final save's storage failed: say so (and why) before the error propagates."""
         error = f"{type(exc).__name__}: {exc}"[:ERROR_CHARS]
         logger.error("final checkpoint of %s failed: %s", self.key, error)

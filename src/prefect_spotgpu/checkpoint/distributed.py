@@ -129,7 +129,7 @@ class DistributedCheckpointer(Checkpointer):
         self._collect()
         what = agreed & ~WRITING
         if what == FINAL:
-            self._read_deadline()
+            self.read_deadline()
             return self._final_save(state() if callable(state) else state, step)
         if what == PERIODIC and not agreed & WRITING:
             snapshot = state() if callable(state) else state
@@ -204,9 +204,9 @@ class DistributedCheckpointer(Checkpointer):
             result = self.save(state, step, final=True, retain=False)
         except Exception as exc:
             self.notice_received = True  # nothing more to save: the agent stops us
-            self._acknowledge_failure(exc)
+            self.acknowledge_failure(exc)
             raise
-        self._acknowledge(result)  # durable on every rank: each tells its own agent
+        self.acknowledge(result)  # durable on every rank: each tells its own agent
         self.notice_received = True
         logger.info("final DCP checkpoint of %s at step %s in %.2f s", self.key, step,
                     result.seconds)  # fmt: skip

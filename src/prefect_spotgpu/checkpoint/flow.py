@@ -46,7 +46,7 @@ def checkpointer_for_run(
     and world size from the environment (:func:`rank_from_environment`; a
     ``GangCheckpointer`` when the world is larger than one); ``background`` and ``if_busy``:
     how periodic saves are written (``Checkpointer``)."""
-    storage, key = _storage_and_key(storage, key)
+    storage, key = storage_and_key(storage, key)
     rank, world_size = rank_from_environment()
     return Checkpointer(
         storage,
@@ -78,7 +78,7 @@ def distributed_checkpointer_for_run(
     first, on every rank), or this process alone."""
     from prefect_spotgpu.checkpoint.distributed import DistributedCheckpointer
 
-    storage, key = _storage_and_key(storage, key)
+    storage, key = storage_and_key(storage, key)
     return DistributedCheckpointer(
         storage,
         key,
@@ -90,7 +90,7 @@ def distributed_checkpointer_for_run(
     )
 
 
-def _storage_and_key(storage: CheckpointStorage | str | None, key: str | None):
+def storage_and_key(storage: CheckpointStorage | str | None, key: str | None):
     """The storage (the argument, or ``SPOTGPU_CHECKPOINT_URL``) and the key (the argument,
     or the flow run's), with the library's saves shown in the run's logs."""
     if storage is None:

@@ -281,7 +281,7 @@ class GangCheckpointer(Checkpointer):
         return outcome
 
     def _final_save(self, state, step: int) -> SaveResult:
-        self._read_deadline()
+        self.read_deadline()
         try:
             outcome = self._save_gang(state, step, final=True)
         except Exception as exc:  # the gang broke mid-save: nothing is committed
@@ -295,7 +295,7 @@ class GangCheckpointer(Checkpointer):
         # No retention: it is collective, and each rank's agent stops it at its ack. The next
         # attempt's first save tidies up (at most one gang checkpoint more than ``keep``).
         self._saved(outcome, retain=False)
-        self._acknowledge(outcome)
+        self.acknowledge(outcome)
         return outcome
 
     def _save_gang(self, state, step: int, *, final: bool) -> SaveResult | _Failed:
