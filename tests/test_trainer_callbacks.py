@@ -1,9 +1,10 @@
-"""The trainers people use, through a real reclaim (docs/users/checkpointing.md): a Hugging
-Face ``Trainer`` with ``SpotTrainerCallback`` runs as a job on a real agent; its node is
-reclaimed mid-run; the notice makes the Trainer save and stop, the job acknowledges, the agent
-stops it, and the run resumes on the other node from that save. Its losses, step by step, and
-its final weights are an uninterrupted run's (same seed, same data order), bit for bit. Tiny
-models built from a configuration; nothing is downloaded."""
+"""The trainers people use, through a real reclaim (docs/users/checkpointing.md): a Hugging Face
+``Trainer`` with ``SpotTrainerCallback``, and a Lightning ``fit`` with
+``SpotLightningCheckpoint``, run as a job on a real agent; its node is reclaimed mid-run; the
+notice makes the trainer save and stop, the job acknowledges, the agent stops it, and the run
+resumes on the other node from that save. Its losses, step by step, and its final weights are an
+uninterrupted run's (same seed, same data order), bit for bit. Tiny models built from a
+configuration; nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from conftest import wait_for as wait
 from test_agent import a_market, post_job, start_agent, stop_agents
 
 HERE = Path(__file__).parent
-pytestmark = pytest.mark.slow
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
 
@@ -82,6 +82,7 @@ def by_step(log: list[dict]) -> dict[int, float]:
     return steps
 
 
+@pytest.mark.slow
 def test_a_hugging_face_trainer_resumes_through_a_reclaim_on_the_uninterrupted_curve(tmp_path):
     steps = 30
     calm = uninterrupted("hf_train.py", steps, tmp_path / "calm")
@@ -99,3 +100,41 @@ def test_a_hugging_face_trainer_resumes_through_a_reclaim_on_the_uninterrupted_c
     (done,) = [e for e in noticed if "done" in e]
     (calm_done,) = [e for e in calm if "done" in e]
     assert done["weights"] == calm_done["weights"]
+
+
+@pytest.mark.slow
+def test_a_lightning_fit_resumes_through_a_reclaim_with_nothing_but_the_callback(tmp_path):
+    steps = 30  # two epochs of 16 batches: the reclaim mid-epoch, then an epoch boundary
+    calm = uninterrupted("lightning_train.py", steps, tmp_path / "calm")
+    noticed, market = through_a_reclaim("lightning_train.py", steps, tmp_path / "market")
+    allocations = market["allocations"]
+    assert sorted(a["status"] for a in allocations) == ["finished", "preempted"]
+    preempted = next(a for a in allocations if a["status"] == "preempted")
+    assert preempted["end_reason"] == "final save acknowledged", preempted
+    starts = [e for e in noticed if "start" in e]
+    assert len(starts) == 2 and starts[0]["start"] is None  # fit(model, loader) both times
+    saved_at = starts[1]["start"]
+    first = [e["step"] for e in noticed if "loss" in e and e["attempt"] == starts[0]["attempt"]]
+    assert max(first) == saved_at >= steps // 3 and saved_at % 16  # stopped mid-epoch
+    assert by_step(noticed) == by_step(calm) and len(by_step(calm)) == steps
+    (done,) = [e for e in noticed if "done" in e]
+    (calm_done,) = [e for e in calm if "done" in e]
+    assert done["weights"] == calm_done["weights"]  # dropout and shuffling included
+
+
+@pytest.mark.parametrize("callback", ["huggingface", "lightning"])
+def test_a_callback_without_storage_or_key_says_what_to_set(callback, monkeypatch, tmp_path):
+    from prefect_spotgpu.checkpoint.huggingface import SpotTrainerCallback
+    from prefect_spotgpu.checkpoint.lightning import SpotLightningCheckpoint
+
+    made = {"huggingface": SpotTrainerCallback, "lightning": SpotLightningCheckpoint}[callback]
+    monkeypatch.delenv("SPOTGPU_CHECKPOINT_URL", raising=False)
+    monkeypatch.delenv("PREFECT__FLOW_RUN_ID", raising=False)
+    with pytest.raises(ValueError, match="pass one or set SPOTGPU_CHECKPOINT_URL"):
+        made(key="run")
+    with pytest.raises(ValueError, match="not inside a flow run: pass key="):
+        made(str(tmp_path))
+    fresh = made(str(tmp_path), key="run", local_dir=tmp_path / "local")
+    assert fresh.checkpointer.key == "run"  # nothing saved yet: nothing to resume from
+    assert getattr(fresh, "resume_from", None) is None
+    assert getattr(fresh, "resumed_step", None) is None

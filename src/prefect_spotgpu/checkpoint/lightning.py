@@ -1,0 +1,140 @@
+"""Lightning on spot GPUs: a notice is a save-then-stop into the run's storage, and the next
+attempt's ``fit`` resumes from it (docs/users/checkpointing.md#lightning).
+
+Adding the callback is the whole change::
+
+    trainer = Trainer(max_steps=10_000, callbacks=[SpotLightningCheckpoint()])
+    trainer.fit(model, datamodule)             # resumes by itself on the next attempt
+
+The callback is one of Lightning's fault-tolerance checkpoints (``OnExceptionCheckpoint``):
+``fit`` without a ``ckpt_path`` loads such a callback's file when it exists, and the callback
+fetches the newest verified checkpoint from the storage to that file when it is made. The
+checkpoint is Lightning's own ``.ckpt`` (model, optimizers, schedulers, loops, and the
+dataloaders' state when they are resumable), stored as one checkpoint of this project's
+storage.
+
+- After each training batch: a notice (SIGUSR1 or the notice file, on any rank) makes the
+  trainer save now and stop; every ``every`` seconds it saves.
+- Rank 0 stores the file; after the final save is durable every rank acknowledges and waits to
+  be stopped (nothing after ``fit`` runs on a noticed attempt).
+- An exception saves nothing (the parent class would): a crash resumes from the last durable
+  save.
+- The random number generators' states go into the checkpoint (the callback's own state) and
+  come back with it.
+
+Resuming in the middle of an epoch is exact when the dataloader is resumable (it has
+``state_dict``/``load_state_dict``: torchdata's ``StatefulDataLoader``, given a ``generator``
+of its own so that making its iterator draws nothing from the global one); otherwise
+Lightning replays the epoch's batches from its start, and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+from prefect_spotgpu.checkpoint.checkpointer import Checkpointer, SaveResult
+from prefect_spotgpu.checkpoint.directory import directory_state, write_directory
+from prefect_spotgpu.checkpoint.flow import storage_and_key, wait_to_be_stopped
+from prefect_spotgpu.checkpoint.rng import rng_state, set_rng_state
+
+logger = logging.getLogger("prefect_spotgpu.checkpoint")
+
+FILENAME = "spot"
+"""The checkpoint file's name (``spot.ckpt``) in the callback's directory."""
+
+
+class SpotLightningCheckpoint(OnExceptionCheckpoint):
+    """Save-then-stop on a notice, periodic saves and the resume, for a Lightning ``Trainer``.
+
+    ``storage`` and ``key``: as ``checkpointer_for_run`` (default: ``SPOTGPU_CHECKPOINT_URL``
+    and the flow run). ``every``: seconds (or a ``timedelta``) between periodic saves.
+    ``local_dir``: where the file lives (default: a new temporary directory). ``stop``: wait
+    to be stopped after the final save. Other keyword arguments go to the ``Checkpointer``."""
+
+    def __init__(
+        self,
+        storage=None,
+        *,
+        key: str | None = None,
+        every: timedelta | float = timedelta(minutes=15),
+        local_dir: str | Path | None = None,
+        stop: bool = True,
+        **options,
+    ) -> None:
+        local = Path(local_dir or tempfile.mkdtemp(prefix="spotgpu-lightning-"))
+        super().__init__(dirpath=str(local), filename=FILENAME)
+        storage, key = storage_and_key(storage, key)
+        seconds = every.total_seconds() if isinstance(every, timedelta) else float(every)
+        self.checkpointer = Checkpointer(storage, key, every=seconds, background=False,
+                                         **options)  # fmt: skip
+        self.every = seconds
+        self.stop = stop
+        self._last = time.monotonic()
+        restored = self.checkpointer.restore()
+        self.resumed_step: int | None = None
+        if restored is not None:
+            write_directory(restored.state, local)
+            self.resumed_step = restored.step
+            logger.info("resuming %s from its checkpoint of step %s", key, restored.step)
+
+    @property
+    def notice_received(self) -> bool:
+        return self.checkpointer.notice_received
+
+    def state_dict(self) -> dict:
+        """Saved in Lightning's checkpoint: the random number generators' states (Lightning
+        keeps none), so dropout and the like resume as if never stopped."""
+        state = rng_state()
+        name, keys, *rest = state["numpy"]  # plain types: Lightning loads with weights_only
+        state["numpy"] = (name, keys.tolist(), *(getattr(x, "item", lambda x=x: x)() for x in rest))
+        return {"rng": state}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if "rng" in state_dict:
+            set_rng_state(state_dict["rng"])
+
+    def on_exception(self, trainer, *args, **kwargs) -> None:
+        """Nothing: a crash resumes from the last durable save, never a half-made state."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        strategy = trainer.strategy
+        final = strategy.reduce_boolean_decision(self.checkpointer.notice_pending(), all=False)
+        due = strategy.broadcast(time.monotonic() - self._last >= self.every)
+        if final or due:
+            self._save(trainer, final=final)
+
+    def _save(self, trainer, *, final: bool) -> None:
+        """Lightning writes the file (every rank takes part), rank 0 stores it; after a
+        notice every rank acknowledges and waits to be stopped."""
+        self._last = time.monotonic()
+        step = trainer.global_step
+        trainer.save_checkpoint(self.ckpt_path)
+        result, failed = None, None
+        if trainer.is_global_zero:
+            try:
+                files = directory_state(Path(self.dirpath))
+                result = self.checkpointer.save(files, step, final=final)
+            except Exception as exc:
+                failed = exc
+        if trainer.strategy.reduce_boolean_decision(failed is not None, all=False):
+            failed = failed or RuntimeError(f"the checkpoint of step {step} failed on rank 0")
+            if not final:  # a periodic save: training goes on, the next one retries
+                logger.error("checkpoint of step %s failed: %s", step, failed)
+                return
+            self.checkpointer.notice_received = True
+            self.checkpointer.acknowledge_failure(failed)
+            raise failed
+        if not final:
+            return
+        self.checkpointer.read_deadline()
+        self.checkpointer.acknowledge(result or SaveResult(step, 0, 0.0, True))
+        self.checkpointer.notice_received = True
+        trainer.should_stop = True
+        if self.stop:
+            wait_to_be_stopped(self.checkpointer)
