@@ -25,7 +25,15 @@ asynchronous (``background``), side by side:
 Targets: ours >= 0.9 x raw; notice_to_durable < 2 s for 1 GiB; async_blocking <= 1.5 x
 copy_floor. Prints one JSON object.
 
+``--only dcp``: a sharded FSDP2 state (``--dcp-gib``, default 1 GiB, over each of
+``--dcp-ranks`` gloo ranks on this machine's cores, default 2 and 1) through
+``torch.distributed.checkpoint`` with this storage, against DCP's own filesystem writer and a
+raw write of each rank's shards, and DCP's ``async_save`` blocking time against one copy of
+the state (``benchmarks/dcp_ranks.py`` under torchrun). Targets: ours >= 0.9 x raw;
+async_blocking <= 1.5 x copy_floor.
+
     python benchmarks/checkpoint.py [--gib 1] [--async-gib 1 4] [--dir /tmp] [--repeat 3]
+    python benchmarks/checkpoint.py --only dcp [--dcp-gib 1] [--dcp-ranks 2 1] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -233,6 +241,25 @@ def notice_to_durable(gib: float, root: Path) -> float:
     return elapsed
 
 
+def dcp_figures(gib: float, ranks: int, repeat: int, where: str | None) -> dict:
+    """``benchmarks/dcp_ranks.py`` on ``ranks`` processes (torchrun, gloo): its figures."""
+    base = Path(tempfile.mkdtemp(dir=where))
+    try:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", str(ranks), str(Path(__file__).with_name("dcp_ranks.py")),
+                   str(base), str(gib), str(repeat)]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+        figures = json.loads(done.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    figures["targets"] = {
+        "ours_ge_0_9_raw": figures["ours_vs_raw"] >= 0.9,
+        "async_blocking_le_1_5_copy_floor": figures["async_blocking_vs_copy_floor"] <= 1.5,
+    }
+    return {**figures, "dir": str(base.parent)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=1.0)
@@ -244,7 +271,14 @@ def main() -> None:
         default="cpu",
         help="where the state lives: cpu, or cuda (device-to-host included)",
     )
+    parser.add_argument("--only", choices=["dcp"], default=None, help="one section alone")
+    parser.add_argument("--dcp-gib", type=float, default=1.0)
+    parser.add_argument("--dcp-ranks", type=int, nargs="+", default=[2, 1])
     args = parser.parse_args()
+    if args.only == "dcp":
+        cells = {n: dcp_figures(args.dcp_gib, n, args.repeat, args.dir) for n in args.dcp_ranks}
+        print(json.dumps({"benchmark": "checkpoint_dcp", "ranks": cells}, indent=2))
+        return
     base = Path(tempfile.mkdtemp(dir=args.dir))
     try:
         state = make_state(args.gib, args.device)

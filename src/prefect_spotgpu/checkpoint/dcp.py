@@ -31,6 +31,7 @@ import dataclasses
 import hashlib
 import io
 import logging
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,9 +99,12 @@ class _Sealed:
         manifest, readable without the blob; ``before_commit()`` is called just before the
         manifest is written, and may refuse it); the manifest written."""
         encoded = encode(state, step=step, extra=extra, signed=self.signing_key is not None)
+        checksums = threading.Thread(target=encoded.fill_checksums, name="spotgpu-checksums")
+        checksums.start()  # (beside the write: both release the GIL)
         written: list[bytes] = []
 
         def manifest() -> bytes:
+            checksums.join()
             if before_commit is not None:
                 before_commit()
             key = self.signing_key
@@ -108,7 +112,10 @@ class _Sealed:
             written.append(encoded.manifest_bytes(sign))
             return written[-1]
 
-        self.storage.write(name, step, encoded.buffers, encoded.size, manifest)
+        try:
+            self.storage.write(name, step, encoded.buffers, encoded.size, manifest)
+        finally:
+            checksums.join()
         return written[-1]
 
     def read(self, name: str, step: int, *, digest: bytes | None = None) -> object:

@@ -104,6 +104,7 @@ class DistributedCheckpointer(Checkpointer):
         # DCP's own collectives, in its thread for async saves: a gloo group of their own
         self._group = dist.new_group(backend="gloo") if distributed else None
         self.sync_every = sync_every
+        self._stager = None  # async saves' staging memory, kept from one save to the next
         self._calls = 0
         self._pending = None  # (future, step, started) of the async save in flight
 
@@ -147,12 +148,18 @@ class DistributedCheckpointer(Checkpointer):
                                  fence=self._fence)  # fmt: skip
 
     def _start_async(self, state: dict, step: int) -> None:
+        import torch
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+        if self._stager is None:  # host memory (pinned beside a GPU) reused by every save:
+            pinned = torch.cuda.is_available()  # the loop waits for one copy, no allocation
+            self._stager = DefaultStager(StagingOptions(pinned, False, False, False))
         self._last_save_at = self.clock()
         started = time.perf_counter()
         future = _dcp(dcp.async_save, state, storage_writer=self._writer(step),
-                      process_group=self._group, no_dist=self._group is None)  # fmt: skip
+                      process_group=self._group, no_dist=self._group is None,
+                      async_stager=self._stager)  # fmt: skip
         self._pending = (future, step, started)
 
     def _collect(self) -> None:
@@ -180,11 +187,20 @@ class DistributedCheckpointer(Checkpointer):
         return result
 
     def close(self) -> None:
+        """Wait for the save in flight; the staging memory is kept for the next one (see
+        :meth:`release`)."""
         if self._pending is not None:
             try:
                 self.wait()
             except Exception as exc:
                 logger.warning("the last periodic DCP save of %s failed: %s", self.key, exc)
+
+    def release(self) -> None:
+        """Wait for the save in flight and free the async saves' staging memory."""
+        self.close()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def save(self, state: dict, step: int, *, final: bool = False, retain: bool = True):
         """Save ``state`` at ``step`` now (every rank, the same call), synchronously."""
