@@ -268,3 +268,40 @@ def test_rank_0_of_a_pretraining_gang_is_the_flow_run(prefect_api_url, tmp_path)
     key = store / f"flow-run-{run.id}"
     assert sorted(p.name for p in key.iterdir()) == ["gang", "rank-00000", "rank-00001"]
     assert len(list((key / "gang").iterdir())) == 3  # committed every step, the newest kept
+
+
+def fsdp(ranks: int, work: Path, notice_at: int = -1, steps: int = 40) -> tuple[str, dict]:
+    """``flows/fsdp_pretrain.py``'s training on ``ranks`` processes (torchrun, gloo)."""
+    result = work / f"result-{notice_at}-{ranks}.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(ranks), str(HERE / "fsdp_driver.py"), str(work), str(result), str(notice_at),
+         str(steps)],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout, json.loads(result.read_text())
+
+
+def test_an_fsdp_gang_noticed_on_one_rank_resumes_on_the_same_curve_and_reshards(tmp_path):
+    import shutil
+
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    for work in (whole, parts):
+        work.mkdir()
+    _, calm = fsdp(2, whole)
+    assert len(calm["losses"]) == 40 and calm["losses"][-1] < calm["losses"][0] - 1  # learns
+    said, stopped = fsdp(2, parts, notice_at=17)
+    assert "stopped after the final save at 17" in said and len(stopped["losses"]) == 18
+    for rank in (0, 1):  # each node's agent hears from its own rank
+        assert json.loads((parts / f"notice-{rank}.ack").read_text())["step"] == 17
+    alone = tmp_path / "alone"
+    shutil.copytree(parts, alone)
+    _, resumed = fsdp(2, parts)
+    assert [x.hex() for x in resumed["losses"]] == [x.hex() for x in calm["losses"]]  # bitwise
+    # the same checkpoint on one rank: DCP reshards the 2-rank save; the run goes on from 18
+    _, one = fsdp(1, alone)
+    assert one["world_size"] == 1 and len(one["losses"]) == 40
+    assert one["losses"][:18] == calm["losses"][:18]
+    assert abs(one["losses"][18] - calm["losses"][18]) < 0.05 * calm["losses"][18]

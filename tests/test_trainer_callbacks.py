@@ -20,6 +20,7 @@ from conftest import wait_for as wait
 from test_agent import a_market, post_job, start_agent, stop_agents
 
 HERE = Path(__file__).parent
+LORA = HERE.parent / "flows" / "lora.py"  # the recipe: peft's LoRA under the Trainer
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
 
@@ -27,6 +28,12 @@ def entries(log: Path) -> list[dict]:
     if not log.exists():
         return []
     return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
+
+def command(script: str, steps: int) -> list[str]:
+    if script == "lora":
+        return [sys.executable, str(LORA), "--steps", str(steps)]
+    return [sys.executable, str(HERE / script), str(steps)]
 
 
 def uninterrupted(script: str, steps: int, tmp_path: Path) -> list[dict]:
@@ -40,7 +47,7 @@ def uninterrupted(script: str, steps: int, tmp_path: Path) -> list[dict]:
         "SPOTGPU_CHECKPOINT_URL": str(tmp_path / "calm-ckpt"),
         "OUTPUT": str(tmp_path / "out"),
     }
-    done = subprocess.run([sys.executable, str(HERE / script), str(steps)], env=env,
+    done = subprocess.run(command(script, steps), env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return entries(log)
@@ -55,7 +62,7 @@ def through_a_reclaim(script: str, steps: int, tmp_path: Path) -> tuple[list[dic
     try:
         wait(lambda: len(admin.get("/nodes").json()) == 2, 30, "agents")
         buyer, log = server.client(buyer_key), tmp_path / "job.jsonl"
-        job = {"command": [sys.executable, str(HERE / script), str(steps)],
+        job = {"command": command(script, steps),
                "env": {**OFFLINE, "JOB_LOG": str(log), "STEP_SECONDS": "0.2"},
                "checkpoint_url": str(tmp_path / "ckpt")}  # fmt: skip
         bid = post_job(buyer, job)
@@ -83,10 +90,10 @@ def by_step(log: list[dict]) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_a_hugging_face_trainer_resumes_through_a_reclaim_on_the_uninterrupted_curve(tmp_path):
-    steps = 30
-    calm = uninterrupted("hf_train.py", steps, tmp_path / "calm")
-    noticed, market = through_a_reclaim("hf_train.py", steps, tmp_path / "market")
+def test_lora_under_the_trainer_resumes_through_a_reclaim_on_the_uninterrupted_curve(tmp_path):
+    steps = 30  # flows/lora.py: peft's adapters on a small GPT-2, SpotTrainerCallback
+    calm = uninterrupted("lora", steps, tmp_path / "calm")
+    noticed, market = through_a_reclaim("lora", steps, tmp_path / "market")
     allocations = market["allocations"]
     assert sorted(a["status"] for a in allocations) == ["finished", "preempted"]
     preempted = next(a for a in allocations if a["status"] == "preempted")
@@ -99,7 +106,7 @@ def test_a_hugging_face_trainer_resumes_through_a_reclaim_on_the_uninterrupted_c
     assert by_step(noticed) == by_step(calm) and len(by_step(calm)) == steps
     (done,) = [e for e in noticed if "done" in e]
     (calm_done,) = [e for e in calm if "done" in e]
-    assert done["weights"] == calm_done["weights"]
+    assert done["weights"] == calm_done["weights"]  # the adapter, bit for bit
 
 
 @pytest.mark.slow
