@@ -19,7 +19,6 @@ this command with the flow run's parameters as flags, as ``pretrain.py``'s do.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -29,7 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from pretrain import GPT, GPTConfig, leave_now, process_group, stdlib_corpus
+from pretrain import (
+    GPT,
+    GPTConfig,
+    leave_now,
+    process_group,
+    rank_batch,
+    set_learning_rate,
+    stdlib_corpus,
+)
 
 from prefect_spotgpu.checkpoint.flow import distributed_checkpointer_for_run
 
@@ -72,14 +79,9 @@ def train(cfg: GPTConfig, *, storage=None, key=None, every: float = 900.0, on_pr
     data = stdlib_corpus(cfg.corpus_bytes)
     device = "cuda" if on_gpu else "cpu"
     for step in range(0 if last is None else last + 1, cfg.steps):
-        draw = torch.Generator().manual_seed(cfg.seed + step)
-        starts = torch.randint(len(data) - cfg.block - 1, (cfg.batch,), generator=draw)
-        starts = starts[rank * share : (rank + 1) * share]
-        x = torch.stack([data[s : s + cfg.block] for s in starts]).to(device)
-        y = torch.stack([data[s + 1 : s + cfg.block + 1] for s in starts]).to(device)
-        lr = cfg.lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
-        for group in opt.param_groups:
-            group["lr"] = lr
+        draw = torch.Generator().manual_seed(cfg.seed + step)  # by the step: any world size
+        x, y = rank_batch(data, cfg, draw, rank * share, share, device)
+        set_learning_rate(opt, cfg, step)
         loss = F.cross_entropy(model(x).view(-1, 256), y.view(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()

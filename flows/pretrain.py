@@ -222,13 +222,8 @@ def train(
 
     model.train()
     for step in range(start, cfg.steps):
-        starts = torch.randint(len(data) - cfg.block - 1, (cfg.batch,), generator=batches)
-        starts = starts[rank * share : (rank + 1) * share]
-        x = torch.stack([data[s : s + cfg.block] for s in starts]).to(device)
-        y = torch.stack([data[s + 1 : s + cfg.block + 1] for s in starts]).to(device)
-        lr = cfg.lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
-        for group in opt.param_groups:
-            group["lr"] = lr
+        x, y = rank_batch(data, cfg, batches, rank * share, share, device)
+        set_learning_rate(opt, cfg, step)
         loss = F.cross_entropy(net(x).view(-1, 256), y.view(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -240,6 +235,25 @@ def train(
         if ckpt.notice_received:
             on_notice(ckpt)
     return {"losses": losses, "final_loss": losses[-1] if losses else None, "steps": cfg.steps}
+
+
+def rank_batch(
+    data: torch.Tensor, cfg: GPTConfig, draw: torch.Generator, first: int, share: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch's windows of the corpus, drawn by ``draw`` (the same on every rank): this
+    rank's ``share`` of them from the ``first``-th, as inputs and next-byte targets."""
+    starts = torch.randint(len(data) - cfg.block - 1, (cfg.batch,), generator=draw)
+    starts = starts[first : first + share]
+    x = torch.stack([data[s : s + cfg.block] for s in starts]).to(device)
+    y = torch.stack([data[s + 1 : s + cfg.block + 1] for s in starts]).to(device)
+    return x, y
+
+
+def set_learning_rate(opt: torch.optim.Optimizer, cfg: GPTConfig, step: int) -> None:
+    """Warm up over 20 steps, then a cosine to 0 at ``cfg.steps``."""
+    lr = cfg.lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+    for group in opt.param_groups:
+        group["lr"] = lr
 
 
 def _gang_loss(loss: torch.Tensor, world_size: int) -> float:

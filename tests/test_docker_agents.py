@@ -34,6 +34,20 @@ def start_docker_agent(server, key: str, name: str, home: Path, *options) -> sub
     )
 
 
+def stop_everything(agents: list[subprocess.Popen], server) -> None:
+    """Stop the agents (SIGTERM, then SIGKILL), the market, and every job container left."""
+    for agent in agents:
+        agent.terminate()
+    for agent in agents:
+        try:
+            agent.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+        agent.logfile.close()
+    server.stop()
+    docker_engine.remove_job_containers()
+
+
 def job_logs(tmp_path: Path) -> list[dict]:
     """Every allocation's job log (each container writes its own, in its ``/spotgpu``)."""
     events = []
@@ -147,16 +161,7 @@ def test_a_reclaimed_container_saves_and_resumes_in_a_container_on_the_other_nod
         )
         buyer.post(f"/bids/{long_bid['id']}/cancel")
     finally:
-        for agent in agents:
-            agent.terminate()
-        for agent in agents:
-            try:
-                agent.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                agent.kill()
-            agent.logfile.close()
-        server.stop()
-        docker_engine.remove_job_containers()
+        stop_everything(agents, server)
 
 
 def test_a_handed_over_container_is_adopted_by_the_next_agent(sandbox, job_image):
@@ -200,13 +205,4 @@ def test_a_handed_over_container_is_adopted_by_the_next_agent(sandbox, job_image
             "the adopted container removed at the cancel",
         )
     finally:
-        for agent in agents:
-            agent.terminate()
-        for agent in agents:
-            try:
-                agent.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                agent.kill()
-            agent.logfile.close()
-        server.stop()
-        docker_engine.remove_job_containers()
+        stop_everything(agents, server)

@@ -89,44 +89,39 @@ def by_step(log: list[dict]) -> dict[int, float]:
     return steps
 
 
-@pytest.mark.slow
-def test_lora_under_the_trainer_resumes_through_a_reclaim_on_the_uninterrupted_curve(tmp_path):
-    steps = 30  # flows/lora.py: peft's adapters on a small GPT-2, SpotTrainerCallback
-    calm = uninterrupted("lora", steps, tmp_path / "calm")
-    noticed, market = through_a_reclaim("lora", steps, tmp_path / "market")
+def resumed_like_the_calm_run(script: str, steps: int, tmp_path: Path, saved_step) -> int:
+    """``script`` uninterrupted, and through a reclaim: the second attempt resumed from the
+    first's final save (``saved_step(its start entry)``: that step) with every step's loss and
+    the final weights of the uninterrupted run, bit for bit; the step it resumed from."""
+    calm = uninterrupted(script, steps, tmp_path / "calm")
+    noticed, market = through_a_reclaim(script, steps, tmp_path / "market")
     allocations = market["allocations"]
     assert sorted(a["status"] for a in allocations) == ["finished", "preempted"]
     preempted = next(a for a in allocations if a["status"] == "preempted")
     assert preempted["end_reason"] == "final save acknowledged", preempted
     starts = [e for e in noticed if "start" in e]
-    assert len(starts) == 2 and starts[0]["start"] is None
-    saved_at = int(starts[1]["start"].rsplit("-", 1)[1])  # checkpoint-<step>
+    assert len(starts) == 2 and starts[0]["start"] is None  # the same command both times
+    saved_at = saved_step(starts[1]["start"])
     first = [e["step"] for e in noticed if "loss" in e and e["attempt"] == starts[0]["attempt"]]
     assert max(first) == saved_at >= steps // 3  # stopped at the step it saved
     assert by_step(noticed) == by_step(calm) and len(by_step(calm)) == steps
     (done,) = [e for e in noticed if "done" in e]
     (calm_done,) = [e for e in calm if "done" in e]
-    assert done["weights"] == calm_done["weights"]  # the adapter, bit for bit
+    assert done["weights"] == calm_done["weights"]
+    return saved_at
+
+
+@pytest.mark.slow
+def test_lora_under_the_trainer_resumes_through_a_reclaim_on_the_uninterrupted_curve(tmp_path):
+    # flows/lora.py: peft's adapters on a small GPT-2, SpotTrainerCallback; the adapter's bytes
+    resumed_like_the_calm_run("lora", 30, tmp_path, lambda path: int(path.rsplit("-", 1)[1]))
 
 
 @pytest.mark.slow
 def test_a_lightning_fit_resumes_through_a_reclaim_with_nothing_but_the_callback(tmp_path):
-    steps = 30  # two epochs of 16 batches: the reclaim mid-epoch, then an epoch boundary
-    calm = uninterrupted("lightning_train.py", steps, tmp_path / "calm")
-    noticed, market = through_a_reclaim("lightning_train.py", steps, tmp_path / "market")
-    allocations = market["allocations"]
-    assert sorted(a["status"] for a in allocations) == ["finished", "preempted"]
-    preempted = next(a for a in allocations if a["status"] == "preempted")
-    assert preempted["end_reason"] == "final save acknowledged", preempted
-    starts = [e for e in noticed if "start" in e]
-    assert len(starts) == 2 and starts[0]["start"] is None  # fit(model, loader) both times
-    saved_at = starts[1]["start"]
-    first = [e["step"] for e in noticed if "loss" in e and e["attempt"] == starts[0]["attempt"]]
-    assert max(first) == saved_at >= steps // 3 and saved_at % 16  # stopped mid-epoch
-    assert by_step(noticed) == by_step(calm) and len(by_step(calm)) == steps
-    (done,) = [e for e in noticed if "done" in e]
-    (calm_done,) = [e for e in calm if "done" in e]
-    assert done["weights"] == calm_done["weights"]  # dropout and shuffling included
+    # two epochs of 16 batches: the reclaim mid-epoch, then an epoch boundary; dropout too
+    saved_at = resumed_like_the_calm_run("lightning_train.py", 30, tmp_path, int)
+    assert saved_at % 16  # mid-epoch
 
 
 @pytest.mark.parametrize("callback", ["huggingface", "lightning"])

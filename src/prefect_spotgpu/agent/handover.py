@@ -57,7 +57,7 @@ class HandedJob:
             epoch=request.epoch,
             bid_id=request.bid_id,
             ref=handle.ref,
-            job_ref=str(getattr(handle, "job_pid", handle.ref)),
+            job_ref=handle.job_ref,
             gpu_indices=list(request.gpu_indices),
             checkpoint_key=request.checkpoint_key,
             image=request.image,

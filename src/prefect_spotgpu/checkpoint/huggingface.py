@@ -25,19 +25,13 @@ losses are the uninterrupted run's.
 
 from __future__ import annotations
 
-import logging
 import tempfile
-import time
 from datetime import timedelta
 from pathlib import Path
 
 from transformers import TrainerCallback
 
-from prefect_spotgpu.checkpoint.checkpointer import Checkpointer, SaveResult
-from prefect_spotgpu.checkpoint.directory import directory_state, write_directory
-from prefect_spotgpu.checkpoint.flow import storage_and_key, wait_to_be_stopped
-
-logger = logging.getLogger("prefect_spotgpu.checkpoint")
+from prefect_spotgpu.checkpoint.framework import FrameworkSaves
 
 PREFIX = "checkpoint"
 """The Trainer's name for its checkpoint directories: ``checkpoint-<global step>``."""
@@ -63,63 +57,36 @@ class SpotTrainerCallback(TrainerCallback):
         stop: bool = True,
         **options,
     ) -> None:
-        storage, key = storage_and_key(storage, key)
-        seconds = every.total_seconds() if isinstance(every, timedelta) else float(every)
-        self.checkpointer = Checkpointer(storage, key, every=seconds, background=False,
-                                         **options)  # fmt: skip
-        self.every = seconds
-        self.stop = stop
+        self.saves = FrameworkSaves(storage, key, every, stop, options)
+        self.checkpointer = self.saves.checkpointer
         self.local_dir = Path(local_dir or tempfile.mkdtemp(prefix="spotgpu-hf-"))
-        self._last = time.monotonic()
         self._final = False
-        restored = self.checkpointer.restore()
         self.resume_from: str | None = None
-        if restored is not None:
-            target = self.local_dir / f"{PREFIX}-{restored.step}"
-            self.resume_from = str(write_directory(restored.state, target))
-            logger.info("resuming %s from its checkpoint of step %s", key, restored.step)
+        found = self.saves.restore_into(lambda step: self.local_dir / f"{PREFIX}-{step}")
+        if found is not None:  # (the Trainer's name for it: checkpoint-<step>)
+            self.resume_from = str(self.local_dir / f"{PREFIX}-{found}")
 
     @property
     def notice_received(self) -> bool:
         """Whether the final save is done and acknowledged."""
-        return self.checkpointer.notice_received
+        return self.saves.notice_received
 
     def on_step_end(self, args, state, control, **kwargs):
-        notice = _any_process(self.checkpointer.notice_pending())
-        if notice:
+        if _any_process(self.checkpointer.notice_pending()):
             self._final = True
             control.should_save = True
             control.should_training_stop = True
-        elif time.monotonic() - self._last >= self.every:
+        elif self.saves.due():
             control.should_save = True
         return control
 
     def on_save(self, args, state, control, **kwargs):
         """Store the directory the Trainer just wrote (process 0), then, after a notice,
         acknowledge on every process and wait to be stopped."""
-        self._last = time.monotonic()
         step = state.global_step
-        result, failed = None, None
-        if state.is_world_process_zero:
-            folder = Path(args.output_dir) / f"{PREFIX}-{step}"
-            try:
-                result = self.checkpointer.save(directory_state(folder), step, final=self._final)
-            except Exception as exc:
-                failed = exc
-        if _any_process(failed is not None):  # (every process learns it: also a barrier)
-            failed = failed or RuntimeError(f"the checkpoint of step {step} failed on process 0")
-            if not self._final:  # a periodic save: training goes on, the next one retries
-                logger.error("checkpoint of step %s failed: %s", step, failed)
-                return control
-            self.checkpointer.notice_received = True
-            self.checkpointer.acknowledge_failure(failed)
-            raise failed
-        if self._final:  # durable: each process tells its node's agent, then waits
-            self.checkpointer.read_deadline()
-            self.checkpointer.acknowledge(result or SaveResult(step, 0, 0.0, True))
-            self.checkpointer.notice_received = True
-            if self.stop:
-                wait_to_be_stopped(self.checkpointer)
+        folder = Path(args.output_dir) / f"{PREFIX}-{step}"
+        zero = state.is_world_process_zero
+        self.saves.store(folder if zero else None, step, final=self._final, anywhere=_any_process)
         return control
 
 

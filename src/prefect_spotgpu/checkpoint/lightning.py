@@ -30,20 +30,14 @@ Lightning replays the epoch's batches from its start, and says so.
 
 from __future__ import annotations
 
-import logging
 import tempfile
-import time
 from datetime import timedelta
 from pathlib import Path
 
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
-from prefect_spotgpu.checkpoint.checkpointer import Checkpointer, SaveResult
-from prefect_spotgpu.checkpoint.directory import directory_state, write_directory
-from prefect_spotgpu.checkpoint.flow import storage_and_key, wait_to_be_stopped
+from prefect_spotgpu.checkpoint.framework import FrameworkSaves
 from prefect_spotgpu.checkpoint.rng import rng_state, set_rng_state
-
-logger = logging.getLogger("prefect_spotgpu.checkpoint")
 
 FILENAME = "spot"
 """The checkpoint file's name (``spot.ckpt``) in the callback's directory."""
@@ -69,23 +63,13 @@ class SpotLightningCheckpoint(OnExceptionCheckpoint):
     ) -> None:
         local = Path(local_dir or tempfile.mkdtemp(prefix="spotgpu-lightning-"))
         super().__init__(dirpath=str(local), filename=FILENAME)
-        storage, key = storage_and_key(storage, key)
-        seconds = every.total_seconds() if isinstance(every, timedelta) else float(every)
-        self.checkpointer = Checkpointer(storage, key, every=seconds, background=False,
-                                         **options)  # fmt: skip
-        self.every = seconds
-        self.stop = stop
-        self._last = time.monotonic()
-        restored = self.checkpointer.restore()
-        self.resumed_step: int | None = None
-        if restored is not None:
-            write_directory(restored.state, local)
-            self.resumed_step = restored.step
-            logger.info("resuming %s from its checkpoint of step %s", key, restored.step)
+        self.saves = FrameworkSaves(storage, key, every, stop, options)
+        self.checkpointer = self.saves.checkpointer
+        self.resumed_step: int | None = self.saves.restore_into(lambda step: local)
 
     @property
     def notice_received(self) -> bool:
-        return self.checkpointer.notice_received
+        return self.saves.notice_received
 
     def state_dict(self) -> dict:
         """Saved in Lightning's checkpoint: the random number generators' states (Lightning
@@ -105,36 +89,15 @@ class SpotLightningCheckpoint(OnExceptionCheckpoint):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         strategy = trainer.strategy
         final = strategy.reduce_boolean_decision(self.checkpointer.notice_pending(), all=False)
-        due = strategy.broadcast(time.monotonic() - self._last >= self.every)
-        if final or due:
-            self._save(trainer, final=final)
-
-    def _save(self, trainer, *, final: bool) -> None:
-        """Lightning writes the file (every rank takes part), rank 0 stores it; after a
-        notice every rank acknowledges and waits to be stopped."""
-        self._last = time.monotonic()
-        step = trainer.global_step
-        trainer.save_checkpoint(self.ckpt_path)
-        result, failed = None, None
-        if trainer.is_global_zero:
-            try:
-                files = directory_state(Path(self.dirpath))
-                result = self.checkpointer.save(files, step, final=final)
-            except Exception as exc:
-                failed = exc
-        if trainer.strategy.reduce_boolean_decision(failed is not None, all=False):
-            failed = failed or RuntimeError(f"the checkpoint of step {step} failed on rank 0")
-            if not final:  # a periodic save: training goes on, the next one retries
-                logger.error("checkpoint of step %s failed: %s", step, failed)
-                return
-            self.checkpointer.notice_received = True
-            self.checkpointer.acknowledge_failure(failed)
-            raise failed
-        if not final:
+        if not (final or strategy.broadcast(self.saves.due())):
             return
-        self.checkpointer.read_deadline()
-        self.checkpointer.acknowledge(result or SaveResult(step, 0, 0.0, True))
-        self.checkpointer.notice_received = True
-        trainer.should_stop = True
-        if self.stop:
-            wait_to_be_stopped(self.checkpointer)
+        trainer.save_checkpoint(self.ckpt_path)  # (every rank takes part, rank 0 writes)
+        if final:
+            trainer.should_stop = True
+        folder = Path(self.dirpath) if trainer.is_global_zero else None
+        self.saves.store(
+            folder,
+            trainer.global_step,
+            final=final,
+            anywhere=lambda flag: strategy.reduce_boolean_decision(flag, all=False),
+        )

@@ -78,6 +78,10 @@ class ProcessJob(JobHandle):
         """The keeper's pid: the leader of the job's process group."""
         return int(self.ref)
 
+    @property
+    def job_ref(self) -> str:
+        return str(self.job_pid)
+
     def poll(self) -> int | None:
         if self.process is not None:
             return self.process.poll()

@@ -184,6 +184,13 @@ class JobHandle:
     signalled_at: float | None = None
     """When the notice was sent (set by ``Runner.notice``): the job is then the notice's."""
 
+    @property
+    def job_ref(self) -> str:
+        """The job's own process or container, where the runner has one apart from ``ref``
+        (a process job's keeper leads its group; the job is its child): ``adopt``'s second
+        name for it."""
+        return self.ref
+
 
 class Runner(Protocol):
     """What the agent needs of a runner (``ProcessRunner``, ``DockerRunner``)."""
