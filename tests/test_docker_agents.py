@@ -179,10 +179,10 @@ def test_a_handed_over_container_is_adopted_by_the_next_agent(sandbox, job_image
     client = docker.from_env()
     try:
         wait(lambda: len(admin.get("/nodes").json()) == 1, 30, "the agent")
-        bid = post_job(
-            buyer,
-            {"command": ["python3", "-c", "import time; time.sleep(3600)"], "image": "test-job"},
+        ticking = (
+            "import time\nfor i in range(7200):\n print('tick', i, flush=True); time.sleep(0.5)"
         )
+        bid = post_job(buyer, {"command": ["python3", "-c", ticking], "image": "test-job"})
         label = {"label": f"io.spotgpu.bid-id={bid['id']}"}
         (container,) = wait(
             lambda: client.containers.list(ignore_removed=True, filters=label), 60, "container"
@@ -196,6 +196,9 @@ def test_a_handed_over_container_is_adopted_by_the_next_agent(sandbox, job_image
             "the next agent adopting the container",
         )
         assert [c.id for c in client.containers.list(filters=label)] == [container.id]
+        log = tmp_path / "agent-a.log"  # its output goes on in the new agent's log, not again
+        wait(lambda: "| tick" in log.read_text(), 30, "the adopted container's output")
+        assert "| tick 0" not in log.read_text()
         (alloc,) = buyer.get(f"/bids/{bid['id']}/allocations").json()
         assert alloc["status"] == "running"
         buyer.post(f"/bids/{bid['id']}/cancel")

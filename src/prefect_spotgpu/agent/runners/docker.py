@@ -364,6 +364,10 @@ class DockerRunner:
         if container.labels.get(ALLOCATION_LABEL) != str(request.allocation_id):
             return None
         pid = int(container.attrs["State"].get("Pid") or 0)
+        since = int(time.time())  # its output from now on: the last agent logged the rest
+        threading.Thread(
+            target=_forward_logs, args=(container, request.allocation_id, since), daemon=True
+        ).start()
         return ContainerJob(request, container.id, time.time(), pid=pid)
 
     def reconcile(self, allocation_id: int, workdir: Path) -> bool:
@@ -411,10 +415,11 @@ def _unavailable(image: str, why, kind: type[ImageUnavailable] = ImageUnavailabl
     return kind(f"image {image!r} is not on this node and could not be pulled: {why}")
 
 
-def _forward_logs(container, allocation_id: int) -> None:
-    """The container's output, line by line, to the agent's log (until it exits)."""
+def _forward_logs(container, allocation_id: int, since: int | None = None) -> None:
+    """The container's output, line by line, to the agent's log (until it exits); ``since``
+    (Unix seconds): only what it printed from then on (an adopted container's)."""
     try:
-        for line in container.logs(stream=True, follow=True):
+        for line in container.logs(stream=True, follow=True, since=since):
             text = line.decode(errors="replace").rstrip()
             if text:
                 logger.info("allocation %s | %s", allocation_id, text)
