@@ -137,6 +137,7 @@ def test_signed_dcp_checkpoints_refuse_another_key(tmp_path):
     assert signed.restore(into) == 4 and torch.equal(into["bias"], plain_state(4.0)["bias"])
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # (no_dist=True: meant)
 def test_dcp_on_s3_keeps_whole_steps_and_loads_the_newest(s3_endpoint):
     client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1",
                           aws_access_key_id="test", aws_secret_access_key="test")  # fmt: skip
