@@ -425,3 +425,18 @@ def test_the_gang_benchmark_reports_its_figures(tmp_path):
     assert gang["world_size"] == 2 and alone["world_size"] == 1
     assert alone["bytes_per_rank"] == 2 * gang["bytes_per_rank"]  # the same total bytes
     assert 0 < gang["max_us"] < 100_000 and gang["save_seconds"] > 0  # gross failures only
+
+
+@pytest.mark.slow
+def test_a_gang_of_another_size_is_told_how_to_resume_never_started_over(tmp_path):
+    """Saved by 2 ranks, restored by 3: every rank refuses, naming the fixes (the progress is
+    there: starting over would silently throw it away)."""
+    root = tmp_path / "store"
+    run_ops(str(root), "run", "save:1", "save:2", tmp=tmp_path)
+    procs, errs = start_gang("shard_ops.py", [str(root), "run", "restore"], tmp_path, [{}] * 3)
+    for proc, err in zip(procs, errs, strict=True):
+        proc.communicate(timeout=90)
+        assert proc.returncode != 0
+        said = err.read_text()
+        assert "gang checkpoint run step 2 was saved by 2 ranks and this gang has 3" in said
+        assert "node_count=2" in said and "DistributedCheckpointer" in said

@@ -84,6 +84,14 @@ logger = logging.getLogger("prefect_spotgpu.checkpoint")
 GANG_FIELD = "gang"
 
 
+class OtherWorldSize(CorruptCheckpoint):
+    """A gang step saved by another number of ranks (its shards restore only on that many)."""
+
+    def __init__(self, saved: object, here: int) -> None:
+        super().__init__(f"a gang of {saved!r} ranks; this one has {here}")
+        self.saved = saved
+
+
 class GangCheckpointFailed(Exception):
     """A gang save failed on another rank, or its commit did (nothing is committed); or the
     ranks could not restore together (they see different checkpoints, or another rank's
@@ -408,9 +416,7 @@ class GangCheckpointer(Checkpointer):
         if not isinstance(record, dict) or not isinstance(record.get("shards"), list):
             raise CorruptCheckpoint("not a gang manifest")
         if record.get("world_size") != self.world_size or len(record["shards"]) != self.world_size:
-            raise CorruptCheckpoint(
-                f"a gang of {record.get('world_size')!r} ranks; this one has {self.world_size}"
-            )
+            raise OtherWorldSize(record.get("world_size"), self.world_size)
         shard = record["shards"][self.rank]
         if not isinstance(shard, dict) or not isinstance(shard.get("manifest_sha256"), str):
             raise CorruptCheckpoint(f"malformed entry for rank {self.rank}")
@@ -484,7 +490,8 @@ class GangCheckpointer(Checkpointer):
         Every rank tries the same steps, newest first: a step whose gang manifest or any
         rank's shard is missing, torn, corrupt, mis-signed or not the one named is skipped
         with a warning (naming the step) on every rank. A storage that does not answer on any
-        rank raises on every rank.
+        rank raises on every rank; so does a key whose only usable steps are of another world
+        size (``GangCheckpointFailed``, naming the fixes), rather than start over.
         """
         steps, seen = self._listing(self.gang)
         if not same_everywhere(self.sync, seen) or seen < 0:
@@ -492,6 +499,7 @@ class GangCheckpointer(Checkpointer):
                 f"the ranks do not see the same gang checkpoints of {self.key}: "
                 "is the storage shared by every rank, and does it answer?"
             )
+        other = None  # the newest step of another world size, and that size
         for step in steps:
             state, raw, mine, error = None, None, USABLE, None
             try:
@@ -501,7 +509,7 @@ class GangCheckpointer(Checkpointer):
                     raise CorruptCheckpoint("this rank's shard is not the one its gang names")
                 state = decode(self._manifest(raw, step, self.shard), blob)
             except (CorruptCheckpoint, OSError) as exc:
-                mine = SKIP
+                mine, other = SKIP, other or (isinstance(exc, OtherWorldSize) and (step, exc.saved))
                 logger.warning(
                     "gang checkpoint %s step %s is not usable on rank %s (%s: %s); trying an "
                     "older one",
@@ -527,4 +535,13 @@ class GangCheckpointer(Checkpointer):
                 continue
             self._checked[step] = (hashlib.sha256(raw).digest(), True)
             return Restored(state, step)
+        if self.sync.max(int(bool(other))):  # never a silent start over: progress is there
+            step, saved = other or (None, "another number of")
+            raise GangCheckpointFailed(
+                f"gang checkpoint {self.key} step {step} was saved by {saved} ranks and this "
+                f"gang has {self.world_size}: a gang's shards restore only on the world size "
+                f"that saved them. Run with node_count={saved}, or checkpoint with "
+                "DistributedCheckpointer (torch.distributed.checkpoint reshards), or start over "
+                "under another key"
+            )
         return None
