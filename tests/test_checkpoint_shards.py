@@ -133,8 +133,9 @@ def test_a_gang_commits_one_shard_per_rank_and_restores_each_rank_its_own(tmp_pa
         raw = (base / f"rank-{rank:05d}" / step_name(2) / "manifest.json").read_bytes()
         assert shard["manifest_sha256"] == hashlib.sha256(raw).hexdigest()
         assert shard["size"] == 4000
-    # a world-size-1 checkpointer of the same key sees none of it
-    assert Checkpointer(LocalStorage(root), "run", handle_sigusr1=False).restore() is None
+    # a world-size-1 checkpointer of the same key loads none of it, and says why
+    with pytest.raises(ValueError, match=r"holds a gang's shards .* DistributedCheckpointer"):
+        Checkpointer(LocalStorage(root), "run", handle_sigusr1=False).restore()
 
 
 @pytest.mark.slow

@@ -514,6 +514,14 @@ class Checkpointer:
                 continue
             self._checked[step] = (hashlib.sha256(raw).digest(), True)
             return Restored(state, step)
+        from prefect_spotgpu.checkpoint.gang import gang_name  # (it imports this module)
+
+        if self.storage.steps(gang_name(self.key)):  # never start over silently
+            raise ValueError(
+                f"checkpoint {self.key} holds a gang's shards (saved by several ranks) and this "
+                "run has one: run it with its node_count, or checkpoint with "
+                "DistributedCheckpointer (torch.distributed.checkpoint reshards)"
+            )
         return None
 
 
