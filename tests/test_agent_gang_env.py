@@ -197,8 +197,9 @@ MEMBER = textwrap.dedent(
     import json, os, pathlib, sys, time
     out = pathlib.Path(sys.argv[1])
     names = sys.argv[2].split(",")
-    (out / f"rank-{os.environ['RANK']}.json").write_text(
-        json.dumps({n: os.environ.get(n) for n in names}))
+    mine = out / f"rank-{os.environ['RANK']}.json"
+    mine.with_suffix(".tmp").write_text(json.dumps({n: os.environ.get(n) for n in names}))
+    mine.with_suffix(".tmp").rename(mine)  # whole or not there: the test reads it at once
     deadline = time.time() + 30  # both members have started before either ends the gang
     while len(list(out.glob("rank-*.json"))) < 2 and time.time() < deadline:
         time.sleep(0.2)
