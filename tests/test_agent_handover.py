@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -76,10 +77,11 @@ def test_a_job_whose_keeper_left_no_record_is_not_adopted_and_a_stranger_never_i
 def test_the_notice_goes_to_the_job_not_its_keeper(tmp_path):
     runner = ProcessRunner(users=AS_ME)
     job = "import signal, time, pathlib; signal.signal(signal.SIGUSR1, lambda *_: " \
-          "pathlib.Path('got').write_text('1')); time.sleep(600)"  # fmt: skip
+          "pathlib.Path('got').write_text('1')); pathlib.Path('ready').touch(); " \
+          "time.sleep(600)"  # fmt: skip
     handle = runner.start(request(tmp_path, [sys.executable, "-c", job]))
     try:
-        time.sleep(0.5)  # (its handler set: a python's start-up)
+        wait(lambda: (tmp_path / "alloc-1" / "ready").exists(), 10, "its handler set")
         fresh, adoptee = adopted(tmp_path, handle)
         fresh.notice(adoptee, deadline=time.time() + 60)
         wait(lambda: (tmp_path / "alloc-1" / "got").exists(), 10, "the job's SIGUSR1")
@@ -142,3 +144,22 @@ def test_a_hand_over_nobody_takes_kills_the_jobs_before_the_market_moves_the_run
         run.buyer.post(f"/bids/{run.bid['id']}/cancel")
     finally:
         stop_agents(run.agents, run.server, tmp_path)
+
+
+def test_a_notice_never_reaches_a_process_that_is_not_the_keepers_child(tmp_path):
+    """A hand-over record names the job's pid; should that pid be another process's by the
+    time of the notice (the job gone, its pid reused), the notice's SIGUSR1 (deadly by
+    default) must not kill it."""
+    runner = ProcessRunner(users=AS_ME)
+    handle = runner.start(request(tmp_path, ["sleep", "600"]))
+    stranger = subprocess.Popen(["sleep", "600"])
+    try:
+        fresh = ProcessRunner(users=AS_ME)
+        adoptee = fresh.adopt(handle.request, handle.ref, str(stranger.pid))
+        fresh.notice(adoptee, deadline=time.time() + 60)
+        assert (tmp_path / "alloc-1" / "notice.json").exists()  # the notice file is written
+        with pytest.raises(subprocess.TimeoutExpired):  # and the stranger lives on
+            stranger.wait(timeout=0.5)
+    finally:
+        stranger.kill()
+        runner.stop(handle, grace=0)

@@ -85,7 +85,7 @@ class ProcessJob(JobHandle):
     def poll(self) -> int | None:
         if self.process is not None:
             return self.process.poll()
-        if _alive(self.pid):
+        if _is_job(self.pid, self.request.workdir):  # (its pid, reused since, is not)
             return None
         return recorded_exit(self.request.workdir)
 
@@ -270,8 +270,9 @@ class ProcessRunner:
         try:
             write_notice(handle.request, deadline)  # (fails if the job put a directory there)
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(handle.job_pid, signal.SIGUSR1)  # the job's main process only
+            if _parent(handle.job_pid) == handle.pid:  # the job still, never a reused pid
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(handle.job_pid, signal.SIGUSR1)  # the job's main process only
             handle.signalled_at = time.time()
 
     def stop(self, handle: ProcessJob, grace: float = 10.0) -> None:
@@ -350,6 +351,14 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _parent(pid: int) -> int | None:
+    """``pid``'s parent, or None when it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _is_job(pid: int, workdir: Path) -> bool:
