@@ -15,10 +15,10 @@ save-then-stop into the run's storage and gives the next attempt its checkpoint
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,7 +48,8 @@ class Windows(torch.utils.data.Dataset):
 
 def fine_tune(steps: int, *, output_dir: str, log=None, spot=None, step_seconds: float = 0.0):
     """Train the adapters for ``steps`` steps (resuming from ``spot.resume_from``); the
-    trained model and the losses by step."""
+    trained model and the losses by step. ``output_dir``: the Trainer's scratch (a temporary
+    directory: what must last goes to the run's storage, by the callback and the flow)."""
     from peft import LoraConfig, get_peft_model
     from transformers import (
         GPT2Config,
@@ -108,10 +109,10 @@ def _prefect_flow():
     def lora(steps: int = 200) -> dict:
         """LoRA fine-tuning of a small causal language model; resumes from checkpoints."""
         logger = get_run_logger()
-        model, losses = fine_tune(steps, output_dir="lora-output")
+        model, losses = fine_tune(steps, output_dir=tempfile.mkdtemp(prefix="lora-"))
         data, digest = adapter_bytes(model)
         objects, prefix = run_outputs("lora-adapter")
-        objects.put(f"{prefix}/adapter_model.safetensors", io.BytesIO(data).getvalue())
+        objects.put(f"{prefix}/adapter_model.safetensors", data)
         logger.info("adapter %s (%d bytes) in the run's storage at %s", digest[:12], len(data),
                     prefix)  # fmt: skip
         return {"losses": [losses[s] for s in sorted(losses)], "adapter_sha256": digest}
@@ -143,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
 
     spot = SpotTrainerCallback(key=args.key, every=3600)
     log(start=spot.resume_from, pid=os.getpid())
-    model, _ = fine_tune(args.steps, output_dir="lora-output", log=log, spot=spot,
+    scratch = tempfile.mkdtemp(prefix="lora-")
+    model, _ = fine_tune(args.steps, output_dir=scratch, log=log, spot=spot,
                          step_seconds=args.step_seconds)  # fmt: skip
     log(done=args.steps, weights=adapter_bytes(model)[1])
 

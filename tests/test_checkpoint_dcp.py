@@ -156,3 +156,17 @@ def test_dcp_on_s3_keeps_whole_steps_and_loads_the_newest(s3_endpoint):
     dcp.load(into, storage_reader=SpotStorageReader(storage, "mine", 9), no_dist=True)
     assert torch.equal(into["bias"], plain_state(9.0)["bias"])
     assert storage.steps(commit_name("mine")) == [9]
+
+
+def test_a_commit_that_names_no_rank_is_skipped_for_the_step_before(tmp_path):
+    """An unsigned store anyone may write: a commit whose metadata points nowhere usable is a
+    step skipped (a clear ``CorruptCheckpoint`` inside), never a crash of the restore."""
+    from prefect_spotgpu.checkpoint.dcp import _Sealed
+
+    storage = LocalStorage(tmp_path)
+    ckpt = DistributedCheckpointer(storage, "run", every=1000, handle_sigusr1=False)
+    ckpt.save(plain_state(1.0), 1)
+    metadata = SpotStorageReader(storage, "run", 1).read_metadata()
+    _Sealed(storage, None).write(commit_name("run"), 2, {"metadata": metadata, "manifests": []})
+    into = plain_state(0.0)
+    assert ckpt.restore(into) == 1 and torch.equal(into["bias"], plain_state(1.0)["bias"])

@@ -259,14 +259,14 @@ class SpotStorageReader(StorageReader):
         places = self.metadata.storage_data
         by_rank: dict[int, list] = {}
         for request in plan.items:
-            by_rank.setdefault(places[request.storage_index].rank, []).append(request)
-        manifests = self._commit["manifests"]
+            by_rank.setdefault(self._place(request).rank, []).append(request)
         for rank, requests in sorted(by_rank.items()):
-            digest = bytes.fromhex(manifests[rank])
-            items = self._sealed.read(rank_name(self.key, rank), self.step, digest=digest)
-            items = items["items"]
+            items = self._rank_items(rank)
             for request in requests:
-                value = items[places[request.storage_index].position]
+                try:
+                    value = items[places[request.storage_index].position]
+                except (IndexError, TypeError) as exc:
+                    raise CorruptCheckpoint(f"step {self.step}: rank {rank} lacks an item") from exc
                 if request.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(request, io.BytesIO(value.tobytes()))
                     continue
@@ -282,6 +282,25 @@ class SpotStorageReader(StorageReader):
         future: Future = Future()
         future.set_result(None)
         return future
+
+    def _place(self, request) -> ItemPlace:
+        """Where the commit says an item lies; ``CorruptCheckpoint`` when it says nothing
+        usable (a commit of another writer, say)."""
+        place = self.metadata.storage_data.get(request.storage_index)
+        if not isinstance(place, ItemPlace):
+            raise CorruptCheckpoint(f"step {self.step}: no place for {request.storage_index}")
+        return place
+
+    def _rank_items(self, rank: int) -> list:
+        """Rank ``rank``'s items, checked against the commit and their own checksums."""
+        try:
+            digest = bytes.fromhex(self._commit["manifests"][rank])
+        except (IndexError, KeyError, TypeError, ValueError) as exc:
+            raise CorruptCheckpoint(f"step {self.step}: the commit names no rank {rank}") from exc
+        items = self._sealed.read(rank_name(self.key, rank), self.step, digest=digest)
+        if not isinstance(items, dict) or not isinstance(items.get("items"), list):
+            raise CorruptCheckpoint(f"step {self.step}: rank {rank}'s blob holds no items")
+        return items["items"]
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:

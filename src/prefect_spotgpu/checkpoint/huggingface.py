@@ -32,6 +32,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from prefect_spotgpu.checkpoint.framework import FrameworkSaves
+from prefect_spotgpu.checkpoint.group import TorchGroupSync
 
 PREFIX = "checkpoint"
 """The Trainer's name for its checkpoint directories: ``checkpoint-<global step>``."""
@@ -91,12 +92,10 @@ class SpotTrainerCallback(TrainerCallback):
 
 
 def _any_process(flag: bool) -> bool:
-    """Whether ``flag`` is set on any process of a distributed run (one all-reduce)."""
-    import torch
+    """Whether ``flag`` is set on any process of a distributed run (``group.TorchGroupSync``:
+    one all-reduce, on the GPU under NCCL); ``flag`` itself without torch.distributed."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return flag
-    value = torch.tensor([int(flag)])
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+    return bool(TorchGroupSync().max(int(flag)))

@@ -75,8 +75,8 @@ class SpotLightningCheckpoint(OnExceptionCheckpoint):
         """Saved in Lightning's checkpoint: the random number generators' states (Lightning
         keeps none), so dropout and the like resume as if never stopped."""
         state = rng_state()
-        name, keys, *rest = state["numpy"]  # plain types: Lightning loads with weights_only
-        state["numpy"] = (name, keys.tolist(), *(getattr(x, "item", lambda x=x: x)() for x in rest))
+        name, keys, position, has_gauss, cached = state["numpy"]  # plain types: Lightning
+        state["numpy"] = (name, keys.tolist(), int(position), int(has_gauss), float(cached))
         return {"rng": state}
 
     def load_state_dict(self, state_dict: dict) -> None:
