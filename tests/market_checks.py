@@ -115,21 +115,26 @@ def gangs(state: MarketState) -> dict[int, list]:
 
 
 def check_gangs(state: MarketState, now: float) -> None:
-    """A gang never runs or is reserved partially; its members are on distinct nodes of one
-    pool; a gang with every member waiting never waits while free GPUs could hold it."""
+    """A gang never runs or is reserved on fewer nodes than its ``least_nodes`` (all of them,
+    unless it may go on smaller); its members are on distinct nodes of one pool; a gang with
+    every member waiting never waits while free GPUs could hold it (at its fewest)."""
     nodes = {n.id: n for n in state.nodes}
     by_bid: dict[int, list] = defaultdict(list)
     for a in state.allocations:
         by_bid[a.bid_id].append(a)
     busy, noticed, takeovers = node_load(state)
     for gang_id, members in gangs(state).items():
-        n = members[0].node_count
+        n, least = members[0].node_count, members[0].least_nodes
         for status in (RUNNING, RESERVED):
             held = [a for m in members for a in by_bid[m.id] if a.status is status]
-            assert len(held) in (0, n), f"gang {gang_id}: {len(held)} of {n} members {status}"
+            assert not held or least <= len(held) <= n, (
+                f"gang {gang_id}: {len(held)} of {n} members {status} (at least {least})"
+            )
             if held:
-                assert len(held) == len(members) == n, f"gang {gang_id} incomplete"
-                assert len({a.node_id for a in held}) == n, f"gang {gang_id} shares a node"
+                assert len(members) == n, f"gang {gang_id} incomplete"
+                first_ranks = {m.id for m in members[: len(held)]}
+                assert {a.bid_id for a in held} == first_ranks, f"gang {gang_id}: not its first"
+                assert len({a.node_id for a in held}) == len(held), f"gang {gang_id} shares a node"
                 pools = {(nodes[a.node_id].gpu_model, nodes[a.node_id].region) for a in held}
                 assert len(pools) == 1, f"gang {gang_id} spans pools {pools}"
         holding = [a for m in members for a in by_bid[m.id] if a.status.holds_gpus()]
@@ -149,7 +154,7 @@ def check_gangs(state: MarketState, now: float) -> None:
                 and free >= first.gpu_count
             ):
                 fits[node.region] += 1
-        assert max(fits.values(), default=0) < n, f"gang {gang_id} waits beside free nodes {fits}"
+        assert max(fits.values(), default=0) < least, f"gang {gang_id} waits beside free {fits}"
 
 
 def check_outbid_rule(state: MarketState, now: float) -> None:

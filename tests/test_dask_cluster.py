@@ -239,8 +239,15 @@ def test_two_thousand_shards_survive_three_reclaims_and_a_killed_agent(stack, tm
         assert digests[i] == hashlib.sha256(shard_bytes(i)).hexdigest()
     assert objects.names(prefix) == names
     begun, stored = read_log(log)
-    assert sorted(stored) == list(range(shards))  # each output stored once, by one attempt
+    assert len(stored) == len(set(stored))  # no output stored twice
     killed_at = next(at for at, what, _, _ in trouble.log if what == "kill")
+    # an attempt SIGKILLed between its store and its log line leaves no "stored" line; its retry
+    # finds the output there and stores nothing: such a shard was begun twice, once before the kill
+    unlogged = set(range(shards)) - set(stored)
+    assert len(unlogged) <= GPUS_PER_NODE, unlogged
+    for shard in unlogged:
+        times = sorted(at for s, at in begun if s == shard)
+        assert len(times) >= 2 and times[0] < killed_at, (shard, times, killed_at)
     seen, redone_before_kill, redone = set(), 0, 0
     for shard, at in sorted(begun, key=lambda b: b[1]):
         if shard in seen:

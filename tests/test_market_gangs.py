@@ -44,6 +44,7 @@ gang_bid_st = st.tuples(
     st.sampled_from(PRICES),
     st.sampled_from((None, None, None, (0, 900))),
     st.sampled_from((1, 1, 2, 2, 3)),  # node_count
+    st.sampled_from((False, False, True)),  # it may go on one node smaller (min_node_count)
 )
 reclaim_st = st.tuples(
     st.just("node"), st.integers(0, 10**6), st.sampled_from(("reclaim", "lose", "live", "live"))
@@ -390,6 +391,7 @@ cold_bid_st = st.tuples(
     st.sampled_from((1, 1, 1, 2, 2, 3, 4)),  # node_count
     st.sampled_from((None, None, None, (0, 900), (2000, 5000))),  # window
     st.integers(0, 4),  # 0: a gang short of one member (it waits, and blocks its book)
+    st.sampled_from((False, False, True)),  # it may go on one node smaller (min_node_count)
 )
 
 
@@ -404,7 +406,7 @@ def cold_markets(nodes, bids, arrays):
             held = frozenset({"pytorch:1"}) if image else frozenset()
             market.upsert_node(Node(i, model, region, gpus, reserve or pool_reserve, images=held))
         next_id = 1
-        for model, region, gpus, price, count, window, short in bids:
+        for model, region, gpus, price, count, window, short, shrinks in bids:
             members = count - 1 if count > 1 and short == 0 else count
             for rank in range(members):
                 market.add_bid(
@@ -418,6 +420,7 @@ def cold_markets(nodes, bids, arrays):
                         window=None if window is None else Interval(*window),
                         node_count=count,
                         gang_id=next_id if count > 1 else None,
+                        min_node_count=count - 1 if shrinks and count > 1 else None,
                     )
                 )
             next_id += count
@@ -532,3 +535,106 @@ def test_the_replay_sorts_a_large_book_a_slice_at_a_time_and_misses_nothing():
     decision = markets[0].tick(1.0)
     assert decision.equals(markets[1].tick(1.0))
     assert placed(decision) == {6010: 1, 6011: 1}  # a gang needs two nodes: one exists
+
+
+# ------------------------------------------------------- gangs that may go on smaller
+
+
+def test_a_gang_that_may_shrink_runs_on_the_nodes_there_are_and_never_below_its_least():
+    market = market_of(node(1))
+    for bid in gang(10, 3, 8, 2.0, region="eu-west", min_node_count=2):
+        market.add_bid(bid)
+    assert not market.tick(1.0).placements  # one node: below its least, it waits whole
+    market.upsert_node(node(2))
+    where = placed(market.tick(2.0))
+    assert sorted(where) == [10, 11] and len(set(where.values())) == 2  # its first ranks
+    state = market.snapshot()
+    check_gangs(state, 2.0)
+    assert {b.id for b in state.bids} == {10, 11, 12}  # the third member parked, not waiting
+    assert market.tick(3.0).quote("A100-80G", "eu-west").waiting_bids == 0
+
+
+def test_a_reclaimed_member_without_a_replacement_leaves_a_gang_that_may_shrink_smaller():
+    market = market_of(node(1), node(2))
+    for bid in gang(10, 2, 8, 2.0, region="eu-west", min_node_count=1):
+        market.add_bid(bid)
+    where = placed(market.tick(1.0))
+    market.upsert_node(node(where[10], state=NodeState.RECLAIMED))
+    decision = market.tick(2.0)
+    assert sorted(n.bid_id for n in decision.notices) == [10, 11]  # one notice, as ever
+    reserved = {(p.bid_id, p.node_id, p.kind.value) for p in decision.placements}
+    # the survivor's own GPUs, for rank 0: a gang gone smaller holds its first ranks
+    assert reserved == {(10, where[11], "takeover")}
+    running = {a.bid_id: a.id for a in market.snapshot().allocations if a.status.holds_gpus()}
+    market.end_allocation(running[10], AllocationStatus.PREEMPTED, 3.0)
+    assert not market.tick(4.0).promotions  # rank 1 still runs there: nobody starts yet
+    market.end_allocation(running[11], AllocationStatus.PREEMPTED, 5.0)
+    decision = market.tick(6.0)
+    assert len(decision.promotions) == 1
+    on = {a.bid_id: (a.node_id, a.status) for a in market.snapshot().allocations}
+    assert on == {10: (where[11], AllocationStatus.RUNNING)}  # one node: a world of 1
+    check_gangs(market.snapshot(), 6.0)
+
+
+def test_a_gang_run_smaller_grows_back_at_its_next_notice_when_nodes_are_free():
+    market = market_of(node(1), node(2))
+    for bid in gang(10, 3, 8, 2.0, region="eu-west", min_node_count=2):
+        market.add_bid(bid)
+    where = placed(market.tick(1.0))
+    assert sorted(where) == [10, 11]
+    market.upsert_node(node(3))
+    market.upsert_node(node(4))
+    assert not market.tick(2.0).placements  # a running gang does not grow mid-run
+    market.upsert_node(node(where[11], state=NodeState.RECLAIMED))
+    decision = market.tick(3.0)
+    reserved = {p.bid_id: (p.node_id, p.kind.value) for p in decision.placements}
+    assert reserved[10] == (where[10], "takeover")
+    assert {reserved[11][0], reserved[12][0]} == {3, 4}  # the noticed and the parked member
+    for a in market.snapshot().allocations:
+        if a.status is AllocationStatus.NOTICED:
+            market.end_allocation(a.id, AllocationStatus.PREEMPTED, 4.0)
+    assert len(market.tick(5.0).promotions) == 3  # whole again
+    check_gangs(market.snapshot(), 5.0)
+
+
+def test_a_gang_that_runs_whole_still_waits_whole_without_a_replacement():
+    """The default: min_node_count None is node_count (the scenario above, without it)."""
+    market = market_of(node(1), node(2))
+    for bid in gang(10, 2, 8, 2.0, region="eu-west"):
+        assert bid.least_nodes == 2
+        market.add_bid(bid)
+    where = placed(market.tick(1.0))
+    market.upsert_node(node(where[10], state=NodeState.RECLAIMED))
+    assert not market.tick(2.0).placements
+
+
+@pytest.mark.parametrize("least", [0, 3, -1, True, 1.5, "1"])
+def test_a_bad_min_node_count_names_the_field(least):
+    with pytest.raises(ValueError, match="min_node_count"):
+        Bid(1, "A100-80G", 8, 2.0, node_count=2, gang_id=1, min_node_count=least)
+
+
+def test_members_must_agree_on_min_node_count():
+    market = market_of(node(1), node(2))
+    first, second = gang(10, 2, 8, 2.0, region="eu-west", min_node_count=1)
+    market.add_bid(first)
+    with pytest.raises(ValueError, match="share every term"):
+        market.add_bid(Bid(11, "A100-80G", 8, 2.0, region="eu-west", node_count=2, gang_id=10))
+    market.add_bid(second)
+
+
+def test_a_cold_tick_places_a_gang_smaller_exactly_as_the_one_by_one_loop():
+    nodes = [node(1), node(2)]
+    bulk, one_by_one = market_of(*nodes), OneByOne()
+    for n in nodes:
+        one_by_one.upsert_node(n)
+    bids = [*gang(10, 3, 8, 2.0, region="eu-west", min_node_count=2), Bid(20, "A100-80G", 8, 1.0)]
+    for market in (bulk, one_by_one):
+        for b in bids:
+            market.add_bid(b)
+    decision = bulk.tick(1.0)
+    assert decision.equals(one_by_one.tick(1.0))
+    assert sorted(placed(decision)) == [10, 11]
+    state = bulk.snapshot()
+    check_gangs(state, 1.0)
+    assert clear(state, 2.0).equals(OneByOne.from_state(state).tick(2.0))

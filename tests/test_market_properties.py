@@ -153,6 +153,7 @@ def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
             model, region, count, price, window, *gang = step[1]
             model, _, capacity = model.partition("/")
             node_count = gang[0] if gang else 1
+            shrinks = len(gang) > 1 and gang[1] and node_count > 1  # it may go on one smaller
             first = next_bid
             for member in range(node_count):  # a gang: node_count member bids, first id first
                 bid = Bid(
@@ -167,6 +168,7 @@ def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
                     image=IMAGES[first % 3] if first % 3 < len(IMAGES) else None,
                     node_count=node_count,
                     gang_id=first if node_count > 1 else None,
+                    min_node_count=node_count - 1 if shrinks else None,
                 )
                 unserved = market.runners.unserved(bid) if member == 0 else None
                 if unserved is not None:  # no node of its pools serves it: the service holds it

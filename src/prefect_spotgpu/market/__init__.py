@@ -6,6 +6,7 @@ library (``tests/test_architecture.py`` fails if it does). The service, the agen
 use it; it uses nothing of theirs.
 """
 
+from prefect_spotgpu.market.checks import ANY_REGION, MAX_GPUS_PER_NODE
 from prefect_spotgpu.market.decision import (
     Charge,
     Charges,
@@ -27,8 +28,6 @@ from prefect_spotgpu.market.gpus import (
 )
 from prefect_spotgpu.market.policies import PACKING_POLICIES, get_packing_policy
 from prefect_spotgpu.market.types import (
-    ANY_REGION,
-    MAX_GPUS_PER_NODE,
     Allocation,
     AllocationStatus,
     Bid,

@@ -388,9 +388,13 @@ class Allocations:
         ix = self.index
         brow = int(ix.a.bid[arow])
         members = ix.members(brow)
-        if len(members) > 1:  # a gang starts whole: every member reserved and startable
-            rows = [int(ix.b.res[m]) for m in members]
-            if min(rows) < 0 or not all(self._can_start(r, now) for r in rows):
+        if len(members) > 1:  # a gang starts at once: every reserved member startable, no
+            b = ix.b  # member running, and at least its fewest nodes (all, unless it may shrink)
+            rows = [int(b.res[m]) for m in members if b.res[m] >= 0]
+            least = ix.books[b.book[members[0]]].least
+            if len(rows) < least or any(b.run[m] >= 0 for m in members):
+                return False
+            if not all(self._can_start(r, now) for r in rows):
                 return False
             for r in rows:
                 self._start(r, now)

@@ -20,7 +20,7 @@ from heapq import heapify, heappop, heappush
 
 import numpy as np
 
-from prefect_spotgpu.market.types import MAX_GPUS_PER_NODE
+from prefect_spotgpu.market.checks import MAX_GPUS_PER_NODE
 
 ROW_BITS = 20
 ROW_MASK = (1 << ROW_BITS) - 1
@@ -28,8 +28,8 @@ MAX_NODES = 1 << ROW_BITS
 
 
 class Book:
-    """Waiting bids of one (model, region-or-any, size, window, nodes, image or not), best
-    first."""
+    """Waiting bids of one (model, region-or-any, size, window, nodes, fewest nodes, image or
+    not), best first."""
 
     __slots__ = (
         "count",
@@ -38,6 +38,7 @@ class Book:
         "head",
         "image",
         "index",
+        "least",
         "model",
         "nodes",
         "region",
@@ -55,6 +56,7 @@ class Book:
         window: int,
         nodes: int = 1,
         image: bool = False,
+        least: int | None = None,
     ) -> None:
         self.index = index
         self.image = image  # its bids name an image (types.Runner: only nodes that run images)
@@ -62,6 +64,7 @@ class Book:
         self.region = region  # -1: any region of the model
         self.size = size  # GPUs per node
         self.nodes = nodes  # > 1: a book of gangs (one entry per gang: its first member)
+        self.least = nodes if least is None else least  # the fewest nodes its gangs run on
         self.window = window  # -1: no window
         self.rows = np.zeros(0, np.int64)
         self.epochs = np.zeros(0, np.int64)

@@ -22,10 +22,10 @@ from heapq import heapify, heappop, heappush
 import numpy as np
 
 from prefect_spotgpu.market.book import ROW_BITS, ROW_MASK, Book, priority_order
+from prefect_spotgpu.market.checks import MAX_GPUS_PER_NODE
 from prefect_spotgpu.market.decision import PlacementKind
 from prefect_spotgpu.market.index import MarketIndex
 from prefect_spotgpu.market.tables import ACTIVE, KIND_CODES, RUNNING, WAITING, Pool
-from prefect_spotgpu.market.types import MAX_GPUS_PER_NODE
 
 IMAGE_AWARE_BULK_NODES = 512
 """Fresh pools of at most this many nodes leave the bids with images to the one-by-one fit,
@@ -224,6 +224,7 @@ class BulkAdmission:
             return  # nothing fits anywhere: every book's head waits
         rest = np.concatenate([bk.live_rows(b.status, b.epoch, WAITING) for bk in open_books])
         nodes_of = {bk.index: bk.nodes for bk in open_books}
+        least_of = {bk.index: bk.least for bk in open_books}
         chunk = first_slice(fits.free_gpus, float(b.gpus[rest].mean()) if len(rest) else 1.0)
         while len(rest):
             if len(rest) > chunk:  # the best ``chunk`` bids and every bid at their lowest price
@@ -233,7 +234,7 @@ class BulkAdmission:
             else:
                 part, rest = rest, rest[:0]
             part = part[priority_order(b.price[part], b.created[part], b.id[part])]
-            if fits.replay(part, b, ix.gangs, nodes_of):
+            if fits.replay(part, b, ix.gangs, nodes_of, least_of):
                 break
             chunk *= 2
         if not fits.won:
@@ -256,6 +257,7 @@ class BulkAdmission:
                 ix.rebuild_capacity(pool, pool.live)
         books = [ix.books[i] for i in np.unique(b.book[brows]).tolist()]
         self._record_running(brows, nrows, pool_of, gpus, now, books, keys >> ROW_BITS)
+        b.status[np.asarray(fits.parked, np.int64)] = ACTIVE
 
     def _record_running(
         self,
@@ -315,7 +317,8 @@ class FreeFits:
     the fewest free GPUs that suffice, then the lowest reserve, then the lowest node id (over
     every pool of the model for an any-region bid); a gang, once all its members are in the
     book, takes the ``node_count`` first such nodes of the first pool that has that many, its
-    members in rank order.
+    members in rank order (a gang that may go on smaller, failing that: as many as there are
+    of the first pool with at least its ``min_node_count``, its first ranks).
     """
 
     __slots__ = (
@@ -324,6 +327,7 @@ class FreeFits:
         "done",
         "free_gpus",
         "masks",
+        "parked",
         "pool_index",
         "position",
         "reserves",
@@ -358,8 +362,9 @@ class FreeFits:
         self.won: list[int] = []  # bid rows, in the order they were placed
         self.won_key: list[int] = []  # the node key each took
         self.won_pool: list[int] = []
+        self.parked: list[int] = []  # members of gangs placed smaller: ACTIVE, no allocation
 
-    def replay(self, rows: np.ndarray, b, gangs: dict[int, list[int]], nodes_of) -> bool:
+    def replay(self, rows: np.ndarray, b, gangs: dict[int, list[int]], nodes_of, least_of) -> bool:
         """Place ``rows`` (waiting bids of the open books, best first) one by one; True once
         nothing more can be placed (no GPU free, or every open book done)."""
         done, masks, buckets, reserves = self.done, self.masks, self.buckets, self.reserves
@@ -379,13 +384,18 @@ class FreeFits:
             count = nodes_of[book]
             if count > 1:  # a gang (its first member's row)
                 members = gangs[row]
-                placed = len(members) == count and self._take_gang(where, size, price, count)
+                least = least_of[book]
+                placed = len(members) == count and (
+                    self._take_gang(where, size, price, count, count)
+                    or (least < count and self._take_gang(where, size, price, count, least))
+                )
                 if placed:
                     i, keys = placed
-                    won.extend(members)
+                    won.extend(members[: len(keys)])
+                    self.parked.extend(members[len(keys) :])  # (a gang gone on smaller)
                     won_key.extend(keys)
-                    won_pool.extend([pool_index[i]] * count)
-                    self.free_gpus -= size * count
+                    won_pool.extend([pool_index[i]] * len(keys))
+                    self.free_gpus -= size * len(keys)
             else:
                 best = None
                 for i in where:
@@ -418,9 +428,10 @@ class FreeFits:
                 return True  # every later bid finds no fit
         return False
 
-    def _take_gang(self, where, size: int, price: float, count: int):
-        """``(pool position, node keys)`` of a gang's ``count`` tightest distinct free fits in
-        the first pool of ``where`` that has them, taken; or None, changing nothing."""
+    def _take_gang(self, where, size: int, price: float, count: int, least: int):
+        """``(pool position, node keys)`` of a gang's ``count`` tightest distinct free fits (at
+        least ``least``) in the first pool of ``where`` that has them, taken; or None, changing
+        nothing."""
         for i in where:
             if self.reserves[i] > price or not self.masks[i] >> size:
                 continue
@@ -432,7 +443,7 @@ class FreeFits:
                     taken.append((f, heappop(heap)))
                 if len(taken) == count:
                     break
-            if len(taken) < count:
+            if len(taken) < least:
                 for f, key in taken:  # too few here: put them back
                     heappush(by_free[f], key)
                 continue

@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from prefect_spotgpu.market.checks import MAX_GPUS_PER_NODE
 from prefect_spotgpu.market.decision import PlacementKind
 from prefect_spotgpu.market.incumbents import bid_terms, incumbents, victims_on
 from prefect_spotgpu.market.tables import RUNNING, WAITING
-from prefect_spotgpu.market.types import MAX_GPUS_PER_NODE, NodeState
+from prefect_spotgpu.market.types import NodeState
 
 if TYPE_CHECKING:
     from prefect_spotgpu.market.allocations import Allocations

@@ -49,6 +49,7 @@ import numpy as np
 from prefect_spotgpu.market.allocations import Allocations
 from prefect_spotgpu.market.book import MAX_NODES, priority_order
 from prefect_spotgpu.market.bulk import BulkAdmission
+from prefect_spotgpu.market.checks import ANY_REGION, MAX_GPUS_PER_NODE, MAX_ID
 from prefect_spotgpu.market.clearing import Clearing
 from prefect_spotgpu.market.decision import Charges, Decision, Settlement
 from prefect_spotgpu.market.gangs import Gangs
@@ -70,9 +71,6 @@ from prefect_spotgpu.market.tables import (
     TickOut,
 )
 from prefect_spotgpu.market.types import (
-    ANY_REGION,
-    MAX_GPUS_PER_NODE,
-    MAX_ID,
     Allocation,
     AllocationStatus,
     Bid,
@@ -83,7 +81,6 @@ from prefect_spotgpu.market.types import (
     check_price,
     check_region,
     check_time,
-    gang_terms,
 )
 
 _ENDED_AS = {  # why an allocation ended from outside the tick, by the status it ends in
@@ -196,19 +193,7 @@ class Market:
                 f"region {bid.region!r} is not a known region; known regions: "
                 f"{', '.join(sorted(known)) or 'none'}"
             )
-        leader = -1
-        if bid.gang_id is not None and bid.gang_id != bid.id:
-            leader = ix.bid_row.get(bid.gang_id, -1)
-            if leader < 0 or ix.b.status[leader] == GONE:
-                raise ValueError(
-                    f"gang_id {bid.gang_id} of bid {bid.id}: add the gang's first member first"
-                )
-            if len(ix.gangs[leader]) >= bid.node_count:
-                raise ValueError(f"gang {bid.gang_id} already has its {bid.node_count} members")
-            if ix.b.status[leader] != WAITING:
-                raise ValueError(f"gang {bid.gang_id} is already placed: it takes no members")
-            if self.gangs.terms_of(leader) != gang_terms(bid):
-                raise ValueError(f"bid {bid.id} must share every term of gang {bid.gang_id}")
+        leader = self.gangs.leader_for(bid)
         model = ix.intern_model(bid.gpu_model, bid.capacity)
         region = -1 if bid.region == ANY_REGION else ix.intern_region(bid.region)
         window = -1
@@ -217,9 +202,8 @@ class Market:
             if window < 0:
                 window = ix.window_index[bid.window] = len(ix.windows)
                 ix.windows.append(bid.window)
-        book = ix.book_for(
-            model, region, bid.gpu_count, window, bid.node_count, bid.image is not None
-        )
+        nodes, image = (bid.node_count, bid.least_nodes), bid.image is not None
+        book = ix.book_for(model, region, bid.gpu_count, window, nodes[0], image, nodes[1])
         s = ix.b.reserve(1)
         row = s.start
         b = ix.b

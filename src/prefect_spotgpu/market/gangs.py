@@ -18,6 +18,13 @@ every term; each member holds ``gpu_count`` GPUs on its own node, all in one poo
   member (``GANG_MEMBER_ENDED``); a released reservation releases every member's
   (``GANG_RESERVATION_RELEASED``). A member with no allocation left is parked (ACTIVE, not in
   the book) until the whole gang has none; then the gang waits again.
+- **Smaller, when it says it may** (``Bid.min_node_count``, the book's ``least``). Where the
+  whole gang finds neither free fits nor takeovers, it runs on the free fits of the first pool
+  with at least ``least``; where a notice finds too few replacements, it resumes on its
+  survivors and those there are, if at least ``least``. Either way it holds its *first* ranks
+  (rank 0 runs the flow; the rest are parked), it starts only once no member runs, and it
+  grows back at its next notice, when replacements are free. Its flow reshards its checkpoint
+  (``checkpoint.DistributedCheckpointer``).
 """
 
 from __future__ import annotations
@@ -31,15 +38,24 @@ from prefect_spotgpu.market.book import ROW_MASK
 from prefect_spotgpu.market.decision import PlacementKind
 from prefect_spotgpu.market.incumbents import bid_terms, incumbents, victims_on
 from prefect_spotgpu.market.tables import (
+    GONE,
     MIGRATING_REASONS,
     NOTICED,
     PREEMPTED,
     RELEASED,
     RESERVED,
     RUNNING,
+    WAITING,
     Pool,
 )
-from prefect_spotgpu.market.types import ANY_REGION, EndReason, NodeState, NoticeReason
+from prefect_spotgpu.market.types import (
+    ANY_REGION,
+    Bid,
+    EndReason,
+    NodeState,
+    NoticeReason,
+    gang_terms,
+)
 
 if TYPE_CHECKING:
     from prefect_spotgpu.market.allocations import Allocations
@@ -72,7 +88,27 @@ class Gangs:
             ix.model_capacity[model],
             ix.images[b.image[first]] or None,
             ix.books[b.book[first]].nodes,
+            ix.books[b.book[first]].least,
         )
+
+    def leader_for(self, bid: Bid) -> int:
+        """The row of the first member of the gang a new bid joins (-1: it joins none, or it is
+        the first); ``ValueError`` when the gang cannot take it."""
+        ix = self.index
+        if bid.gang_id is None or bid.gang_id == bid.id:
+            return -1
+        leader = ix.bid_row.get(bid.gang_id, -1)
+        if leader < 0 or ix.b.status[leader] == GONE:
+            raise ValueError(
+                f"gang_id {bid.gang_id} of bid {bid.id}: add the gang's first member first"
+            )
+        if len(ix.gangs[leader]) >= bid.node_count:
+            raise ValueError(f"gang {bid.gang_id} already has its {bid.node_count} members")
+        if ix.b.status[leader] != WAITING:
+            raise ValueError(f"gang {bid.gang_id} is already placed: it takes no members")
+        if self.terms_of(leader) != gang_terms(bid):
+            raise ValueError(f"bid {bid.id} must share every term of gang {bid.gang_id}")
+        return leader
 
     def _distinct_fits(
         self, pool: Pool, size: int, price: float, image: int, count: int, exclude: set[int]
@@ -100,7 +136,7 @@ class Gangs:
         ix = self.index
         members = ix.gangs[first]
         b = ix.b
-        count = ix.books[b.book[first]].nodes
+        count, least = ix.books[b.book[first]].nodes, ix.books[b.book[first]].least
         if len(members) < count:
             return False  # not all its members are in the book yet
         size, price, pools = bid_terms(ix, first)
@@ -132,6 +168,11 @@ class Gangs:
             for takeover, (_, victims) in zip(reserved, takeovers, strict=True):
                 self.allocations.outbid(takeover, victims, deadline, now)  # (and its fee)
             return True
+        for _, rows in partial:  # a gang that may go on smaller: the first ranks on the fits
+            if len(rows) >= least:
+                for member, nrow in zip(members, rows, strict=False):
+                    self.allocations.place(member, nrow, PlacementKind.NEW, now)
+                return True
         return False
 
     def _takeovers(
@@ -195,32 +236,51 @@ class Gangs:
                 self.allocations.notice_one(run, reason, deadline)
         if reason not in MIGRATING_REASONS or any(b.res[m] >= 0 for m in members):
             return
-        runs = [int(b.run[m]) for m in members]
-        if min(runs) < 0:
+        least = ix.books[b.book[noticed]].least
+        runs = {m: int(b.run[m]) for m in members if b.run[m] >= 0}
+        if len(runs) < least:
             return
         pool = ix.pools[int(a.pool[arow])]
         size, price = int(b.gpus[noticed]), float(b.price[noticed])
-        used = {int(a.node[r]) for r in runs}
-        replacement = self._distinct_fits(pool, size, price, int(b.image[noticed]), 1, used)
-        if not replacement:
+        kept: dict[int, int] = {}  # member -> its own node, kept for the resume
+        moved: list[int] = []  # members that need a node
+        for member in members:
+            run = runs.get(member, -1)
+            if member != noticed and run >= 0 and self._can_keep(int(a.node[run]), member):
+                kept[member] = int(a.node[run])
+            elif member == noticed or run < 0 or least < len(members):
+                moved.append(member)  # (a parked member of a smaller gang: it may grow back)
+            else:
+                return  # a survivor of a gang that runs whole cannot keep its GPUs: it waits
+        used = {int(a.node[r]) for r in runs.values()}
+        fits = self._distinct_fits(pool, size, price, int(b.image[noticed]), len(moved), used)
+        if len(kept) + len(fits) < least:
             return  # no replacement: the gang waits whole once every member has stopped
-        plan = []
-        for member, run in zip(members, runs, strict=True):
-            nrow = replacement[0] if member == noticed else int(a.node[run])
-            if member != noticed:  # a survivor keeps its own GPUs for the resume
-                room = ix.n_cap[nrow] - ix.n_running[nrow] - ix.n_reserved[nrow]
-                if (
-                    room < size
-                    or not ix.n_state[nrow].offers_capacity()
-                    or ix.n_reserve[nrow] > price
-                    or not ix.serves(nrow, int(b.image[member]))
-                ):
-                    return
-            plan.append((member, nrow))
+        # the gang resumes on its survivors' own GPUs (a takeover of them) and replacements (a
+        # migration): whole, each survivor keeps its node; smaller, its first ranks take them,
+        # so that a gang gone smaller always holds its first ranks (rank 0 runs the flow)
+        kinds = dict.fromkeys(kept.values(), PlacementKind.TAKEOVER)
+        kinds.update(dict.fromkeys(fits, PlacementKind.MIGRATION))
+        if len(kinds) == len(members):
+            plan = kept | dict(zip(moved, fits, strict=True))
+        else:
+            plan = dict(zip(members, kinds, strict=False))
         expires = deadline + ix.config.reservation_grace_seconds
-        for member, nrow in plan:
-            kind = PlacementKind.MIGRATION if member == noticed else PlacementKind.TAKEOVER
-            self.allocations.place(member, nrow, kind, now, expires)
+        for member in members:  # in rank order
+            if member in plan:
+                nrow = plan[member]
+                self.allocations.place(member, nrow, kinds[nrow], now, expires)
+
+    def _can_keep(self, nrow: int, member: int) -> bool:
+        """Whether a running member's node can hold a reservation of its GPUs for the resume."""
+        ix, b = self.index, self.index.b
+        room = ix.n_cap[nrow] - ix.n_running[nrow] - ix.n_reserved[nrow]
+        return (
+            room >= int(b.gpus[member])
+            and ix.n_state[nrow].offers_capacity()
+            and ix.n_reserve[nrow] <= float(b.price[member])
+            and ix.serves(nrow, int(b.image[member]))
+        )
 
     def cascade(self, brow: int, old: int, status: int, at: float) -> None:
         """After a member's allocation ended: end the rest of the gang where a gang would

@@ -201,15 +201,23 @@ class MarketIndex:
         return region in self.region_index
 
     def book_for(
-        self, model: int, region: int, size: int, window: int, nodes: int = 1, image: bool = False
+        self,
+        model: int,
+        region: int,
+        size: int,
+        window: int,
+        nodes: int = 1,
+        image: bool = False,
+        least: int | None = None,
     ) -> Book:
         """The book of waiting bids of these terms; bids with an image apart from those without
         (in a mixed pool one kind can wait while the other is placed)."""
-        key = (model, region, size, window, nodes, image)
+        least = nodes if least is None else least
+        key = (model, region, size, window, nodes, image, least)
         i = self.book_index.get(key)
         if i is None:
             i = self.book_index[key] = len(self.books)
-            self.books.append(Book(i, model, region, size, window, nodes, image))
+            self.books.append(Book(i, model, region, size, window, nodes, image, least))
             self.model_books[model].append(i)
         return self.books[i]
 
@@ -393,7 +401,7 @@ class MarketIndex:
         b = self.b
         window = int(b.window[row])
         deadline = float(b.deadline[row])
-        leader = int(b.gang[row])
+        leader, book = int(b.gang[row]), self.books[b.book[row]]
         return Bid(
             id=int(b.id[row]),
             gpu_model=self.models[b.model[row]],
@@ -406,8 +414,9 @@ class MarketIndex:
             tenant_id=int(b.tenant[row]),
             capacity=self.model_capacity[b.model[row]],
             image=self.images[b.image[row]] or None,
-            node_count=1 if leader < 0 else self.books[b.book[row]].nodes,
+            node_count=1 if leader < 0 else book.nodes,
             gang_id=None if leader < 0 else int(b.id[leader]),
+            min_node_count=None if leader < 0 or book.least == book.nodes else book.least,
         )
 
     def bid_row_of(self, bid_id: int) -> int:

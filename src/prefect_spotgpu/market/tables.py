@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from prefect_spotgpu.market.book import PoolCapacity
+from prefect_spotgpu.market.checks import MAX_GPUS_PER_NODE
 from prefect_spotgpu.market.decision import Ending, Notice, NoticeFee, PlacementKind, Placements
-from prefect_spotgpu.market.types import MAX_GPUS_PER_NODE, AllocationStatus, NoticeReason
+from prefect_spotgpu.market.types import AllocationStatus, NoticeReason
 
 # Bid row status.
 GONE, WAITING, ACTIVE = 0, 1, 2

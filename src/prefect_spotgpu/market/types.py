@@ -8,22 +8,23 @@ the field and the value, so the service can turn it into a 4xx without guessing.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from prefect_spotgpu.market.checks import (
+    ANY_REGION,
+    check_gpu_count,
+    check_id,
+    check_images,
+    check_min_node_count,
+    check_node_count,
+    check_price,
+    check_region,
+    check_time,
+)
 from prefect_spotgpu.market.gpus import DEFAULT_CATALOG
 from prefect_spotgpu.market.money import MS_PER_HOUR
 from prefect_spotgpu.market.serving import Runner, check_runner, serves_mask
-
-MAX_GPUS_PER_NODE = 16
-"""The largest node the market accepts; a bid for more GPUs can never fit on one node."""
-
-MAX_GANG_NODES = 64
-"""The most nodes one gang bid may ask for."""
-
-_REGION = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
-ANY_REGION = "any"
 
 
 class Capacity(StrEnum):
@@ -151,16 +152,6 @@ class EndReason(StrEnum):
     """Another member's reservation was released: a gang is reserved whole or not at all."""
 
 
-def check_price(field_name: str, value: object) -> float:
-    """A finite, positive price, or ``ValueError`` naming the field."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{field_name} must be a number, got {value!r}")
-    price = float(value)
-    if not math.isfinite(price) or price <= 0:
-        raise ValueError(f"{field_name} must be a positive finite price, got {value!r}")
-    return price
-
-
 def check_capacity(value: object) -> Capacity:
     try:
         return Capacity(value)
@@ -168,62 +159,6 @@ def check_capacity(value: object) -> Capacity:
         raise ValueError(
             f"capacity must be one of {', '.join(c.value for c in Capacity)}, got {value!r}"
         ) from None
-
-
-def check_images(value: object) -> frozenset[str]:
-    if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
-        raise ValueError(f"images must be a set of non-empty strings, got {value!r}")
-    return frozenset(value)
-
-
-def check_gpu_count(field_name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{field_name} must be an integer, got {value!r}")
-    if not 1 <= value <= MAX_GPUS_PER_NODE:
-        raise ValueError(
-            f"{field_name} must be between 1 and {MAX_GPUS_PER_NODE} (GPUs of one node), "
-            f"got {value!r}"
-        )
-    return value
-
-
-def check_node_count(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"node_count must be an integer, got {value!r}")
-    if not 1 <= value <= MAX_GANG_NODES:
-        raise ValueError(f"node_count must be between 1 and {MAX_GANG_NODES}, got {value!r}")
-    return value
-
-
-def check_time(field_name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{field_name} must be a finite UNIX time in seconds, got {value!r}")
-    return float(value)
-
-
-def check_region(field_name: str, value: object, *, allow_any: bool) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"{field_name} must be a string, got {value!r}")
-    region = value.strip().lower()
-    if region == ANY_REGION and allow_any:
-        return ANY_REGION
-    if not _REGION.match(region) or region == ANY_REGION:
-        raise ValueError(
-            f"{field_name} must be a region name like 'eu-west' (lowercase letters, digits, '-')"
-            + (" or 'any'" if allow_any else "")
-            + f", got {value!r}"
-        )
-    return region
-
-
-MAX_ID = 2**62
-"""Ids are stored as 64-bit integers; anything from here up is refused."""
-
-
-def check_id(field_name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_ID:
-        raise ValueError(f"{field_name} must be an integer in [0, 2**62), got {value!r}")
-    return value
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -316,10 +251,14 @@ class Bid:
     gang_id: int | None = None
     """A gang member's gang: the id of its first member (rank 0), which is the lowest id
     of the gang; None for a one-node bid."""
+    min_node_count: int | None = None
+    """A gang that may go on smaller: the fewest members it runs on when no replacement is
+    free (its flow reshards its checkpoint); None: all ``node_count``, always."""
 
     def __post_init__(self) -> None:
         check_id("bid.id", self.id)
         check_node_count(self.node_count)
+        check_min_node_count(self.min_node_count, self.node_count)
         if self.node_count == 1 and self.gang_id is not None:
             raise ValueError(f"gang_id needs node_count above 1, got gang_id {self.gang_id!r}")
         if self.node_count > 1:
@@ -342,6 +281,11 @@ class Bid:
         if self.deadline is not None:
             check_time("deadline", self.deadline)
         check_id("tenant_id", self.tenant_id)
+
+    @property
+    def least_nodes(self) -> int:
+        """The fewest nodes the gang runs on: ``min_node_count``, or all of them."""
+        return self.node_count if self.min_node_count is None else self.min_node_count
 
 
 @dataclass(frozen=True, slots=True)
@@ -524,6 +468,7 @@ def gang_terms(bid: Bid) -> tuple:
         bid.capacity,
         bid.image,
         bid.node_count,
+        bid.least_nodes,
     )
 
 

@@ -24,7 +24,7 @@ from prefect_spotgpu.blocks import CheckpointStorage, SpotMarket
 from prefect_spotgpu.economics.policies import get_policy
 from prefect_spotgpu.economics.schedules import aware, zone
 from prefect_spotgpu.market import DEFAULT_CATALOG
-from prefect_spotgpu.market.types import MAX_GANG_NODES, check_node_count
+from prefect_spotgpu.market.checks import MAX_GANG_NODES, check_node_count
 from prefect_spotgpu.messages import ImageResponse
 from prefect_spotgpu.protocol import (
     IMAGE_BUILD_COMMAND,

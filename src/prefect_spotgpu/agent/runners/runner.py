@@ -32,7 +32,7 @@ from prefect_spotgpu.agent.isolation import (
     tenant_checkpoint_dir,
     write_job_file,
 )
-from prefect_spotgpu.market.types import MAX_GANG_NODES, MAX_GPUS_PER_NODE
+from prefect_spotgpu.market.checks import MAX_GANG_NODES, MAX_GPUS_PER_NODE
 from prefect_spotgpu.protocol import (
     GANG_ENV_NAMES,
     JOB_ENV,

@@ -8,7 +8,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from prefect_spotgpu.market.types import MAX_GANG_NODES
+from prefect_spotgpu.market.checks import MAX_GANG_NODES
 from prefect_spotgpu.messages import BidBatchResponse as BidBatchResponse
 from prefect_spotgpu.messages import BidResponse as BidResponse
 from prefect_spotgpu.messages import EventResponse as EventResponse

@@ -20,7 +20,7 @@ from pydantic import (
 )
 
 from prefect_spotgpu.market import DEFAULT_CATALOG, MAX_GPUS_PER_NODE
-from prefect_spotgpu.market.types import check_region
+from prefect_spotgpu.market.checks import check_region
 from prefect_spotgpu.protocol import Capacity
 
 
