@@ -126,6 +126,8 @@ WORKER_EVENT_DESCRIPTIONS = {
 VALIDATOR_RULES = {
     "_timezone_is_known": "``timezone`` must be a known IANA time zone.",
     "_one_deadline": "Give ``deadline`` or ``deadline_hours``, not both.",
+    "_fewest_nodes_within_the_gang": "``min_node_count`` is at most ``node_count`` (empty: "
+    "the gang runs whole, always).",
     "_pacing_needs_work_and_a_deadline": "``gpu_hours`` needs a deadline (``deadline`` or "
     "``deadline_hours``): the bidding policy paces the work to it; with ``deadline_hours``, "
     "``gpu_hours`` cannot exceed it.",

@@ -121,20 +121,26 @@ def _joined():
 
 def _prefect_flow():
     from prefect import flow, get_run_logger
+    from prefect.context import FlowRunContext
 
     @flow(name="fsdp-pretrain")
     def fsdp_pretrain(steps: int = 200, layers: int = 2, width: int = 64, batch: int = 16,
                       checkpoint_minutes: float = 15.0) -> dict:  # fmt: skip
-        """Pretrain a small GPT sharded with FSDP2 over the gang; DCP checkpoints, resharded."""
+        """Pretrain a small GPT sharded with FSDP2 over the gang; DCP checkpoints, resharded.
+        Rank 0 is the flow run and logs; the other ranks run this outside any flow run."""
         cfg = GPTConfig(steps=steps, layers=layers, width=width, batch=batch, dropout=0.0)
-        logger = get_run_logger()
-
-        def progress(step: int, loss: float) -> None:
-            if step % 25 == 0 or step == steps - 1:
-                logger.info("step %d/%d loss %.4f", step + 1, steps, loss)
-
+        every = checkpoint_minutes * 60
         with _joined():
-            return train(cfg, every=checkpoint_minutes * 60, on_progress=progress)
+            if dist.get_rank() > 0 or FlowRunContext.get() is None:
+                return train(cfg, every=every)
+            logger = get_run_logger()
+            logger.info("rank 0 of %d: FSDP over the gang", dist.get_world_size())
+
+            def progress(step: int, loss: float) -> None:
+                if step % 25 == 0 or step == steps - 1:
+                    logger.info("step %d/%d loss %.4f", step + 1, steps, loss)
+
+            return train(cfg, every=every, on_progress=progress)
 
     return fsdp_pretrain
 

@@ -60,7 +60,7 @@ def test_a_member_gets_torchrun_variables_and_a_one_node_job_none(tmp_path):
         ({"rank": 2}, "gang.rank"),
         ({"rank": -1}, "gang.rank"),
         ({"rank": True}, "gang.rank"),
-        ({"world_size": 1}, "gang.world_size"),
+        ({"world_size": 0}, "gang.world_size"),  # (1: a gang gone on smaller, alone)
         ({"world_size": 65}, "gang.world_size"),
         ({"master_port": 0}, "gang.master_port"),
         ({"master_port": "29500"}, "gang.master_port"),

@@ -31,6 +31,7 @@ def attempt(monkeypatch, store, allocation_id: int | None, **options) -> Checkpo
     """A checkpointer as the job of ``allocation_id`` builds it (None: off the market)."""
     if allocation_id is None:
         monkeypatch.delenv(JOB_ENV.ALLOCATION_ID, raising=False)
+        monkeypatch.delenv(JOB_ENV.GANG_LEAD_ALLOCATION, raising=False)
     else:
         monkeypatch.setenv(JOB_ENV.ALLOCATION_ID, str(allocation_id))
     monkeypatch.delenv(JOB_ENV.CHECKPOINT_SIGNING_KEY, raising=False)
@@ -71,6 +72,23 @@ def test_the_stale_attempts_final_save_is_refused_and_said(monkeypatch, store, t
         old.maybe_save({"by": 3}, 5)
     assert '"failed": true' in ack.read_text()
     assert store.steps(KEY) == []
+
+
+def test_the_ranks_of_one_gang_attempt_share_rank_0s_allocation_as_their_attempt(
+    monkeypatch, store
+):
+    """Rank 1's allocation id is above rank 0's (the market numbers members in rank order):
+    fenced by its own, it would refuse rank 0's saves to a key both write (a DCP checkpoint).
+    Every rank fences with the gang's lead allocation; the next attempt's lead is higher."""
+    monkeypatch.setenv(JOB_ENV.GANG_LEAD_ALLOCATION, "20")
+    rank0 = attempt(monkeypatch, store, 20)
+    rank1 = attempt(monkeypatch, store, 21)
+    assert rank1.restore() is None and rank0.restore() is None
+    rank0.save({"by": 0}, 1)  # not refused: rank 1 claimed the key for the same attempt
+    monkeypatch.setenv(JOB_ENV.GANG_LEAD_ALLOCATION, "23")  # the gang resumed: 23, 24
+    attempt(monkeypatch, store, 24).restore()
+    with pytest.raises(StaleAttempt, match="allocation 23; this is allocation 20"):
+        rank0.save({"by": 0}, 2)
 
 
 def test_off_the_market_nothing_is_fenced(monkeypatch, store):

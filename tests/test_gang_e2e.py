@@ -7,7 +7,8 @@ its shard of one gang checkpoint, the gang stops, the flow run is ``Preempted``,
 resumes on the surviving node plus the third; the run is ``Completed`` with exactly the losses of
 an uninterrupted two-node run (its table artifact against the command line's, bit for bit). A
 second run finds no replacement: the gang waits whole, holding no GPUs, and resumes when the
-owner gives a node back.
+owner gives a node back. A third, ``flows/fsdp_pretrain.py`` with ``min_node_count: 1``, finds
+none either and goes on with its survivor alone: DCP reshards the two ranks' checkpoint onto one.
 
 Each test prints its timeline (``pytest -s``); a gang's closing note quotes one.
 """
@@ -52,6 +53,7 @@ def stack(prefect_api_url, tmp_path_factory):
             "gang-e2e", defaults={"gpu_count": 2, "node_count": 2, "max_price": 1.5}
         )
         stack.deployment = stack.deploy("pretrain.py:pretrain", FLOWS, "gang", pool)
+        stack.fsdp = stack.deploy("fsdp_pretrain.py:fsdp_pretrain", FLOWS, "gang-fsdp", pool)
         stack.start_worker(pool)
         yield stack
 
@@ -252,3 +254,85 @@ def test_a_gang_with_no_replacement_waits_whole_then_resumes(stack, prefect, uni
     assert final.is_completed(), final
     assert [x.hex() for x in loss_table(prefect, run_id)] == [x.hex() for x in uninterrupted()]
     print("\n".join(["", *timeline(stack, prefect, run_id, started)]))
+
+
+FSDP_STEPS = 600
+
+
+@pytest.fixture(scope="module")
+def fsdp_uninterrupted(tmp_path_factory):
+    """The losses of ``flows/fsdp_pretrain.py`` on two ranks never stopped (the command line,
+    the flow's defaults)."""
+    home = tmp_path_factory.mktemp("fsdp-uninterrupted")
+    command = [
+        *(sys.executable, str(FLOWS / "fsdp_pretrain.py"), "--steps", str(FSDP_STEPS)),
+        *("--checkpoints", str(home / "store"), "--result", str(home / "result.json")),
+    ]
+    procs = start_ranks([command] * 2, [{}, {}], home / "logs")
+    for rank, proc in enumerate(procs):
+        assert proc.wait(timeout=300) == 0, (home / "logs" / f"rank{rank}.out").read_text()
+    return json.loads((home / "result.json").read_text())["losses"]
+
+
+def logged_losses(prefect, run_id) -> dict[int, float]:
+    """step -> loss, as rank 0 logged them ("step k/N loss x")."""
+    logs = prefect.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
+    return {
+        int(log.message.split()[1].split("/")[0]): float(log.message.split()[3])
+        for log in logs
+        if log.message.startswith("step ")
+    }
+
+
+def test_a_gang_that_may_shrink_goes_on_with_its_survivor_and_dcp_reshards(
+    stack, prefect, fsdp_uninterrupted
+):
+    started = time.time()
+    run = prefect.create_flow_run_from_deployment(
+        UUID(stack.fsdp),
+        parameters={"steps": FSDP_STEPS, "checkpoint_minutes": 0.05},
+        job_variables={
+            "cheap_window_only": False,
+            "min_node_count": 1,
+            "env": {"PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.3", "OMP_NUM_THREADS": "1"},
+        },
+    )
+    run_id = run.id
+    first = running_gang(stack, prefect, run_id)
+    spare = (set(stack.nodes) - {a["node_id"] for a in first}).pop()
+    reclaim(stack, spare)  # no third node: a gang that runs whole would wait here
+    wait_for(lambda: max(logged_losses(prefect, run_id), default=0) >= 100, 120, "training", 0.2)
+    reclaim(stack, first[1]["node_id"])
+
+    acks = [acknowledgement(stack, a) for a in first]
+    assert acks[0]["step"] == acks[1]["step"] and all(a["durable"] for a in acks), acks
+    saved_at = acks[0]["step"]
+    final = wait_for(lambda: the_end(prefect, run_id), 240, "the run's end")
+    assert final.is_completed(), final
+    wait_for(
+        lambda: all(a["status"] not in HOLDING for a in gang_allocations(stack, prefect, run_id)),
+        30,
+        "every member's allocation ended",
+    )
+    allocations = gang_allocations(stack, prefect, run_id)
+    second = [a for a in allocations if a["id"] > max(x["id"] for x in first)]
+    # one node: rank 0 on the survivor, rank 1 parked (a gang gone smaller holds its first ranks)
+    assert [(a["rank"], a["node_id"], a["status"]) for a in second] == [
+        (0, first[0]["node_id"], "finished")
+    ]
+    names = [s.name for s in prefect.read_flow_run_states(run_id)]
+    assert "Preempted" in names and names[-1] == "Completed", names
+    logged = logged_losses(prefect, run_id)
+    assert max(logged) == FSDP_STEPS
+    for step, loss in logged.items():  # "step k" is the k-th step: losses[k - 1]
+        reference = fsdp_uninterrupted[step - 1]
+        if step - 1 <= saved_at:  # the two-rank part: the same curve
+            assert loss == pytest.approx(reference, abs=1e-4), (step, loss, reference)
+        else:  # one rank on the resharded state: the same batches, summed in another order
+            assert loss == pytest.approx(reference, abs=2e-3), (step, loss, reference)
+    curve = [
+        (step, loss, round(fsdp_uninterrupted[step - 1], 4))
+        for step, loss in sorted(logged.items())
+    ]
+    print("\n".join(["", f"saved at step {saved_at}; (step, resumed, uninterrupted): {curve}",
+                     *timeline(stack, prefect, run_id, started)]))  # fmt: skip

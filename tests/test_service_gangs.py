@@ -436,3 +436,70 @@ def test_bad_addresses_get_422_naming_address_and_write_nothing(service, db_url,
     assert beat.status_code == 422, beat.text
     assert "address" in [err["loc"][-1] for err in beat.json()["detail"]]
     assert service.admin.get(f"/nodes/{created['id']}").json()["address"] == "10.0.0.7"
+
+
+# ---------------------------------------------------------------- a gang that may go on smaller
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"node_count": 2, "min_node_count": 3},  # more than the gang
+        {"node_count": 2, "min_node_count": 0},
+        {"node_count": 2, "min_node_count": "1"},
+        {"node_count": 2, "min_node_count": 1.0},
+        {"node_count": 2, "min_node_count": True},
+        {"node_count": 4, "min_node_count": 3},  # more than the region's two nodes
+    ],
+)
+@one_database("a 422 from validation or from counting the registered nodes, before any write")
+def test_bad_min_node_counts_get_422_naming_it_and_write_nothing(service, db_url, body):
+    alice, owner = service.tenant(), service.tenant()
+    for _ in range(2):
+        node(service, owner)
+    rows = count_rows(db_url, "bids")
+    response = alice.post("/bids", json={**GANG, **body})
+    assert response.status_code == 422, response.text
+    fields = [err["loc"][-1] for err in response.json()["detail"]]
+    assert "min_node_count" in fields, response.text
+    assert count_rows(db_url, "bids") == rows
+
+
+def test_a_gang_that_may_shrink_goes_on_with_its_survivor_as_a_world_of_one(service):
+    """Two nodes, a gang of 2 that may go on with 1: rank 0's node is taken back and no
+    replacement is free. The survivor's GPUs are reserved for rank 0 (a gang gone smaller
+    holds its first ranks); once both members stop, it runs there with WORLD_SIZE 1 and meets
+    itself. More nodes later: its next notice grows it back to 2."""
+    alice, owner = service.tenant(credit=100), service.tenant()
+    agents, addresses = {}, {}
+    for i in range(2):
+        created, agent = node(service, owner, address=f"10.0.2.{i + 1}")
+        agents[created["id"]], addresses[created["id"]] = agent, created["address"]
+    b = gang_bid(alice, min_node_count=1)
+    assert (b["node_count"], b["min_node_count"]) == (2, 1)
+    member = alice.get(f"/bids/{b['members'][1]}").json()
+    assert member["min_node_count"] == 1  # every member's row holds it
+    allocs = gang_allocations(alice, b["id"])
+    where = {a["rank"]: a["node_id"] for a in allocs}
+    assert assignment(agents[where[1]], where[1], "running")["gang"]["world_size"] == 2
+    assert owner.patch(f"/nodes/{where[0]}", json={"state": "reclaimed"}).status_code == 200
+    noticed = gang_allocations(alice, b["id"], statuses=("noticed",))
+    noticed = [a for a in noticed if a["status"] == "noticed"]
+    reserved = gang_allocations(alice, b["id"], statuses=("reserved",), count=1)
+    reserved = [a for a in reserved if a["status"] == "reserved"]
+    assert [(a["rank"], a["node_id"]) for a in reserved] == [(0, where[1])]
+    place = assignment(agents[where[1]], where[1], "reserved")["gang"]
+    assert (place["rank"], place["world_size"]) == (0, 1)
+    assert place["master_addr"] == addresses[where[1]]
+    assert assignment(agents[where[1]], where[1], "noticed")["gang"]["world_size"] == 2
+    for a in noticed:  # each member acks its final save
+        answer = agents[a["node_id"]].post(
+            f"/allocations/{a['id']}/report",
+            json={"epoch": a["epoch"], "outcome": "saved", "checkpoint_at": time.time()},
+        )
+        assert answer.status_code == 200, answer.text
+    running = gang_allocations(alice, b["id"], count=1)
+    (now,) = [a for a in running if a["status"] == "running"]
+    assert (now["rank"], now["node_id"]) == (0, where[1])
+    place = assignment(agents[where[1]], where[1], "running")["gang"]
+    assert (place["rank"], place["world_size"], place["lead_allocation"]) == (0, 1, now["id"])

@@ -66,6 +66,26 @@ def test_the_bid_carries_node_count():
         run = SimpleNamespace(flow_run=flow_run, logger=None)
         body = Placement(market=None, run=run, configuration=config, pool_name="p").bid_body()
         assert body["node_count"] == nodes and body["gpu_count"] == 4
+        assert body["min_node_count"] is None  # whole, always: the default
+    config = SpotGPUJobConfiguration(node_count=3, min_node_count=2)
+    config.prepare_for_flow_run(flow_run)
+    run = SimpleNamespace(flow_run=flow_run, logger=None)
+    body = Placement(market=None, run=run, configuration=config, pool_name="p").bid_body()
+    assert (body["node_count"], body["min_node_count"]) == (3, 2)
+
+
+@pytest.mark.parametrize("bad", [0, 3, True, "1"])
+def test_min_node_count_is_within_the_gang_and_named_when_refused(bad):
+    with pytest.raises(ValidationError, match="min_node_count"):
+        SpotGPUJobConfiguration(node_count=2, min_node_count=bad)
+    template = SpotGPUWorker.get_default_base_job_template()
+    assert template["job_configuration"]["min_node_count"] == "{{ min_node_count }}"
+    assert template["variables"]["properties"]["min_node_count"]["title"] == "Fewest nodes"
+
+
+def test_a_gang_that_may_shrink_says_so_in_words():
+    shrinks = GANG.model_copy(update={"node_count": 4, "min_node_count": 2})
+    assert "4 nodes of 1 x A100-80G (going on with 2 or more)" in describe(shrinks)
 
 
 def ev(kind, alloc, bid, node=1, **payload):

@@ -36,7 +36,7 @@ def spot_job_variables(**variables: Any) -> dict[str, Any]:
     >>> spot_job_variables(max_prize=1.2)
     Traceback (most recent call last):
     ...
-    ValueError: unknown job variable 'max_prize'; a spot-gpu pool has: bidding_policy, cheap_window_only, command, deadline, deadline_hours, env, gpu_count, gpu_hours, gpu_model, image, labels, max_preemptions, max_price, name, node_count, notice_webhook, on_demand_fallback, region, restart_minutes, timezone
+    ValueError: unknown job variable 'max_prize'; a spot-gpu pool has: bidding_policy, cheap_window_only, command, deadline, deadline_hours, env, gpu_count, gpu_hours, gpu_model, image, labels, max_preemptions, max_price, min_node_count, name, node_count, notice_webhook, on_demand_fallback, region, restart_minutes, timezone
     """  # noqa: E501
     known = sorted(set(SpotGPUJobConfiguration.model_fields) - set(BLOCK_VARIABLES))
     for name in variables:

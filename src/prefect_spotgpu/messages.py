@@ -185,6 +185,9 @@ class BidResponse(BaseModel):
     )
     created_at: datetime
     node_count: int = 1
+    min_node_count: int | None = Field(
+        None, description="The fewest nodes the gang goes on with (null: all of them)."
+    )
     gang_id: int | None = Field(None, description="A gang member's gang: rank 0's bid id.")
     members: list[int] = Field(
         default_factory=list,

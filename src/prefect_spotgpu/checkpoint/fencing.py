@@ -2,12 +2,12 @@
 
 On the market each attempt of a run is an allocation, and a later attempt's allocation has a
 higher id (the market numbers them as it places them). A job's checkpointer claims its key for
-its attempt (``SPOTGPU_ALLOCATION_ID``) before it first reads or writes it, and checks just
-before each save commits (before its manifest is written) and before retention deletes that no
-later attempt has claimed the key since. A stale attempt (an old copy that outlived its node's
-agent, say) has its save refused with :class:`StaleAttempt`, and deletes nothing. Outside the
-market (no allocation id) nothing is fenced; nor is a storage that keeps no claims (``claim``
-and ``latest_claim``: the local and S3 storages do).
+its attempt (``SPOTGPU_ALLOCATION_ID``; a gang's ranks share rank 0's) before it first reads or
+writes it, and checks just before each save commits (before its manifest is written) and before
+retention deletes that no later attempt has claimed the key since. A stale attempt (an old copy
+that outlived its node's agent, say) has its save refused with :class:`StaleAttempt`, and
+deletes nothing. Outside the market (no allocation id) nothing is fenced; nor is a storage that
+keeps no claims (``claim`` and ``latest_claim``: the local and S3 storages do).
 
 The agent stops a job before its allocation ends, and its guard kills the jobs of an agent that
 dies, so a stale attempt should never run; this is the storage's own word on it, should one.
@@ -25,9 +25,14 @@ class StaleAttempt(RuntimeError):
 
 
 def attempt_from_environment() -> int | None:
-    """This job's attempt on the market: its allocation id, if it runs on a node."""
-    value = os.environ.get(JOB_ENV.ALLOCATION_ID, "")
-    return int(value) if value.isdigit() else None
+    """This job's attempt on the market: its allocation id, if it runs on a node; for a gang
+    member, rank 0's allocation of the same attempt (``SPOTGPU_GANG_LEAD_ALLOCATION``), which
+    every rank shares: the ranks of one attempt write one key together (a DCP checkpoint)."""
+    for name in (JOB_ENV.GANG_LEAD_ALLOCATION, JOB_ENV.ALLOCATION_ID):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None
 
 
 class Fence:

@@ -540,7 +540,8 @@ class GangCheckpointer(Checkpointer):
             raise GangCheckpointFailed(
                 f"gang checkpoint {self.key} step {step} was saved by {saved} ranks and this "
                 f"gang has {self.world_size}: a gang's shards restore only on the world size "
-                f"that saved them. Run with node_count={saved}, or checkpoint with "
+                f"that saved them. Run with node_count={saved} (and no min_node_count: a gang "
+                "that may go on smaller changes its world size), or checkpoint with "
                 "DistributedCheckpointer (torch.distributed.checkpoint reshards), or start over "
                 "under another key"
             )

@@ -355,7 +355,8 @@ def bid_fields(*, session: Session, data: schemas.BidCreate, sealer: Sealer) -> 
 def same_bid_or_conflict(existing: BidRow, fields: dict) -> None:
     """A 409 naming ``idempotency_key`` when ``existing`` (the bid the key found) differs
     from the new request's ``fields`` in any term of the bid."""
-    for name in ("gpu_model", "region", "gpu_count", "max_price", "capacity", "node_count"):
+    terms = ("gpu_model", "region", "gpu_count", "max_price", "capacity", "node_count")
+    for name in (*terms, "min_node_count"):
         if getattr(existing, name) != fields[name]:
             raise Conflict(
                 f"idempotency_key was used for bid {existing.id} with a different {name}",

@@ -46,17 +46,19 @@ _COPIED = (
     "job",
     "job_env_sealed",
     "node_count",
+    "min_node_count",
     "created_at",
     "updated_at",
 )
 
 
 def check_gang_fits(*, session: Session, data: BidCreate) -> None:
-    """A 422 naming ``node_count`` when the bid's pool has fewer registered, non-lost nodes
-    with at least its ``gpu_count`` GPUs than its ``node_count`` (for region ``any``: in the
-    region with the most)."""
+    """A 422 naming ``node_count`` (or ``min_node_count``, when given) when the bid's pool has
+    fewer registered, non-lost nodes with at least its ``gpu_count`` GPUs than that (for region
+    ``any``: in the region with the most)."""
     gpu_model, capacity, gpu_count = data.gpu_model, data.capacity, data.gpu_count
-    region, nodes = data.region, data.node_count
+    region, nodes = data.region, data.min_node_count or data.node_count
+    field = "node_count" if data.min_node_count is None else "min_node_count"
     counts = dict(
         session.execute(
             select(NodeRow.region, func.count())
@@ -75,10 +77,10 @@ def check_gang_fits(*, session: Session, data: BidCreate) -> None:
         where, most = region, counts.get(region, 0)
     if nodes > most:
         raise Invalid(
-            f"node_count {nodes} is more than the {most} registered {capacity} {gpu_model} "
+            f"{field} {nodes} is more than the {most} registered {capacity} {gpu_model} "
             f"nodes with at least {gpu_count} GPUs in region {where}: a gang runs on "
             "distinct nodes of one region",
-            field="node_count",
+            field=field,
         )
 
 
@@ -136,34 +138,40 @@ def gang_places(
     gpus_per_node, lead_allocation}``, for the allocations of gang members (``bids``: their
     bids by id).
 
-    ``master_addr`` is the address of the node of rank 0's allocation of the same run: a
-    running or noticed allocation meets rank 0's running (or noticed) one, a reservation rank
-    0's reservation (where the gang resumes); the newest when there are several.
-    ``lead_allocation`` is that allocation of rank 0's."""
+    An allocation meets the allocations of its gang of the same run: a running or noticed one
+    meets the running (or noticed) ones, a reservation the reservations (where the gang
+    resumes). ``master_addr`` is the address of rank 0's node there (the newest allocation,
+    when there are several), ``lead_allocation`` that allocation. ``world_size`` is
+    ``node_count``, or for a gang that may go on smaller, how many members hold such an
+    allocation: the market places such a gang on its first ranks (``market/gangs.py``), so a
+    member's rank is its place among the members all the same."""
     members = members_of(session=session, bids=[b for b in bids.values() if b.gang_id])
-    firsts = {ids[0] for ids in members.values() if ids}
+    ids = {i for gang in members.values() for i in gang}
     rows = session.execute(
         select(AllocationRow.bid_id, AllocationRow.id, AllocationRow.status, NodeRow.address)
         .join(NodeRow, NodeRow.id == AllocationRow.node_id)
-        .where(AllocationRow.bid_id.in_(firsts), AllocationRow.status.in_(_ACTIVE))
+        .where(AllocationRow.bid_id.in_(ids), AllocationRow.status.in_(_ACTIVE))
         .order_by(AllocationRow.id)
     ).all()
-    master: dict[tuple[int, bool], tuple[int, str | None]] = {}
+    held: dict[tuple[int, bool], tuple[int, str | None]] = {}
     for bid_id, alloc_id, status, address in rows:  # oldest first: the newest wins
-        master[(bid_id, status in _HOLDING)] = (alloc_id, address)
+        held[(bid_id, status in _HOLDING)] = (alloc_id, address)
     places = {}
     for alloc in allocations:
-        ids = members.get(alloc.bid_id)
-        if not ids:
+        gang = members.get(alloc.bid_id)
+        if not gang:
             continue
         bid = bids[alloc.bid_id]
         holding = alloc.status in _HOLDING
-        lead, address = master.get(
-            (ids[0], holding), master.get((ids[0], not holding), (alloc.id, None))
+        lead, address = held.get(
+            (gang[0], holding), held.get((gang[0], not holding), (alloc.id, None))
         )
+        world = bid.node_count
+        if bid.min_node_count is not None:
+            world = max(1, sum((m, holding) in held for m in gang))
         places[alloc.id] = {
-            "rank": ids.index(alloc.bid_id),
-            "world_size": bid.node_count,
+            "rank": gang.index(alloc.bid_id),
+            "world_size": world,
             "master_addr": address or UNSET_NODE_ADDRESS,
             "master_port": MASTER_PORT_BASE + bid.gang_id % MASTER_PORT_BASE,
             "gpus_per_node": bid.gpu_count,

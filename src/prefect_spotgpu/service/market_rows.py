@@ -67,6 +67,7 @@ def market_bid(row: BidRow) -> Bid:
         image=_normal((row.job or {}).get("image")),
         node_count=row.node_count,
         gang_id=row.gang_id,
+        min_node_count=row.min_node_count if row.node_count > 1 else None,
     )
 
 

@@ -143,6 +143,7 @@ class BidRow(Base):
     job: Mapped[dict | None] = mapped_column(JSON)  # what the node agent runs, less its env
     job_env_sealed: Mapped[str | None] = mapped_column(Text)  # the job's env, encrypted
     node_count: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    min_node_count: Mapped[int | None] = mapped_column(Integer)  # a gang that may shrink
     gang_id: Mapped[int | None] = mapped_column(BigInteger, index=True)  # rank 0's bid id
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime)

@@ -98,6 +98,17 @@ class SpotGPUJobConfiguration(BaseJobConfiguration):
         "flow's function with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (torchrun's "
         "environment).",
     )
+    min_node_count: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_GANG_NODES,
+        strict=True,
+        title="Fewest nodes",
+        description="A gang that may go on smaller: when a member's node is taken back and no "
+        "replacement is free, the run resumes on at least this many of its nodes instead of "
+        "waiting for all of them (WORLD_SIZE says how many). Its flow must load its checkpoint "
+        "on another world size: DistributedCheckpointer does. Empty: all of them, always.",
+    )
     max_price: float = Field(
         default=1.2,
         gt=0,
@@ -213,6 +224,15 @@ class SpotGPUJobConfiguration(BaseJobConfiguration):
                 f"image {value!r} is neither 'process' nor an image name or reference "
                 "(the market's catalogue: GET /api/v1/images)"
             ) from None
+
+    @model_validator(mode="after")
+    def _fewest_nodes_within_the_gang(self) -> SpotGPUJobConfiguration:
+        if self.min_node_count is not None and self.min_node_count > self.node_count:
+            raise ValueError(
+                f"min_node_count {self.min_node_count} is more than node_count "
+                f"{self.node_count}: give at most node_count, or leave it empty"
+            )
+        return self
 
     @model_validator(mode="after")
     def _timezone_is_known(self) -> SpotGPUJobConfiguration:

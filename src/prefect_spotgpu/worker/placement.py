@@ -153,6 +153,7 @@ class Placement:
             "gpu_model": configuration.gpu_model,
             "gpu_count": configuration.gpu_count,
             "node_count": configuration.node_count,
+            "min_node_count": configuration.min_node_count,
             "max_price": course.price if course is not None else configuration.max_price,
             "region": configuration.region,
             "idempotency_key": f"prefect-flow-run-{flow_run.id}-{flow_run.run_count}",

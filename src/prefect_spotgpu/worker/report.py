@@ -145,6 +145,8 @@ def describe(bid: BidResponse) -> str:
     gpus = f"{bid.gpu_count} x {bid.gpu_model}"
     if bid.node_count > 1:
         gpus = f"{bid.node_count} nodes of {gpus}"
+        if bid.min_node_count is not None and bid.min_node_count < bid.node_count:
+            gpus += f" (going on with {bid.min_node_count} or more)"
     if bid.capacity == Capacity.ON_DEMAND:
         return f"{gpus} in {bid.region}, on-demand at {bid.max_price:.2f} per GPU-hour"
     return f"{gpus} in {bid.region}, at most {bid.max_price:.2f} per GPU-hour"

@@ -142,6 +142,12 @@ class DockerRunner:
         allocation's directory and the tenant's checkpoint directory, whatever the job says."""
         import docker
 
+        if request.gang is not None:  # (the market holds gang bids with images: a default image)
+            raise JobFault(
+                "a gang member cannot run in a container yet: the members' containers cannot "
+                "reach each other across hosts (docs/users/gangs.md); run gangs on process "
+                "nodes, or start this agent without --default-image"
+            )
         image = self.image_for(request)
         if not image:
             raise JobFault(

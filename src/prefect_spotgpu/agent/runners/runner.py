@@ -98,7 +98,7 @@ class GangPlace:
                 raise malformed(f"gang.{name} must be an integer in [{low}, {high}]")
             return value
 
-        world = whole("world_size", 2, MAX_GANG_NODES)
+        world = whole("world_size", 1, MAX_GANG_NODES)  # 1: a gang gone on smaller, alone
         rank = whole("rank", 0, world - 1)
         address = gang.get("master_addr")
         if not isinstance(address, str) or not re.fullmatch(NODE_ADDRESS_PATTERN, address):

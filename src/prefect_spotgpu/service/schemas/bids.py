@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from prefect_spotgpu.market.checks import MAX_GANG_NODES
 from prefect_spotgpu.messages import BidBatchResponse as BidBatchResponse
@@ -99,11 +99,31 @@ class BidCreate(Strict):
     )
     job: JobSpec | None = None
     node_count: NodeCount = 1
+    min_node_count: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_GANG_NODES,
+        strict=True,
+        description="A gang that may go on smaller: the fewest of its node_count nodes it runs "
+        "on when no replacement is free (its flow must reshard its checkpoint, as "
+        "DistributedCheckpointer does). Null: all of them, always.",
+    )
 
     @model_validator(mode="after")
     def _on_demand_pays_the_on_demand_price(self) -> BidCreate:
         self.max_price = fixed_price(self.capacity, self.max_price, self.gpu_model, "max_price")
         return self
+
+    @field_validator("min_node_count")
+    @classmethod
+    def _min_node_count_within_the_gang(cls, value: int | None, info: ValidationInfo):
+        nodes = info.data.get("node_count")  # (absent when node_count itself was refused)
+        if value is not None and nodes is not None and value > nodes:
+            raise ValueError(
+                f"min_node_count {value} is more than node_count {nodes}: give at most "
+                "node_count, or leave it out"
+            )
+        return value
 
     @model_validator(mode="after")
     def _window_is_an_interval(self) -> BidCreate:
