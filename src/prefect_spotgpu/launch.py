@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 from uuid import UUID
 
-from prefect_spotgpu.protocol import JOB_ENV, LABELS, TORCH_ENV
+from prefect_spotgpu.protocol import JOB_ENV, LABELS, TORCH_ENV, RunState
 
 
 def main() -> int:
@@ -162,7 +162,7 @@ def _gang_go(flow_run, lead: str) -> bool:
     state = flow_run.state
     if state is None or not lead or (flow_run.labels or {}).get(LABELS.ALLOCATION) != lead:
         return False
-    return state.is_running() or (state.is_pending() and state.name == "Starting")
+    return state.is_running() or (state.is_pending() and state.name == RunState.STARTING)
 
 
 def until_the_run_ends(flow_run_id: str) -> int:

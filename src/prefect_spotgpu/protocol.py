@@ -19,11 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from prefect_spotgpu.market.decision import PlacementKind
 from prefect_spotgpu.market.types import (
     AllocationStatus,
     Capacity,
     EndReason,
     MarketConfig,
+    NodeState,
     NoticeReason,
     Runner,
 )
@@ -57,8 +59,11 @@ __all__ = [
     "Capacity",
     "EndReason",
     "EventKind",
+    "EventPlacement",
+    "NodeState",
     "NoticeReason",
     "ReportOutcome",
+    "RunState",
     "Runner",
     "WorkerEvent",
     "normal_image_reference",
@@ -115,6 +120,30 @@ class EventKind(StrEnum):
     PULLING = "pulling"
     """The node is pulling the allocation's image (``payload.detail``: how far): progress
     before the job starts, no change of the allocation."""
+
+
+class EventPlacement(StrEnum):
+    """How an event's allocation came to be (its ``payload.placement``): the market's
+    ``PlacementKind`` of a new allocation, or ``promoted`` when a reservation starts."""
+
+    NEW = PlacementKind.NEW.value
+    TAKEOVER = PlacementKind.TAKEOVER.value
+    MIGRATION = PlacementKind.MIGRATION.value
+    """A noticed bid's reservation: the node may give its job the job early (a warm start)."""
+    PROMOTED = "promoted"
+    """A reservation that starts now (an ``allocated`` event)."""
+
+
+class RunState(StrEnum):
+    """The names of the Prefect states the worker gives a flow run (beside Prefect's own),
+    which the launcher on the node and ``spotgpu demo`` read."""
+
+    AWAITING_GPU = "AwaitingGPU"
+    """Pending: the run's bid waits for GPUs (the message: the bid and its quote)."""
+    STARTING = "Starting"
+    """Pending: an allocation of this attempt runs; its launcher may start the engine."""
+    PREEMPTED = "Preempted"
+    """Scheduled: the run's allocation was preempted; the run resumes from its checkpoint."""
 
 
 ENDING_EVENTS = frozenset({EventKind.PREEMPTED, EventKind.FINISHED, EventKind.RELEASED})

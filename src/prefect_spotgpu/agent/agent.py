@@ -60,7 +60,9 @@ from prefect_spotgpu.protocol import (
     PULL_REPORT_SECONDS,
     STARTABLE,
     AllocationStatus,
+    Capacity,
     EventKind,
+    EventPlacement,
     ReportOutcome,
 )
 
@@ -84,7 +86,7 @@ class Agent(Lifecycle):
         name: str,
         region: str | None = None,
         reserve_price: float | None = None,
-        capacity: str = "spot",
+        capacity: str = Capacity.SPOT,
         heartbeat_seconds: float = 5.0,
         grace_seconds: float = 5.0,
         telemetry=None,
@@ -275,7 +277,7 @@ class Agent(Lifecycle):
         if payload.epoch is not None:
             self.epochs[alloc_id] = payload.epoch
         if kind == EventKind.ALLOCATED or (  # a migration target starts warm, if given its job
-            kind == EventKind.RESERVED and payload.placement == "migration"
+            kind == EventKind.RESERVED and payload.placement == EventPlacement.MIGRATION
         ):
             self.start(alloc_id)
         elif kind == EventKind.NOTICED:

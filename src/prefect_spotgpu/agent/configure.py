@@ -19,6 +19,7 @@ from prefect_spotgpu.agent.isolation import JobUsers, unreachable
 from prefect_spotgpu.agent.preflight import check_job_interpreter
 from prefect_spotgpu.agent.runners import Runner, get_runner
 from prefect_spotgpu.checkpoint.objects import NODE_ROOT_MARKER
+from prefect_spotgpu.protocol import Runner as RunnerKind
 
 logger = logging.getLogger("prefect_spotgpu.agent")
 
@@ -29,7 +30,7 @@ TOKEN_ENV = "SPOTGPU_AGENT_TOKEN"
 class RunnerOptions:
     """The runner's options, as ``spotgpu agent start`` takes them."""
 
-    kind: str = "process"
+    kind: str = RunnerKind.PROCESS
     checkpoint_root: Path | None = None
     job_user: str = "auto"
     job_uid_base: int | None = None  # None: SPOTGPU_JOB_UID_BASE, else UID_BASE
@@ -76,7 +77,7 @@ def build_runner(options: RunnerOptions, state_dir: Path) -> Runner:
     if options.memory and not re.fullmatch(r"\d+[bkmgBKMG]?", options.memory):
         raise ValueError(f"--job-memory {options.memory!r}: give a size like 512m or 64g")
     users = JobUsers(options.job_user, uid_base=options.job_uid_base)
-    docker = options.kind == "docker"
+    docker = options.kind == RunnerKind.DOCKER
     if not docker and not users.isolated and options.job_user == "auto":
         raise ValueError(
             "the process runner is not running as root, so its jobs would run as this agent's "

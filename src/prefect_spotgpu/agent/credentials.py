@@ -32,6 +32,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from prefect_spotgpu.messages import NodeCreated, NodeResponse, NodeToken
+from prefect_spotgpu.protocol import Capacity
 
 NODE_FILE = "node.json"
 CURSOR_FILE = "cursor"
@@ -176,7 +177,7 @@ def _register_with(
     state_dir: Path,
     registration: dict,
 ) -> str:
-    spot = registration["capacity"] == "spot"
+    spot = registration["capacity"] == Capacity.SPOT
     if not registration["region"] or (spot and not registration["reserve_price"]):
         raise CredentialError(
             "registering a spot node needs --region and --reserve-price "

@@ -30,6 +30,8 @@ import sys
 EXIT_NAME = "exit"
 """The file in the job's directory that holds how the job ended: ``{"code": n}`` (a signal:
 ``-n``), written by its keeper."""
+START_FAILED = "failed"
+"""The handshake's key for a job that could not start: ``[errno, strerror, filename]``."""
 
 SWITCHES = ("user", "group", "extra_groups", "umask")
 """What of the spec becomes ``Popen``'s user switch (only under root)."""
@@ -57,7 +59,7 @@ def main(argv: list[str]) -> int:
         )
     except OSError as exc:
         failed = [exc.errno, exc.strerror, exc.filename]
-        os.write(handshake, json.dumps({"failed": failed}).encode())
+        os.write(handshake, json.dumps({START_FAILED: failed}).encode())
         return 127
     os.write(handshake, json.dumps({"pid": job.pid}).encode())
     os.close(handshake)

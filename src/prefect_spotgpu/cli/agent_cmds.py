@@ -10,7 +10,7 @@ import typer
 
 from prefect_spotgpu.agent.isolation import UID_BASE_ENV
 from prefect_spotgpu.cli.common import MARKET, console
-from prefect_spotgpu.protocol import UNSET_NODE_ADDRESS, unfit_node_address
+from prefect_spotgpu.protocol import UNSET_NODE_ADDRESS, Capacity, Runner, unfit_node_address
 
 agent_app = typer.Typer(help="Run the node agent on a GPU host.", no_args_is_help=True)
 
@@ -27,7 +27,7 @@ def agent_start(
         "state directory, and neither is needed again.",
     ),
     runner: str = typer.Option(
-        "process",
+        Runner.PROCESS.value,
         help="process (default: local processes; the single-tenant choice) or docker "
         "(containers: the multi-tenant runner).",
     ),
@@ -46,7 +46,7 @@ def agent_start(
     ),
     reserve_price: float = typer.Option(None, help="Reserve price per GPU-hour when registering."),
     capacity: str = typer.Option(
-        "spot",
+        Capacity.SPOT.value,
         help="spot (default: idle GPUs, auctioned, preemptible) or on_demand (sold at the "
         "model's on-demand price, never outbid) when registering.",
     ),

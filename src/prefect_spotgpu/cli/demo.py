@@ -33,7 +33,7 @@ from prefect_spotgpu.messages import (
     EventsPage,
     NodeResponse,
 )
-from prefect_spotgpu.protocol import LABELS, AllocationStatus, EventKind
+from prefect_spotgpu.protocol import LABELS, AllocationStatus, EventKind, EventPlacement, RunState
 
 GPU_MODEL = "A100-80G"
 STEP_LOG = re.compile(r"step (\d+)/(\d+) loss ([0-9.]+)")
@@ -277,7 +277,7 @@ def _timeline(
         node = nodes.get(e.node_id, e.node_id)
         what = {
             EventKind.ALLOCATED: "GPUs allocated"
-            if e.payload.placement == "new"
+            if e.payload.placement == EventPlacement.NEW
             else "resumes on the reserved node",
             EventKind.RESERVED: "migration target reserved",
             EventKind.NOTICED: "notice (SIGUSR1, webhook, Prefect event)",
@@ -295,7 +295,7 @@ def _timeline(
         if s.is_running():
             running += 1
             moments.append(Moment(s.timestamp.timestamp(), "Running", f"attempt {running}"))
-        elif s.name in ("Preempted", "Completed", "Crashed", "AwaitingGPU", "Starting"):
+        elif s.name in (*RunState, "Completed", "Crashed"):
             message = s.message or ""
             if len(message) > 80:
                 message = message[:80].rsplit(" ", 1)[0] + " ..."

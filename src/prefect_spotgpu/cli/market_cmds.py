@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import typer
 from rich.markup import escape
@@ -28,6 +28,7 @@ from prefect_spotgpu.cli.common import (
     parsed,
     tenant_key,
 )
+from prefect_spotgpu.protocol import BidStatus
 
 if TYPE_CHECKING:
     import httpx
@@ -160,10 +161,11 @@ def estimate(
 # ---------------------------------------------------------------- bids and nodes
 
 
+STATUS = typer.Option(None, help="Only bids in this status.")
+
+
 def bids(
-    status: Literal["open", "held", "cancelled", "finished"] | None = typer.Option(
-        None, help="Only bids in this status."
-    ),  # protocol.BidStatus's values, spelled out: typer draws choices from a Literal or Enum
+    status: BidStatus | None = STATUS,
     limit: int = typer.Option(50, min=1, max=10_000, help="Show the latest N bids."),
     api_key_file: Path | None = API_KEY_FILE,
     market: str = MARKET,

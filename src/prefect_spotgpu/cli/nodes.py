@@ -22,6 +22,7 @@ from prefect_spotgpu.cli.common import (
     market_client,
     tenant_key,
 )
+from prefect_spotgpu.protocol import NodeState
 
 if TYPE_CHECKING:
     from prefect_spotgpu.messages import NodeResponse
@@ -33,10 +34,10 @@ node_app = typer.Typer(
 NODE = typer.Argument(..., help="Your node: its id or its name.")
 
 WHAT_HAPPENS = {
-    "reclaimed": "every job on it gets its notice now (SIGUSR1, a webhook, a Prefect event), "
-    "saves a final checkpoint and resumes on another node",
-    "draining": "its running jobs finish; it takes no new ones",
-    "live": "its GPUs are offered again from the next tick",
+    NodeState.RECLAIMED: "every job on it gets its notice now (SIGUSR1, a webhook, a Prefect "
+    "event), saves a final checkpoint and resumes on another node",
+    NodeState.DRAINING: "its running jobs finish; it takes no new ones",
+    NodeState.LIVE: "its GPUs are offered again from the next tick",
 }
 
 
@@ -73,16 +74,16 @@ def _set_state(node: str, state: str, api_key_file: Path | None, market: str) ->
 @node_app.command("reclaim")
 def reclaim(node: str = NODE, api_key_file: Path | None = API_KEY_FILE, market: str = MARKET):
     """Take the node back: its jobs get their notice and resume elsewhere."""
-    _set_state(node, "reclaimed", api_key_file, market)
+    _set_state(node, NodeState.RECLAIMED, api_key_file, market)
 
 
 @node_app.command("drain")
 def drain(node: str = NODE, api_key_file: Path | None = API_KEY_FILE, market: str = MARKET):
     """Let the node's running jobs finish, and take no new ones."""
-    _set_state(node, "draining", api_key_file, market)
+    _set_state(node, NodeState.DRAINING, api_key_file, market)
 
 
 @node_app.command("live")
 def live(node: str = NODE, api_key_file: Path | None = API_KEY_FILE, market: str = MARKET):
     """Offer the node's GPUs again."""
-    _set_state(node, "live", api_key_file, market)
+    _set_state(node, NodeState.LIVE, api_key_file, market)

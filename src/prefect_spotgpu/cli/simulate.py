@@ -19,6 +19,7 @@ from prefect_spotgpu.market import (
     Node,
     NodeState,
 )
+from prefect_spotgpu.market.decision import PlacementKind
 
 POOLS = (
     ("RTX-4090", "eu-west", 6, 8, 0.30),
@@ -76,7 +77,7 @@ def simulate(rounds: int = 6, seed: int = 2026, tick_seconds: float = 60.0) -> I
                 f"{notice.reason.value}, save by +{notice.deadline - now:.0f} s"
             )
         for placement in decision.placements:
-            if placement.kind.value != "new":
+            if placement.kind != PlacementKind.NEW:
                 events.append(
                     f"bid {placement.bid_id}: {placement.kind.value} reservation "
                     f"on node {placement.node_id}"

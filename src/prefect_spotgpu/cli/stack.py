@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from prefect_spotgpu.api_client import api_base, api_client
-from prefect_spotgpu.protocol import JOB_ENV
+from prefect_spotgpu.protocol import JOB_ENV, Capacity, NodeState, Runner
 from prefect_spotgpu.service.at_rest import private_dir
 
 
@@ -202,8 +202,8 @@ class LocalStack:
         name: str,
         gpus: int | None = None,
         reserve_price: float = 0.9,
-        capacity: str = "spot",
-        runner: str = "process",
+        capacity: str = Capacity.SPOT,
+        runner: str = Runner.PROCESS,
     ) -> int:
         """A node agent with ``gpus`` declared GPUs (None: as many as the last agent of that
         name had, 2 for a new one: a restarted node is the node it was); returns its node id
@@ -219,10 +219,10 @@ class LocalStack:
         (``--job-user auto``: ``home`` must then be a directory other users can traverse)."""
         gpus = self._agent_gpus.setdefault(name, 2) if gpus is None else gpus
         self._agent_gpus[name] = gpus
-        price = ("--reserve-price", str(reserve_price)) if capacity == "spot" else ()
+        price = ("--reserve-price", str(reserve_price)) if capacity == Capacity.SPOT else ()
         users = (
-            ("--runner", "docker", "--job-user", "auto")
-            if runner == "docker"
+            ("--runner", Runner.DOCKER.value, "--job-user", "auto")
+            if runner == Runner.DOCKER
             else ("--job-user", str(os.getuid()))
         )
         self._spawn(
@@ -243,7 +243,7 @@ class LocalStack:
 
         def registered():
             nodes = owner.get("/nodes").json()
-            return [n["id"] for n in nodes if n["name"] == name and n["state"] == "live"]
+            return [n["id"] for n in nodes if n["name"] == name and n["state"] == NodeState.LIVE]
 
         self._wait(f"agent-{name}", registered, 60)
         return registered()[0]

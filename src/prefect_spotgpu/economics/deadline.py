@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from enum import StrEnum
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +69,17 @@ class RegionQuote:
         return cls(region, is_open, floor, free_nodes, forecast)
 
 
+class PaceMode(StrEnum):
+    """What a paced run does for a step (a policy's ``Action``, the ``JobView`` of the last)."""
+
+    SPOT = "spot"
+    """Bid on spot capacity (at most ``Action.bid``)."""
+    ON_DEMAND = "on_demand"
+    """Run on on-demand capacity at its price."""
+    WAIT = "wait"
+    """Hold no GPUs this step."""
+
+
 @dataclass(frozen=True, slots=True)
 class JobView:
     """What a policy knows at one step; times in hours since the job was submitted."""
@@ -79,7 +90,7 @@ class JobView:
     done_h: float
     restart_h: float  # lost at every (re)start: provisioning, image, restore
     step_h: float  # time until the next decision
-    mode: Literal["spot", "on_demand", "wait"]  # what ran during the last step
+    mode: PaceMode  # what ran during the last step
     ran: bool  # whether it actually made progress during the last step
     cap: float  # the user's maximum spot price per GPU-hour
     on_demand_price: float
@@ -108,7 +119,7 @@ class JobView:
 
 @dataclass(frozen=True, slots=True)
 class Action:
-    mode: Literal["spot", "on_demand", "wait"]
+    mode: PaceMode
     bid: float = 0.0  # the spot bid's maximum price, for mode "spot"
     region: str | None = None  # the spot bid's region (None: the job's own, or any region)
 
@@ -120,27 +131,27 @@ def must_finish_on_demand(view: JobView, start_h: float | None = None) -> bool:
     """Whether the slack can no longer absorb one more start (and a step of bad luck);
     ``start_h``: what that start costs (default: a restart)."""
     start = view.restart_h if start_h is None else start_h
-    if view.mode == "on_demand" and view.ran and view.slack_h < 2 * start + view.step_h:
+    if view.mode == PaceMode.ON_DEMAND and view.ran and view.slack_h < 2 * start + view.step_h:
         return True  # already there: switching back would cost a start we cannot afford
     return view.slack_h <= start + view.step_h
 
 
 def always_on_demand(view: JobView) -> Action:
-    return Action("on_demand")
+    return Action(PaceMode.ON_DEMAND)
 
 
 def greedy_spot(view: JobView) -> Action:
     if must_finish_on_demand(view):
-        return Action("on_demand")
-    return Action("spot", view.cap)
+        return Action(PaceMode.ON_DEMAND)
+    return Action(PaceMode.SPOT, view.cap)
 
 
 def uniform_progress(view: JobView, base_fraction: float = 0.75) -> Action:
     if must_finish_on_demand(view):
-        return Action("on_demand")
-    if view.mode == "spot" and view.ran:
-        return Action("spot", view.cap)  # holding GPUs: keep them (an eviction costs a restart)
+        return Action(PaceMode.ON_DEMAND)
+    if view.mode == PaceMode.SPOT and view.ran:
+        return Action(PaceMode.SPOT, view.cap)  # holding GPUs: keep them (eviction: a restart)
     base = view.cap * base_fraction
     lead = 0.25 * view.work_h  # ahead by more than this: start only on the cheaper hours
     behind = min(1.0, max(0.0, (view.behind_h + lead) / lead))
-    return Action("spot", round(base + (view.cap - base) * behind, 4))
+    return Action(PaceMode.SPOT, round(base + (view.cap - base) * behind, 4))

@@ -38,7 +38,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from prefect_spotgpu.economics.deadline import Action, JobView, RegionQuote
+from prefect_spotgpu.economics.deadline import Action, JobView, PaceMode, RegionQuote
 from prefect_spotgpu.economics.policies import get_policy
 from prefect_spotgpu.economics.regions import (
     ClearingHistory,
@@ -260,7 +260,7 @@ class _Run:
 
     def outcome(self) -> Outcome:
         job, out, market, g = self.job, self.out, self.market, self.g
-        done, warmup, mode, ran, alloc = 0.0, 0.0, "wait", False, None
+        done, warmup, mode, ran, alloc = 0.0, 0.0, PaceMode.WAIT, False, None
         ran_in: int | None = None  # region of the spot allocation that ran last step
         checkpoint: int | None = None  # region where the job last made progress on spot
         noticed = False
@@ -272,7 +272,7 @@ class _Run:
                 break
             seen = (mode, ran, ran_in, checkpoint, noticed)
             action = self.policy(self._view(step * g, done, *seen))
-            if action.mode == "spot":
+            if action.mode == PaceMode.SPOT:
                 self._bid(action, now, ran_in if alloc is not None else None)
             elif self.bid_id is not None:
                 out.cost += _paid(market.cancel_bid(self.bid_id, now))
@@ -298,22 +298,24 @@ class _Run:
             running = next((a for a in sorted(ours) if _runs(market, a)), None)
             ours = {a for a in ours if not _ended(market, a)}
             new_mode = (
-                action.mode if action.mode == "on_demand" else ("spot" if running else "wait")
+                action.mode
+                if action.mode == PaceMode.ON_DEMAND
+                else (PaceMode.SPOT if running else PaceMode.WAIT)
             )
-            fresh = new_mode != "wait" and (new_mode != mode or not ran or running != alloc)
-            region = self.where[running] if new_mode == "spot" else None
+            fresh = new_mode != PaceMode.WAIT and (new_mode != mode or not ran or running != alloc)
+            region = self.where[running] if new_mode == PaceMode.SPOT else None
             if fresh:
                 warmup = job.restart_h
-                if new_mode == "spot" and checkpoint not in (None, region):
+                if new_mode == PaceMode.SPOT and checkpoint not in (None, region):
                     warmup += job.migrate_h
                     out.migrations += 1
             alloc = running
-            ran = new_mode != "wait"
+            ran = new_mode != PaceMode.WAIT
             ran_in = region
             warming = min(warmup, g) if ran else 0.0
             productive = g - warming if ran else 0.0
             warmup -= warming
-            if new_mode == "spot" and productive > 0:
+            if new_mode == PaceMode.SPOT and productive > 0:
                 checkpoint = region
             used = g  # the last step is paid only for the time it needs
             if ran and done + productive >= job.work_h:
@@ -323,10 +325,10 @@ class _Run:
                 finish_at = now + used * 3600
             else:
                 done += productive
-            if new_mode == "on_demand":
+            if new_mode == PaceMode.ON_DEMAND:
                 out.cost += ON_DEMAND * self.gpus * used
                 out.on_demand_h += used
-            elif new_mode == "spot":
+            elif new_mode == PaceMode.SPOT:
                 out.spot_h += used
             mode = new_mode
             out.steps.append(mode[0])

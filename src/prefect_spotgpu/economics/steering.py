@@ -37,6 +37,7 @@ from __future__ import annotations
 from prefect_spotgpu.economics.deadline import (
     Action,
     JobView,
+    PaceMode,
     uniform_progress,
 )
 from prefect_spotgpu.economics.deadline import must_finish_on_demand as _must_finish
@@ -54,15 +55,15 @@ def must_finish_on_demand(view: JobView) -> bool:
 
 def deadline_aware(view: JobView, bridge_h: float = BRIDGE_H) -> Action:
     if must_finish_on_demand(view):
-        return Action("on_demand")
+        return Action(PaceMode.ON_DEMAND)
     spot_open = any(q.open for q in view.regions) if view.regions else view.spot_open
-    if view.mode == "on_demand" and view.ran:
+    if view.mode == PaceMode.ON_DEMAND and view.ran:
         back = spot_open and view.slack_h - 2 * _start_h(view) - 2 * view.step_h > 0
-        return Action("spot", view.cap) if back else Action("on_demand")
-    if view.mode == "spot" and view.ran and not view.noticed:
-        return Action("spot", view.cap)  # holding GPUs: keep them
+        return Action(PaceMode.SPOT, view.cap) if back else Action(PaceMode.ON_DEMAND)
+    if view.mode == PaceMode.SPOT and view.ran and not view.noticed:
+        return Action(PaceMode.SPOT, view.cap)  # holding GPUs: keep them
     if not spot_open and view.slack_h < bridge_h:
-        return Action("on_demand")  # the bridge
+        return Action(PaceMode.ON_DEMAND)  # the bridge
     paced = uniform_progress(view)
     return Action(paced.mode, paced.bid)  # region None: any region
 

@@ -17,7 +17,13 @@ from sqlalchemy.orm import Session
 
 from prefect_spotgpu.market import Decision, Market, PlacementKind
 from prefect_spotgpu.market.compensation import LossCause
-from prefect_spotgpu.protocol import AllocationStatus, Capacity, EndReason, EventKind
+from prefect_spotgpu.protocol import (
+    AllocationStatus,
+    Capacity,
+    EndReason,
+    EventKind,
+    EventPlacement,
+)
 from prefect_spotgpu.service import gate, ledger
 from prefect_spotgpu.service.models import (
     AllocationRow,
@@ -229,7 +235,7 @@ class TickWrites:
                 tenant_id=row.tenant_id,
                 status=S.RUNNING.value,
                 gpu_count=row.gpu_count,
-                placement="promoted",
+                placement=EventPlacement.PROMOTED,
                 epoch=row.epoch,
             )
 

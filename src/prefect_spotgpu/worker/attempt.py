@@ -24,7 +24,13 @@ from prefect.states import Cancelled, Crashed, Failed, Pending, Scheduled
 from prefect.utilities.engine import propose_state
 
 from prefect_spotgpu.messages import BidResponse, EventResponse
-from prefect_spotgpu.protocol import HOLDING_STATUSES, LABELS, LIVE_BID_STATUSES, WorkerEvent
+from prefect_spotgpu.protocol import (
+    HOLDING_STATUSES,
+    LABELS,
+    LIVE_BID_STATUSES,
+    RunState,
+    WorkerEvent,
+)
 from prefect_spotgpu.worker import reactions as rules
 from prefect_spotgpu.worker.config import SpotGPUJobConfiguration
 from prefect_spotgpu.worker.market_api import POLL_SECONDS, MarketApi, retry
@@ -158,7 +164,7 @@ async def open_bid(
         window = f"{bid.window_start.isoformat()} to {bid.window_end.isoformat()}"
         quote += f"; runs in the cheap window {window}"
     await run.set_state(
-        Pending(name="AwaitingGPU", message=f"Bid {bid.id}: {describe(bid)}; {quote}")
+        Pending(name=RunState.AWAITING_GPU, message=f"Bid {bid.id}: {describe(bid)}; {quote}")
     )
     return bid
 
@@ -314,7 +320,7 @@ class Attempt:
             )
             return
         message = rules.starting_message(go, self.bid)
-        await run.set_state(Pending(name="Starting", message=message))
+        await run.set_state(Pending(name=RunState.STARTING, message=message))
         run.logger.info(
             "%s on node %s (allocation %s)",
             *("Resuming" if go.resumed else "Starting", go.node_id, go.allocation_id),
@@ -340,7 +346,7 @@ class Attempt:
             await run.set_state(Crashed(message=reschedule.message), force=True)
         await run.insist(
             lambda: Scheduled(
-                name="Preempted", scheduled_time=reschedule.when, message=reschedule.message
+                name=RunState.PREEMPTED, scheduled_time=reschedule.when, message=reschedule.message
             ),
             # a flow called from code has no deployment, and Prefect lets such a run leave
             # its engine's Crashed for Scheduled only by force (over was ruled out above)

@@ -33,9 +33,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Literal
 
-from prefect_spotgpu.economics.deadline import JobView, RegionQuote
+from prefect_spotgpu.economics.deadline import JobView, PaceMode, RegionQuote
 from prefect_spotgpu.economics.policies import get_policy
 from prefect_spotgpu.market import DEFAULT_CATALOG
 from prefect_spotgpu.messages import AllocationResponse, BidResponse, QuoteResponse
@@ -72,15 +71,16 @@ class Pace:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    mode: Literal["spot", "on_demand"]
+    mode: PaceMode  # SPOT or ON_DEMAND
     price: float  # the spot bid's maximum, or the on-demand price
     view: JobView
     region: str | None = None  # where the policy would run it now (None: wherever it fits)
 
     def describe(self) -> str:
         v = self.view
-        where = "on-demand" if self.mode == "on_demand" else f"spot at most {self.price:.2f}"
-        if self.mode == "spot" and self.region and len(v.regions) > 1:
+        on_demand = self.mode == PaceMode.ON_DEMAND
+        where = "on-demand" if on_demand else f"spot at most {self.price:.2f}"
+        if self.mode == PaceMode.SPOT and self.region and len(v.regions) > 1:
             where += f", best now in {self.region}"
         return (
             f"{where}: {v.done_h:.2f} of {v.work_h:.2f} GPU-hours done, "
@@ -154,9 +154,9 @@ def plan(
     restart_h = pace.restart_minutes / 60
     done, holding = done_hours(allocations, now.timestamp(), restart_h)
     on_demand_price = DEFAULT_CATALOG.get(pace.gpu_model).on_demand_price
-    mode = "wait"
+    mode = PaceMode.WAIT
     if holding and bid is not None:
-        mode = "on_demand" if bid.capacity == Capacity.ON_DEMAND else "spot"
+        mode = PaceMode.ON_DEMAND if bid.capacity == Capacity.ON_DEMAND else PaceMode.SPOT
     regions = region_quotes(pace, quotes, hysteresis) if quotes is not None else ()
     view = JobView(
         now_h=_hours(now - pace.origin),
@@ -174,10 +174,10 @@ def plan(
         regions=regions,
     )
     action = get_policy(pace.policy)(view)  # from on-demand too: the policy weighs the restart
-    if action.mode == "on_demand" and pace.on_demand_fallback:
-        return Plan("on_demand", on_demand_price, view)
-    price = pace.cap if action.mode != "spot" else min(pace.cap, action.bid)
-    return Plan("spot", round(price, 4), view, action.region)
+    if action.mode == PaceMode.ON_DEMAND and pace.on_demand_fallback:
+        return Plan(PaceMode.ON_DEMAND, on_demand_price, view)
+    price = pace.cap if action.mode != PaceMode.SPOT else min(pace.cap, action.bid)
+    return Plan(PaceMode.SPOT, round(price, 4), view, action.region)
 
 
 def _hours(delta: timedelta) -> float:

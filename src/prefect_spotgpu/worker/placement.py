@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol, TypeVar
 
+from prefect_spotgpu.economics.deadline import PaceMode
 from prefect_spotgpu.economics.schedules import cheap_window
 from prefect_spotgpu.messages import AllocationResponse, BidResponse
 from prefect_spotgpu.protocol import LABELS, Capacity, WorkerEvent
@@ -106,7 +107,7 @@ class Placement:
         if bid is None:
             return None, course, None
         on_demand = bid.capacity == Capacity.ON_DEMAND
-        if (course.mode == "on_demand") != on_demand:  # the other capacity
+        if (course.mode == PaceMode.ON_DEMAND) != on_demand:  # the other capacity
             if course.view.ran:  # a running job moves through ``pace``: a notice, a save
                 return bid, course, None
             where, what = (
@@ -116,7 +117,7 @@ class Placement:
             await self.market.cancel(bid.id)
             self.run.emit(what, bid, plan=course.describe())
             return None, course, bid
-        if course.mode == "spot" and bid.max_price != course.price:
+        if course.mode == PaceMode.SPOT and bid.max_price != course.price:
             bid = await self.market.reprice(bid.id, course.price)
             self.run.logger.info("Bid %s repriced: %s", bid.id, course.describe())
         return bid, course, None
@@ -135,7 +136,7 @@ class Placement:
             return bid  # released already: its job is saving
         course = await self._plan(pace, bid, await self.market.allocations(bid.id))
         on_demand = bid.capacity == Capacity.ON_DEMAND
-        if (course.mode == "on_demand") == on_demand:
+        if (course.mode == PaceMode.ON_DEMAND) == on_demand:
             return bid
         where = "spot" if on_demand else "on-demand"
         self.run.logger.warning(
@@ -148,7 +149,7 @@ class Placement:
         price, job (in ``image``: a reference from the catalogue) and labels; its idempotency
         key names the run's attempt (and the capacity or cheap window it bids for)."""
         configuration, flow_run = self.configuration, self.run.flow_run
-        on_demand = course is not None and course.mode == "on_demand"
+        on_demand = course is not None and course.mode == PaceMode.ON_DEMAND
         body: dict[str, Any] = {
             "gpu_model": configuration.gpu_model,
             "gpu_count": configuration.gpu_count,

@@ -55,6 +55,7 @@ from prefect_spotgpu.protocol import (
     EndReason,
     EventKind,
     MarketTerms,
+    NoticeReason,
     WorkerEvent,
 )
 from prefect_spotgpu.worker.report import describe
@@ -308,7 +309,9 @@ def react(
                 allocation_id=alloc, node_id=track.nodes.get(alloc), preemptions=track.preemptions
             )
         if kind == EventKind.PULLING and alloc == track.live:  # the pull's progress, in its log
-            return Nothing(log=("info", f"Node {node}: {payload.detail or 'pulling'}"))
+            return Nothing(
+                log=("info", f"Node {node}: {payload.detail or EventKind.PULLING.value}")
+            )
         if kind == EventKind.RESERVED:
             return Nothing(
                 log=("info", f"GPUs reserved for this run on node {node} (allocation {alloc})")
@@ -319,7 +322,8 @@ def react(
                 log=(
                     "warning",
                     f"Notice: allocation {alloc} on node {node} ends "
-                    f"({payload.reason or 'reclaimed'}); final save due within {left:.0f} s",
+                    f"({payload.reason or NoticeReason.RECLAIMED.value}); final save due "
+                    f"within {left:.0f} s",
                 ),
                 emit=Emit(WorkerEvent.NOTICED, plain(payload)),
             )
@@ -381,7 +385,7 @@ def preempted(
     """A preemption of the run's allocation (``event``): reschedule it to resume from its
     checkpoint, or fail it once it was preempted more than ``max_preemptions`` times."""
     payload = event.payload
-    reason = payload.reason or "preempted"
+    reason = payload.reason or EventKind.PREEMPTED.value
     emit = Emit(WorkerEvent.PREEMPTED, plain(payload))
     if track.preemptions > settings.max_preemptions:
         message = (

@@ -66,7 +66,7 @@ def allocation_report(
                 "node": a.node_id,
                 "gpu": f"{a.gpu_count} x {bid.gpu_model}",
                 "start": iso(a.started_at),
-                "end": iso(end) if end else "running",
+                "end": iso(end) if end else AllocationStatus.RUNNING.value,
                 "status": a.status,
                 "price": round(a.price, 4),
                 "cost": round(a.charged_amount, 6),

@@ -10,6 +10,7 @@ from __future__ import annotations
 from prefect_spotgpu.agent.runners.docker import DockerRunner
 from prefect_spotgpu.agent.runners.process import ProcessRunner
 from prefect_spotgpu.agent.runners.runner import JobFault, JobHandle, JobRequest, Runner
+from prefect_spotgpu.protocol import Runner as RunnerKind
 
 __all__ = [
     "RUNNERS",
@@ -22,7 +23,10 @@ __all__ = [
     "get_runner",
 ]
 
-RUNNERS: dict[str, type[Runner]] = {"process": ProcessRunner, "docker": DockerRunner}
+RUNNERS: dict[str, type[Runner]] = {
+    RunnerKind.PROCESS: ProcessRunner,
+    RunnerKind.DOCKER: DockerRunner,
+}
 
 
 def get_runner(name: str, **options) -> Runner:

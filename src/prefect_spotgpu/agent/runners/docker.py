@@ -52,7 +52,7 @@ from prefect_spotgpu.agent.runners.runner import (
     record_pid,
     write_notice,
 )
-from prefect_spotgpu.protocol import IMAGE_REFERENCE_PATTERN, JOB_ENV, PULL_REPORT_SECONDS
+from prefect_spotgpu.protocol import IMAGE_REFERENCE_PATTERN, JOB_ENV, PULL_REPORT_SECONDS, Runner
 
 WORKDIR = "/spotgpu"
 """Where a container sees its allocation's directory (its HOME)."""
@@ -101,7 +101,7 @@ class DockerRunner:
     environment") runs in; None: such bids fail here, naming the option.
     """
 
-    name = "docker"
+    name = Runner.DOCKER.value
 
     def __init__(
         self,

@@ -40,7 +40,7 @@ from prefect_spotgpu.agent.isolation import (
     retire_workdir,
     uids_in_use,
 )
-from prefect_spotgpu.agent.keeper import EXIT_NAME
+from prefect_spotgpu.agent.keeper import EXIT_NAME, START_FAILED
 from prefect_spotgpu.agent.runners.runner import (
     JobFault,
     JobHandle,
@@ -52,6 +52,7 @@ from prefect_spotgpu.agent.runners.runner import (
     record_pid,
     write_notice,
 )
+from prefect_spotgpu.protocol import Runner
 
 logger = logging.getLogger("prefect_spotgpu.agent")
 
@@ -149,7 +150,7 @@ class ProcessRunner:
     (``preflight.check_job_interpreter``).
     """
 
-    name = "process"
+    name = Runner.PROCESS.value
     default_image = None  # (processes: no image)
 
     def __init__(
@@ -252,8 +253,8 @@ class ProcessRunner:
         if "pid" in answer:
             return keeper, int(answer["pid"])
         keeper.wait()
-        if "failed" in answer:
-            number, message, filename = answer["failed"]
+        if START_FAILED in answer:
+            number, message, filename = answer[START_FAILED]
             raise OSError(number, message, filename)
         raise RuntimeError(f"the job's keeper exited {keeper.returncode} before the job started")
 
