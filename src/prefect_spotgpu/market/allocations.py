@@ -84,7 +84,7 @@ class Allocations:
             alloc.started_at,
             alloc.deadline,
             alloc.notice_reason,
-            migration=alloc.kind == "migration",
+            migration=alloc.kind == PlacementKind.MIGRATION,
         )
         arow = ix.alloc_row_of(alloc.id)
         ix.a.price[arow] = alloc.price

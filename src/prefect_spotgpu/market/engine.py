@@ -51,7 +51,7 @@ from prefect_spotgpu.market.book import MAX_NODES, priority_order
 from prefect_spotgpu.market.bulk import BulkAdmission
 from prefect_spotgpu.market.checks import ANY_REGION, MAX_GPUS_PER_NODE, MAX_ID
 from prefect_spotgpu.market.clearing import Clearing
-from prefect_spotgpu.market.decision import Charges, Decision, Settlement
+from prefect_spotgpu.market.decision import Charges, Decision, PlacementKind, Settlement
 from prefect_spotgpu.market.gangs import Gangs
 from prefect_spotgpu.market.gpus import DEFAULT_CATALOG
 from prefect_spotgpu.market.holds import Holds
@@ -477,9 +477,9 @@ class Market:
                     notice_fee_owed=int(a.fee_owed[arow]),
                     deadline=None if math.isnan(deadline) else deadline,
                     notice_reason=None if reason < 0 else REASONS[reason],
-                    kind=("migration" if a.mig[arow] else "takeover")
+                    kind=(PlacementKind.MIGRATION if a.mig[arow] else PlacementKind.TAKEOVER)
                     if status is AllocationStatus.RESERVED
-                    else "new",
+                    else PlacementKind.NEW,
                 )
             )
         return MarketState(nodes, tuple(bids), tuple(allocs), ix.config, ix.next_alloc_id)
