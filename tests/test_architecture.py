@@ -345,7 +345,12 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
 
 
 STATUS_FIELDS = {"status", "state"}
-ROW_CLASSES = {"BidRow": "BID", "NodeRow": "NODE", "AllocationRow": "ALLOCATION"}
+ROW_CLASSES = {
+    "BidRow": "BID",
+    "NodeRow": "NODE",
+    "AllocationRow": "ALLOCATION",
+    "WebhookDelivery": "DELIVERY",
+}
 
 
 def status_writes(source: str) -> list[str]:
@@ -353,9 +358,13 @@ def status_writes(source: str) -> list[str]:
     initial state of its table: assignments to ``.status``/``.state`` (plain, augmented, in a
     tuple), ``.values(status=...)``, ``setattr(..., "status", ...)``."""
     from prefect_spotgpu.market.transitions import NODE_NEW_STATES
-    from prefect_spotgpu.protocol import BID_NEW_STATES
+    from prefect_spotgpu.protocol import BID_NEW_STATES, DELIVERY_NEW_STATES
 
-    initial = {"BID": {s.name for s in BID_NEW_STATES}, "NODE": {s.name for s in NODE_NEW_STATES}}
+    initial = {
+        "BID": {s.name for s in BID_NEW_STATES},
+        "NODE": {s.name for s in NODE_NEW_STATES},
+        "DELIVERY": {s.name for s in DELIVERY_NEW_STATES},
+    }
     found = []
     for node in ast.walk(ast.parse(source)):
         targets = []
@@ -388,8 +397,9 @@ def status_writes(source: str) -> list[str]:
 
 
 def _updates_a_stateful_row(chain: ast.expr) -> bool:
-    """Whether a ``....values()`` chain updates a bid, node or allocation row (or a table it
-    cannot tell: counted, to be safe); ``update(WebhookDelivery)`` and the like are not."""
+    """Whether a ``....values()`` chain updates a bid, node, allocation or webhook delivery
+    row (or a table it cannot tell: counted, to be safe); ``update(Tenant)`` and the like are
+    not."""
     for node in ast.walk(chain):
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "update":
             target = node.args[0] if node.args else None
@@ -397,7 +407,7 @@ def _updates_a_stateful_row(chain: ast.expr) -> bool:
     return True
 
 
-def test_only_the_gate_changes_a_bid_node_or_allocation_status():
+def test_only_the_gate_changes_a_bid_node_allocation_or_delivery_status():
     """Statuses change through ``service/gate.py`` alone (a compare-and-set checked against the
     transition tables); rows are created only in an initial state of their table."""
     source = "row.status = 'x'\nrow.a, node.state = 1, 2\nupdate(BidRow).values(status=1)\n"
@@ -405,7 +415,9 @@ def test_only_the_gate_changes_a_bid_node_or_allocation_status():
         "line 1: assigns .status",
         "line 2: assigns .state",
         "line 3: .values(status=...)",
+        "line 4: .values(status=...)",
     ]
+    assert status_writes("update(Tenant).values(status=1)") == []
     assert status_writes("BidRow(status=BidStatus.HELD.value)") != []
     assert status_writes("BidRow(status=BidStatus.OPEN.value)") == []
     offenders = {}
@@ -435,6 +447,10 @@ def test_the_gate_enforces_the_transition_tables():
             assert (gate.check_transition(current, to) is None) == allowed
     assert set(NODE_FROM_STATES) == set(NODE_FROM_STATES[next(iter(NODE_FROM_STATES))]) | {"lost"}
     assert BidStatus.CANCELLED not in BID_FROM_STATES[BidStatus.OPEN]
+    from prefect_spotgpu.protocol import DELIVERY_FROM_STATES
+
+    for to, sources in DELIVERY_FROM_STATES.items():
+        assert not sources & gate.FINAL_DELIVERY_STATUSES, to
 
 
 def _private_prefect_uses(path: pathlib.Path, worker_privates: set[str]) -> list[str]:
@@ -483,3 +499,44 @@ def test_only_the_shim_reaches_prefects_private_internals():
     assert not offenders, offenders
     shim = _private_prefect_uses(PACKAGE / "prefect_internals.py", worker_privates)
     assert shim, "the shim reaches nothing private: is this test still looking?"
+
+
+def test_a_delivery_records_its_outcome_only_from_pending_and_only_for_its_own_attempt(
+    tmp_path,
+):
+    """The webhook gate on a real database: a delivered or failed delivery is final, and an
+    attempt whose lease another attempt took over records nothing."""
+    from datetime import UTC, datetime
+
+    from sqlalchemy import create_engine, insert, select
+    from sqlalchemy.orm import Session
+
+    from prefect_spotgpu.protocol import DeliveryStatus
+    from prefect_spotgpu.service import gate
+    from prefect_spotgpu.service.errors import TransitionRejected
+    from prefect_spotgpu.service.models import Base, EventRow, Tenant, WebhookDelivery
+
+    engine = create_engine(f"sqlite:///{tmp_path / 'gate.db'}")
+    Base.metadata.create_all(engine)
+    with Session(engine) as session, session.begin():
+        now = datetime.now(UTC)
+        session.execute(insert(Tenant), [{"id": 1, "name": "t", "created_at": now}])
+        session.execute(insert(EventRow), [{"id": 1, "tenant_id": 1, "bid_id": 1, "node_id": 1,
+                                             "allocation_id": 1, "kind": "noticed",
+                                             "payload": {}, "created_at": now}])  # fmt: skip
+        gate.create_deliveries(session=session, rows=[
+            {"tenant_id": 1, "event_id": 1, "url": "https://x", "status": "pending",
+             "attempts": 1, "next_attempt_at": 0.0, "updated_at": now}])  # fmt: skip
+        with pytest.raises(TransitionRejected):
+            gate.create_deliveries(session=session, rows=[{"status": "delivered"}])
+        assert not gate.set_delivery_status(
+            session=session, delivery_id=1, attempts=2, to=DeliveryStatus.DELIVERED
+        )  # not this attempt's: another claimed it since
+        assert gate.set_delivery_status(
+            session=session, delivery_id=1, attempts=1, to=DeliveryStatus.DELIVERED
+        )
+        assert not gate.set_delivery_status(
+            session=session, delivery_id=1, attempts=1, to=DeliveryStatus.FAILED
+        )  # delivered is final: the row is no longer pending
+        status = session.scalar(select(WebhookDelivery.status))
+    assert status == "delivered"

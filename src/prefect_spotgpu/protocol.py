@@ -57,6 +57,7 @@ __all__ = [
     "AllocationStatus",
     "BidStatus",
     "Capacity",
+    "DeliveryStatus",
     "EndReason",
     "EventKind",
     "EventPlacement",
@@ -120,6 +121,28 @@ class EventKind(StrEnum):
     PULLING = "pulling"
     """The node is pulling the allocation's image (``payload.detail``: how far): progress
     before the job starts, no change of the allocation."""
+
+
+class DeliveryStatus(StrEnum):
+    """A webhook delivery's status (``GET /webhook/deliveries``)."""
+
+    PENDING = "pending"
+    """Not delivered yet: its next attempt is due at ``next_attempt_at``."""
+    DELIVERED = "delivered"
+    """The tenant's endpoint answered 2xx."""
+    FAILED = "failed"
+    """Every attempt failed (``webhook_max_attempts``)."""
+
+
+DELIVERY_FROM_STATES: dict[DeliveryStatus, frozenset[DeliveryStatus]] = {
+    DeliveryStatus.PENDING: frozenset({DeliveryStatus.PENDING}),  # an attempt failed: a retry
+    DeliveryStatus.DELIVERED: frozenset({DeliveryStatus.PENDING}),
+    DeliveryStatus.FAILED: frozenset({DeliveryStatus.PENDING}),
+}
+"""For each delivery status, the statuses a delivery may come from (delivered and failed are
+final)."""
+DELIVERY_NEW_STATES = frozenset({DeliveryStatus.PENDING})
+"""A delivery is created pending."""
 
 
 class EventPlacement(StrEnum):

@@ -25,12 +25,21 @@ from prefect_spotgpu.market.transitions import (
     NODE_FROM_STATES,
     refusal,
 )
-from prefect_spotgpu.protocol import BID_FROM_STATES, AllocationStatus, BidStatus, ReportOutcome
+from prefect_spotgpu.protocol import (
+    BID_FROM_STATES,
+    DELIVERY_FROM_STATES,
+    DELIVERY_NEW_STATES,
+    AllocationStatus,
+    BidStatus,
+    DeliveryStatus,
+    ReportOutcome,
+)
 from prefect_spotgpu.service.errors import Conflict, TransitionRejected
-from prefect_spotgpu.service.models import AllocationRow, BidRow, NodeRow
+from prefect_spotgpu.service.models import AllocationRow, BidRow, NodeRow, WebhookDelivery
 
 S = AllocationStatus
 FINAL_BID_STATUSES = frozenset({BidStatus.CANCELLED, BidStatus.FINISHED})
+FINAL_DELIVERY_STATUSES = frozenset({DeliveryStatus.DELIVERED, DeliveryStatus.FAILED})
 HOLD_STATUSES = frozenset({BidStatus.OPEN, BidStatus.HELD})
 """The bid statuses whose ``hold_reason`` a change sets (held: why; open: none)."""
 
@@ -87,6 +96,43 @@ def set_node_state(*, session: Session, node: NodeRow, to: NodeState, **fields: 
     ).rowcount
     if not changed:
         raise Conflict(f"node {node.id} is no longer {expected.value}; its state changed")
+
+
+def create_deliveries(*, session: Session, rows: list[dict]) -> None:
+    """Insert new webhook deliveries (one statement for the lot), each pending."""
+    for row in rows:
+        if DeliveryStatus(row["status"]) not in DELIVERY_NEW_STATES:
+            raise TransitionRejected(f"a webhook delivery cannot be created {row['status']}")
+    if rows:
+        session.execute(insert(WebhookDelivery), rows)
+
+
+def set_delivery_status(
+    *, session: Session, delivery_id: int, attempts: int, to: DeliveryStatus, **fields: object
+) -> bool:
+    """Record how attempt ``attempts`` of a pending delivery went: ``to`` (pending again for
+    a retry, delivered, or failed) and ``fields``, compare-and-set on its status and its
+    attempts, so only the attempt that claimed it records; whether it did. A transition
+    ``DELIVERY_FROM_STATES`` refuses raises."""
+    expected = DeliveryStatus.PENDING
+    why = refusal(
+        f"webhook delivery {delivery_id}", expected, to, DELIVERY_FROM_STATES,
+        FINAL_DELIVERY_STATUSES,
+    )  # fmt: skip
+    if why is not None:
+        raise TransitionRejected(why)
+    return bool(
+        session.execute(
+            update(WebhookDelivery)
+            .where(
+                WebhookDelivery.id == delivery_id,
+                WebhookDelivery.status == expected.value,
+                WebhookDelivery.attempts == attempts,
+            )
+            .values(status=to.value, **fields)
+            .execution_options(synchronize_session=False)
+        ).rowcount
+    )
 
 
 def create_allocations(*, session: Session, rows: list[dict]) -> None:

@@ -20,6 +20,7 @@ from prefect_spotgpu.market.compensation import LossCause
 from prefect_spotgpu.protocol import (
     AllocationStatus,
     Capacity,
+    DeliveryStatus,
     EndReason,
     EventKind,
     EventPlacement,
@@ -31,7 +32,6 @@ from prefect_spotgpu.service.models import (
     PoolQuoteRow,
     PriceBar,
     Tenant,
-    WebhookDelivery,
 )
 
 if TYPE_CHECKING:
@@ -145,14 +145,13 @@ class TickWrites:
                         "tenant_id": tenant_id,
                         "event_id": event_id,
                         "url": url,
-                        "status": "pending",
+                        "status": DeliveryStatus.PENDING.value,
                         "attempts": 0,
                         "next_attempt_at": self.now,
                         "updated_at": self.now_dt,
                     }
                 )
-        if deliveries:
-            self.session.execute(insert(WebhookDelivery), deliveries)
+        gate.create_deliveries(session=self.session, rows=deliveries)
 
     def decision(self, decision: Decision) -> None:
         placements = list(decision.placements)

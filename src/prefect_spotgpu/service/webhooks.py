@@ -50,6 +50,8 @@ import httpx
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from prefect_spotgpu.protocol import DeliveryStatus
+from prefect_spotgpu.service import gate
 from prefect_spotgpu.service.metrics import ServiceMetrics
 from prefect_spotgpu.service.models import EventRow, Tenant, WebhookDelivery
 from prefect_spotgpu.service.sealing import Sealer, open_secret
@@ -425,7 +427,7 @@ class WebhookSender:
             rows = session.execute(
                 select(WebhookDelivery.id, WebhookDelivery.tenant_id, WebhookDelivery.attempts)
                 .where(
-                    WebhookDelivery.status == "pending",
+                    WebhookDelivery.status == DeliveryStatus.PENDING.value,
                     WebhookDelivery.next_attempt_at <= now,
                     WebhookDelivery.tenant_id.not_in(busy),
                 )
@@ -465,7 +467,7 @@ class WebhookSender:
                 update(WebhookDelivery)
                 .where(
                     WebhookDelivery.id == delivery_id,
-                    WebhookDelivery.status == "pending",
+                    WebhookDelivery.status == DeliveryStatus.PENDING.value,
                     WebhookDelivery.attempts == attempts,
                 )
                 .values(attempts=attempts + 1, next_attempt_at=lease)
@@ -513,22 +515,22 @@ class WebhookSender:
         self.metrics.observe_delivery(ok)
         now = time.time()
         if ok:
-            status, next_at = "delivered", now
+            status, next_at = DeliveryStatus.DELIVERED, now
         elif done >= self.settings.webhook_max_attempts:
-            status, next_at = "failed", now
+            status, next_at = DeliveryStatus.FAILED, now
         else:
-            status = "pending"
+            status = DeliveryStatus.PENDING
             next_at = now + self.settings.webhook_backoff_seconds * 2 ** (done - 1)
         with self.sessions.begin() as session:
-            session.execute(
-                update(WebhookDelivery)
-                .where(WebhookDelivery.id == delivery_id)
-                .values(
-                    status=status,
-                    last_status_code=code,
-                    last_error=error,
-                    next_attempt_at=next_at,
-                    updated_at=datetime.now(UTC),
-                )
-                .execution_options(synchronize_session=False)
+            recorded = gate.set_delivery_status(
+                session=session,
+                delivery_id=delivery_id,
+                attempts=done,
+                to=status,
+                last_status_code=code,
+                last_error=error,
+                next_attempt_at=next_at,
+                updated_at=datetime.now(UTC),
             )
+        if not recorded:  # (its lease ran out and another attempt claimed it: that one records)
+            logger.warning("webhook delivery %s: attempt %s was overtaken", delivery_id, done)
