@@ -307,7 +307,7 @@ def test_a_bid_without_an_image_runs_in_the_nodes_default_image_or_fails_naming_
 
 def test_a_gang_member_is_refused_naming_process_nodes_rather_than_left_to_hang(tmp_path):
     """Containers of one gang cannot reach each other across hosts yet: the market holds gang
-    bids with images, and a gang member given a default image here fails at once, naming the
+    bids with images, and a gang member given a default image here fails to start, naming the
     fix, instead of waiting out its rendezvous's timeout."""
     from prefect_spotgpu.agent.runners.runner import GangPlace
 
@@ -315,7 +315,7 @@ def test_a_gang_member_is_refused_naming_process_nodes_rather_than_left_to_hang(
     runner = DockerRunner(users=JobUsers("auto"), checkpoint_root=tmp_path / "c",
                           gpu_devices=False, default_image="some/image:1")  # fmt: skip
     with pytest.raises(JobFault, match="run gangs on process nodes"):
-        runner.container_spec(request(tmp_path, 19, ["python3", "-c", "pass"], None, gang=place))
+        runner.start(request(tmp_path, 19, ["python3", "-c", "pass"], None, gang=place))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -181,13 +181,3 @@ def test_a_pool_whose_nodes_all_serve_everything_again_is_priced_uniformly():
     m.upsert_node(node(1, None))
     quote = next(q for q in m.tick(12.0).quotes if q.gpu_model == A100)
     assert quote.kind_prices is None  # as a market rebuilt from its snapshot would say
-
-
-def test_a_gang_with_an_image_is_named_unserved_until_containers_can_meet():
-    """Containers of one gang cannot reach each other across hosts yet: a gang that names an
-    image is held, naming what to bid instead, rather than started to hang at its rendezvous."""
-    m = market_with(node(1, Runner.DOCKER), node(2, Runner.DOCKER), node(3, Runner.PROCESS))
-    gang = Bid(10, A100, 8, 2.0, region="eu-west", image=TORCH, node_count=2, gang_id=10)
-    assert "image 'process'" in m.runners.unserved(gang)
-    plain = Bid(11, A100, 8, 2.0, region="eu-west", node_count=2, gang_id=11)
-    assert m.runners.unserved(plain) is None

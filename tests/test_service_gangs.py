@@ -503,3 +503,20 @@ def test_a_gang_that_may_shrink_goes_on_with_its_survivor_as_a_world_of_one(serv
     assert (now["rank"], now["node_id"]) == (0, where[1])
     place = assignment(agents[where[1]], where[1], "running")["gang"]
     assert (place["rank"], place["world_size"], place["lead_allocation"]) == (0, 1, now["id"])
+
+
+def test_a_gang_that_names_an_image_is_held_naming_image_process(service):
+    """Containers of one gang cannot reach each other across hosts yet: a gang bid with an
+    image is held at once, its reason saying what to bid instead, not left to hang."""
+    alice, owner = service.tenant(credit=100), service.tenant()
+    for _ in range(2):
+        node(service, owner)
+    b = gang_bid(alice, job={"command": ["true"], "image": "pytorch"})
+
+    def held():
+        seen = alice.get(f"/bids/{b['id']}").json()
+        return seen if seen["status"] == "held" else None
+
+    seen = wait_for(held)
+    assert "image 'process'" in seen["hold_reason"] and "gang" in seen["hold_reason"]
+    assert alice.get(f"/bids/{b['id']}/allocations").json() == []

@@ -71,12 +71,6 @@ class Runners:
             else [p for p in [ix.pool_index.get((model, region))] if p is not None]
         )
         rows = [r for p in pools for r in ix.pools[p].nodes if ix.n_state[r] != NodeState.LOST]
-        if rows and bid.node_count > 1 and bid.image:
-            return (
-                f"a gang runs on process nodes (--runner process) only, for now: its members' "
-                f"containers cannot reach each other across hosts; bid with image 'process' "
-                f"(the nodes' own environment) instead of {bid.image}"
-            )
         if not rows or any(ix.n_serves[r] & need for r in rows):
             return None
         where = f"the {bid.gpu_model} nodes in {'any region' if region == -1 else bid.region}"

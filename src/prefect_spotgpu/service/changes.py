@@ -75,7 +75,10 @@ def apply_change(writes: TickWrites, change: MarketChange, now: float) -> None:
         if row.status == BidStatus.OPEN and not market.has_bid(row.id):
             try:
                 first_row = row.gang_id in (None, row.id)  # (members follow their rank 0)
-                unserved = market.runners.unserved(market_bid(row)) if first_row else None
+                bid = market_bid(row)
+                unserved = None
+                if first_row:
+                    unserved = gangs.gang_in_containers(bid) or market.runners.unserved(bid)
                 if unserved is not None:  # no node of its pools runs it as asked: named
                     raise ValueError(f"{HELD_UNSERVED}: {unserved}")
                 add_bid_row(market, row)

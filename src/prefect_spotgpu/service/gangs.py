@@ -17,7 +17,7 @@ from collections import defaultdict
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from prefect_spotgpu.market import NodeState
+from prefect_spotgpu.market import Bid, NodeState
 from prefect_spotgpu.protocol import HOLDING_STATUSES, UNSET_NODE_ADDRESS, AllocationStatus
 from prefect_spotgpu.service.errors import Invalid
 from prefect_spotgpu.service.models import AllocationRow, BidRow, NodeRow
@@ -82,6 +82,18 @@ def check_gang_fits(*, session: Session, data: BidCreate) -> None:
             "distinct nodes of one region",
             field=field,
         )
+
+
+def gang_in_containers(bid: Bid) -> str | None:
+    """Why the service holds a gang that names an image (None: it does not): the members'
+    containers cannot reach each other across hosts yet, so only process nodes run gangs."""
+    if bid.node_count == 1 or not bid.image:
+        return None
+    return (
+        "a gang runs on process nodes (--runner process) only, for now: its members' "
+        "containers cannot reach each other across hosts; bid with image 'process' (the "
+        f"nodes' own environment) instead of {bid.image}"
+    )
 
 
 def add_members(*, session: Session, first: BidRow) -> list[BidRow]:

@@ -142,12 +142,6 @@ class DockerRunner:
         allocation's directory and the tenant's checkpoint directory, whatever the job says."""
         import docker
 
-        if request.gang is not None:  # (the market holds gang bids with images: a default image)
-            raise JobFault(
-                "a gang member cannot run in a container yet: the members' containers cannot "
-                "reach each other across hosts (docs/users/gangs.md); run gangs on process "
-                "nodes, or start this agent without --default-image"
-            )
         image = self.image_for(request)
         if not image:
             raise JobFault(
@@ -211,6 +205,12 @@ class DockerRunner:
         return spec
 
     def start(self, request: JobRequest) -> ContainerJob:
+        if request.gang is not None:  # (the service holds gang bids with images)
+            raise JobFault(
+                "a gang member cannot run in a container yet: the members' containers cannot "
+                "reach each other across hosts (docs/users/gangs.md); run gangs on process "
+                "nodes, or start this agent without --default-image"
+            )
         spec = self.container_spec(request)
         user = self.users.for_job(allocation_id=request.allocation_id, tenant_id=request.tenant_id)
         host_dir, _ = checkpoint_location(request, self.checkpoint_root)
