@@ -88,6 +88,7 @@ PURE_CORES = (
     "agent/gpu_book.py",
     "agent/reports.py",
     "agent/leaving.py",
+    "agent/reactions.py",
 )
 """Modules that decide without I/O frameworks: no Prefect, no HTTP, no database."""
 IMPURE = ("prefect", "httpx", "sqlalchemy", "fastapi", "starlette", "uvicorn", "requests")

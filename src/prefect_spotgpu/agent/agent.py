@@ -18,7 +18,9 @@ leaves as a reclaim of its node: every job saves and stops, and its run resumes 
 (``leaving``); the CLI's guard kills the jobs of an agent that dies (``guard``).
 
 Its credential is the node's token (``credentials``); the runner isolates the jobs
-(``runners``, ``isolation``).
+(``runners``, ``isolation``). What it does for each event, assignment and exit is decided by
+pure functions (``reactions``); this class executes: never a market or runner call under its
+lock.
 """
 
 from __future__ import annotations
@@ -43,26 +45,34 @@ from prefect_spotgpu.agent.heartbeat import NodeImages, send_heartbeat
 from prefect_spotgpu.agent.isolation import read_job_file
 from prefect_spotgpu.agent.leaving import Leaving
 from prefect_spotgpu.agent.lifecycle import Lifecycle
-from prefect_spotgpu.agent.reporter import Reporter
-from prefect_spotgpu.agent.reports import (
-    exit_detail,
-    notice_before_start_report,
-    notice_report,
-    one_line,
+from prefect_spotgpu.agent.reactions import (
+    Already,
+    Decline,
+    Ended,
+    Fail,
+    Go,
+    LocalView,
+    NoJob,
+    NoticeJob,
+    NotYet,
+    Refused,
+    StartJob,
+    StopJob,
+    exit_report,
+    job_request,
+    react,
+    start_decision,
 )
+from prefect_spotgpu.agent.reporter import Reporter
+from prefect_spotgpu.agent.reports import notice_before_start_report, notice_report, one_line
 from prefect_spotgpu.agent.runners import JobHandle, JobRequest, Runner
-from prefect_spotgpu.agent.runners.runner import GangPlace, last_line
+from prefect_spotgpu.agent.runners.runner import last_line
 from prefect_spotgpu.agent.start_failures import StartFailures, drain_node, report_not_started
 from prefect_spotgpu.api_client import api_client
 from prefect_spotgpu.messages import Assignment, EventResponse, EventsPage
 from prefect_spotgpu.protocol import (
-    ENDING_EVENTS,
     PULL_REPORT_SECONDS,
-    STARTABLE,
-    AllocationStatus,
     Capacity,
-    EventKind,
-    EventPlacement,
     ReportOutcome,
 )
 
@@ -178,26 +188,6 @@ class Agent(Lifecycle):
 
     # ---------------------------------------------------------------- the loop
 
-    def register_when_reachable(self, most_seconds: float = 30.0) -> bool:
-        """:meth:`register`, waiting out a market that is down (or not up yet): one line
-        naming its URL per try, backing off to ``most_seconds``. False if stopped first."""
-        wait = 1.0
-        while not self.stop_event.is_set():
-            try:
-                self.register()
-                return True
-            except httpx.TransportError as exc:
-                logger.warning(
-                    "market %s unreachable (%s: %s); retrying in %.0f s",
-                    self.market,
-                    type(exc).__name__,
-                    exc,
-                    wait,
-                )
-            self.stop_event.wait(wait)
-            wait = min(most_seconds, wait * 2)
-        return False
-
     def run(self) -> None:
         if not self.register_when_reachable():
             return
@@ -273,87 +263,89 @@ class Agent(Lifecycle):
     # ---------------------------------------------------------------- events
 
     def handle(self, event: EventResponse) -> None:
-        kind, alloc_id, payload = event.kind, event.allocation_id, event.payload
-        if payload.epoch is not None:
-            self.epochs[alloc_id] = payload.epoch
-        if kind == EventKind.ALLOCATED or (  # a migration target starts warm, if given its job
-            kind == EventKind.RESERVED and payload.placement == EventPlacement.MIGRATION
-        ):
-            self.start(alloc_id)
-        elif kind == EventKind.NOTICED:
-            if payload.deadline is None:  # fails this event alone (logged), its epoch kept
-                raise ValueError(f"notice {event.id} of allocation {alloc_id} has no deadline")
-            self.notice(alloc_id, payload.deadline, payload.epoch)
-        elif kind in ENDING_EVENTS:  # a preemption: SIGKILL only, as at a notice's end
-            self.stop(alloc_id, reason=kind, grace=0 if kind == EventKind.PREEMPTED else None)
+        """Do what the event asks (``reactions.react``)."""
+        if event.payload.epoch is not None:
+            with self.lock:
+                self.epochs[event.allocation_id] = event.payload.epoch
+        match react(event):
+            case StartJob(alloc_id):
+                self.start(alloc_id)
+            case NoticeJob(alloc_id, deadline, epoch):
+                self.notice(alloc_id, deadline, epoch)
+            case StopJob(alloc_id, reason, grace):
+                self.stop(alloc_id, reason=reason, grace=grace)
+            case Refused(_, why):  # fails this event alone (logged), its epoch kept
+                raise ValueError(why)
 
     def assignments(self) -> dict[int, Assignment]:
         response = self.client.get(f"/nodes/{self.node_id}/allocations")
         response.raise_for_status()
         return {a.id: a for a in map(Assignment.model_validate, response.json())}
 
+    def _view(self) -> LocalView:
+        """The agent's view of its own jobs, for ``reactions`` (under the lock)."""
+        return LocalView(frozenset(self.jobs), frozenset(self.preparing), self.leaving.asked)
+
     def start(self, alloc_id: int, assignment: Assignment | None = None) -> None:
+        """Start the allocation's job (``reactions.start_decision``) on the GPUs it takes,
+        prepared on a thread of its own when the runner is not ready for it (an image pull).
+        The market and the runner are asked outside the lock: meanwhile the job counts as
+        being prepared, so a notice or an end drops it."""
+        if assignment is None:
+            with self.lock:
+                if alloc_id in self.jobs or alloc_id in self.preparing:
+                    return
+            assignment = self.assignments().get(alloc_id)
         with self.lock:
-            if alloc_id in self.jobs or alloc_id in self.preparing:
+            decision = start_decision(alloc_id, assignment, self._view())
+            match decision:
+                case Already() | NotYet():
+                    return
+                case Ended():
+                    self.gpu_book.stop_waiting(alloc_id)
+                    return
+                case Decline(epoch):  # its notice, when it comes, is answered at once
+                    self.gpu_book.stop_waiting(alloc_id)
+                    self.declined[alloc_id] = epoch
+                    return
+                case NoJob():
+                    logger.warning("allocation %s has no job to run", alloc_id)
+                    return
+                case Fail(epoch, detail):
+                    logger.error("allocation %s: %s", alloc_id, detail)
+                    self.reporter.report_failed(alloc_id, epoch, detail)
+                    return
+            request = self._take_gpus(alloc_id, decision)
+            if request is None:
                 return
-            if assignment is None:
-                assignment = self.assignments().get(alloc_id)
-            if assignment is None or assignment.status not in STARTABLE:
-                self.gpu_book.stop_waiting(alloc_id)
-                return  # ended meanwhile
-            if self.leaving.asked:  # its notice, when it comes, is answered at once
-                self.gpu_book.stop_waiting(alloc_id)
-                self.declined[alloc_id] = assignment.epoch
-                return
-            job = assignment.job
-            if not job and assignment.status == AllocationStatus.RESERVED:
-                return  # a reservation the market does not warm up: it starts when promoted
-            if not job:
-                logger.warning("allocation %s has no job to run", alloc_id)
-                return
-            try:
-                gang = GangPlace.from_assignment(assignment.gang)
-            except ValueError as exc:  # never run: its ranks could not meet
-                logger.error("allocation %s: %s", alloc_id, exc)
-                self.reporter.report_failed(alloc_id, assignment.epoch, str(exc))
-                return
-            count = assignment.gpu_count
-            taken = self.gpu_book.take(alloc_id, count, now=time.monotonic())
-            if taken.verdict == Verdict.WAIT:  # a stopping job still holds them: retry each loop
-                logger.info("allocation %s waits for %s GPUs to be freed", alloc_id, count)
-                return
-            if taken.verdict == Verdict.GIVE_UP:
-                logger.error("allocation %s needs %s GPUs, %s free", alloc_id, count, taken.free)
-                self.reporter.report_failed(alloc_id, assignment.epoch)
-                return
-            indices = list(taken.indices)
-            request = JobRequest(
-                allocation_id=alloc_id,
-                epoch=assignment.epoch,
-                bid_id=assignment.bid_id,
-                command=list(job.command),
-                env=dict(job.env),
-                gpu_indices=indices,
-                workdir=self.state_dir / f"alloc-{alloc_id}",
-                checkpoint_url=job.checkpoint_url,
-                checkpoint_key=assignment.checkpoint_key,
-                image=job.image,
-                tenant_id=assignment.tenant_id,
-                gang=gang,
-            )
-            self.epochs[alloc_id] = assignment.epoch
-            try:
-                ready = self.runner.ready(request)
-            except Exception as exc:  # e.g. the engine is down
-                self._not_started(request, exc)
-                return
-            if ready:
-                self._launch(request)
-                return
+            self.epochs[alloc_id] = request.epoch
             self.preparing[alloc_id] = request
+        try:
+            ready = self.runner.ready(request)
+        except Exception as exc:  # e.g. the engine is down
+            self._not_started(request, exc)
+            return
+        if ready:
+            self._launch(request)
+            return
         threading.Thread(
             target=self._prepare, args=(request,), name=f"spotgpu-prepare-{alloc_id}", daemon=True
         ).start()
+
+    def _take_gpus(self, alloc_id: int, go: Go) -> JobRequest | None:
+        """The job's request on the GPUs it takes (under the lock); None when it waits for
+        GPUs a stopping job still holds (retried each loop) or gives up on them."""
+        assignment = go.assignment
+        count = assignment.gpu_count
+        taken = self.gpu_book.take(alloc_id, count, now=time.monotonic())
+        if taken.verdict == Verdict.WAIT:
+            logger.info("allocation %s waits for %s GPUs to be freed", alloc_id, count)
+            return None
+        if taken.verdict == Verdict.GIVE_UP:
+            logger.error("allocation %s needs %s GPUs, %s free", alloc_id, count, taken.free)
+            self.reporter.report_failed(alloc_id, assignment.epoch)
+            return None
+        return job_request(go, taken.indices, self.state_dir)
 
     def _prepare(self, request: JobRequest) -> None:
         """Prepare the job (pull its image, reporting how far), then start it, unless its
@@ -363,26 +355,14 @@ class Agent(Lifecycle):
         try:
             self.runner.prepare(request, lambda line: self._report_progress(request, line))
         except Exception as exc:
-            with self.lock:
-                if self.preparing.get(alloc_id) is request:
-                    del self.preparing[alloc_id]
-                    self._not_started(request, exc)
+            self._not_started(request, exc)
             return
         finally:
             self.images.pulled()
         # the last progress line before the job's own output (bounded: a market that is down
         # does not hold the job back)
         self.reporter.progress_sent(alloc_id, timeout=PULL_REPORT_SECONDS)
-        with self.lock:
-            if self.preparing.get(alloc_id) is not request:
-                logger.info("allocation %s: ended while it was prepared; not started", alloc_id)
-                return
-            del self.preparing[alloc_id]
-            if self.stop_event.is_set() or self.leaving.asked:  # the agent stops: never started
-                self.gpu_book.give_back(alloc_id)
-                self.declined[alloc_id] = request.epoch
-                return
-            self._launch(request)
+        self._launch(request)
 
     def _report_progress(self, request: JobRequest, line: str) -> None:
         """One line of a preparation's progress: to the agent's log and, as a ``pulling``
@@ -396,15 +376,35 @@ class Agent(Lifecycle):
         self.reporter.report_progress(alloc_id, body)
 
     def _launch(self, request: JobRequest) -> None:
-        """Start a prepared job (under the lock, its GPUs taken)."""
+        """Start a prepared job, its GPUs taken, unless its allocation was noticed or ended
+        meanwhile (``stop``/``notice`` took it out of ``preparing``: its GPUs are free again)
+        or the agent stops. The runner starts it outside the lock; one noticed or ended while
+        it started is stopped at once."""
         alloc_id = request.allocation_id
+        with self.lock:
+            if self.preparing.get(alloc_id) is not request:
+                logger.info("allocation %s: ended while it was prepared; not started", alloc_id)
+                return
+            if self.stop_event.is_set() or self.leaving.asked:  # the agent stops: never started
+                del self.preparing[alloc_id]
+                self.gpu_book.give_back(alloc_id)
+                self.declined[alloc_id] = request.epoch
+                return
         try:
             handle = self.runner.start(request)
         except Exception as exc:  # e.g. the command does not exist: give the GPUs back
             self._not_started(request, exc)
             return
-        self.jobs[alloc_id] = handle
-        self.start_failures.started()
+        with self.lock:
+            kept = self.preparing.get(alloc_id) is request
+            if kept:
+                del self.preparing[alloc_id]
+                self.jobs[alloc_id] = handle
+                self.start_failures.started()
+        if not kept:  # noticed or ended while it started: it never runs here
+            logger.info("allocation %s: ended while it started; stopped", alloc_id)
+            self.runner.stop(handle, grace=0)
+            return
         logger.info(
             "allocation %s: started %s %s on GPUs %s",
             alloc_id,
@@ -414,11 +414,16 @@ class Agent(Lifecycle):
         )
 
     def _not_started(self, request: JobRequest, exc: Exception) -> None:
-        """A job that could not start (under the lock): its GPUs back, its allocation
+        """A job that could not start (outside the lock): its GPUs back, its allocation
         reported failed, saying why; the node drained first when it is the node's fault, too
-        many times in a row (``start_failures``)."""
+        many times in a row (``start_failures``). Nothing, when its allocation was noticed or
+        ended meanwhile (no longer being prepared: the notice or the end answered for it)."""
         alloc_id = request.allocation_id
-        self.gpu_book.give_back(alloc_id)
+        with self.lock:
+            if self.preparing.get(alloc_id) is not request:
+                return
+            del self.preparing[alloc_id]
+            self.gpu_book.give_back(alloc_id)
         logger.error("allocation %s: the job could not start: %s", alloc_id, exc)
         detail = f"the job could not start: {exc}"
         report_not_started(
@@ -524,17 +529,18 @@ class Agent(Lifecycle):
                 if self.jobs.get(alloc_id) is not handle:
                     continue
                 del self.jobs[alloc_id]
-            detail = None if code == 0 else exit_detail(code, last_line(self.runner, handle))
+            last = None if code == 0 else last_line(self.runner, handle)
             self.runner.stop(handle, grace=0)  # what it left running: its processes, container
             with self.lock:
                 self.gpu_book.give_back(alloc_id)
-            outcome = ReportOutcome.FINISHED if code == 0 else ReportOutcome.FAILED
+                epoch = self.epochs.get(alloc_id, handle.request.epoch)
+            body = exit_report(epoch, code, last)
+            detail = body.get("detail")
             logger.info(
                 "allocation %s: job exited %s -> %s%s",
                 alloc_id,
                 code,
-                outcome,
+                body["outcome"],
                 f" ({detail})" if detail else "",
             )
-            body = {"epoch": self.epochs.get(alloc_id, 1), "outcome": outcome}
-            self.reporter.report_later(alloc_id, body | ({"detail": detail} if detail else {}))
+            self.reporter.report_later(alloc_id, body)

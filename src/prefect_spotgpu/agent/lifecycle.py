@@ -1,5 +1,6 @@
-"""The agent's lifecycle at its ends: started again (``reconcile``: what an earlier agent
-left, or handed over), asked to stop (``shutdown``: it leaves as a reclaim of its node,
+"""The agent's lifecycle at its ends: started (``register_when_reachable``, waiting out a
+market that is down) and started again (``reconcile``: what an earlier agent left, or handed
+over), asked to stop (``shutdown``: it leaves as a reclaim of its node,
 ``leaving``) or to hand its jobs over (``hand_over``: ``handover``). A part of
 :class:`~prefect_spotgpu.agent.agent.Agent`, whose state it uses."""
 
@@ -26,6 +27,26 @@ class Lifecycle:
 
     guard: Guard | None = None  # the guard of its jobs (``guard``), if one was started
     handover_seconds: float = HANDOVER_SECONDS  # how long handed-over jobs wait for the next
+
+    def register_when_reachable(self, most_seconds: float = 30.0) -> bool:
+        """:meth:`register`, waiting out a market that is down (or not up yet): one line
+        naming its URL per try, backing off to ``most_seconds``. False if stopped first."""
+        wait = 1.0
+        while not self.stop_event.is_set():
+            try:
+                self.register()
+                return True
+            except httpx.TransportError as exc:
+                logger.warning(
+                    "market %s unreachable (%s: %s); retrying in %.0f s",
+                    self.market,
+                    type(exc).__name__,
+                    exc,
+                    wait,
+                )
+            self.stop_event.wait(wait)
+            wait = min(most_seconds, wait * 2)
+        return False
 
     def shutdown(self) -> None:
         """Stop the agent, as a reclaim of its node (``leaving``): its jobs save, stop and

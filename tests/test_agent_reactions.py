@@ -1,0 +1,115 @@
+"""The node agent's decisions on plain data (``agent/reactions.py``), as the worker's are: what
+each event asks, whether and how a job starts, what a job's exit reports. The agent that
+executes them is tested with real processes and signals (``test_agent*.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import helpers
+from prefect_spotgpu.agent.reactions import (
+    Already,
+    Decline,
+    Ended,
+    Fail,
+    Go,
+    Ignore,
+    LocalView,
+    NoJob,
+    NoticeJob,
+    NotYet,
+    Refused,
+    StartJob,
+    StopJob,
+    exit_report,
+    job_request,
+    react,
+    start_decision,
+)
+from prefect_spotgpu.messages import EventResponse
+
+CALM = LocalView(frozenset(), frozenset(), leaving=False)
+GANG = {"rank": 1, "world_size": 2, "master_addr": "10.0.0.7", "master_port": 20010,
+        "gpus_per_node": 1, "lead_allocation": 41}  # fmt: skip
+
+
+def event(kind: str, alloc: int = 7, **payload) -> EventResponse:
+    return EventResponse.model_validate(
+        {"id": 3, "kind": kind, "bid_id": 2, "node_id": 1, "allocation_id": alloc,
+         "created_at": "2026-12-07T00:00:00Z", "payload": {"at": 1.0, **payload}}
+    )  # fmt: skip
+
+
+def assignment(status: str = "running", job: bool = True, gang=None, epoch: int = 3):
+    spec = {"command": ["python", "-m", "x"], "env": {"A": "1"}} if job else None
+    return helpers.assignment(7, bid_id=2, status=status, epoch=epoch, tenant_id=5,
+                              checkpoint_key="flow-run-x", gang=gang, job=spec)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kind", "payload", "action"),
+    [
+        ("allocated", {}, StartJob(7)),
+        ("reserved", {"placement": "migration"}, StartJob(7)),  # a warm migration target
+        ("reserved", {"placement": "takeover"}, Ignore(7)),  # starts when promoted
+        ("noticed", {"deadline": 300.0, "epoch": 4}, NoticeJob(7, 300.0, 4)),
+        ("preempted", {"reason": "node lost"}, StopJob(7, "preempted", 0)),  # SIGKILL only
+        ("finished", {}, StopJob(7, "finished", None)),
+        ("released", {}, StopJob(7, "released", None)),
+        ("pulling", {"detail": "3 of 9 layers"}, Ignore(7)),
+    ],
+)
+def test_each_event_asks_one_thing(kind, payload, action):
+    assert react(event(kind, **payload)) == action
+
+
+def test_a_notice_without_a_deadline_is_refused_saying_which():
+    assert react(event("noticed", epoch=4)) == Refused(
+        7, "notice 3 of allocation 7 has no deadline"
+    )
+
+
+def test_a_job_starts_once_and_only_while_startable():
+    assert start_decision(7, assignment(), LocalView(frozenset({7}), frozenset(), False)) == (
+        Already()
+    )
+    assert start_decision(7, assignment(), LocalView(frozenset(), frozenset({7}), False)) == (
+        Already()
+    )
+    assert start_decision(7, None, CALM) == Ended()  # not assigned here any more
+    assert start_decision(7, assignment("noticed"), CALM) == Ended()
+    assert start_decision(7, assignment(), LocalView(frozenset(), frozenset(), True)) == (
+        Decline(3)  # leaving: never started; the epoch answers its notice
+    )
+    assert start_decision(7, assignment("reserved", job=False), CALM) == NotYet()
+    assert start_decision(7, assignment(job=False), CALM) == NoJob()
+
+
+def test_a_gang_member_starts_with_its_place_and_a_malformed_one_fails_saying_why():
+    go = start_decision(7, assignment(gang=GANG), CALM)
+    assert isinstance(go, Go) and (go.gang.rank, go.gang.world_size) == (1, 2)
+    failed = start_decision(7, assignment(gang={**GANG, "rank": 5}), CALM)
+    assert failed == Fail(
+        3, "the market's gang is malformed: gang.rank must be an integer in [0, 1]"
+    )
+    alone = start_decision(7, assignment(), CALM)
+    assert isinstance(alone, Go) and alone.gang is None
+
+
+def test_the_request_is_the_assignments_on_the_gpus_taken():
+    go = start_decision(7, assignment(gang=GANG), CALM)
+    request = job_request(go, (2, 3), Path("/state"))
+    assert (request.allocation_id, request.epoch, request.bid_id) == (7, 3, 2)
+    assert request.gpu_indices == [2, 3] and request.workdir == Path("/state/alloc-7")
+    assert (request.tenant_id, request.checkpoint_key, request.gang) == (5, "flow-run-x", go.gang)
+
+
+def test_an_exit_reports_finished_or_failed_with_its_code_and_last_line():
+    assert exit_report(4, 0, None) == {"epoch": 4, "outcome": "finished"}
+    failed = exit_report(4, 3, "Traceback: boom")
+    assert failed["outcome"] == "failed" and failed["epoch"] == 4
+    assert "exit code 3" in failed["detail"] and "boom" in failed["detail"]
+    killed = exit_report(4, -9, None)
+    assert killed["outcome"] == "failed" and "9" in killed["detail"]
