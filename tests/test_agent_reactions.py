@@ -113,3 +113,43 @@ def test_an_exit_reports_finished_or_failed_with_its_code_and_last_line():
     assert "exit code 3" in failed["detail"] and "boom" in failed["detail"]
     killed = exit_report(4, -9, None)
     assert killed["outcome"] == "failed" and "9" in killed["detail"]
+
+
+def test_a_noticed_jobs_wait_is_woken_by_its_acknowledgement_not_by_polling(tmp_path):
+    """``agent/ack_wait.py``: the agent sleeps on a FIFO beside the acknowledgement; the
+    checkpoint library's ``write_ack`` pokes it, so the wait ends at once, long before its
+    timeout; with no poke it sleeps the whole timeout (one select, no 20 ms loop)."""
+    import threading
+    import time
+
+    from prefect_spotgpu.agent.ack_wait import AckWait
+    from prefect_spotgpu.checkpoint.handshake import write_ack
+
+    ack = tmp_path / "notice.json.ack"
+    with AckWait(ack, None) as waiting:
+        assert waiting.fifo is not None and (tmp_path / "notice.json.ack.wake").exists()
+        poke = threading.Timer(0.2, lambda: write_ack(ack, step=3, durable=True))
+        poke.start()
+        began = time.monotonic()
+        waiting.until(time.time() + 30, ack.exists)
+        assert ack.exists() and time.monotonic() - began < 5  # woken, not the 30 s
+        began = time.monotonic()
+        waiting.wait(0.2)  # nothing pokes it now: it sleeps (a fresh FIFO after the writer)
+        assert 0.15 < time.monotonic() - began < 5
+    assert not (tmp_path / "notice.json.ack.wake").exists()  # removed when done
+    write_ack(tmp_path / "other.ack", step=1)  # no FIFO, nobody waiting: nothing else happens
+
+
+def test_the_wait_ends_when_the_jobs_process_does(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from prefect_spotgpu.agent.ack_wait import AckWait
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    with AckWait(tmp_path / "notice.json.ack", child.pid) as waiting:
+        began = time.monotonic()
+        waiting.until(time.time() + 30, lambda: child.poll() is not None)
+        assert time.monotonic() - began < 10
+    assert child.returncode == 0

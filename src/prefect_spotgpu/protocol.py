@@ -31,6 +31,7 @@ from prefect_spotgpu.market.types import (
 )
 
 __all__ = [
+    "ACK_WAKE_SUFFIX",
     "DASK_CLUSTER_LABEL",
     "DASK_ENV",
     "DASK_UNREACHABLE_EXIT",
@@ -200,6 +201,10 @@ REPORT_DETAIL_CHARS = 300
 """The longest ``detail`` of a report (a failed job's, an image pull's progress): one line of
 plain text (no control characters) that reaches the bid's tenant, in the allocation's events
 and its flow-run log."""
+
+ACK_WAKE_SUFFIX = ".wake"
+"""Beside a noticed job's acknowledgement file: a FIFO its agent waits on, which the checkpoint
+library pokes once the acknowledgement is written (``agent/ack_wait.py``)."""
 
 PULL_REPORT_SECONDS = 2.0
 """How often, at most, an agent reports an image pull's progress."""

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import httpx
 
+from prefect_spotgpu.agent.ack_wait import AckWait
 from prefect_spotgpu.agent.credentials import (
     CredentialError,
     load_cursor,
@@ -466,17 +467,16 @@ class Agent(Lifecycle):
         waiting.start()
 
     def _await_final_save(self, alloc_id: int, handle: JobHandle, deadline: float) -> None:
-        """Wait for the acknowledgement (or the job's exit, or the deadline), stop the job,
-        then report (``reports.notice_report``).
-
-        The job is stopped *before* the report: the report ends the allocation, and the market
-        may start the bid's next allocation at once; the old process must be gone by then.
-        It is stopped with SIGKILL, no SIGTERM first: the engine writes its own Crashed state on
-        SIGTERM, and a preemption must never read as a crash (users' "notify on crash"
-        automations). The notice was the job's warning; what it saved is durable."""
+        """Wait for the acknowledgement, the job's exit or the deadline (``ack_wait``: woken,
+        not polling), stop the job, then report (``reports.notice_report``). Stopped *before*
+        the report, which ends the allocation (the bid's next may start at once), and with
+        SIGKILL only: the engine writes Crashed on SIGTERM, and a preemption must never read
+        as a crash. The notice was the job's warning; what it saved is durable."""
         ack_file = handle.request.ack_file
-        while time.time() < deadline and not ack_file.exists() and self.runner.poll(handle) is None:
-            time.sleep(0.02)
+        with AckWait(ack_file, getattr(handle, "pid", None)) as waiting:
+            waiting.until(
+                deadline, lambda: ack_file.exists() or self.runner.poll(handle) is not None
+            )
         ack = read_job_file(ack_file)
         exit_code = self.runner.poll(handle)
         self._report_save(alloc_id, handle)  # a periodic save not reported yet

@@ -10,10 +10,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import sys
 import threading
 import time
 from pathlib import Path
+
+from prefect_spotgpu.protocol import ACK_WAKE_SUFFIX
 
 FLUSH_SECONDS = 5.0
 """The longest a flush holds the acknowledgement (Prefect's own bound at exit)."""
@@ -50,3 +53,20 @@ def write_ack(path: os.PathLike | str, **fields) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
+    _wake(path)
+
+
+def _wake(ack: Path) -> None:
+    """Poke the agent waiting on ``<ack>.wake`` (a FIFO), if one is: it stops the job sooner.
+    Nothing when there is none, or nobody reads it."""
+    try:
+        fd = os.open(f"{ack}{ACK_WAKE_SUFFIX}", os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # no FIFO (off the market, an older agent), or no reader (ENXIO)
+        return
+    try:
+        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+            os.write(fd, b"!")
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -281,7 +281,10 @@ class ProcessRunner:
         every other process of the job; ``grace`` 0: SIGKILL only."""
         if grace > 0:
             _signal_group(handle.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
+        if grace > 0 and handle.process is not None:  # our child: wait on it, no polling
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                handle.process.wait(timeout=grace)
+        deadline = time.monotonic() + grace  # (an adopted job is not our child: we look)
         while time.monotonic() < deadline and handle.poll() is None:
             time.sleep(0.02)
         _signal_group(handle.pid, signal.SIGKILL)
