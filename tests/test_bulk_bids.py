@@ -99,6 +99,7 @@ def test_one_bad_item_refuses_the_batch_by_its_index_and_writes_nothing(market):
             assert detail["detail"][0]["loc"] == where, detail
         else:
             assert detail["field"] == where, detail  # a 422's detail is pydantic's shape
+            assert detail["item"] == int(where.split("]")[0].removeprefix("bids[")), detail
             message = detail["detail"] if status != 422 else detail["detail"][0]["msg"]
             assert message.startswith(where.split(".")[0] + ": "), detail
         assert len(alice.get("/bids").json()) == 1, where  # nothing of the batch was written

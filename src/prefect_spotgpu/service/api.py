@@ -83,6 +83,8 @@ def _error_response(request: Request, exc: ServiceError) -> JSONResponse:
     exc.message = _text(exc.message)
     exc.field = None if exc.field is None else _text(exc.field)
     body: dict = {"detail": exc.message}
+    if exc.item is not None:
+        body["item"] = exc.item  # which item of a batch is refused, as data
     if exc.field is not None:
         body["field"] = exc.field
         if exc.status_code == 422:

@@ -107,6 +107,7 @@ def _keys_are_distinct(items: list[schemas.BidCreate]) -> None:
                 f"bids[{index}]: idempotency_key repeats bids[{first[key]}]'s: each bid of "
                 "a batch needs its own key",
                 field=f"bids[{index}].idempotency_key",
+                item=index,
             )
         first[key] = index
 
@@ -129,5 +130,6 @@ def _item(index: int) -> Iterator[None]:
     except ServiceError as exc:
         exc.field = f"bids[{index}].{exc.field}" if exc.field else f"bids[{index}]"
         exc.message = f"bids[{index}]: {exc.message}"
+        exc.item = index
         exc.args = (exc.message,)
         raise

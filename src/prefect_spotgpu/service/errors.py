@@ -8,10 +8,11 @@ import math
 class ServiceError(Exception):
     status_code = 400
 
-    def __init__(self, message: str, *, field: str | None = None) -> None:
+    def __init__(self, message: str, *, field: str | None = None, item: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.field = field
+        self.item = item  # a batch's refused item, by its index (the answer's ``item``)
 
 
 class NotFound(ServiceError):

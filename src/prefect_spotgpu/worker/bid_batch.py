@@ -4,10 +4,10 @@ taking a queue of runs), instead of one request each.
 
 Every run still gets its own answer. A batch is all or nothing on the market
 (``service/bulk_bids.py``), so one run's bad bid must not sink the others: when the market
-refuses an item by its index (``bids[3]...``), that run gets the refusal and the rest are sent
-again; any other refusal of the whole batch (a balance that covers some of the bids but not all)
-sends each bid alone, so each run gets its own answer. Bids carry their runs' idempotency keys,
-so a batch sent again never places a bid twice.
+refuses an item (the answer's ``item``, or pydantic's ``loc`` of ``bids``), that run gets the
+refusal and the rest are sent again; any other refusal of the whole batch (a balance that covers
+some of the bids but not all) sends each bid alone, so each run gets its own answer. Bids carry
+their runs' idempotency keys, so a batch sent again never places a bid twice.
 
 One batcher per market connection (URL and key) per process, on a thread of its own: the runs
 may follow from different event loops (``SpotGPUFlow.submit`` runs each in its thread).
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import queue
-import re
 import threading
 from concurrent.futures import Future
 
@@ -104,13 +103,13 @@ def _refused_index(response: httpx.Response) -> int | None:
         body = response.json()
     except ValueError:
         return None
-    field = body.get("field")
-    if field is None and isinstance(body.get("detail"), list) and body["detail"]:
+    if isinstance(body.get("item"), int):  # the service's refusal names its item
+        return body["item"]
+    if isinstance(body.get("detail"), list) and body["detail"]:  # pydantic's: by its place
         loc = body["detail"][0].get("loc", [])
         if len(loc) >= 3 and loc[:2] == ["body", "bids"] and isinstance(loc[2], int):
             return loc[2]
-    match = re.match(r"bids\[(\d+)\]", field or "")
-    return int(match[1]) if match else None
+    return None
 
 
 def _single(batch: httpx.Response, bid: BidResponse, status: int) -> httpx.Response:
