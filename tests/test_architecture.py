@@ -541,3 +541,15 @@ def test_a_delivery_records_its_outcome_only_from_pending_and_only_for_its_own_a
         )  # delivered is final: the row is no longer pending
         status = session.scalar(select(WebhookDelivery.status))
     assert status == "delivered"
+
+
+def test_nothing_reassigns_an_objects_class():
+    """A class is made, not swapped in (docs/development/code-style.md#style-15): no
+    ``obj.__class__ = ...`` in the package."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if any(isinstance(t, ast.Attribute) and t.attr == "__class__" for t in targets):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert found == []

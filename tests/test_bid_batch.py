@@ -14,7 +14,7 @@ import pytest
 from conftest import ADMIN_KEY, start_service
 from prefect_spotgpu.api_client import async_api_client
 from prefect_spotgpu.messages import BidResponse
-from prefect_spotgpu.worker.bid_batch import BidBatcher
+from prefect_spotgpu.worker.bid_batch import BidBatcher, BidBatchers
 from prefect_spotgpu.worker.market_api import MarketApi, MarketError
 
 
@@ -34,14 +34,17 @@ def body(**more) -> dict:
             "idempotency_key": uuid.uuid4().hex, **more}  # fmt: skip
 
 
-def place_from_threads(url: str, key: str, bodies: list[dict], threads: int = 4) -> list:
-    """Each thread its own event loop and client, as ``SpotGPUFlow.submit``'s runs have."""
+def place_from_threads(
+    url: str, key: str, bodies: list[dict], batchers: BidBatchers, threads: int = 4
+) -> list:
+    """Each thread its own event loop and client, as a fan-out's children have: one
+    worker's ``batchers``."""
     answers: list = [None] * len(bodies)
 
     def one_loop(indexes: list[int]) -> None:
         async def go():
             async with async_api_client(url, key) as http:
-                api = MarketApi(http)
+                api = MarketApi(http, batchers)
 
                 async def place(i):
                     try:
@@ -65,13 +68,10 @@ def place_from_threads(url: str, key: str, bodies: list[dict], threads: int = 4)
 
 
 def test_many_runs_bids_go_out_in_a_few_batches_each_answered_alone(market):
-    from prefect_spotgpu.worker import bid_batch
-
-    alice = market.tenant()
+    alice, batchers = market.tenant(), BidBatchers()
     bodies = [body() for _ in range(40)]
     bodies[7] = body(job={"command": ["x"], "image": "evil/root:latest"})  # not in the catalogue
-    before = {k: b.requests for k, b in bid_batch._batchers.items()}
-    answers = place_from_threads(market.base_url, key_of(alice), bodies)
+    answers = place_from_threads(market.base_url, key_of(alice), bodies, batchers)
     refused = answers[7]
     assert isinstance(refused, MarketError) and refused.status == 422
     assert "not in the market's catalogue" in str(refused) and "bids[" not in str(refused)
@@ -81,10 +81,12 @@ def test_many_runs_bids_go_out_in_a_few_batches_each_answered_alone(market):
         b["idempotency_key"] for i, b in enumerate(bodies) if i != 7
     ]
     assert len({a.id for a in placed}) == 39
-    batcher = next(b for k, b in bid_batch._batchers.items() if key_of(alice) in k[1])
-    assert 1 <= batcher.requests - before.get(batcher, 0) <= 12  # not 40 requests
-    again = place_from_threads(market.base_url, key_of(alice), bodies[:7])  # retried runs
+    (batcher,) = batchers.batchers.values()  # one market connection
+    assert 1 <= batcher.requests <= 12  # not 40 requests
+    again = place_from_threads(market.base_url, key_of(alice), bodies[:7], batchers)  # retried
     assert [a.id for a in again] == [a.id for a in placed[:7]]  # no bid twice
+    batchers.close()  # its worker stops: the batcher's thread ends
+    assert not batcher.thread.is_alive() and batchers.batchers == {}
 
 
 def test_a_balance_that_covers_some_bids_answers_each_run_alone(market):

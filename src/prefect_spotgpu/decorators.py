@@ -105,8 +105,7 @@ def spot_gpu(
             job_variables=job_variables,
             launcher=launcher or {"upload": [sys.executable], "execution": ["python"]},
         )
-        bound.__class__ = SpotGPUFlow
-        return bound
+        return SpotGPUFlow.of(bound)
 
     return decorator
 
@@ -125,12 +124,20 @@ takes no other run and adopts none), so it does not count as one serving the poo
 class SpotGPUFlow(InfrastructureBoundFlow):
     """A flow bound to a spot-gpu pool: calling it runs it on spot GPUs (module doc)."""
 
+    @classmethod
+    def of(cls, bound: InfrastructureBoundFlow) -> SpotGPUFlow:
+        """``bound`` as a spot-gpu flow: a new one with all its attributes, as Prefect's
+        ``bind_flow_to_infrastructure`` makes a bound copy of a flow."""
+        flow = cls(
+            bound.fn, work_pool=bound.work_pool, job_variables={}, worker_cls=bound.worker_cls
+        )
+        flow.__dict__.update(bound.__dict__)
+        return flow
+
     def with_options(self, **options: Any) -> SpotGPUFlow:
         if options.get("job_variables") is not None:
             check_job_variables(options["job_variables"])
-        bound = super().with_options(**options)
-        bound.__class__ = SpotGPUFlow
-        return bound
+        return SpotGPUFlow.of(super().with_options(**options))
 
     def __call__(self, *args: Any, return_state: bool = False, wait_for=None, **kwargs: Any):
         parameters = get_call_parameters(self, args, kwargs)
@@ -294,25 +301,33 @@ def cancel_run(flow: SpotGPUFlow, flow_run_id: UUID, message: str) -> None:
     from prefect.states import Cancelled
 
     from prefect_spotgpu.protocol import LABELS
-    from prefect_spotgpu.worker.config import SpotGPUJobConfiguration, market_of
+    from prefect_spotgpu.worker.config import market_of
 
     with get_client(sync_client=True) as client:
         run = client.read_flow_run(flow_run_id)
         bid = (run.labels or {}).get(LABELS.BID)
         if bid is not None:
-            pool = client.read_work_pool(flow.work_pool)
-            configuration = run_coro_as_sync(
-                SpotGPUJobConfiguration.from_template_and_values(
-                    pool.base_job_template, flow.job_variables
-                )
-            )
-            with market_of(configuration).get_client() as market:
+            with market_of(flow_configuration(flow)).get_client() as market:
                 market.post(f"/bids/{bid}/cancel")
         running = bid is not None and run.state is not None and run.state.is_running()
         state = _state_once_the_job_stopped(client, flow_run_id) if running else run.state
         # The job's engine reports Crashed on the SIGTERM of its stop, which this replaces.
         if state is None or not state.is_final() or state.is_crashed():
             client.set_flow_run_state(flow_run_id, Cancelled(message=message), force=True)
+
+
+def flow_configuration(flow):
+    """The job configuration of a bound flow's runs: its pool's template with the flow's job
+    variables (its market, its checkpoint storage)."""
+    from prefect.client.orchestration import get_client
+
+    from prefect_spotgpu.worker.config import SpotGPUJobConfiguration
+
+    with get_client(sync_client=True) as client:
+        pool = client.read_work_pool(flow.work_pool)
+    return run_coro_as_sync(
+        SpotGPUJobConfiguration.from_template_and_values(pool.base_job_template, flow.job_variables)
+    )
 
 
 def _state_once_the_job_stopped(client, flow_run_id: UUID, timeout: float = 15.0):
@@ -356,13 +371,18 @@ async def live_workers(pool: str) -> list[str]:
 
     async with get_client() as client:
         workers = await client.read_workers_for_work_pool(pool)
+    from prefect_spotgpu.worker.reactions import is_live
+
     now = datetime.now(UTC).timestamp()
     return [
         w.name
         for w in workers
         if not w.name.startswith(CALLER_WORKER_PREFIX)
-        and w.last_heartbeat_time is not None
-        and now - w.last_heartbeat_time.timestamp() < 3 * (w.heartbeat_interval_seconds or 30)
+        and is_live(
+            w.last_heartbeat_time and w.last_heartbeat_time.timestamp(),
+            w.heartbeat_interval_seconds or 30,
+            now,
+        )
     ]
 
 

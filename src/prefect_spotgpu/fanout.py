@@ -425,18 +425,10 @@ class _Market:
     """The market as the parent sees it: room for children, and their bids' costs."""
 
     def __init__(self, child) -> None:
-        from prefect.client.orchestration import get_client
-        from prefect.utilities.asyncutils import run_coro_as_sync
+        from prefect_spotgpu.decorators import flow_configuration
+        from prefect_spotgpu.worker.config import market_of
 
-        from prefect_spotgpu.worker.config import SpotGPUJobConfiguration, market_of
-
-        with get_client(sync_client=True) as client:
-            pool = client.read_work_pool(child.work_pool)
-        self.configuration = run_coro_as_sync(
-            SpotGPUJobConfiguration.from_template_and_values(
-                pool.base_job_template, child.job_variables
-            )
-        )
+        self.configuration = flow_configuration(child)
         self.market = market_of(self.configuration)
         self.bids: dict[Any, tuple[BidResponse, list[AllocationResponse]]] = {}
         self.finished: set = set()

@@ -9,8 +9,9 @@ refusal and the rest are sent again; any other refusal of the whole batch (a bal
 some of the bids but not all) sends each bid alone, so each run gets its own answer. Bids carry
 their runs' idempotency keys, so a batch sent again never places a bid twice.
 
-One batcher per market connection (URL and key) per process, on a thread of its own: the runs
-may follow from different event loops (``SpotGPUFlow.submit`` runs each in its thread).
+A worker owns its batchers (``BidBatchers``): one per market connection (URL and key), each on
+a thread of its own, since the runs it follows may do so from different event loops (a fan-out's
+children from threads of their own); the worker closes them when it stops, ending their threads.
 """
 
 from __future__ import annotations
@@ -28,25 +29,41 @@ from prefect_spotgpu.protocol import MAX_BIDS_PER_BATCH
 WINDOW_SECONDS = 0.02
 """How long the first bid of a batch waits for others to join it."""
 
-_batchers: dict[tuple[str, str], BidBatcher] = {}
-_lock = threading.Lock()
 
+class BidBatchers:
+    """A worker's batchers, one per market connection; ``close`` ends them all."""
 
-def batcher_for(http: httpx.AsyncClient) -> BidBatcher:
-    """The process's batcher for the market and tenant of ``http``."""
-    key = (str(http.base_url), http.headers.get("Authorization", ""))
-    with _lock:
-        if key not in _batchers:
-            _batchers[key] = BidBatcher(key[0], key[1], timeout=http.timeout)
-        return _batchers[key]
+    def __init__(self) -> None:
+        self.batchers: dict[tuple[str, str], BidBatcher] = {}
+        self._lock = threading.Lock()
+
+    def for_client(self, http: httpx.AsyncClient) -> BidBatcher:
+        """The batcher for the market and tenant of ``http``."""
+        key = (str(http.base_url), http.headers.get("Authorization", ""))
+        with self._lock:
+            if key not in self.batchers:
+                self.batchers[key] = BidBatcher(key[0], key[1], timeout=http.timeout)
+            return self.batchers[key]
+
+    def close(self) -> None:
+        with self._lock:
+            batchers, self.batchers = list(self.batchers.values()), {}
+        for batcher in batchers:
+            batcher.close()
 
 
 class BidBatcher:
     def __init__(self, base_url: str, authorization: str, timeout=30.0) -> None:
         self.base_url, self.authorization, self.timeout = base_url, authorization, timeout
-        self.pending: queue.Queue[tuple[dict, Future]] = queue.Queue()
+        self.pending: queue.Queue[tuple[dict, Future] | None] = queue.Queue()
         self.requests = 0  # batch requests sent (for tests and benchmarks)
-        threading.Thread(target=self._run, name="spot-gpu bids", daemon=True).start()
+        self.thread = threading.Thread(target=self._run, name="spot-gpu bids", daemon=True)
+        self.thread.start()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Send what is queued, then end the thread."""
+        self.pending.put(None)
+        self.thread.join(timeout)
 
     async def place(self, body: dict) -> httpx.Response:
         """Place ``body`` in the next batch; the market's answer for it alone, as a response
@@ -58,12 +75,19 @@ class BidBatcher:
     def _run(self) -> None:
         headers = {"Authorization": self.authorization} if self.authorization else {}
         with httpx.Client(base_url=self.base_url, headers=headers, timeout=self.timeout) as http:
-            while True:
-                items = [self.pending.get()]
-                deadline = WINDOW_SECONDS
+            closed = False
+            while not closed:
+                first = self.pending.get()
+                if first is None:
+                    return
+                items, deadline = [first], WINDOW_SECONDS
                 try:
                     while len(items) < MAX_BIDS_PER_BATCH:
-                        items.append(self.pending.get(timeout=deadline))
+                        item = self.pending.get(timeout=deadline)
+                        if item is None:  # closed: send what came before
+                            closed = True
+                            break
+                        items.append(item)
                         deadline = 0.002  # keep gathering while bids keep coming
                 except queue.Empty:
                     pass

@@ -24,7 +24,7 @@ from prefect_spotgpu.messages import (
     WebhookConfigResponse,
 )
 from prefect_spotgpu.protocol import LIVE_BID_STATUSES, MarketTerms
-from prefect_spotgpu.worker.bid_batch import batcher_for
+from prefect_spotgpu.worker.bid_batch import BidBatchers
 from prefect_spotgpu.worker.report import quote_summary
 
 T = TypeVar("T")
@@ -87,8 +87,9 @@ def checked(response: httpx.Response, doing: str) -> Any:
 class MarketApi:
     """A tenant's view of the market: its bids, their events and allocations, the quotes."""
 
-    def __init__(self, http: httpx.AsyncClient) -> None:
+    def __init__(self, http: httpx.AsyncClient, batchers: BidBatchers | None = None) -> None:
         self.http = http
+        self.batchers = batchers  # its worker's (None: each bid placed alone)
         self._terms: MarketTerms | None = None
 
     async def terms(self) -> MarketTerms:
@@ -141,9 +142,13 @@ class MarketApi:
         return [ImageResponse.model_validate(i) for i in listed]
 
     async def place(self, body: dict) -> BidResponse:
-        """Place a bid: in one ``/bids/batch`` with the process's other new bids
+        """Place a bid: in one ``/bids/batch`` with the worker's other new bids
         (``bid_batch``), answered for this bid alone."""
-        placed = checked(await batcher_for(self.http).place(body), "place the bid")
+        if self.batchers is None:
+            answer = await self.http.post("/bids", json=body)
+        else:
+            answer = await self.batchers.for_client(self.http).place(body)
+        placed = checked(answer, "place the bid")
         return BidResponse.model_validate(placed)
 
     async def reprice(

@@ -512,6 +512,12 @@ def adoptable(
     return owner not in live_workers or released
 
 
+def is_live(last_heartbeat: float | None, interval: float, now: float) -> bool:
+    """Whether a worker is alive: its last heartbeat (UNIX time) within three of its own
+    heartbeat intervals (a caller's may beat slower than a pool worker's)."""
+    return last_heartbeat is not None and now - last_heartbeat < 3 * interval
+
+
 # ---------------------------------------------------------------- the cheap window
 
 

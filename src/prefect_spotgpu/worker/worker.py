@@ -51,6 +51,7 @@ from prefect_spotgpu.prefect_internals import flush_prefect_queues
 from prefect_spotgpu.protocol import LABELS, PID_PREFIX
 from prefect_spotgpu.worker import reactions as rules
 from prefect_spotgpu.worker.attempt import Attempt, PrefectRun, open_bid, view_of
+from prefect_spotgpu.worker.bid_batch import BidBatchers
 from prefect_spotgpu.worker.config import (
     SpotGPUJobConfiguration,
     check_storage,
@@ -115,6 +116,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, BaseVariables, SpotGPUWo
         self._beats: asyncio.Task | None = None  # a caller's worker: heartbeats while it follows
         self._callers = 0  # runs a caller's worker follows now (``run`` outside Prefect's loop)
         self.claims_runs = False  # a fan-out's worker: label its runs, beat while it follows
+        self.batchers = BidBatchers()  # its runs' new bids, placed together; closed with it
 
     async def start(self, *args: Any, **kwargs: Any) -> None:
         """Prefect's worker loop, asking for scheduled runs every second (see QUERY_SECONDS);
@@ -136,6 +138,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, BaseVariables, SpotGPUWo
             self._beats.cancel()
         if exc_info and exc_info[0] is not None:
             await self._release_runs()
+        await anyio.to_thread.run_sync(self.batchers.close)  # its bids' threads end with it
         await super().teardown(*exc_info)
 
     async def _release_runs(self) -> None:
@@ -284,7 +287,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, BaseVariables, SpotGPUWo
             if self.claims_runs and not self._polling:  # Prefect's loop labels its own
                 await self._claim(flow_run)
             async with market.get_async_client() as http:
-                prefect_run, api = PrefectRun(self, flow_run), MarketApi(http)
+                prefect_run, api = PrefectRun(self, flow_run), MarketApi(http, self.batchers)
                 placement = Placement(api, prefect_run, configuration, self._work_pool_name)
                 bid = await open_bid(prefect_run, api, placement, configuration)
                 if task_status is not None:
@@ -339,13 +342,15 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, BaseVariables, SpotGPUWo
         if pool_config.market is None:
             return
         now = datetime.now(UTC).timestamp()
-        live_workers = {  # each by its own heartbeat: a caller's may beat slower than ours
+        live_workers = {
             w.name
             for w in await self.client.read_workers_for_work_pool(work_pool.name)
             if w.name != self.name
-            and w.last_heartbeat_time is not None
-            and now - w.last_heartbeat_time.timestamp()
-            < 3 * (w.heartbeat_interval_seconds or self.heartbeat_interval_seconds)
+            and rules.is_live(
+                w.last_heartbeat_time and w.last_heartbeat_time.timestamp(),
+                w.heartbeat_interval_seconds or self.heartbeat_interval_seconds,
+                now,
+            )
         }
         async with pool_config.market.get_async_client() as http:
             bids = await MarketApi(http).live_bids()
@@ -382,7 +387,7 @@ class SpotGPUWorker(BaseWorker[SpotGPUJobConfiguration, BaseVariables, SpotGPUWo
                 flow_run, client=self.client, work_pool=self.work_pool, worker_name=self.name
             )
             async with market_of(configuration).get_async_client() as http:
-                run, api = PrefectRun(self, flow_run), MarketApi(http)
+                run, api = PrefectRun(self, flow_run), MarketApi(http, self.batchers)
                 placement = Placement(api, run, configuration, self._work_pool_name)
                 result = await self._follow_bids(run, api, placement, bid)
             if result.status_code != 0:
