@@ -133,8 +133,9 @@ def test_a_noticed_jobs_wait_is_woken_by_its_acknowledgement_not_by_polling(tmp_
         began = time.monotonic()
         waiting.until(time.time() + 30, ack.exists)
         assert ack.exists() and time.monotonic() - began < 5  # woken, not the 30 s
+        waiting.wait(0.05)  # (the poke's writer closing may wake it once more: a fresh FIFO)
         began = time.monotonic()
-        waiting.wait(0.2)  # nothing pokes it now: it sleeps (a fresh FIFO after the writer)
+        waiting.wait(0.2)  # nothing pokes it now: it sleeps
         assert 0.15 < time.monotonic() - began < 5
     assert not (tmp_path / "notice.json.ack.wake").exists()  # removed when done
     write_ack(tmp_path / "other.ack", step=1)  # no FIFO, nobody waiting: nothing else happens

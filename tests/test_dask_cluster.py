@@ -301,14 +301,17 @@ def test_a_prefect_flow_maps_over_spot_workers_and_no_task_run_fails(stack, tmp_
     assert state.result() == [hashlib.sha256(shard_bytes(i)).hexdigest() for i in range(shards)]
     assert [what for _, what, _, _ in trouble.log] == ["reclaim"]
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(
-                id=FlowRunFilterId(any_=[state.state_details.flow_run_id])
-            )
-        )
+        mine = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+
+        def task_runs():  # (Prefect records a task run's states from its events: a moment late)
+            runs = client.read_task_runs(flow_run_filter=mine)
+            done = len(runs) == shards and all(r.state.is_final() for r in runs)
+            return runs if done else None
+
+        runs = wait_for(task_runs, 30, f"the {shards} task runs recorded")
         costs = ArtifactFilter(key=ArtifactFilterKey(any_=["spot-dask-cost"]))
         artifacts = client.read_artifacts(artifact_filter=costs)  # (not a page of them all)
-    assert len(runs) == shards and {r.state.type.value for r in runs} == {"COMPLETED"}
+    assert {r.state.type.value for r in runs} == {"COMPLETED"}
     assert artifacts, "no spot-dask-cost artifact"
 
 
