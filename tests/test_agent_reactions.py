@@ -107,12 +107,34 @@ def test_the_request_is_the_assignments_on_the_gpus_taken():
 
 
 def test_an_exit_reports_finished_or_failed_with_its_code_and_last_line():
-    assert exit_report(4, 0, None) == {"epoch": 4, "outcome": "finished"}
+    assert exit_report(4, 0, None).body() == {"epoch": 4, "outcome": "finished"}
     failed = exit_report(4, 3, "Traceback: boom")
-    assert failed["outcome"] == "failed" and failed["epoch"] == 4
-    assert "exit code 3" in failed["detail"] and "boom" in failed["detail"]
+    assert failed.outcome == "failed" and failed.epoch == 4
+    assert "exit code 3" in failed.detail and "boom" in failed.detail
     killed = exit_report(4, -9, None)
-    assert killed["outcome"] == "failed" and "9" in killed["detail"]
+    assert killed.outcome == "failed" and "9" in killed.detail
+
+
+def test_the_agents_reports_are_the_services_request_model():
+    """One declaration both ways: the service takes ``messages.AllocationReport`` (its own
+    class adds only the checks of characters and unknown fields), so what an agent builds is
+    what the OpenAPI schema names."""
+    from prefect_spotgpu.agent.reports import notice_before_start_report, notice_report
+    from prefect_spotgpu.messages import AllocationReport
+    from prefect_spotgpu.service.schemas import AllocationReport as Taken
+
+    assert issubclass(Taken, AllocationReport)
+    assert set(Taken.model_fields) == set(AllocationReport.model_fields)
+    for report in (
+        notice_report(epoch=2, ack={"step": 7, "saved_at": 5.0}, exit_code=None, now=9.0),
+        notice_report(epoch=2, ack=None, exit_code=None, now=9.0),
+        notice_before_start_report(epoch=2),
+        exit_report(2, 1, "boom"),
+    ):
+        assert Taken.model_validate(report.body()).model_dump() == report.model_dump()
+    assert notice_report(epoch=2, ack={"step": 7, "saved_at": 5.0}, exit_code=None,
+                         now=9.0).body() == {"epoch": 2, "outcome": "saved",
+                                             "checkpoint_at": 5.0, "step": 7}  # fmt: skip
 
 
 def test_a_noticed_jobs_wait_is_woken_by_its_acknowledgement_not_by_polling(tmp_path):

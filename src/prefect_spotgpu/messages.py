@@ -10,7 +10,9 @@ them: ``EventsPage``), a node
 image catalogue entry (``ImageResponse``), a tenant's webhook (``WebhookConfigResponse``), a
 tenant (``TenantResponse``; as created, with its key: ``TenantCreated``), its keys
 (``KeyIssued``, ``KeysRevoked``), a ledger entry (``LedgerEntryResponse``) and a cost estimate
-(``EstimateResponse``, each region's beside it: ``RegionEstimate``).
+(``EstimateResponse``, each region's beside it: ``RegionEstimate``). And one request both ways:
+what a node agent reports of an allocation (``AllocationReport``), which the service declares
+as its request model.
 
 Wire compatibility: a field a newer service adds is ignored by an older client (pydantic's
 default ``extra="ignore"``), and a field a client needs that a reply lacks fails the parse
@@ -31,8 +33,11 @@ worker may use it without the service's dependencies.
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+
+from prefect_spotgpu.protocol import REPORT_DETAIL_CHARS, ReportOutcome
 
 
 class AllocationResponse(BaseModel):
@@ -332,3 +337,29 @@ class EstimateResponse(RegionEstimate):
     region: str
     regions: list[RegionEstimate]
     assumptions: str
+
+
+class AllocationReport(BaseModel):
+    """What a node agent reports about an allocation (``POST /allocations/{id}/report``),
+    fenced by its epoch. ``body()`` is what it sends."""
+
+    epoch: int = Field(ge=1, le=2**31 - 1, strict=True)
+    outcome: ReportOutcome
+    cause: Literal["storage", "job", "deadline"] | None = Field(
+        None,
+        description="Why a final save failed: storage (the write failed: compensated), job "
+        "(the job exited without saving) or deadline (still unsaved at the deadline).",
+    )
+    checkpoint_at: float | None = Field(None, ge=0, allow_inf_nan=False, strict=True)
+    step: int | None = Field(None, ge=0, le=2**62, strict=True)
+    detail: str | None = Field(
+        None,
+        max_length=REPORT_DETAIL_CHARS,
+        pattern=r"^[^\x00-\x1f\x7f-\x9f]*$",
+        description="For a failed job: what the node saw (e.g. an image it could not pull), "
+        "one line of plain text; the bid's tenant sees it in the allocation's ending event.",
+    )
+
+    def body(self) -> dict:
+        """The report as sent: the fields it holds."""
+        return self.model_dump(mode="json", exclude_none=True)

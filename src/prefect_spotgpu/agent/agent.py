@@ -70,7 +70,7 @@ from prefect_spotgpu.agent.runners import JobHandle, JobRequest, Runner
 from prefect_spotgpu.agent.runners.runner import last_line
 from prefect_spotgpu.agent.start_failures import StartFailures, drain_node, report_not_started
 from prefect_spotgpu.api_client import api_client
-from prefect_spotgpu.messages import Assignment, EventResponse, EventsPage
+from prefect_spotgpu.messages import AllocationReport, Assignment, EventResponse, EventsPage
 from prefect_spotgpu.protocol import (
     PULL_REPORT_SECONDS,
     Capacity,
@@ -373,7 +373,9 @@ class Agent(Lifecycle):
             if self.preparing.get(alloc_id) is not request:
                 return  # ended meanwhile: nobody waits for it
         logger.info("allocation %s: %s", alloc_id, line)
-        body = {"epoch": request.epoch, "outcome": ReportOutcome.PULLING, "detail": one_line(line)}
+        body = AllocationReport(
+            epoch=request.epoch, outcome=ReportOutcome.PULLING, detail=one_line(line)
+        )
         self.reporter.report_progress(alloc_id, body)
 
     def _launch(self, request: JobRequest) -> None:
@@ -535,12 +537,8 @@ class Agent(Lifecycle):
                 self.gpu_book.give_back(alloc_id)
                 epoch = self.epochs.get(alloc_id, handle.request.epoch)
             body = exit_report(epoch, code, last)
-            detail = body.get("detail")
+            detail = f" ({body.detail})" if body.detail else ""
             logger.info(
-                "allocation %s: job exited %s -> %s%s",
-                alloc_id,
-                code,
-                body["outcome"],
-                f" ({detail})" if detail else "",
+                "allocation %s: job exited %s -> %s%s", alloc_id, code, body.outcome, detail
             )
             self.reporter.report_later(alloc_id, body)

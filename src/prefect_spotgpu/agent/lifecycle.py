@@ -186,5 +186,5 @@ class Lifecycle:
         ack = read_job_file(workdir / ACK_NAME)
         body = notice_report(epoch=epoch, ack=ack, exit_code=None, now=time.time())
         logger.warning("allocation %s: noticed under the last agent; reported %s", alloc_id,
-                       body["outcome"])  # fmt: skip
+                       body.outcome)  # fmt: skip
         self.reporter.report_later(alloc_id, body)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from prefect_spotgpu.agent.reports import exit_detail
 from prefect_spotgpu.agent.runners.runner import GangPlace, JobRequest
-from prefect_spotgpu.messages import Assignment, EventResponse
+from prefect_spotgpu.messages import AllocationReport, Assignment, EventResponse
 from prefect_spotgpu.protocol import (
     ENDING_EVENTS,
     STARTABLE,
@@ -190,9 +190,10 @@ def job_request(go: Go, gpu_indices, state_dir: Path) -> JobRequest:
 # ---------------------------------------------------------------- a job's exit
 
 
-def exit_report(epoch: int, code: int, last: str | None) -> dict:
+def exit_report(epoch: int, code: int, last: str | None) -> AllocationReport:
     """The report of a job that exited by itself: finished (0) or failed, with its exit code
     and last line."""
     if code == 0:
-        return {"epoch": epoch, "outcome": ReportOutcome.FINISHED}
-    return {"epoch": epoch, "outcome": ReportOutcome.FAILED, "detail": exit_detail(code, last)}
+        return AllocationReport(epoch=epoch, outcome=ReportOutcome.FINISHED)
+    detail = exit_detail(code, last)
+    return AllocationReport(epoch=epoch, outcome=ReportOutcome.FAILED, detail=detail)

@@ -23,6 +23,7 @@ import httpx
 from prefect_spotgpu.agent.isolation import read_job_file
 from prefect_spotgpu.agent.reports import checkpoint_report, one_line, save_marker
 from prefect_spotgpu.agent.runners import JobHandle
+from prefect_spotgpu.messages import AllocationReport
 from prefect_spotgpu.protocol import ReportOutcome
 
 logger = logging.getLogger("prefect_spotgpu.agent")
@@ -41,17 +42,17 @@ class Reporter:
         )
         # allocation -> its progress report waiting to be sent (None: none waits); present
         # while its sender thread runs
-        self._progress: dict[int, dict | None] = {}
+        self._progress: dict[int, AllocationReport | None] = {}
         self._progress_sent = threading.Condition()
 
-    def report(self, alloc_id: int, body: dict) -> httpx.Response | None:
+    def report(self, alloc_id: int, body: AllocationReport) -> httpx.Response | None:
         """POST a report until the market answers it. Transport errors, 5xx and 429 are
         retried with backoff (0.5 s doubling to 5 s); any other answer is final. None when the
         agent stops first."""
         delay = 0.5
         while True:
             try:
-                response = self.client.post(f"/allocations/{alloc_id}/report", json=body)
+                response = self.client.post(f"/allocations/{alloc_id}/report", json=body.body())
             except httpx.HTTPError as exc:
                 problem = type(exc).__name__
             else:
@@ -60,7 +61,7 @@ class Reporter:
                         logger.warning(
                             "allocation %s: report %s refused: %s %s",
                             alloc_id,
-                            body["outcome"],
+                            body.outcome,
                             response.status_code,
                             response.text[:200],
                         )
@@ -69,7 +70,7 @@ class Reporter:
             logger.warning(
                 "allocation %s: report %s not delivered (%s); again in %.1f s",
                 alloc_id,
-                body["outcome"],
+                body.outcome,
                 problem,
                 delay,
             )
@@ -77,7 +78,7 @@ class Reporter:
                 return None
             delay = min(delay * 2, 5.0)
 
-    def report_later(self, alloc_id: int, body: dict) -> None:
+    def report_later(self, alloc_id: int, body: AllocationReport) -> None:
         """``report`` in a thread of its own: the agent's loop (and its lock) never wait on
         the market."""
         threading.Thread(
@@ -90,25 +91,25 @@ class Reporter:
     def report_failed(self, alloc_id: int, epoch: int, detail: str | None = None) -> None:
         """Report (in the background) that the allocation's job failed, saying why in
         ``detail`` (made one line of plain text, as the market takes it)."""
-        body = {"epoch": epoch, "outcome": ReportOutcome.FAILED}
-        if detail:
-            body["detail"] = one_line(detail)
-        self.report_later(alloc_id, body)
+        detail = one_line(detail) if detail else None
+        self.report_later(
+            alloc_id, AllocationReport(epoch=epoch, outcome=ReportOutcome.FAILED, detail=detail)
+        )
 
-    def report_notice(self, alloc_id: int, body: dict, ack: dict | None) -> None:
+    def report_notice(self, alloc_id: int, body: AllocationReport, ack: dict | None) -> None:
         """``report`` a notice's outcome (``reports.notice_report``: ``body``; ``ack``: the
         job's acknowledgement, if any), and log what it was."""
         response = self.report(alloc_id, body)
         if response is None:
             return
-        if body["outcome"] == ReportOutcome.SAVED:
+        if body.outcome == ReportOutcome.SAVED:
             logger.info(
                 "allocation %s: final save at step %s acknowledged (%s)",
                 alloc_id,
-                body["step"],
+                body.step,
                 response.status_code,
             )
-        elif body["outcome"] == ReportOutcome.FINISHED:
+        elif body.outcome == ReportOutcome.FINISHED:
             logger.info(
                 "allocation %s: finished during its notice (%s)", alloc_id, response.status_code
             )
@@ -116,12 +117,12 @@ class Reporter:
             logger.warning(
                 "allocation %s: no final save (cause: %s%s); reported (%s)",
                 alloc_id,
-                body["cause"],
+                body.cause,
                 f", {str(ack.get('error'))[:200]!r}" if ack and ack.get("error") else "",
                 response.status_code,
             )
 
-    def report_progress(self, alloc_id: int, body: dict) -> None:
+    def report_progress(self, alloc_id: int, body: AllocationReport) -> None:
         """Send a progress report in the background, after the ones before it: it replaces
         one still waiting (only the newest line is worth sending)."""
         with self._progress_sent:
@@ -163,7 +164,7 @@ class Reporter:
                 return
             self._reported[handle] = save_marker(saved)
         try:
-            response = self.client.post(f"/allocations/{alloc_id}/report", json=body)
+            response = self.client.post(f"/allocations/{alloc_id}/report", json=body.body())
         except httpx.HTTPError as exc:
             with self._lock:
                 self._reported[handle] = last  # the next look tries again
@@ -173,6 +174,6 @@ class Reporter:
             logging.INFO if response.status_code == 200 else logging.WARNING,
             "allocation %s: checkpoint at step %s reported (%s)",
             alloc_id,
-            body["step"],
+            body.step,
             response.status_code,
         )

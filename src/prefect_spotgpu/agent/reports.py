@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
+from prefect_spotgpu.messages import AllocationReport
 from prefect_spotgpu.protocol import REPORT_DETAIL_CHARS, ReportOutcome
 
 Cause = Literal["storage", "job", "deadline"]
@@ -69,7 +70,7 @@ def save_marker(saved: dict | None) -> tuple[float, int | None] | None:
 
 def checkpoint_report(
     *, epoch: int, saved: dict | None, last: tuple[float, int | None] | None, now: float
-) -> dict | None:
+) -> AllocationReport | None:
     """The ``checkpoint`` report for a save not reported yet (``last``: the last reported),
     or None. The final save is the notice's to report (``saved``), not this. A time the job
     wrote is never taken as later than ``now``."""
@@ -77,41 +78,42 @@ def checkpoint_report(
     if marker is None or marker == last or saved.get("final"):
         return None
     at, step = marker
-    return {
-        "epoch": epoch,
-        "outcome": ReportOutcome.CHECKPOINT,
-        "checkpoint_at": min(at, now),
-        "step": step,
-    }
+    return AllocationReport(
+        epoch=epoch, outcome=ReportOutcome.CHECKPOINT, checkpoint_at=min(at, now), step=step
+    )
 
 
-def notice_report(*, epoch: int, ack: dict | None, exit_code: int | None, now: float) -> dict:
+def notice_report(
+    *, epoch: int, ack: dict | None, exit_code: int | None, now: float
+) -> AllocationReport:
     """The outcome of a notice: ``ack`` is the acknowledgement (None: none came),
     ``exit_code`` the job's (None: it still runs, at the deadline)."""
     if ack is not None and not ack.get("invalid"):
         if ack.get("failed"):
-            return {"epoch": epoch, "outcome": ReportOutcome.SAVE_FAILED, "cause": _cause(ack)}
+            return AllocationReport(
+                epoch=epoch, outcome=ReportOutcome.SAVE_FAILED, cause=_cause(ack)
+            )
         at = _time(ack.get("saved_at"))
         at = now if at is None else min(at, now)
         step = _step(ack.get("step"))
-        return {"epoch": epoch, "outcome": ReportOutcome.SAVED, "checkpoint_at": at, "step": step}
+        return AllocationReport(
+            epoch=epoch, outcome=ReportOutcome.SAVED, checkpoint_at=at, step=step
+        )
     if ack is None and exit_code == 0:  # it finished its work during the notice
-        return {"epoch": epoch, "outcome": ReportOutcome.FINISHED}
+        return AllocationReport(epoch=epoch, outcome=ReportOutcome.FINISHED)
     if ack is None and exit_code is None:
-        return {"epoch": epoch, "outcome": ReportOutcome.SAVE_FAILED, "cause": "deadline"}
-    return {
-        "epoch": epoch,
-        "outcome": ReportOutcome.SAVE_FAILED,
-        "cause": "job",
-    }  # crashed, or garbage
+        return AllocationReport(epoch=epoch, outcome=ReportOutcome.SAVE_FAILED, cause="deadline")
+    return AllocationReport(
+        epoch=epoch, outcome=ReportOutcome.SAVE_FAILED, cause="job"
+    )  # crashed, or garbage
 
 
-def notice_before_start_report(*, epoch: int) -> dict:
+def notice_before_start_report(*, epoch: int) -> AllocationReport:
     """The outcome of a notice that came before the job started (its image still being
     pulled): nothing ran since the bid's last checkpoint, nothing was saved. Reported at once
     (not at the deadline: the GPUs are free now), as the job's (no compensation: no work of
     this allocation was lost)."""
-    return {"epoch": epoch, "outcome": ReportOutcome.SAVE_FAILED, "cause": "job"}
+    return AllocationReport(epoch=epoch, outcome=ReportOutcome.SAVE_FAILED, cause="job")
 
 
 def one_line(text: str) -> str:
