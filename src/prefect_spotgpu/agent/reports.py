@@ -4,24 +4,24 @@ job left in its directory (the saved file, the acknowledgement) and whether it s
 The market compensates a lost checkpoint only when the platform caused the loss
 (docs/operators/architecture.md#design-7): so a failed final save says why (``cause``): ``storage``
 (the checkpointer's write failed and it said so in its acknowledgement), ``job`` (the job exited
-without acknowledging), or ``deadline`` (the job still ran at the deadline).
+without acknowledging), or ``deadline`` (the job still ran at the deadline). Each report is a
+``messages.AllocationReport``; ``body()`` is what the agent sends:
 
-    >>> notice_report(epoch=2, ack={"step": 40, "saved_at": 1700.0}, exit_code=None, now=1701)
-    {'epoch': 2, 'outcome': <ReportOutcome.SAVED: 'saved'>, 'checkpoint_at': 1700.0, 'step': 40}
-    >>> notice_report(epoch=2, ack={"failed": True, "cause": "storage"}, exit_code=1, now=1701)
-    {'epoch': 2, 'outcome': <ReportOutcome.SAVE_FAILED: 'save_failed'>, 'cause': 'storage'}
-    >>> notice_report(epoch=2, ack=None, exit_code=0, now=1701)
-    {'epoch': 2, 'outcome': <ReportOutcome.FINISHED: 'finished'>}
-    >>> notice_report(epoch=2, ack=None, exit_code=-9, now=1701)
-    {'epoch': 2, 'outcome': <ReportOutcome.SAVE_FAILED: 'save_failed'>, 'cause': 'job'}
-    >>> notice_report(epoch=2, ack=None, exit_code=None, now=1701)
-    {'epoch': 2, 'outcome': <ReportOutcome.SAVE_FAILED: 'save_failed'>, 'cause': 'deadline'}
+    >>> saved = {"step": 40, "saved_at": 1700.0}
+    >>> notice_report(epoch=2, ack=saved, exit_code=None, now=1701).body()
+    {'epoch': 2, 'outcome': 'saved', 'checkpoint_at': 1700.0, 'step': 40}
+    >>> failed = {"failed": True, "cause": "storage"}
+    >>> notice_report(epoch=2, ack=failed, exit_code=1, now=1701).body()
+    {'epoch': 2, 'outcome': 'save_failed', 'cause': 'storage'}
+    >>> notice_report(epoch=2, ack=None, exit_code=0, now=1701).body()
+    {'epoch': 2, 'outcome': 'finished'}
+    >>> notice_report(epoch=2, ack=None, exit_code=-9, now=1701).body()
+    {'epoch': 2, 'outcome': 'save_failed', 'cause': 'job'}
+    >>> notice_report(epoch=2, ack=None, exit_code=None, now=1701).body()
+    {'epoch': 2, 'outcome': 'save_failed', 'cause': 'deadline'}
     >>> saved = {"step": 9, "saved_at": 1600.5, "final": False}
-    >>> checkpoint_report(  # doctest: +NORMALIZE_WHITESPACE
-    ...     epoch=1, saved=saved, last=None, now=1601
-    ... )
-    {'epoch': 1, 'outcome': <ReportOutcome.CHECKPOINT: 'checkpoint'>,
-     'checkpoint_at': 1600.5, 'step': 9}
+    >>> checkpoint_report(epoch=1, saved=saved, last=None, now=1601).body()
+    {'epoch': 1, 'outcome': 'checkpoint', 'checkpoint_at': 1600.5, 'step': 9}
     >>> checkpoint_report(epoch=1, saved=saved, last=(1600.5, 9), now=1601) is None
     True
 
