@@ -239,13 +239,15 @@ class SpotRunFuture(PrefectFlowRunFuture):
         return self._thread is not None and self._thread.is_alive()
 
     def settled(self) -> bool:
-        """Whether the run's state is its end: final, and if Crashed, Crashed for
+        """Whether the run's state is its end (``_settles``)."""
+        return self._settles(self.state, time.monotonic())
+
+    def _settles(self, state, now: float) -> bool:
+        """Whether ``state`` is the run's end: final, and if Crashed, Crashed for
         ``CRASH_SETTLE_SECONDS`` (no worker turned it into Preempted meanwhile)."""
-        state = self.state
-        if not state.is_crashed():
+        if state is None or not state.is_crashed():
             self._crashed_since = None
-            return state.is_final()
-        now = time.monotonic()
+            return state is not None and state.is_final()
         self._crashed_since = self._crashed_since or now
         return now - self._crashed_since >= CRASH_SETTLE_SECONDS
 
@@ -259,19 +261,14 @@ class SpotRunFuture(PrefectFlowRunFuture):
             await asyncio.sleep(0.2)
         if self._holder is not None and self._holder.error is not None:
             raise self._holder.error
-        crashed_since = idle_since = None
+        idle_since = None
         async with get_client() as client:
             while self._final_state is None:
                 state = (await client.read_flow_run(self.flow_run_id)).state
                 now = time.monotonic()
-                if state is not None and state.is_final() and not state.is_crashed():
+                if self._settles(state, now):
                     self._final_state = state
-                elif state is not None and state.is_crashed():
-                    crashed_since = crashed_since or now
-                    if now - crashed_since >= CRASH_SETTLE_SECONDS:
-                        self._final_state = state
-                else:
-                    crashed_since = None
+                elif state is None or not state.is_crashed():
                     if state is not None and state.is_scheduled():
                         idle_since = idle_since or now
                         if now - idle_since >= NO_WORKER_SECONDS:
