@@ -154,7 +154,6 @@ class Placement:
             "gpu_model": configuration.gpu_model,
             "gpu_count": configuration.gpu_count,
             "node_count": configuration.node_count,
-            "min_node_count": configuration.min_node_count,
             "max_price": course.price if course is not None else configuration.max_price,
             "region": configuration.region,
             "idempotency_key": f"prefect-flow-run-{flow_run.id}-{flow_run.run_count}",
@@ -165,6 +164,8 @@ class Placement:
             },
             "job": configuration.job_spec(image),
         }
+        if configuration.min_node_count is not None:  # (only then: an older market forbids it)
+            body["min_node_count"] = configuration.min_node_count
         finish_by = configuration.finish_by(flow_run)
         if finish_by is not None:
             body["deadline"] = finish_by.isoformat()
