@@ -16,7 +16,7 @@ from prefect_spotgpu.market import (
     MarketState,
     NodeState,
 )
-from prefect_spotgpu.market.serving import needs_mask
+from prefect_spotgpu.market.serving import SERVES_GANGS, needs_mask
 
 RUNNING, NOTICED, RESERVED = (
     AllocationStatus.RUNNING,
@@ -33,6 +33,7 @@ def bid_fits_pool(bid, node, served: bool = True) -> bool:
         and bid.capacity == node.capacity
         and bid.region in (ANY_REGION, node.region)
         and (not served or bool(node.serves & needs_mask(bid.image)))
+        and (not served or bid.node_count == 1 or bool(node.serves & SERVES_GANGS))
     )
 
 
@@ -137,6 +138,8 @@ def check_gangs(state: MarketState, now: float) -> None:
                 assert len({a.node_id for a in held}) == len(held), f"gang {gang_id} shares a node"
                 pools = {(nodes[a.node_id].gpu_model, nodes[a.node_id].region) for a in held}
                 assert len(pools) == 1, f"gang {gang_id} spans pools {pools}"
+                unfit = [a.node_id for a in held if not nodes[a.node_id].serves & SERVES_GANGS]
+                assert not unfit, f"gang {gang_id} on nodes {unfit}, which run no gang member"
         holding = [a for m in members for a in by_bid[m.id] if a.status.holds_gpus()]
         assert len({a.node_id for a in holding}) == len(holding), f"gang {gang_id} doubles"
         first = members[0]

@@ -305,18 +305,5 @@ def test_a_bid_without_an_image_runs_in_the_nodes_default_image_or_fails_naming_
     default.stop(handle, grace=0)
 
 
-def test_a_gang_member_is_refused_naming_process_nodes_rather_than_left_to_hang(tmp_path):
-    """Containers of one gang cannot reach each other across hosts yet: the market holds gang
-    bids with images, and a gang member given a default image here fails to start, naming the
-    fix, instead of waiting out its rendezvous's timeout."""
-    from prefect_spotgpu.agent.runners.runner import GangPlace
-
-    place = GangPlace(1, 2, "10.0.0.7", 20010, 1, 41)
-    runner = DockerRunner(users=JobUsers("auto"), checkpoint_root=tmp_path / "c",
-                          gpu_devices=False, default_image="some/image:1")  # fmt: skip
-    with pytest.raises(JobFault, match="run gangs on process nodes"):
-        runner.start(request(tmp_path, 19, ["python3", "-c", "pass"], None, gang=place))
-
-
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-s"]))

@@ -41,11 +41,12 @@ from prefect_spotgpu.market import (
 MODELS = ("A100-80G", "RTX-4090", "A100-80G/on_demand")  # model[/capacity]
 REGIONS = ("eu-west", "us-east")
 IMAGES = ("pytorch:1", "tensorrt:1")
-RUNNERS = (  # (runner, default image): said by none, process, docker, docker with a default
-    (None, False),
-    (Runner.PROCESS, False),
-    (Runner.DOCKER, False),
-    (Runner.DOCKER, True),
+RUNNERS = (  # (runner, default image, job network): said by none, process, docker, docker with
+    (None, False, False),  # a default, docker with a job network (it runs gang members)
+    (Runner.PROCESS, False, False),
+    (Runner.DOCKER, False, False),
+    (Runner.DOCKER, True, False),
+    (Runner.DOCKER, False, True),
 )
 PRICES = (0.3, 0.5, 0.8, 1.0, 1.05, 1.1, 1.2, 1.5, 2.0, 3.0)
 
@@ -127,7 +128,7 @@ def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
     for i, (model, region, count, reserve) in enumerate(nodes, start=1):
         model, _, capacity = model.partition("/")
         images = frozenset(IMAGES[: i % 3])  # some nodes hold images: placement prefers them
-        runner, default_image = RUNNERS[i % len(RUNNERS)]  # and some serve only one kind
+        runner, default_image, job_network = RUNNERS[i % len(RUNNERS)]  # some serve one kind
         market.upsert_node(
             Node(
                 i,
@@ -139,6 +140,7 @@ def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
                 images=images if runner != Runner.PROCESS else frozenset(),
                 runner=runner,
                 default_image=default_image,
+                job_network=job_network,
             )
         )
     now, next_bid = 0.0, 1
@@ -198,9 +200,10 @@ def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
                 "live": NodeState.LIVE,
             }.get(change, node.state)
             reserve = node.reserve_price * 3 if change == "reserve" else node.reserve_price
-            runner, default_image = node.runner, node.default_image
+            serving = (node.runner, node.default_image, node.job_network)
             if change == "runner":  # an agent restarted with another runner: the next one
-                runner, default_image = RUNNERS[(RUNNERS.index((runner, default_image)) + 1) % 4]
+                serving = RUNNERS[(RUNNERS.index(serving) + 1) % len(RUNNERS)]
+            runner, default_image, job_network = serving
             market.upsert_node(
                 Node(
                     node.id,
@@ -212,6 +215,7 @@ def run_life(nodes, steps, hysteresis=0.05, check_each_tick=True):
                     node.capacity,
                     runner=runner,
                     default_image=default_image,
+                    job_network=job_network,
                 )
             )
         elif kind in ("ack", "finish"):

@@ -23,9 +23,19 @@ def market_with(*nodes):
     return market
 
 
-def node(i, runner, gpus=8, reserve=0.5, default_image=False, state=NodeState.LIVE):
+def node(
+    i, runner, gpus=8, reserve=0.5, default_image=False, state=NodeState.LIVE, job_network=False
+):
     return Node(
-        i, A100, "eu-west", gpus, reserve, state, runner=runner, default_image=default_image
+        i,
+        A100,
+        "eu-west",
+        gpus,
+        reserve,
+        state,
+        runner=runner,
+        default_image=default_image,
+        job_network=job_network,
     )
 
 
@@ -111,19 +121,37 @@ def test_an_agent_restarted_with_another_runner_is_offered_by_its_new_kind():
     assert m.runners.unserved(bid(4, image=TORCH)) is None
 
 
-def test_a_gang_that_names_an_image_takes_docker_nodes_only():
+def test_a_gang_that_names_an_image_takes_docker_nodes_with_a_job_network_only():
     m = market_with(
-        node(1, Runner.PROCESS), node(2, Runner.DOCKER), node(3, Runner.PROCESS), node(4, None)
+        node(1, Runner.PROCESS),
+        node(2, Runner.DOCKER, job_network=True),
+        node(3, Runner.PROCESS),
+        node(4, None),
+        node(5, Runner.DOCKER, gpus=1),  # the tightest fit, but its containers reach no host
     )
-    m.add_bid(bid(10, image=TORCH, node_count=2, gang_id=10))
+    m.add_bid(bid(10, image=TORCH, gpus=1, node_count=2, gang_id=10))
+    m.add_bid(bid(11, image=TORCH, gpus=1, node_count=2, gang_id=10))
+    assert sorted(placed(m.tick(10.0)).values()) == [2, 4]  # one with a network, one not said
+    m.add_bid(bid(12, image=TORCH, gpus=1))  # a one-node bid takes the network-less node
+    assert placed(m.tick(11.0)) == {12: 5}
+
+
+def test_a_gang_in_containers_where_no_docker_node_has_a_job_network_is_unserved():
+    m = market_with(node(1, Runner.DOCKER), node(2, Runner.DOCKER, default_image=True))
+    gang = bid(10, image=TORCH, node_count=2, gang_id=10)
+    assert "--job-subnet" in m.runners.unserved(gang)
+    assert m.runners.unserved(bid(12, image=TORCH)) is None  # one node: any Docker node serves it
+    m.add_bid(gang)
     m.add_bid(bid(11, image=TORCH, node_count=2, gang_id=10))
-    assert sorted(placed(m.tick(10.0)).values()) == [2, 4]  # a docker node, and one not said
+    assert placed(m.tick(10.0)) == {}  # and the market never places it on them
+    m.upsert_node(node(3, Runner.DOCKER, job_network=True))
+    assert m.runners.unserved(gang) is None
 
 
 def test_a_snapshot_keeps_what_each_node_serves():
     m = market_with(node(1, Runner.PROCESS), node(2, Runner.DOCKER), node(3, None))
     serves = {n.id: n.serves for n in m.snapshot().nodes}
-    assert serves == {1: 1, 2: 2, 3: 3}
+    assert serves == {1: 5, 2: 2, 3: 7}  # (serving.serves_mask)
 
 
 def test_a_bad_runner_is_refused_naming_the_field():
@@ -133,6 +161,8 @@ def test_a_bad_runner_is_refused_naming_the_field():
         Node(1, A100, "eu-west", 8, 0.5, runner="podman")
     with pytest.raises(ValueError, match="default_image must be a boolean"):
         Node(1, A100, "eu-west", 8, 0.5, runner=Runner.DOCKER, default_image="yes")
+    with pytest.raises(ValueError, match="job_network must be a boolean"):
+        Node(1, A100, "eu-west", 8, 0.5, runner=Runner.DOCKER, job_network=1)
 
 
 def test_in_a_mixed_pool_an_image_bid_waiting_for_docker_does_not_raise_process_prices():

@@ -19,14 +19,16 @@ from test_service_api import wait_event
 GANG = {"gpu_model": "A100-80G", "gpu_count": 8, "max_price": 1.2, "region": "eu-west"}
 
 
-def node(service, owner, address=None, region="eu-west", gpus=8, reserve=0.9):
-    """A registered node (with ``address`` when given) and its agent's client."""
+def node(service, owner, address=None, region="eu-west", gpus=8, reserve=0.9, **terms):
+    """A registered node (with ``address`` and runner ``terms`` when given) and its agent's
+    client."""
     body = {
         "name": f"n{uuid.uuid4().hex[:8]}",
         "gpu_model": "A100-80G",
         "region": region,
         "gpu_count": gpus,
         "reserve_price": reserve,
+        **terms,
     }
     if address is not None:
         body["address"] = address
@@ -505,12 +507,13 @@ def test_a_gang_that_may_shrink_goes_on_with_its_survivor_as_a_world_of_one(serv
     assert (place["rank"], place["world_size"], place["lead_allocation"]) == (0, 1, now["id"])
 
 
-def test_a_gang_that_names_an_image_is_held_naming_image_process(service):
-    """Containers of one gang cannot reach each other across hosts yet: a gang bid with an
-    image is held at once, its reason saying what to bid instead, not left to hang."""
+def test_a_gang_in_containers_is_held_where_no_docker_node_has_a_job_network(service):
+    """A gang's containers reach each other across hosts only on job networks: a gang bid with
+    an image, whose pool's Docker nodes have none, is held at once, its reason naming the
+    option, not left to hang."""
     alice, owner = service.tenant(credit=100), service.tenant()
     for _ in range(2):
-        node(service, owner)
+        node(service, owner, runner="docker")
     b = gang_bid(alice, job={"command": ["true"], "image": "pytorch"})
 
     def held():
@@ -518,5 +521,86 @@ def test_a_gang_that_names_an_image_is_held_naming_image_process(service):
         return seen if seen["status"] == "held" else None
 
     seen = wait_for(held)
-    assert "image 'process'" in seen["hold_reason"] and "gang" in seen["hold_reason"]
+    assert "--job-subnet" in seen["hold_reason"] and "gang" in seen["hold_reason"]
     assert alice.get(f"/bids/{b['id']}/allocations").json() == []
+
+
+def test_a_gang_in_containers_meets_at_its_members_job_addresses(service):
+    """On Docker nodes with job networks, each allocation gets the lowest free address of its
+    node's subnet; a member's place names rank 0's as ``master_addr`` and its peers'."""
+    alice, owner = service.tenant(credit=100), service.tenant()
+    subnets = ["10.88.1.0/24", "10.88.2.0/24"]
+    made = [
+        node(service, owner, address=f"192.168.0.{i + 1}", runner="docker", job_subnet=net)
+        for i, net in enumerate(subnets)
+    ]
+    assert [n["job_subnet"] for n, _ in made] == subnets
+    agents = {n["id"]: agent for n, agent in made}
+    job = {"command": ["true"], "image": "pytorch"}
+    b = gang_bid(alice, gpu_count=4, job=job)
+    single = alice.post("/bids", json={**GANG, "gpu_count": 4, "job": job})
+    assert single.status_code == 201, single.text
+    members = gang_allocations(alice, b["id"])
+    (lone,) = wait_for(lambda: alice.get(f"/bids/{single.json()['id']}/allocations").json())
+
+    def seen(allocation: dict) -> dict:
+        node_id = allocation["node_id"]
+        (found,) = [x for x in agents[node_id].get(f"/nodes/{node_id}/allocations").json()
+                    if x["id"] == allocation["id"]]  # fmt: skip
+        return found
+
+    places = {a["rank"]: seen(a) for a in members}
+    addresses = [places[r]["job_address"] for r in (0, 1)]
+    for rank, a in enumerate(sorted(members, key=lambda a: a["rank"])):  # its node's subnet
+        net = subnets[[n["id"] for n, _ in made].index(a["node_id"])]
+        assert addresses[rank].rsplit(".", 1)[0] == net.rsplit(".", 1)[0]
+        assert addresses[rank].endswith(".2")  # the lowest after the bridge's .1
+    (shared,) = [a for a in members if a["node_id"] == lone["node_id"]]
+    assert seen(lone)["job_address"] == places[shared["rank"]]["job_address"][:-1] + "3"
+    for rank in (0, 1):
+        gang = places[rank]["gang"]
+        assert gang["master_addr"] == addresses[0]  # rank 0's job, not its node
+        assert gang["peers"] == addresses
+
+
+@pytest.mark.parametrize(
+    ("terms", "said"),
+    [
+        ({"runner": "docker", "job_subnet": "8.8.8.0/24"}, "not a private range"),
+        ({"runner": "docker", "job_subnet": "10.1.2.3/24"}, "host bits set (10.1.2.0/24?)"),
+        ({"runner": "docker", "job_subnet": "10.0.0.0/12"}, "a /16 to a /24"),
+        ({"runner": "docker", "job_subnet": "10.1.2.0/25"}, "a /16 to a /24"),
+        ({"runner": "docker", "job_subnet": "fd00::/64"}, "job_subnet"),
+        ({"runner": "process", "job_subnet": "10.1.2.0/24"}, "job_subnet needs runner 'docker'"),
+        ({"job_subnet": "10.1.2.0/24"}, "job_subnet needs runner 'docker'"),
+    ],
+)
+@one_database("a 422 decided before any query")
+def test_a_job_subnet_that_cannot_be_one_is_refused_naming_it(service, terms, said):
+    owner = service.tenant()
+    service.grant_provider(owner)
+    body = {"name": "n", "gpu_model": "A100-80G", "region": "eu-west", "gpu_count": 8,
+            "reserve_price": 0.9, **terms}  # fmt: skip
+    answer = owner.post("/nodes", json=body)
+    assert answer.status_code == 422, answer.text
+    assert said in answer.text and "job_subnet" in answer.text
+
+
+def test_a_provider_cannot_claim_another_nodes_job_network(service):
+    """Two nodes with overlapping subnets would give two jobs one address (and a hostile
+    provider the addresses another node's gang peers accept): refused at registration and in
+    a heartbeat, naming the field; nothing is written."""
+    honest, hostile = service.tenant(), service.tenant()
+    node(service, honest, runner="docker", job_subnet="10.88.0.0/24")
+    service.grant_provider(hostile)
+    body = {"name": "x", "gpu_model": "A100-80G", "region": "eu-west", "gpu_count": 8,
+            "reserve_price": 0.9, "runner": "docker"}  # fmt: skip
+    for subnet in ("10.88.0.0/24", "10.88.0.0/16"):
+        answer = hostile.post("/nodes", json={**body, "job_subnet": subnet})
+        assert answer.status_code == 422 and "another node's job network" in answer.text
+    assert hostile.get("/nodes").json() == []
+    created, agent = node(service, hostile, runner="docker", job_subnet="10.89.0.0/24")
+    beat = agent.post(f"/nodes/{created['id']}/heartbeat",
+                      json={"runner": "docker", "job_subnet": "10.88.0.0/20"})  # fmt: skip
+    assert beat.status_code == 422 and "job_subnet" in beat.text, beat.text
+    assert hostile.get(f"/nodes/{created['id']}").json()["job_subnet"] == "10.89.0.0/24"

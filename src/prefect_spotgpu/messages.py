@@ -86,12 +86,19 @@ class Assignment(AllocationResponse):
     tenant_id: int
     job: AssignedJob | None = None
     checkpoint_key: str
+    job_address: str | None = Field(
+        None,
+        description="The job's address on its node's job network (a Docker node started with "
+        "--job-subnet); None: the node has none.",
+    )
     gang: dict | None = Field(
         None,
         description="A gang member's place in its gang: rank, world_size, master_addr "
-        "(rank 0's node's address), master_port, gpus_per_node and lead_allocation (rank 0's "
-        "allocation of the same attempt); None for a one-node bid. The agent checks it "
-        "(a malformed one fails that allocation, saying why, not the node's every reply).",
+        "(rank 0's job address, else rank 0's node's address), master_port, gpus_per_node, "
+        "lead_allocation (rank 0's allocation of the same attempt) and peers (the job "
+        "addresses of its members of the same attempt, in rank order: who may reach it on its "
+        "job network); None for a one-node bid. The agent checks it (a malformed one fails "
+        "that allocation, saying why, not the node's every reply).",
     )
 
 
@@ -238,6 +245,9 @@ class NodeResponse(BaseModel):
     address: str | None = None
     runner: str | None = None
     default_image: str | None = None
+    job_subnet: str | None = Field(
+        None, description="A Docker node's job network (None: Docker's default bridge)."
+    )
     last_heartbeat_at: datetime
 
 

@@ -272,6 +272,44 @@ def unfit_node_address(address: str) -> str | None:
     return None
 
 
+JOB_SUBNET_PREFIXES = (16, 24)
+"""The sizes a Docker node's job network may have (``--job-subnet``): from a /16 to a /24, so
+that a node always has an address for each job it holds (at least 253)."""
+
+
+def unfit_job_subnet(subnet: str) -> str | None:
+    """Why ``subnet`` cannot be a Docker node's job network (None: it can): an IPv4 network
+    in private ranges (``10/8``, ``172.16/12``, ``192.168/16``: routed between the GPU hosts of
+    one data centre, never the internet's), written as its network address, /16 to /24.
+
+    >>> unfit_job_subnet("10.88.3.0/24") is None
+    True
+    >>> unfit_job_subnet("10.88.3.7/24")
+    'not a network address: 10.88.3.7/24 has host bits set (10.88.3.0/24?)'
+    >>> unfit_job_subnet("8.8.8.0/24")
+    'not a private range (10.0.0.0/8, 172.16.0.0/12, 192.168.0.0/16)'
+    """
+    import ipaddress
+
+    try:
+        net = ipaddress.IPv4Network(subnet)
+    except ipaddress.AddressValueError:
+        return "not an IPv4 network (e.g. 10.88.3.0/24)"
+    except ValueError:
+        try:
+            near = ipaddress.IPv4Network(subnet, strict=False)
+        except ValueError:
+            return "not an IPv4 network (e.g. 10.88.3.0/24)"
+        return f"not a network address: {subnet} has host bits set ({near}?)"
+    private = [ipaddress.IPv4Network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")]
+    if not any(net.subnet_of(p) for p in private):
+        return "not a private range (10.0.0.0/8, 172.16.0.0/12, 192.168.0.0/16)"
+    low, high = JOB_SUBNET_PREFIXES
+    if not low <= net.prefixlen <= high:
+        return f"a /{net.prefixlen}: a job network is a /{low} to a /{high}"
+    return None
+
+
 _DOCKER_HUB_PREFIXES = (
     "docker.io/library/",
     "index.docker.io/library/",

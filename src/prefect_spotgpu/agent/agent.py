@@ -147,6 +147,8 @@ class Agent(Lifecycle):
         terms = {"runner": self.runner.name}
         if self.runner.default_image:
             terms["default_image"] = self.runner.default_image
+        if network := getattr(self.runner, "job_network", None):
+            terms["job_subnet"] = str(network.subnet)
         return terms
 
     def register(self) -> None:

@@ -20,6 +20,7 @@ from prefect_spotgpu.agent.preflight import check_job_interpreter
 from prefect_spotgpu.agent.runners import Runner, get_runner
 from prefect_spotgpu.checkpoint.objects import NODE_ROOT_MARKER
 from prefect_spotgpu.protocol import Runner as RunnerKind
+from prefect_spotgpu.protocol import unfit_job_subnet
 
 logger = logging.getLogger("prefect_spotgpu.agent")
 
@@ -38,6 +39,7 @@ class RunnerOptions:
     memory: str | None = None
     job_python: Path | None = None  # the process runner's job interpreter (None: the agent's)
     default_image: str | None = None  # the docker runner's image for bids without one
+    job_subnet: str | None = None  # the docker runner's job network (runners/job_network.py)
 
 
 def agent_token(token_file: str | None) -> str | None:
@@ -92,6 +94,16 @@ def build_runner(options: RunnerOptions, state_dir: Path) -> Runner:
         raise ValueError("--job-python is the process runner's: a container has its own")
     if not docker and options.default_image is not None:
         raise ValueError("--default-image is the docker runner's: a process job runs on the host")
+    if options.job_subnet is not None:
+        if not docker:
+            raise ValueError("--job-subnet is the docker runner's: process jobs use the host's")
+        if why := unfit_job_subnet(options.job_subnet):
+            raise ValueError(f"--job-subnet {options.job_subnet!r} is {why}")
+        if os.geteuid() != 0:
+            raise ValueError(
+                "--job-subnet needs the agent to run as root: it writes the job network's "
+                "firewall rules (iptables)"
+            )
     root = options.checkpoint_root
     if root is None and (docker or users.isolated):
         root = state_dir / "checkpoints"
@@ -100,6 +112,7 @@ def build_runner(options: RunnerOptions, state_dir: Path) -> Runner:
             "pids_limit": options.pids_limit,
             "memory": options.memory,
             "default_image": options.default_image,
+            "job_subnet": options.job_subnet,
         }
         if docker
         else {"interpreter": options.job_python}

@@ -84,12 +84,13 @@ def send_heartbeat(
         body["images"] = listed
     path = f"/nodes/{node_id}/heartbeat"
     response = client.post(path, json=body)
-    refused = _refused_fields(response) & {"telemetry", "images", "runner", "default_image"}
+    terms = {"runner", "default_image", "job_subnet"}
+    refused = _refused_fields(response) & ({"telemetry", "images"} | terms)
     if "telemetry" in refused and "gpus" in telemetry:
         body["telemetry"] = {k: v for k, v in telemetry.items() if k != "gpus"}
     if "images" in refused:
         del body["images"]
-    for field in refused & {"runner", "default_image"}:  # (a market older than this agent)
+    for field in refused & terms:  # (a market older than this agent)
         body.pop(field, None)
     if refused:
         logger.warning("heartbeat: %s refused (%s); sent without", refused, response.text[:200])

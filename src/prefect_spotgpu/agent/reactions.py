@@ -184,6 +184,7 @@ def job_request(go: Go, gpu_indices, state_dir: Path) -> JobRequest:
         image=job.image,
         tenant_id=assignment.tenant_id,
         gang=go.gang,
+        job_address=assignment.job_address,
     )
 
 

@@ -89,6 +89,14 @@ def agent_start(
         "bid without an image (image 'process': the node's own environment) runs in. Without "
         "it such bids fail on this node.",
     ),
+    job_subnet: str = typer.Option(
+        None,
+        help="Docker runner: this node's job network, a private IPv4 subnet (/16 to /24, e.g. "
+        "10.88.3.0/24) that the other GPU hosts route to this host. Its containers get "
+        "addresses there; gang members reach each other there and nothing else reaches them "
+        "(nor do they reach this host's services). Needs root (iptables). Without it, "
+        "containers are on Docker's default bridge and no gang member runs here.",
+    ),
     job_pids_limit: int = typer.Option(
         4096, min=16, help="Docker runner: the most processes (and threads) per container."
     ),
@@ -166,6 +174,7 @@ def agent_start(
         memory=job_memory,
         job_python=Path(job_python) if job_python else None,
         default_image=default_image or None,
+        job_subnet=job_subnet or None,
     )
     try:
         token = agent_token(token_file)

@@ -37,6 +37,7 @@ import numpy as np
 from prefect_spotgpu.market.book import ROW_MASK
 from prefect_spotgpu.market.decision import PlacementKind
 from prefect_spotgpu.market.incumbents import bid_terms, incumbents, victims_on
+from prefect_spotgpu.market.serving import SERVES_GANGS
 from prefect_spotgpu.market.tables import (
     GONE,
     MIGRATING_REASONS,
@@ -116,6 +117,7 @@ class Gangs:
         """Up to ``count`` node rows of a pool, each with a free fit, none twice and none in
         ``exclude`` (the gang's nodes so far), tightest first."""
         ix = self.index
+        exclude = exclude | without_gangs(ix, pool)
         if not image and ix.policy.name == "best-fit":  # (the same, in one pass)
             capacity = ix.capacity_for(pool, image)
             keys = capacity.best_fits(size, price, ix.n_free, ix.n_reserve, count, exclude)
@@ -190,7 +192,7 @@ class Gangs:
             and ix.n_reserve[nrow] <= price
             and nrow not in taken
             and state[nrow] is NodeState.LIVE
-            and ix.serves(nrow, image)
+            and serves_member(ix, nrow, image)
         ]
         claimable.sort(key=ix.n_id.__getitem__)
         found: list[tuple[int, list[int]]] = [(nrow, []) for nrow in claimable[:count]]
@@ -216,7 +218,7 @@ class Gangs:
                 if examined > ix.config.eviction_scan_limit:
                     return None
                 victims = victims_on(ix, nrow, size, price, image)
-                if victims is not None:
+                if victims is not None and serves_member(ix, nrow, image):
                     found.append((nrow, victims))
                     if len(found) == count:
                         return found
@@ -279,7 +281,7 @@ class Gangs:
             room >= int(b.gpus[member])
             and ix.n_state[nrow].offers_capacity()
             and ix.n_reserve[nrow] <= float(b.price[member])
-            and ix.serves(nrow, int(b.image[member]))
+            and serves_member(ix, nrow, int(b.image[member]))
         )
 
     def cascade(self, brow: int, old: int, status: int, at: float) -> None:
@@ -302,3 +304,16 @@ class Gangs:
                 r = int(b.res[member])
                 if r >= 0:
                     self.allocations.end(r, RELEASED, EndReason.GANG_RESERVATION_RELEASED, at)
+
+
+def serves_member(ix: MarketIndex, nrow: int, image: int) -> bool:
+    """Whether node row ``nrow`` runs a gang member with image id ``image``: it serves the bid,
+    and its jobs reach other hosts (``serving.SERVES_GANGS``)."""
+    return ix.serves(nrow, image) and bool(ix.n_serves[nrow] & SERVES_GANGS)
+
+
+def without_gangs(ix: MarketIndex, pool: Pool) -> set[int]:
+    """The node rows of a pool that run no gang member (none outside a mixed pool)."""
+    if not pool.mixed:
+        return set()
+    return {r for r in pool.nodes if not ix.n_serves[r] & SERVES_GANGS}

@@ -13,6 +13,7 @@ from prefect_spotgpu.market.gpus import DEFAULT_CATALOG
 from prefect_spotgpu.market.index import MarketIndex
 from prefect_spotgpu.market.serving import (
     SERVES_ALL,
+    SERVES_GANGS,
     SERVES_IMAGES,
     SERVES_PROCESS,
     Runner,
@@ -25,10 +26,12 @@ from prefect_spotgpu.market.types import (
     NodeState,
 )
 
-RUNNER_OF = {  # what a node serves, back as its (runner, default_image): the same to the market
-    SERVES_ALL: (None, False),
-    SERVES_PROCESS: (Runner.PROCESS, False),
-    SERVES_IMAGES: (Runner.DOCKER, False),
+RUNNER_OF = {  # what a node serves, back as (runner, default_image, job_network): the same to
+    SERVES_ALL: (None, False, False),  # the market
+    SERVES_PROCESS | SERVES_GANGS: (Runner.PROCESS, False, False),
+    SERVES_IMAGES: (Runner.DOCKER, False, False),
+    SERVES_IMAGES | SERVES_PROCESS: (Runner.DOCKER, True, False),
+    SERVES_IMAGES | SERVES_GANGS: (Runner.DOCKER, False, True),
 }
 
 
@@ -71,9 +74,16 @@ class Runners:
             else [p for p in [ix.pool_index.get((model, region))] if p is not None]
         )
         rows = [r for p in pools for r in ix.pools[p].nodes if ix.n_state[r] != NodeState.LOST]
+        where = f"the {bid.gpu_model} nodes in {'any region' if region == -1 else bid.region}"
+        gangs_nowhere = not any(ix.n_serves[r] & SERVES_GANGS for r in rows)
+        if bid.node_count > 1 and gangs_nowhere and any(ix.n_serves[r] & need for r in rows):
+            return (
+                f"{where} are Docker nodes without a job network: a gang's containers "
+                "reach each other across hosts only there (spotgpu agent start "
+                "--job-subnet); bid for process nodes, or ask the operator for one"
+            )
         if not rows or any(ix.n_serves[r] & need for r in rows):
             return None
-        where = f"the {bid.gpu_model} nodes in {'any region' if region == -1 else bid.region}"
         if need == SERVES_IMAGES:
             return (
                 f"{where} run jobs as host processes (--runner process); the image "

@@ -202,11 +202,15 @@ class Node:
     """How it runs jobs (None: not said, any bid): a bid lands only where it can run."""
     default_image: bool = False
     """A Docker node runs bids without an image in an image its operator named."""
+    job_network: bool = False
+    """A Docker node's containers are on a job network that other hosts route to: it runs
+    gang members (``serving.SERVES_GANGS``)."""
 
     def __post_init__(self) -> None:
         check_id("node.id", self.id)
         object.__setattr__(self, "images", check_images(self.images))
-        object.__setattr__(self, "runner", check_runner(self.runner, self.default_image))
+        runner = check_runner(self.runner, self.default_image, self.job_network)
+        object.__setattr__(self, "runner", runner)
         object.__setattr__(self, "capacity", check_capacity(self.capacity))
         object.__setattr__(self, "gpu_model", DEFAULT_CATALOG.normalize(self.gpu_model))
         object.__setattr__(self, "region", check_region("region", self.region, allow_any=False))
@@ -221,7 +225,7 @@ class Node:
     @property
     def serves(self) -> int:
         """What it serves (:func:`serves_mask`)."""
-        return serves_mask(self.runner, self.default_image)
+        return serves_mask(self.runner, self.default_image, self.job_network)
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,7 +78,7 @@ def apply_change(writes: TickWrites, change: MarketChange, now: float) -> None:
                 bid = market_bid(row)
                 unserved = None
                 if first_row:
-                    unserved = gangs.gang_in_containers(bid) or market.runners.unserved(bid)
+                    unserved = market.runners.unserved(bid)
                 if unserved is not None:  # no node of its pools runs it as asked: named
                     raise ValueError(f"{HELD_UNSERVED}: {unserved}")
                 add_bid_row(market, row)

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from prefect_spotgpu.market import DEFAULT_CATALOG, NodeState
 from prefect_spotgpu.protocol import LIVE_BID_STATUSES, AllocationStatus, BidStatus, Capacity
-from prefect_spotgpu.service import credit, gangs, gate, images, schemas
+from prefect_spotgpu.service import credit, gangs, gate, images, job_network, schemas
 from prefect_spotgpu.service.errors import Conflict, Forbidden, NotFound
 from prefect_spotgpu.service.ledger import CreditKind, add_credit
 from prefect_spotgpu.service.ledger import ledger_entries as ledger_entries
@@ -147,6 +147,8 @@ def register_node(
         is not None
     ):
         raise Conflict(f"you already have a node named {data.name!r}", field="name")
+    if data.job_subnet is not None:
+        job_network.check_subnet_free(session=session, node_id=None, subnet=data.job_subnet)
     token = new_secret("sgn")
     node = NodeRow(
         owner_id=owner_id,
@@ -166,6 +168,7 @@ def register_node(
         address=data.address,
         runner=data.runner,
         default_image=data.default_image,
+        job_subnet=data.job_subnet,
         last_heartbeat_at=now,
         created_at=now,
     )
@@ -216,10 +219,12 @@ def heartbeat_node(
     address: str | None = None,
     runner: str | None = None,
     default_image: str | None = None,
+    job_subnet: str | None = None,
 ) -> NodeRow:
     """A heartbeat: the node is alive; its telemetry, the images it holds and how it runs jobs
     (a change goes to the tick leader: placement prefers a node with a bid's image, and places
-    a bid only on a node whose runner serves it)."""
+    a bid only on a node whose runner serves it; a gang member only on one with a job
+    network)."""
     node.last_heartbeat_at = now
     if address is not None:  # where other nodes reach it (a gang's rank 0: MASTER_ADDR)
         node.address = address
@@ -229,8 +234,11 @@ def heartbeat_node(
     if images is not None and sorted(set(images)) != (node.images or []):
         node.images = sorted(set(images))
         changed = True
-    if runner is not None and (runner, default_image) != (node.runner, node.default_image):
-        node.runner, node.default_image = runner, default_image
+    said = (runner, default_image, job_subnet)
+    if runner is not None and said != (node.runner, node.default_image, node.job_subnet):
+        if job_subnet is not None and job_subnet != node.job_subnet:
+            job_network.check_subnet_free(session=session, node_id=node.id, subnet=job_subnet)
+        node.runner, node.default_image, node.job_subnet = said
         changed = True
     if changed and node.state != NodeState.LOST:  # a lost node's return records it below
         record_change(session=session, entity=Entity.NODE, entity_id=node.id, op="upsert")

@@ -17,7 +17,7 @@ from collections import defaultdict
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from prefect_spotgpu.market import Bid, NodeState
+from prefect_spotgpu.market import NodeState
 from prefect_spotgpu.protocol import HOLDING_STATUSES, UNSET_NODE_ADDRESS, AllocationStatus
 from prefect_spotgpu.service.errors import Invalid
 from prefect_spotgpu.service.models import AllocationRow, BidRow, NodeRow
@@ -84,18 +84,6 @@ def check_gang_fits(*, session: Session, data: BidCreate) -> None:
         )
 
 
-def gang_in_containers(bid: Bid) -> str | None:
-    """Why the service holds a gang that names an image (None: it does not): the members'
-    containers cannot reach each other across hosts yet, so only process nodes run gangs."""
-    if bid.node_count == 1 or not bid.image:
-        return None
-    return (
-        "a gang runs on process nodes (--runner process) only, for now: its members' "
-        "containers cannot reach each other across hosts; bid with image 'process' (the "
-        f"nodes' own environment) instead of {bid.image}"
-    )
-
-
 def add_members(*, session: Session, first: BidRow) -> list[BidRow]:
     """Ranks 1..n-1 of the gang whose rank 0 is ``first`` (written, its change recorded):
     copies of its terms, in id order, each with its change in the outbox after rank 0's."""
@@ -152,22 +140,30 @@ def gang_places(
 
     An allocation meets the allocations of its gang of the same run: a running or noticed one
     meets the running (or noticed) ones, a reservation the reservations (where the gang
-    resumes). ``master_addr`` is the address of rank 0's node there (the newest allocation,
-    when there are several), ``lead_allocation`` that allocation. ``world_size`` is
+    resumes). ``master_addr`` is rank 0's address there (the newest allocation, when there
+    are several): its job address on a Docker node's job network (``job_network``), else its
+    node's; ``lead_allocation`` is that allocation, ``peers`` the members' job addresses
+    there, in rank order (who may reach the member on its job network). ``world_size`` is
     ``node_count``, or for a gang that may go on smaller, how many members hold such an
     allocation: the market places such a gang on its first ranks (``market/gangs.py``), so a
     member's rank is its place among the members all the same."""
     members = members_of(session=session, bids=[b for b in bids.values() if b.gang_id])
     ids = {i for gang in members.values() for i in gang}
     rows = session.execute(
-        select(AllocationRow.bid_id, AllocationRow.id, AllocationRow.status, NodeRow.address)
+        select(
+            AllocationRow.bid_id,
+            AllocationRow.id,
+            AllocationRow.status,
+            func.coalesce(AllocationRow.job_address, NodeRow.address),
+            AllocationRow.job_address,
+        )
         .join(NodeRow, NodeRow.id == AllocationRow.node_id)
         .where(AllocationRow.bid_id.in_(ids), AllocationRow.status.in_(_ACTIVE))
         .order_by(AllocationRow.id)
     ).all()
-    held: dict[tuple[int, bool], tuple[int, str | None]] = {}
-    for bid_id, alloc_id, status, address in rows:  # oldest first: the newest wins
-        held[(bid_id, status in _HOLDING)] = (alloc_id, address)
+    held: dict[tuple[int, bool], tuple[int, str | None, str | None]] = {}
+    for bid_id, alloc_id, status, address, job_address in rows:  # oldest first: newest wins
+        held[(bid_id, status in _HOLDING)] = (alloc_id, address, job_address)
     places = {}
     for alloc in allocations:
         gang = members.get(alloc.bid_id)
@@ -175,8 +171,8 @@ def gang_places(
             continue
         bid = bids[alloc.bid_id]
         holding = alloc.status in _HOLDING
-        lead, address = held.get(
-            (gang[0], holding), held.get((gang[0], not holding), (alloc.id, None))
+        lead, address, _ = held.get(
+            (gang[0], holding), held.get((gang[0], not holding), (alloc.id, None, None))
         )
         world = bid.node_count
         if bid.min_node_count is not None:
@@ -189,4 +185,7 @@ def gang_places(
             "gpus_per_node": bid.gpu_count,
             "lead_allocation": lead,
         }
+        peers = [held[(m, holding)][2] for m in gang if (m, holding) in held]
+        if any(peers):  # (on job networks: ``job_network``)
+            places[alloc.id]["peers"] = [p for p in peers if p is not None]
     return places

@@ -46,6 +46,7 @@ def market_node(row: NodeRow) -> Node:
         frozenset(normal_image_reference(i) for i in row.images or ()),
         runner=row.runner,
         default_image=row.default_image is not None,
+        job_network=row.job_subnet is not None,
     )
 
 

@@ -117,6 +117,7 @@ class NodeRow(Base):
     runner: Mapped[str | None] = mapped_column(String(16))  # a market.Runner; None: not said
     default_image: Mapped[str | None] = mapped_column(String(300))  # a Docker node's, if any
     address: Mapped[str | None] = mapped_column(String(253))  # where other nodes reach it
+    job_subnet: Mapped[str | None] = mapped_column(String(18))  # a Docker node's job network
     last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
@@ -184,6 +185,7 @@ class AllocationRow(Base):
     )  # charged_micros when the last durable checkpoint was reported
     final_save: Mapped[str | None] = mapped_column(String(20))  # ok, failed: gate.FINAL_SAVES
     ended_at: Mapped[float | None] = mapped_column(Float)
+    job_address: Mapped[str | None] = mapped_column(String(15))  # on its node's job network
     end_reason: Mapped[str | None] = mapped_column(String(200))  # a protocol.EndReason, mostly
 
     @property

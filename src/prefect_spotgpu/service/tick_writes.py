@@ -25,7 +25,7 @@ from prefect_spotgpu.protocol import (
     EventKind,
     EventPlacement,
 )
-from prefect_spotgpu.service import gate, ledger
+from prefect_spotgpu.service import gate, job_network, ledger
 from prefect_spotgpu.service.models import (
     AllocationRow,
     EventRow,
@@ -155,31 +155,30 @@ class TickWrites:
 
     def decision(self, decision: Decision) -> None:
         placements = list(decision.placements)
-        gate.create_allocations(
-            session=self.session,
-            rows=[
-                {
-                    "id": p.allocation_id,
-                    "bid_id": p.bid_id,
-                    "node_id": p.node_id,
-                    "tenant_id": self.tenant_of(p.bid_id),
-                    "gpu_count": p.gpu_count,
-                    "status": p.status.value,
-                    "kind": p.kind.value,
-                    "started_at": self.now,
-                    "charged_until": self.now,
-                    # in force from the start: a leader killed before its next flush must
-                    # not leave a restarted one billing this interval at 0
-                    "price": self.market.price_in_force(p.allocation_id),
-                    "deadline": p.expires_at,
-                    "charged_micros": 0,
-                    "charged_seconds": 0.0,
-                    # a takeover's floor for the notices it caused (market/notice_fee.py)
-                    "notice_fee_micros": self.market.notice_fee_owed(p.allocation_id),
-                }
-                for p in placements
-            ],
-        )
+        rows = [
+            {
+                "id": p.allocation_id,
+                "bid_id": p.bid_id,
+                "node_id": p.node_id,
+                "tenant_id": self.tenant_of(p.bid_id),
+                "gpu_count": p.gpu_count,
+                "status": p.status.value,
+                "kind": p.kind.value,
+                "started_at": self.now,
+                "charged_until": self.now,
+                # in force from the start: a leader killed before its next flush must
+                # not leave a restarted one billing this interval at 0
+                "price": self.market.price_in_force(p.allocation_id),
+                "deadline": p.expires_at,
+                "charged_micros": 0,
+                "charged_seconds": 0.0,
+                # a takeover's floor for the notices it caused (market/notice_fee.py)
+                "notice_fee_micros": self.market.notice_fee_owed(p.allocation_id),
+            }
+            for p in placements
+        ]
+        job_network.assign_addresses(session=self.session, rows=rows)
+        gate.create_allocations(session=self.session, rows=rows)
         for p in placements:
             kind = EventKind.ALLOCATED if p.kind is PlacementKind.NEW else EventKind.RESERVED
             self.event(

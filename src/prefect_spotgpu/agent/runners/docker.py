@@ -10,6 +10,11 @@ named after its allocation (:func:`container_name`) and labelled with it: ``reco
 earlier run's container by its label. The node's GPUs are given as a device request (``--gpus``)
 when the host has the NVIDIA container toolkit; its output goes to the agent's log, line by line.
 
+Its network: Docker's default bridge, or with ``job_subnet`` (``--job-subnet``) the node's job
+network (``job_network``), at the address the market gave its allocation, reached only by its
+gang's peers and reaching nothing of this host. A gang member runs only there: its peers on
+other hosts reach it at that address.
+
 A missing image is pulled by ``prepare`` (the agent calls it on a thread of its own: a pull may
 take minutes), its progress told every ``PULL_REPORT_SECONDS`` (``pull``); ``start`` pulls one
 still missing too, without progress. An image neither here nor pullable is
@@ -38,6 +43,7 @@ from prefect_spotgpu.agent.isolation import (
     prepare_job_dirs,
     retire_workdir,
 )
+from prefect_spotgpu.agent.runners.job_network import JobNetwork
 from prefect_spotgpu.agent.runners.pull import PullProgress
 from prefect_spotgpu.agent.runners.runner import (
     MOST_NODE_IMAGES,
@@ -98,7 +104,8 @@ class DockerRunner:
     bound each container. ``gpu_devices``: give the node's GPUs as a device request (None:
     when the NVIDIA container toolkit is installed; without it Docker refuses the request).
     ``default_image``: the image a bid without one (``image: process``, "the node's own
-    environment") runs in; None: such bids fail here, naming the option.
+    environment") runs in; None: such bids fail here, naming the option. ``job_subnet``: the
+    subnet of the node's job network (None: Docker's default bridge, and no gang member).
     """
 
     name = Runner.DOCKER.value
@@ -113,9 +120,11 @@ class DockerRunner:
         memory: str | None = None,
         gpu_devices: bool | None = None,
         default_image: str | None = None,
+        job_subnet: str | None = None,
     ) -> None:
         self._client = client
         self.default_image = default_image
+        self.job_network = None if job_subnet is None else JobNetwork(job_subnet)
         self.users = users or JobUsers()
         self.checkpoint_root = None if checkpoint_root is None else Path(checkpoint_root)
         self.pids_limit = pids_limit
@@ -160,9 +169,13 @@ class DockerRunner:
         host_dir, url = checkpoint_location(
             request, self.checkpoint_root, seen_at=CONTAINER_CHECKPOINTS
         )
+        gang_defaults = {}
+        if request.gang is not None and self.job_network is not None:  # (its one interface)
+            gang_defaults = {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
         env = {
             "HOME": WORKDIR,
             "PREFECT_HOME": f"{WORKDIR}/.prefect",
+            **gang_defaults,
             **request.env,
             **request.job_variables(workdir=WORKDIR, checkpoint_url=url),
             # last: neither the bid nor the image's ENV widens the GPUs the device request
@@ -194,6 +207,14 @@ class DockerRunner:
             "cap_drop": ["ALL"],
             "pids_limit": self.pids_limit,
         }
+        if self.job_network is not None:
+            if request.job_address is None:
+                raise ValueError(
+                    "the market gave this job no address on the node's job network (was the "
+                    "agent restarted with --job-subnet while it held the allocation?)"
+                )
+            spec["network"] = self.job_network.name
+            spec["networking_config"] = self.job_network.endpoint(self.client, request.job_address)
         if self.memory:
             spec["mem_limit"] = self.memory
         if self.gpu_devices and request.gpu_indices:
@@ -205,13 +226,17 @@ class DockerRunner:
         return spec
 
     def start(self, request: JobRequest) -> ContainerJob:
-        if request.gang is not None:  # (the service holds gang bids with images)
-            raise JobFault(
-                "a gang member cannot run in a container yet: the members' containers cannot "
-                "reach each other across hosts (docs/users/gangs.md); run gangs on process "
-                "nodes, or start this agent without --default-image"
+        if request.gang is not None and self.job_network is None:  # (the market places none)
+            raise ValueError(
+                "a gang member runs in a container only on a job network, where its peers on "
+                "other hosts reach it: start this agent with --job-subnet "
+                "(docs/operators/gpu-hosts.md#job-networks)"
             )
         spec = self.container_spec(request)
+        if self.job_network is not None:
+            self.job_network.ensure(self.client)
+            peers = list(request.gang.peers) if request.gang is not None else []
+            self.job_network.admit(request.allocation_id, request.job_address, peers)
         user = self.users.for_job(allocation_id=request.allocation_id, tenant_id=request.tenant_id)
         host_dir, _ = checkpoint_location(request, self.checkpoint_root)
         prepare_job_dirs(request.workdir, host_dir, user, chown=self.users.euid == 0)
@@ -321,6 +346,8 @@ class DockerRunner:
             with contextlib.suppress(docker.errors.APIError):  # (already exited)
                 container.kill()
         container.remove(force=True)
+        if self.job_network is not None:
+            self.job_network.forget(handle.request.allocation_id)
         if self.users.euid == 0:
             retire_workdir(handle.request.workdir)
 
@@ -380,6 +407,8 @@ class DockerRunner:
         """Remove an earlier run's container of this allocation (found by its label), if one
         ran here."""
         found = self._remove(allocation_id)
+        if self.job_network is not None:
+            self.job_network.forget(allocation_id)
         (workdir / PID_NAME).unlink(missing_ok=True)
         return found
 

@@ -71,6 +71,7 @@ class GangPlace:
     master_port: int
     gpus_per_node: int
     lead_allocation: int  # rank 0's allocation in the same attempt
+    peers: tuple[str, ...] = ()  # its members' job addresses (on job networks: job_network.py)
 
     @classmethod
     def from_assignment(cls, gang: object) -> GangPlace | None:
@@ -107,7 +108,15 @@ class GangPlace:
             raise malformed(f"gang.master_addr {address!r} is {why}")
         port = whole("master_port", 1, 65535)
         gpus = whole("gpus_per_node", 1, MAX_GPUS_PER_NODE)
-        return cls(rank, world, address, port, gpus, whole("lead_allocation", 1, 2**63 - 1))
+        lead = whole("lead_allocation", 1, 2**63 - 1)
+        peers = gang.get("peers", [])
+        if (
+            not isinstance(peers, list)
+            or len(peers) > world
+            or not all(isinstance(p, str) and _is_ipv4(p) for p in peers)
+        ):
+            raise malformed(f"gang.peers must be at most {world} IPv4 addresses")
+        return cls(rank, world, address, port, gpus, lead, tuple(peers))
 
     def variables(self) -> dict[str, str]:
         values = (
@@ -141,6 +150,7 @@ class JobRequest:
     image: str | None = None
     tenant_id: int | None = None  # whose job: its checkpoint directory and group
     gang: GangPlace | None = None  # a gang member: its torch.distributed rendezvous
+    job_address: str | None = None  # its address on the node's job network (job_network.py)
 
     @property
     def notice_file(self) -> Path:
@@ -318,3 +328,13 @@ def last_line(runner: Runner, handle: JobHandle) -> str | None:
             "allocation %s: its output could not be read", handle.request.allocation_id
         )
         return None
+
+
+def _is_ipv4(text: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.IPv4Address(text)
+    except ValueError:
+        return False
+    return True

@@ -72,6 +72,7 @@ def heartbeat(node_id: Id, data: schemas.Heartbeat, caller_node: CurrentNode, db
                 address=data.address,
                 runner=data.runner,
                 default_image=data.default_image,
+                job_subnet=data.job_subnet,
                 now=now(),
             )
         )
@@ -130,6 +131,7 @@ def node_allocations(node_id: Id, caller_node: CurrentNode, db: Db, request: Req
                 or _warms_up(a, bids[a.bid_id], settings, moved_by.get(a.bid_id))
                 else None,
                 checkpoint_key=f"bid-{a.bid_id}",
+                job_address=a.job_address,
                 gang=places.get(a.id),
             )
             for a in allocations

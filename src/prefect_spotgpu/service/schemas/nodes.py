@@ -16,6 +16,7 @@ from prefect_spotgpu.protocol import (
     NODE_ADDRESS_PATTERN,
     REPORT_DETAIL_CHARS,
     Runner,
+    unfit_job_subnet,
     unfit_node_address,
 )
 from prefect_spotgpu.service.schemas.fields import (
@@ -51,6 +52,28 @@ def _fit_node_address(address: str) -> str:
     return address
 
 
+def _fit_job_subnet(subnet: str) -> str:
+    if why := unfit_job_subnet(subnet):
+        raise ValueError(f"{subnet!r} is {why}")
+    return subnet
+
+
+JobSubnet = Annotated[
+    str,
+    Field(
+        min_length=9,
+        max_length=18,
+        pattern=r"^[0-9./]+$",
+        examples=["10.88.3.0/24"],
+        description="A Docker node's job network: a private IPv4 subnet, /16 to /24, that the "
+        "operator routes to this node from the other GPU hosts. Its containers get addresses "
+        "there and a gang's members reach each other there (None: Docker's default bridge, "
+        "and no gang member runs here).",
+    ),
+    AfterValidator(_fit_job_subnet),
+]
+
+
 class RunnerTerms(Strict):
     """How a node's agent runs jobs (``market.Runner``), as it says when it registers and with
     every heartbeat (None: not said; at registration, a node that serves any bid)."""
@@ -63,11 +86,13 @@ class RunnerTerms(Strict):
     default_image: ImageReference | None = Field(
         None, description="A Docker node's image for bids without one (runner docker only)."
     )
+    job_subnet: JobSubnet | None = None
 
     @model_validator(mode="after")
     def _default_image_is_a_docker_nodes(self) -> RunnerTerms:
-        if self.default_image is not None and self.runner != Runner.DOCKER:
-            raise ValueError("default_image needs runner 'docker': a process node runs no image")
+        for name in ("default_image", "job_subnet"):
+            if getattr(self, name) is not None and self.runner != Runner.DOCKER:
+                raise ValueError(f"{name} needs runner 'docker': a process node runs no image")
         return self
 
 
