@@ -289,6 +289,64 @@ def flow_image() -> str:
         return name
 
 
+TORCH_REPOSITORY = "spotgpu-test-torch"
+TORCH_FLOW_REPOSITORY = "spotgpu-test-torch-flow"
+
+
+def torch_image() -> str:
+    """``python_image()`` with this host's CPU torch (its wheel and its dependencies' wheels,
+    from this host's pip sources: the catalogue's PyTorch images, without CUDA)."""
+    from importlib.metadata import version
+
+    base = python_image()
+    name = f"{TORCH_REPOSITORY}:{version('torch').replace('+', '-')}"
+    if _has_image(name):
+        return name
+    with tempfile.TemporaryDirectory(prefix="spotgpu-torch-image-") as context:
+        began = time.monotonic()
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--only-binary", ":all:",
+             "-d", f"{context}/wheels", f"torch=={version('torch')}"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        return _build(
+            name,
+            context,
+            f"FROM {base}\nCOPY wheels /tmp/wheels\n"
+            "RUN pip install -q --no-cache-dir --no-index --find-links /tmp/wheels torch"
+            " && rm -r /tmp/wheels\n",
+            "torch_image_seconds",
+            began,
+        )
+
+
+def torch_flow_image() -> str:
+    """A job image of the repository's recipes (``flows/``, at ``FLOWS``) on ``torch_image()``,
+    made by ``docker/job.Dockerfile`` as a user makes theirs."""
+    base = torch_image()
+    recipe = ROOT / "docker" / "job.Dockerfile"
+    flows = sorted((ROOT / "flows").glob("*.py"))
+    with tempfile.TemporaryDirectory(prefix="spotgpu-torch-flow-image-") as context:
+        began = time.monotonic()
+        wheel = _wheel(str(Path(context) / "dist"))
+        (Path(context) / "flows").mkdir()
+        for flow in flows:
+            shutil.copy(flow, Path(context) / "flows")
+        digest = hashlib.sha256(
+            _held(wheel) + b"".join(f.read_bytes() for f in flows) + recipe.read_bytes()
+            + base.encode()
+        ).hexdigest()[:12]  # fmt: skip
+        name = f"{TORCH_FLOW_REPOSITORY}:{digest}"
+        if _has_image(name):
+            return name
+        shutil.copy(recipe, Path(context) / "Dockerfile")
+        env = {**os.environ, "DOCKER_BUILDKIT": "0"}
+        _docker("build", "-q", "--build-arg", f"BASE={base}", "-t", name, context, env=env)
+        TIMINGS["torch_flow_image_seconds"] = round(time.monotonic() - began, 1)
+        _drop_other_tags(name)
+        return name
+
+
 WHEELHOUSE_HOME = Path(tempfile.gettempdir()) / "spotgpu-test-wheelhouse"
 """The dependencies' wheels, kept from one session to the next in a folder per key (the
 project's dependencies, the pip constraints of this host and this Python)."""

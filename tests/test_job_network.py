@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -260,3 +261,11 @@ def test_a_network_of_that_name_with_another_subnet_is_named_not_reused():
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-s"]))
+
+
+def test_the_operators_page_names_the_network_and_bridge_a_subnet_gets():
+    page = (Path(__file__).parent.parent / "docs/operators/gpu-hosts.md").read_text()
+    network = JobNetwork("10.88.7.0/24", run=lambda *a, **k: None)
+    assert f"`{network.name}`" in page and f"`{network.bridge}`" in page
+    for chain in (FILTER_CHAIN, INPUT_CHAIN):
+        assert f"`{chain}`" in page

@@ -563,6 +563,30 @@ def test_a_gang_in_containers_meets_at_its_members_job_addresses(service):
         assert gang["peers"] == addresses
 
 
+def test_a_gang_across_a_process_node_and_a_job_network_admits_the_process_nodes_address(
+    service,
+):
+    """A gang without an image may run on a process node and on a Docker node with a default
+    image and a job network: the container's peers then name the process node's address (its
+    rank connects from there), so its firewall admits it."""
+    alice, owner = service.tenant(credit=100), service.tenant()
+    proc, proc_agent = node(service, owner, address="192.168.0.9", runner="process")
+    terms = {"runner": "docker", "default_image": "pytorch/pytorch:2", "job_subnet": "10.88.3.0/24"}
+    dock, dock_agent = node(service, owner, address="192.168.0.10", **terms)
+    b = gang_bid(alice, job={"command": ["true"]})
+    members = {a["node_id"]: a for a in gang_allocations(alice, b["id"])}
+
+    def seen(made, agent) -> dict:
+        listed = agent.get(f"/nodes/{made['id']}/allocations").json()
+        return next(x for x in listed if x["id"] == members[made["id"]]["id"])
+
+    container, process = seen(dock, dock_agent), seen(proc, proc_agent)
+    assert container["job_address"] == "10.88.3.2" and process["job_address"] is None
+    ranks = {container["gang"]["rank"]: "10.88.3.2", process["gang"]["rank"]: "192.168.0.9"}
+    assert container["gang"]["peers"] == [ranks[0], ranks[1]]
+    assert container["gang"]["master_addr"] == ranks[0] == process["gang"]["master_addr"]
+
+
 @pytest.mark.parametrize(
     ("terms", "said"),
     [

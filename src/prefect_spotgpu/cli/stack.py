@@ -122,18 +122,23 @@ class LocalStack:
                 raise StackError(f"{name} not ready after {timeout:.0f} s:\n{self.log(name)}")
             time.sleep(0.1)
 
-    def start_prefect_server(self, host: str = "127.0.0.1", database_url: str | None = None) -> str:
+    def start_prefect_server(
+        self, host: str = "127.0.0.1", database_url: str | None = None, netns: str | None = None
+    ) -> str:
         """``prefect server start`` with its own SQLite database under ``home`` (or the
         PostgreSQL database at ``database_url``, ``postgresql+asyncpg://...``: a wide
         fan-out's), for a stack made without a ``prefect_api_url``; returns (and uses from
         now on) its API URL.
 
         ``host``: the address it listens on and is reached at (e.g. the Docker bridge's
-        gateway, for flow runs in containers)."""
+        gateway, for flow runs in containers); ``netns``: a network namespace it runs in (a
+        machine other than the GPU hosts, whose containers reach none of their host's
+        services on a job network)."""
         port = free_port()
         self._spawn(
             "prefect-server",
             [
+                *(("ip", "netns", "exec", netns) if netns else ()),
                 *(sys.executable, "-m", "prefect", "server", "start"),
                 *("--host", host, "--port", str(port)),
             ],
@@ -204,6 +209,7 @@ class LocalStack:
         reserve_price: float = 0.9,
         capacity: str = Capacity.SPOT,
         runner: str = Runner.PROCESS,
+        job_subnet: str | None = None,
     ) -> int:
         """A node agent with ``gpus`` declared GPUs (None: as many as the last agent of that
         name had, 2 for a new one: a restarted node is the node it was); returns its node id
@@ -216,7 +222,8 @@ class LocalStack:
         whose jobs use the caller's interpreter and write the caller's files — under root that
         interpreter often lives in root's home, which the per-job users cannot reach.
         ``runner="docker"``: jobs in containers of their image, as users of their own
-        (``--job-user auto``: ``home`` must then be a directory other users can traverse)."""
+        (``--job-user auto``: ``home`` must then be a directory other users can traverse);
+        ``job_subnet``: on a job network of that subnet (``--job-subnet``: gang members)."""
         gpus = self._agent_gpus.setdefault(name, 2) if gpus is None else gpus
         self._agent_gpus[name] = gpus
         price = ("--reserve-price", str(reserve_price)) if capacity == Capacity.SPOT else ()
@@ -236,6 +243,7 @@ class LocalStack:
                 *("--state-dir", str(self.home / f"agent-{name}"), "--grace-seconds", "3"),
                 *("--checkpoint-root", str(self.home / "node-checkpoints")),
                 *users,
+                *(("--job-subnet", job_subnet) if job_subnet else ()),
             ],
             env={"SPOTGPU_AGENT_TOKEN": self.owner_key},
         )  # the key in the environment, not on the command line (ps shows that)

@@ -12,6 +12,7 @@ address, a port of the gang's own). Nothing here commits; the route does.
 
 from __future__ import annotations
 
+import ipaddress
 from collections import defaultdict
 
 from sqlalchemy import func, select
@@ -185,7 +186,17 @@ def gang_places(
             "gpus_per_node": bid.gpu_count,
             "lead_allocation": lead,
         }
-        peers = [held[(m, holding)][2] for m in gang if (m, holding) in held]
-        if any(peers):  # (on job networks: ``job_network``)
-            places[alloc.id]["peers"] = [p for p in peers if p is not None]
+        members_held = [held[(m, holding)] for m in gang if (m, holding) in held]
+        if any(job for _, _, job in members_held):  # (on job networks: ``job_network``)
+            places[alloc.id]["peers"] = [  # (a member on a process node: its node's address)
+                address for _, address, _ in members_held if _is_ipv4(address)
+            ]
     return places
+
+
+def _is_ipv4(address: str | None) -> bool:
+    try:
+        ipaddress.IPv4Address(address or "")
+    except ValueError:
+        return False
+    return True
