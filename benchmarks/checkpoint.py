@@ -249,7 +249,9 @@ def dcp_figures(gib: float, ranks: int, repeat: int, where: str | None) -> dict:
                    "--nproc-per-node", str(ranks), str(Path(__file__).with_name("dcp_ranks.py")),
                    str(base), str(gib), str(repeat)]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"dcp_ranks.py failed ({done.returncode}):\n{done.stderr[-3000:]}")
         figures = json.loads(done.stdout.strip().splitlines()[-1])
     finally:
         shutil.rmtree(base, ignore_errors=True)

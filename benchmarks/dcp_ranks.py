@@ -6,7 +6,8 @@ sharded over the ranks), saved side by side, alternating, ``REPEAT`` times (medi
 - raw: each rank writes its own shards' bytes with large sequential writes and fsyncs (the
   ceiling for this sharded state);
 - ours: ``dcp.save`` with ``SpotStorageWriter`` onto ``LocalStorage`` (checksums, the rank's
-  manifest, atomic renames, fsyncs, then the commit);
+  manifest, atomic renames, fsyncs, then the commit); ours_signed the same, signed (BLAKE3
+  leaves and an HMAC'd manifest: what a run under the spot-gpu worker writes);
 - dcp_filesystem: ``dcp.save`` with DCP's own ``FileSystemWriter`` (fsyncs on);
 - dcp_alone: ``dcp.save`` with a writer that writes nothing: DCP's own planning, gathers and
   commit round, which every DCP writer pays on top of its writes;
@@ -105,6 +106,13 @@ def ours() -> None:
     )
 
 
+def ours_signed() -> None:
+    step[0] += 1
+    storage = LocalStorage(root / "ours")
+    writer = SpotStorageWriter(storage, "bench", step[0], signing_key=b"bench-signing-key")
+    dcp.save(state, storage_writer=writer, process_group=group)
+
+
 def dcp_filesystem() -> None:
     path = root / "dcp-filesystem"
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path)), process_group=group)
@@ -157,9 +165,10 @@ def async_total() -> None:
     pending.pop().result()
 
 
-DIRS = {"raw": "raw", "ours": "ours", "dcp_filesystem": "dcp-filesystem"}
+DIRS = {"raw": "raw", "ours": "ours", "ours_signed": "ours", "dcp_filesystem": "dcp-filesystem"}
 figures: dict[str, list[float]] = {}
-actions = {"raw": raw, "ours": ours, "dcp_filesystem": dcp_filesystem, "dcp_alone": dcp_alone,
+actions = {"raw": raw, "ours": ours, "ours_signed": ours_signed,
+           "dcp_filesystem": dcp_filesystem, "dcp_alone": dcp_alone,
            "copy_floor": copy_floor}  # fmt: skip
 for _ in range(repeat):
     for name, action in actions.items():
@@ -174,8 +183,10 @@ if rank == 0:
         "ranks": world, "state_bytes": int(total_bytes.item()), "layers": layers,
         "repeat": repeat, "seconds": {k: round(v, 4) for k, v in median.items()},
         "all_seconds": {k: [round(x, 4) for x in v] for k, v in figures.items()},
-        "gb_per_s": {k: round(gb / median[k], 3) for k in ("raw", "ours", "dcp_filesystem")},
+        "gb_per_s": {k: round(gb / median[k], 3)
+                     for k in ("raw", "ours", "ours_signed", "dcp_filesystem")},
         "ours_vs_raw": round(median["raw"] / median["ours"], 3),
+        "ours_signed_vs_raw": round(median["raw"] / median["ours_signed"], 3),
         "ours_less_dcp_alone_vs_raw": round(
             median["raw"] / (median["ours"] - median["dcp_alone"]), 3
         ),

@@ -305,3 +305,50 @@ def test_the_worker_gives_each_flow_run_a_stable_signing_key(tmp_path):
     assert job_env(run, market)[SIGNING_KEY_ENV] == expected  # a resume: the same key
     assert job_env(other, market)[SIGNING_KEY_ENV] != expected
     assert SIGNING_KEY_ENV not in job_env(run, None)  # no market key: unsigned, as before
+
+
+# ---------------------------------------------------------------- formats
+
+
+@pytest.mark.parametrize(
+    ("key", "written", "older"),
+    [("", "spotgpu-checkpoint/3", "spotgpu-checkpoint/1"),
+     ("run-key", "spotgpu-checkpoint/4", "spotgpu-checkpoint/2")],
+)  # fmt: skip
+def test_saves_write_the_fast_formats_and_the_earlier_ones_still_restore(
+    tmp_path, monkeypatch, key, written, older
+):
+    """A save writes XXH3 leaves (BLAKE3 when signed); a checkpoint of an earlier version
+    (CRC32, SHA-256), or written where those libraries were missing, restores as before, and
+    a flipped byte is caught in each format."""
+    import prefect_spotgpu.checkpoint.format as fmt
+
+    ckpt = checkpointer(tmp_path, keep=9, signing_key=key)
+    ckpt.save({"w": torch.arange(6.0)}, 1)
+    manifest = json.loads((step_dir(tmp_path, 1) / "manifest.json").read_bytes())["manifest"]
+    assert manifest["format"] == written
+    leaf = manifest["tree"]["items"][0][1]
+    assert set(leaf) & set(fmt.DIGESTS.values()) == {fmt.DIGESTS[written]}
+    monkeypatch.setattr(fmt, "writing_format", lambda signed: older)  # an earlier version's
+    ckpt.save({"w": torch.arange(7.0)}, 2)
+    monkeypatch.undo()
+    assert (
+        json.loads((step_dir(tmp_path, 2) / "manifest.json").read_bytes())["manifest"]["format"]
+        == older
+    )
+    got = checkpointer(tmp_path, keep=9, signing_key=key).restore()
+    assert got.step == 2 and torch.equal(got.state["w"], torch.arange(7.0))
+    for step in (2, 1):  # each format's checksum catches a flipped byte
+        flip_a_blob_byte(tmp_path, step)
+    assert checkpointer(tmp_path, keep=9, signing_key=key).restore() is None
+
+
+def test_a_format_whose_hash_library_is_missing_fails_loudly_not_as_corrupt(monkeypatch):
+    """A reader without ``xxhash`` must not take a good checkpoint for a corrupt one (the run
+    would restart from scratch): it says what to install."""
+    import prefect_spotgpu.checkpoint.format as fmt
+
+    monkeypatch.setitem(sys.modules, "xxhash", None)
+    with pytest.raises(ImportError, match="pip install xxhash"):
+        fmt._digest("xxh3", b"abc")
+    assert fmt.writing_format(False) == fmt.FORMAT  # a save there writes CRC32 leaves

@@ -294,7 +294,7 @@ def test_a_signed_gang_on_s3_commits_restores_and_refuses_another_key(s3, tmp_pa
             "Body"
         ].read()
     )
-    assert "hmac_sha256" in gang and gang["manifest"]["format"] == "spotgpu-checkpoint/2"
+    assert "hmac_sha256" in gang and gang["manifest"]["format"] == "spotgpu-checkpoint/4"
 
     prefix = f"runs/run/rank-00000/{step_name(2)}/"
     (blob,) = [k for k in keys if k.startswith(prefix) and not k.endswith("manifest.json")]

@@ -395,7 +395,7 @@ class Checkpointer:
         """Write ``encoded`` as checkpoint ``name`` at ``step`` (checksums in a second thread,
         the manifest signed for ``name`` when we have a key) and return the manifest written;
         the step is then known verified."""
-        checksums = threading.Thread(target=encoded.fill_checksums, name="spotgpu-crc32")
+        checksums = threading.Thread(target=encoded.fill_checksums, name="spotgpu-checksums")
         checksums.start()
 
         written: list[bytes] = []
