@@ -99,7 +99,14 @@ def prefect_api_url() -> Iterator[str]:
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=180):
-        yield PREFECT_API_URL.value()
+        url = PREFECT_API_URL.value()
+        # in the environment too, as a user's shell or profile has it: child processes (the
+        # decorators' bundle uploads, the CLI) find the API there, not in this one's memory
+        os.environ["PREFECT_API_URL"] = url
+        try:
+            yield url
+        finally:
+            os.environ.pop("PREFECT_API_URL", None)
 
 
 @pytest.fixture

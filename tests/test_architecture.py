@@ -553,3 +553,31 @@ def test_nothing_reassigns_an_objects_class():
             if any(isinstance(t, ast.Attribute) and t.attr == "__class__" for t in targets):
                 found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert found == []
+
+
+ENVIRON_WRITES = {"agent/configure.py"}
+"""The one module that changes its process's environment: the agent drops its own token from
+it (``agent_token``), so that nothing it starts inherits the key."""
+
+
+def test_nothing_writes_the_environment_to_reach_another_process():
+    """A subprocess is given what it needs, not a changed ``os.environ``
+    (docs/development/code-style.md#style-15): no ``os.environ[...] = ``, ``update``,
+    ``setdefault``, ``pop``, ``putenv`` in the package but where ``ENVIRON_WRITES`` says."""
+    writes = {"update", "setdefault", "pop", "popitem", "clear", "putenv", "unsetenv"}
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            hit = False
+            if isinstance(node, ast.Assign | ast.AugAssign | ast.Delete):
+                targets = getattr(node, "targets", None) or [getattr(node, "target", None)]
+                hit = any(
+                    isinstance(t, ast.Subscript) and ast.unparse(t.value) == "os.environ"
+                    for t in targets
+                )
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                owner = ast.unparse(node.func.value)
+                hit = node.func.attr in writes and owner in ("os.environ", "os")
+            if hit:
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert {f.split(":")[0] for f in found} <= ENVIRON_WRITES, found

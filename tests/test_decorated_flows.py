@@ -74,6 +74,26 @@ def test_a_decorated_flow_is_still_a_flow_with_its_variables():
     assert type(shaped.with_options(name="other")).__name__ == "SpotGPUFlow"
 
 
+def test_an_api_set_in_memory_only_is_refused_naming_what_to_set(monkeypatch):
+    """The bundle upload is a child process: it finds the Prefect API in the environment or
+    the profile, never in this process's memory. Calling a decorated flow with an API set only
+    in memory is refused before anything is created, naming the variable (no os.environ
+    write makes it work behind the caller's back)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    @spot_gpu(work_pool="p")
+    @flow(name="in-memory")
+    def in_memory() -> int:
+        return 1
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:9/api"}):
+        for call in (in_memory, in_memory.submit, in_memory.submit_to_work_pool):
+            with pytest.raises(RuntimeError, match="set PREFECT_API_URL in the environment"):
+                call()
+    assert "PREFECT_API_URL" not in os.environ
+
+
 # ---------------------------------------------------------------- the bundle on the node
 
 

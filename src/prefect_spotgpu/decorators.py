@@ -161,7 +161,7 @@ class SpotGPUFlow(InfrastructureBoundFlow):
     async def _follow(self, parameters: dict, holder=None) -> UUID:
         """Run the flow through a spot-gpu worker in this process until the run is over (or
         the pool's worker took it over); the flow run's id."""
-        _share_prefect_settings()
+        _check_upload_sees_prefect()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # "ad-hoc submission is experimental"
             async with self.worker_cls(
@@ -191,7 +191,7 @@ class SpotGPUFlow(InfrastructureBoundFlow):
             finally:
                 holder.started.set()
 
-        _share_prefect_settings()
+        _check_upload_sees_prefect()
         context = contextvars.copy_context()  # this caller's Prefect settings, in the thread
         thread = threading.Thread(
             target=context.run, args=(follow,), name=f"spot-gpu {self.name}", daemon=True
@@ -206,7 +206,7 @@ class SpotGPUFlow(InfrastructureBoundFlow):
     def submit_to_work_pool(self, *args: Any, **kwargs: Any) -> SpotRunFuture:
         """Create the run for the pool's running worker to take (no worker in this process).
         Refused at once, saying what to start, when no worker of the pool is alive."""
-        _share_prefect_settings()
+        _check_upload_sees_prefect()
         if not run_coro_as_sync(live_workers(self.work_pool)):
             raise RuntimeError(
                 f"no worker of work pool {self.work_pool!r} is running to take the run: start "
@@ -383,17 +383,30 @@ async def live_workers(pool: str) -> list[str]:
     ]
 
 
-def _share_prefect_settings() -> None:
-    """The bundle upload runs as a child process of this one: give it this process's Prefect
-    API (a test harness or a profile may set it without the environment)."""
-    from prefect.settings import PREFECT_API_KEY, PREFECT_API_URL
+def _check_upload_sees_prefect() -> None:
+    """The bundle upload runs as a child process of this one (the pool's upload step, started
+    by Prefect with this process's environment), and finds the Prefect API as a new process
+    does: from the environment and the active profile. A caller whose API (or key) is set in
+    this process's memory alone (``temporary_settings``) would upload nowhere: refused here,
+    saying what to set, before anything is created."""
+    from prefect.settings import PREFECT_API_KEY, PREFECT_API_URL, Settings
 
-    for setting, name in (
-        (PREFECT_API_URL, "PREFECT_API_URL"),
-        (PREFECT_API_KEY, "PREFECT_API_KEY"),
+    child = Settings()  # (what a new process reads: the environment and the profile)
+    for setting, seen, name in (
+        (PREFECT_API_URL, child.api.url, "PREFECT_API_URL"),
+        (PREFECT_API_KEY, child.api.key, "PREFECT_API_KEY"),
     ):
         value = setting.value()
-        if value and name not in os.environ:
-            os.environ[name] = str(
-                value.get_secret_value() if hasattr(value, "get_secret_value") else value
+        if value and _plain(value) != _plain(seen):
+            raise RuntimeError(
+                f"this process's {name} is set in memory only (temporary_settings?), and "
+                "the flow's bundle is uploaded by a child process, which would not see it: "
+                f"set {name} in the environment or the active profile (prefect config set "
+                f"{name}=...)"
             )
+
+
+def _plain(value) -> str | None:
+    if value is None:
+        return None
+    return str(value.get_secret_value() if hasattr(value, "get_secret_value") else value)
