@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ADMIN_KEY, start_service
 from prefect_spotgpu.api_client import async_api_client
-from prefect_spotgpu.messages import BidResponse
+from prefect_spotgpu.messages import BidRequest, BidResponse
 from prefect_spotgpu.worker.bid_batch import BidBatcher, BidBatchers
 from prefect_spotgpu.worker.market_api import MarketApi, MarketError
 
@@ -29,9 +29,10 @@ def key_of(client) -> str:
     return client.headers["Authorization"].split()[1]
 
 
-def body(**more) -> dict:
-    return {"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0,
-            "idempotency_key": uuid.uuid4().hex, **more}  # fmt: skip
+def body(**more) -> BidRequest:
+    terms = {"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0,
+             "idempotency_key": uuid.uuid4().hex, **more}  # fmt: skip
+    return BidRequest(**terms)
 
 
 def place_from_threads(
@@ -78,7 +79,7 @@ def test_many_runs_bids_go_out_in_a_few_batches_each_answered_alone(market):
     placed = [a for i, a in enumerate(answers) if i != 7]
     assert all(isinstance(a, BidResponse) for a in placed), answers
     assert [a.idempotency_key for a in placed] == [
-        b["idempotency_key"] for i, b in enumerate(bodies) if i != 7
+        b.idempotency_key for i, b in enumerate(bodies) if i != 7
     ]
     assert len({a.id for a in placed}) == 39
     (batcher,) = batchers.batchers.values()  # one market connection
@@ -96,7 +97,7 @@ def test_a_balance_that_covers_some_bids_answers_each_run_alone(market):
     batcher = BidBatcher(market.base_url + "/api/v1", f"Bearer {key_of(mallory)}")
 
     async def go():
-        return await asyncio.gather(*(batcher.place(b) for b in bodies))
+        return await asyncio.gather(*(batcher.place(b.body()) for b in bodies))
 
     codes = sorted(r.status_code for r in asyncio.run(go()))
     assert codes == [201, 201, 402, 402, 402, 402], codes

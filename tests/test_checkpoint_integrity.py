@@ -293,7 +293,7 @@ def test_the_worker_gives_each_flow_run_a_stable_signing_key(tmp_path):
             market=market, checkpoint_storage=CheckpointStorage(path=str(tmp_path))
         )
         config.prepare_for_flow_run(flow_run)
-        return config.job_spec()["env"]
+        return config.job_spec().env
 
     market = SpotMarket(url="http://127.0.0.1:4300", api_key="sgk_tenant-key")
     run = FlowRun(id=uuid.uuid4(), name="quiet-otter", flow_id=uuid.uuid4())

@@ -272,7 +272,9 @@ def test_the_agent_names_the_field_a_registration_reply_lacks():
 
     client = httpx.Client(transport=httpx.MockTransport(market), base_url="http://market")
     with pytest.raises(CredentialError, match="registration does not parse as NodeCreated") as e:
-        obtain_node_token(client, "http://market", {"name": "rack-1"})
+        registration = messages.NodeRegistration(name="rack-1", gpu_model="A100-80G", region="r",
+                                                 gpu_count=1)  # fmt: skip
+        obtain_node_token(client, "http://market", registration)
     assert "\ntoken\n" in str(e.value) and "\nid\n" not in str(e.value)
 
 
@@ -383,3 +385,32 @@ def test_a_malformed_heartbeat_is_422_naming_the_field(api, body, loc):
     older than the agent refuses."""
     node, agent = api.node(api.tenant(), gpus=1)
     assert _refused_fields(agent.post(f"/nodes/{node['id']}/heartbeat", json=body)) == [loc]
+
+
+@pytest.mark.parametrize(
+    ("service_model", "shared"),
+    [
+        ("BidCreate", "BidRequest"),
+        ("JobSpec", "JobSpec"),
+        ("NodeCreate", "NodeRegistration"),
+        ("Heartbeat", "Heartbeat"),
+        ("AllocationReport", "AllocationReport"),
+    ],
+)
+def test_each_request_the_service_takes_is_the_shared_model_with_its_checks(service_model, shared):
+    """The service declares the shared request models as its own (subclasses adding its
+    checks): the same fields, so a client never sends a field the service does not know (it
+    forbids unknown ones), and the OpenAPI schema is the contract."""
+    service, client = getattr(schemas, service_model), getattr(messages, shared)
+    assert issubclass(service, client)
+    assert set(service.model_fields) == set(client.model_fields)
+    assert service.model_config.get("extra") == "forbid"
+
+
+def test_a_bid_body_holds_only_what_it_sets():
+    """``BidRequest.body()``: a field left unset is not sent (an older market, which forbids
+    unknown fields, never sees ``min_node_count`` unless the bid needs it)."""
+    job = messages.JobSpec(command=["python", "x.py"])
+    body = messages.BidRequest(gpu_model="A100-80G", gpu_count=2, max_price=1.2, job=job).body()
+    assert "min_node_count" not in body and "deadline" not in body
+    assert body["job"] == {"command": ["python", "x.py"], "env": {}}

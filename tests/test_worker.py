@@ -89,7 +89,7 @@ def test_the_job_the_worker_bids_with(tmp_path):
     )
     config.prepare_for_flow_run(flow_run)
     assert config.command == LAUNCH_COMMAND
-    spec = config.job_spec()
+    spec = config.job_spec().model_dump(exclude_none=True)  # as the bid carries it
     assert spec["command"] == ["python", "-m", "prefect_spotgpu.launch"]
     assert spec["env"]["PREFECT__FLOW_RUN_ID"] == str(flow_run.id)
     assert spec["env"]["SPOTGPU_CHECKPOINT_URL"] == str(tmp_path)
@@ -98,8 +98,8 @@ def test_the_job_the_worker_bids_with(tmp_path):
     # an explicit command and a catalog image are kept
     config = SpotGPUJobConfiguration(command="python train.py", image="pytorch")
     config.prepare_for_flow_run(flow_run)
-    assert config.job_spec()["command"] == ["python", "train.py"]
-    assert config.job_spec("pytorch/pytorch:2.5.1")["image"] == "pytorch/pytorch:2.5.1"
+    assert config.job_spec().command == ["python", "train.py"]
+    assert config.job_spec("pytorch/pytorch:2.5.1").image == "pytorch/pytorch:2.5.1"
 
 
 def test_kill_infrastructure_needs_a_bid_id():

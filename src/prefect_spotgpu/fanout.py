@@ -187,14 +187,14 @@ def cost_report(bids: list[tuple[BidResponse, list[AllocationResponse]]]) -> dic
     from prefect_spotgpu.worker.report import bid_costs
 
     costs = [bid_costs(bid, allocations) for bid, allocations in bids]
-    spot = sum(c["spot_cost"] for c in costs)
-    on_demand = sum(c["on_demand_cost"] for c in costs)
+    spot = sum(c.spot_cost for c in costs)
+    on_demand = sum(c.on_demand_cost for c in costs)
     return {
-        "gpu_hours": round(sum(c["gpu_hours"] for c in costs), 6),
+        "gpu_hours": round(sum(c.gpu_hours for c in costs), 6),
         "spot_cost": round(spot, 6),
         "on_demand_cost": round(on_demand, 6),
         "saving": round(1 - spot / on_demand, 4) if on_demand > 0 else None,
-        "preemptions": sum(c["preemptions"] for c in costs),
+        "preemptions": sum(c.preemptions for c in costs),
     }
 
 

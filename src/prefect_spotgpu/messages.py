@@ -10,9 +10,11 @@ them: ``EventsPage``), a node
 image catalogue entry (``ImageResponse``), a tenant's webhook (``WebhookConfigResponse``), a
 tenant (``TenantResponse``; as created, with its key: ``TenantCreated``), its keys
 (``KeyIssued``, ``KeysRevoked``), a ledger entry (``LedgerEntryResponse``) and a cost estimate
-(``EstimateResponse``, each region's beside it: ``RegionEstimate``). And one request both ways:
-what a node agent reports of an allocation (``AllocationReport``), which the service declares
-as its request model.
+(``EstimateResponse``, each region's beside it: ``RegionEstimate``). And the requests both
+ways, which the service declares as its request models (subclasses adding its checks, with the
+same fields: ``tests/test_messages.py``): a new bid (``BidRequest``, its job ``JobSpec``), what
+a node agent reports of an allocation (``AllocationReport``), a node's registration
+(``NodeRegistration``) and its heartbeat (``Heartbeat``).
 
 Wire compatibility: a field a newer service adds is ignored by an older client (pydantic's
 default ``extra="ignore"``), and a field a client needs that a reply lacks fails the parse
@@ -372,4 +374,75 @@ class AllocationReport(BaseModel):
 
     def body(self) -> dict:
         """The report as sent: the fields it holds."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+class JobSpec(BaseModel):
+    """What a node runs for an allocation of a bid (its ``job``): a command, in an image from
+    the market's catalogue (None: a process), with its environment and checkpoint URL."""
+
+    command: list[str]
+    env: dict[str, str] = Field(default_factory=dict)
+    image: str | None = None
+    checkpoint_url: str | None = None
+
+
+class BidRequest(BaseModel):
+    """A new bid (``POST /bids``, or an item of ``POST /bids/batch``). ``body()`` is what is
+    sent: the fields it holds, so an older market never sees a field it does not know
+    (``min_node_count``) unless the bid needs it."""
+
+    gpu_model: str
+    gpu_count: int
+    max_price: float | None = None
+    capacity: str = "spot"
+    region: str = "any"
+    idempotency_key: str | None = None
+    window_start: datetime | None = None
+    window_end: datetime | None = None
+    deadline: datetime | None = None
+    labels: dict[str, str] | None = None
+    job: JobSpec | None = None
+    node_count: int = 1
+    min_node_count: int | None = None
+
+    def body(self) -> dict:
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+class RunnerTerms(BaseModel):
+    """How a node's agent runs jobs (``protocol.Runner``), said at registration and with every
+    heartbeat: its runner, a Docker node's default image and its job network."""
+
+    runner: str | None = None
+    default_image: str | None = None
+    job_subnet: str | None = None
+
+
+class NodeRegistration(RunnerTerms):
+    """A node as its agent registers it (``POST /nodes``, with its owner's key)."""
+
+    name: str
+    gpu_model: str
+    region: str | None = None
+    gpu_count: int
+    reserve_price: float | None = None
+    capacity: str = "spot"
+    declared: bool = False
+    inventory: list[dict] | None = None
+    address: str | None = None
+
+    def body(self) -> dict:
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+class Heartbeat(RunnerTerms):
+    """A node agent's heartbeat (``POST /nodes/{id}/heartbeat``): its telemetry, the images it
+    holds (None: unchanged) and its address (None: unchanged)."""
+
+    telemetry: dict | None = None
+    images: list[str] | None = None
+    address: str | None = None
+
+    def body(self) -> dict:
         return self.model_dump(mode="json", exclude_none=True)

@@ -42,7 +42,12 @@ from prefect_spotgpu.agent.credentials import (
 )
 from prefect_spotgpu.agent.discovery import GpuInfo
 from prefect_spotgpu.agent.gpu_book import GpuBook, Verdict
-from prefect_spotgpu.agent.heartbeat import NodeImages, send_heartbeat
+from prefect_spotgpu.agent.heartbeat import (
+    TELEMETRY_GPUS,
+    NodeImages,
+    runner_terms,
+    send_heartbeat,
+)
 from prefect_spotgpu.agent.isolation import read_job_file
 from prefect_spotgpu.agent.leaving import Leaving
 from prefect_spotgpu.agent.lifecycle import Lifecycle
@@ -70,7 +75,13 @@ from prefect_spotgpu.agent.runners import JobHandle, JobRequest, Runner
 from prefect_spotgpu.agent.runners.runner import last_line
 from prefect_spotgpu.agent.start_failures import StartFailures, drain_node, report_not_started
 from prefect_spotgpu.api_client import api_client
-from prefect_spotgpu.messages import AllocationReport, Assignment, EventResponse, EventsPage
+from prefect_spotgpu.messages import (
+    AllocationReport,
+    Assignment,
+    EventResponse,
+    EventsPage,
+    NodeRegistration,
+)
 from prefect_spotgpu.protocol import (
     PULL_REPORT_SECONDS,
     Capacity,
@@ -141,16 +152,6 @@ class Agent(Lifecycle):
     def _http(self, token: str) -> httpx.Client:
         return api_client(self.market, token, timeout=60)
 
-    def _runner_terms(self) -> dict:
-        """How this node runs jobs, as the market takes it (``market.Runner``): the market
-        places a bid only where it can run as asked."""
-        terms = {"runner": self.runner.name}
-        if self.runner.default_image:
-            terms["default_image"] = self.runner.default_image
-        if network := getattr(self.runner, "job_network", None):
-            terms["job_subnet"] = str(network.subnet)
-        return terms
-
     def register(self) -> None:
         """Find this node's token (given, or kept in ``node.json``), or obtain one with the
         owner's key; check it against the market and this host's GPUs
@@ -160,18 +161,18 @@ class Agent(Lifecycle):
                 market=self.market,
                 key=self.token,
                 state_dir=self.state_dir,
-                registration={
-                    "name": self.name,
-                    "gpu_model": self.gpus[0].model,
-                    "region": self.region,
-                    "gpu_count": len(self.gpus),
-                    "reserve_price": self.reserve_price,
-                    "capacity": self.capacity,
-                    "declared": self.declared,
-                    "inventory": [g.to_json() for g in self.gpus],
-                    "address": self.address,
-                    **self._runner_terms(),
-                },
+                registration=NodeRegistration(
+                    name=self.name,
+                    gpu_model=self.gpus[0].model,
+                    region=self.region,
+                    gpu_count=len(self.gpus),
+                    reserve_price=self.reserve_price,
+                    capacity=self.capacity,
+                    declared=self.declared,
+                    inventory=[g.to_json() for g in self.gpus],
+                    address=self.address,
+                    **runner_terms(self.runner).model_dump(),
+                ),
                 http=self._http,
             )
         except CredentialError as exc:
@@ -244,14 +245,14 @@ class Agent(Lifecycle):
         telemetry = {"jobs": len(self.jobs), "declared": self.declared}
         if self.telemetry is not None:
             with contextlib.suppress(Exception):
-                telemetry["gpus"] = self.telemetry()
+                telemetry[TELEMETRY_GPUS] = self.telemetry()
         response = send_heartbeat(
             self.client,
             self.node_id,
             telemetry=telemetry,
             images=self.images,
             address=self.address,
-            runner=self._runner_terms(),
+            runner=runner_terms(self.runner),
         )
         if response.status_code != 200:
             logger.warning("heartbeat refused: %s %s", response.status_code, response.text[:200])

@@ -31,7 +31,7 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from prefect_spotgpu.messages import NodeCreated, NodeResponse, NodeToken
+from prefect_spotgpu.messages import NodeCreated, NodeRegistration, NodeResponse, NodeToken
 from prefect_spotgpu.protocol import Capacity
 
 NODE_FILE = "node.json"
@@ -87,25 +87,27 @@ def save_cursor(state_dir: Path, market: str, node_id: int, cursor: int) -> None
     _write_private(state_dir / CURSOR_FILE, json.dumps(payload))
 
 
-def obtain_node_token(client: httpx.Client, market: str, registration: dict) -> NodeRecord:
+def obtain_node_token(
+    client: httpx.Client, market: str, registration: NodeRegistration
+) -> NodeRecord:
     """Register this host with the owner's ``client``, or, if the owner already has a node of
     that name, issue that node a new token (the old one stops working)."""
-    response = client.post("/nodes", json=registration)
+    response = client.post("/nodes", json=registration.body())
     if response.status_code == 201:
         created = _parse(NodeCreated, response.json(), "registration")
         return NodeRecord(market, created.id, created.token)
     if response.status_code != 409:
         raise CredentialError(
-            f"registering node {registration['name']!r} failed: "
+            f"registering node {registration.name!r} failed: "
             f"{response.status_code} {response.text[:300]}"
         )
     listed = client.get("/nodes")
     if listed.status_code != 200:
         raise CredentialError(f"listing your nodes failed: {listed.status_code}")
     nodes = [_parse(NodeResponse, n, "list of nodes") for n in listed.json()]
-    named = [n for n in nodes if n.name == registration["name"]]
+    named = [n for n in nodes if n.name == registration.name]
     if not named:
-        raise CredentialError(f"node {registration['name']!r}: {response.text[:300]}")
+        raise CredentialError(f"node {registration.name!r}: {response.text[:300]}")
     node_id = named[0].id
     issued = client.post(f"/nodes/{node_id}/token")
     if issued.status_code not in (200, 201):
@@ -120,7 +122,7 @@ def register_node(
     market: str,
     key: str | None,
     state_dir: Path,
-    registration: dict,
+    registration: NodeRegistration,
     http: Callable[[str], httpx.Client],
 ) -> tuple[str, NodeResponse]:
     """The node's token and the market's record of the node (``GET /nodes/me``).
@@ -146,10 +148,10 @@ def register_node(
     if me.status_code != 200:
         raise CredentialError(f"the market refused this node's token: {me.status_code} {me.text}")
     node = _parse(NodeResponse, me.json(), "node record")
-    if (node.gpu_count, node.gpu_model) != (registration["gpu_count"], registration["gpu_model"]):
+    if (node.gpu_count, node.gpu_model) != (registration.gpu_count, registration.gpu_model):
         raise CredentialError(
             f"node {node.id} sells {node.gpu_count} x {node.gpu_model}, this host "
-            f"has {registration['gpu_count']} x {registration['gpu_model']}"
+            f"has {registration.gpu_count} x {registration.gpu_model}"
         )
     return token, node
 
@@ -175,10 +177,10 @@ def _register_with(
     owner_key: str,
     market: str,
     state_dir: Path,
-    registration: dict,
+    registration: NodeRegistration,
 ) -> str:
-    spot = registration["capacity"] == Capacity.SPOT
-    if not registration["region"] or (spot and not registration["reserve_price"]):
+    spot = registration.capacity == Capacity.SPOT
+    if not registration.region or (spot and not registration.reserve_price):
         raise CredentialError(
             "registering a spot node needs --region and --reserve-price "
             "(an on-demand node needs --region)"

@@ -18,7 +18,12 @@ from collections.abc import Callable
 
 import httpx
 
+from prefect_spotgpu.messages import Heartbeat, RunnerTerms
+
 logger = logging.getLogger("prefect_spotgpu.agent")
+TELEMETRY_GPUS = "gpus"
+"""The key of a heartbeat's telemetry that holds each GPU's figures (an older market may
+refuse them: the heartbeat goes again without)."""
 
 REFRESH_SECONDS = 60.0
 
@@ -64,6 +69,17 @@ class NodeImages:
         self._accepted = images
 
 
+def runner_terms(runner) -> RunnerTerms:
+    """How a node runs jobs, as the market takes it (``market.Runner``): the market places a
+    bid only where it can run as asked, a gang member only where its peers reach it."""
+    network = getattr(runner, "job_network", None)
+    return RunnerTerms(
+        runner=runner.name,
+        default_image=getattr(runner, "default_image", None) or None,
+        job_subnet=None if network is None else str(network.subnet),
+    )
+
+
 def send_heartbeat(
     client: httpx.Client,
     node_id: int,
@@ -71,30 +87,25 @@ def send_heartbeat(
     telemetry: dict,
     images: NodeImages,
     address: str | None = None,
-    runner: dict | None = None,
+    runner: RunnerTerms | None = None,
 ) -> httpx.Response:
     """One heartbeat: ``telemetry``, the node's advertised ``address`` (where a gang's other
-    ranks reach its rank 0), and the node's images when they changed; the market's answer
-    (after one more try without what it refused)."""
-    body: dict = {"telemetry": telemetry, **(runner or {})}  # how it runs jobs, every time
-    if address is not None:
-        body["address"] = address
+    ranks reach its rank 0), how it runs jobs (``runner``, every time) and the node's images
+    when they changed; the market's answer (after one more try without what it refused)."""
     listed = images.to_send()
-    if listed is not None:
-        body["images"] = listed
+    terms = (runner or RunnerTerms()).model_dump()
+    beat = Heartbeat(telemetry=telemetry, images=listed, address=address, **terms)
     path = f"/nodes/{node_id}/heartbeat"
-    response = client.post(path, json=body)
-    terms = {"runner", "default_image", "job_subnet"}
-    refused = _refused_fields(response) & ({"telemetry", "images"} | terms)
-    if "telemetry" in refused and "gpus" in telemetry:
-        body["telemetry"] = {k: v for k, v in telemetry.items() if k != "gpus"}
-    if "images" in refused:
-        del body["images"]
-    for field in refused & terms:  # (a market older than this agent)
-        body.pop(field, None)
-    if refused:
+    response = client.post(path, json=beat.body())
+    said = set(RunnerTerms.model_fields)
+    refused = _refused_fields(response) & ({"telemetry", "images"} | said)
+    if refused:  # (a market older than this agent): sent again without
+        without: dict = dict.fromkeys(refused & (said | {"images"}))
+        if "telemetry" in refused:
+            without["telemetry"] = {k: v for k, v in telemetry.items() if k != TELEMETRY_GPUS}
+        beat = beat.model_copy(update=without)
         logger.warning("heartbeat: %s refused (%s); sent without", refused, response.text[:200])
-        response = client.post(path, json=body)
+        response = client.post(path, json=beat.body())
     if listed is not None and (response.status_code == 200 or "images" in refused):
         images.accepted(listed)  # (refused: not offered again until it changes)
     return response

@@ -319,12 +319,12 @@ def _cost(allocations: list[AllocationResponse], bid: BidResponse) -> dict:
 
     c = bid_costs(bid, allocations)
     return {
-        "gpu_seconds": round(c["gpu_hours"] * 3600, 1),
-        "spot_cost": round(c["spot_cost"], 6),
-        "on_demand_cost": round(c["on_demand_cost"], 6),
-        "saving": None if c["saving"] is None else round(c["saving"], 3),
-        "preemptions": c["preemptions"],
-        "final_saves_ok": c["final_saves_ok"],
+        "gpu_seconds": round(c.gpu_hours * 3600, 1),
+        "spot_cost": round(c.spot_cost, 6),
+        "on_demand_cost": round(c.on_demand_cost, 6),
+        "saving": None if c.saving is None else round(c.saving, 3),
+        "preemptions": c.preemptions,
+        "final_saves_ok": c.final_saves_ok,
     }
 
 

@@ -25,7 +25,7 @@ from prefect_spotgpu.economics.policies import get_policy
 from prefect_spotgpu.economics.schedules import aware, zone
 from prefect_spotgpu.market import DEFAULT_CATALOG
 from prefect_spotgpu.market.checks import MAX_GANG_NODES, check_node_count
-from prefect_spotgpu.messages import ImageResponse
+from prefect_spotgpu.messages import ImageResponse, JobSpec
 from prefect_spotgpu.protocol import (
     IMAGE_BUILD_COMMAND,
     IMAGE_REFERENCE_PATTERN,
@@ -337,18 +337,16 @@ class SpotGPUJobConfiguration(BaseJobConfiguration):
             extra[JOB_ENV.CHECKPOINT_SIGNING_KEY] = checkpoint_signing_key(api_key, flow_run.id)
         self.env = {**extra, **self.env}
 
-    def job_spec(self, image: str | None = None) -> dict:
-        """The bid's job, as the market's ``JobSpec``: what the node's agent runs (``image``:
-        the reference :meth:`catalogue_image` found; None, a process)."""
-        spec: dict = {
-            "command": shlex.split(self.command or LAUNCH_COMMAND),
-            "env": {k: str(v) for k, v in self.env.items() if v is not None},
-        }
-        if image:
-            spec["image"] = image
-        if self.checkpoint_storage is not None:
-            spec["checkpoint_url"] = self.checkpoint_storage.url()
-        return spec
+    def job_spec(self, image: str | None = None) -> JobSpec:
+        """The bid's job: what the node's agent runs (``image``: the reference
+        :meth:`catalogue_image` found; None, a process)."""
+        storage = self.checkpoint_storage
+        return JobSpec(
+            command=shlex.split(self.command or LAUNCH_COMMAND),
+            env={k: str(v) for k, v in self.env.items() if v is not None},
+            image=image or None,
+            checkpoint_url=None if storage is None else storage.url(),
+        )
 
 
 def checkpoint_signing_key(api_key: str, flow_run_id) -> str:

@@ -17,6 +17,7 @@ import httpx
 
 from prefect_spotgpu.messages import (
     AllocationResponse,
+    BidRequest,
     BidResponse,
     EventsPage,
     ImageResponse,
@@ -141,13 +142,13 @@ class MarketApi:
         listed = checked(await self.http.get("/images"), "read the image catalogue")
         return [ImageResponse.model_validate(i) for i in listed]
 
-    async def place(self, body: dict) -> BidResponse:
+    async def place(self, bid: BidRequest) -> BidResponse:
         """Place a bid: in one ``/bids/batch`` with the worker's other new bids
         (``bid_batch``), answered for this bid alone."""
         if self.batchers is None:
-            answer = await self.http.post("/bids", json=body)
+            answer = await self.http.post("/bids", json=bid.body())
         else:
-            answer = await self.batchers.for_client(self.http).place(body)
+            answer = await self.batchers.for_client(self.http).place(bid.body())
         placed = checked(answer, "place the bid")
         return BidResponse.model_validate(placed)
 

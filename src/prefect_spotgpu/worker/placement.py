@@ -16,7 +16,7 @@ from typing import Any, Protocol, TypeVar
 
 from prefect_spotgpu.economics.deadline import PaceMode
 from prefect_spotgpu.economics.schedules import cheap_window
-from prefect_spotgpu.messages import AllocationResponse, BidResponse
+from prefect_spotgpu.messages import AllocationResponse, BidRequest, BidResponse
 from prefect_spotgpu.protocol import LABELS, Capacity, WorkerEvent
 from prefect_spotgpu.worker.config import SpotGPUJobConfiguration
 from prefect_spotgpu.worker.market_api import MarketApi
@@ -79,8 +79,8 @@ class Placement:
             await self.market.set_webhook(configuration.notice_webhook)
         body = self.bid_body(course, await self.image())
         if replaces is not None:  # (its own key: a run may go back to a capacity it left)
-            body["labels"][LABELS.REPLACES] = str(replaces.id)
-            body["idempotency_key"] += f"-after-{replaces.id}"
+            body.labels[LABELS.REPLACES] = str(replaces.id)
+            body.idempotency_key += f"-after-{replaces.id}"
         bid = await self.run.retry("place the bid", lambda: self.market.place(body))
         await self.run.label({LABELS.BID: str(bid.id)})
         why = f" ({course.describe()})" if course else ""
@@ -144,36 +144,34 @@ class Placement:
         )
         return await self.market.reprice(bid.id, RELEASE_PRICE, "release the GPUs")
 
-    def bid_body(self, course: Plan | None = None, image: str | None = None) -> dict:
+    def bid_body(self, course: Plan | None = None, image: str | None = None) -> BidRequest:
         """The ``POST /bids`` body: the run's GPUs (``node_count`` nodes of ``gpu_count``),
         price, job (in ``image``: a reference from the catalogue) and labels; its idempotency
         key names the run's attempt (and the capacity or cheap window it bids for)."""
         configuration, flow_run = self.configuration, self.run.flow_run
         on_demand = course is not None and course.mode == PaceMode.ON_DEMAND
-        body: dict[str, Any] = {
-            "gpu_model": configuration.gpu_model,
-            "gpu_count": configuration.gpu_count,
-            "node_count": configuration.node_count,
-            "max_price": course.price if course is not None else configuration.max_price,
-            "region": configuration.region,
-            "idempotency_key": f"prefect-flow-run-{flow_run.id}-{flow_run.run_count}",
-            "labels": {
+        body = BidRequest(
+            gpu_model=configuration.gpu_model,
+            gpu_count=configuration.gpu_count,
+            node_count=configuration.node_count,
+            min_node_count=configuration.min_node_count,  # (sent only when set: body())
+            max_price=course.price if course is not None else configuration.max_price,
+            region=configuration.region,
+            idempotency_key=f"prefect-flow-run-{flow_run.id}-{flow_run.run_count}",
+            labels={
                 LABELS.FLOW_RUN: str(flow_run.id),
                 LABELS.FLOW_RUN_NAME: flow_run.name,
                 LABELS.POOL: self.pool_name,
             },
-            "job": configuration.job_spec(image),
-        }
-        if configuration.min_node_count is not None:  # (only then: an older market forbids it)
-            body["min_node_count"] = configuration.min_node_count
-        finish_by = configuration.finish_by(flow_run)
-        if finish_by is not None:
-            body["deadline"] = finish_by.isoformat()
+            job=configuration.job_spec(image),
+            deadline=configuration.finish_by(flow_run),
+        )
         if on_demand:  # the deadline beats the cheap window
-            body["capacity"] = Capacity.ON_DEMAND.value
-            body["idempotency_key"] += "-on-demand"
+            body.capacity = Capacity.ON_DEMAND.value
+            body.idempotency_key += "-on-demand"
         elif configuration.cheap_window_only:
-            start, end = cheap_window(datetime.now(UTC), configuration.timezone)
-            body["window_start"], body["window_end"] = start.isoformat(), end.isoformat()
-            body["idempotency_key"] += f"-window-{int(start.timestamp())}"
+            body.window_start, body.window_end = cheap_window(
+                datetime.now(UTC), configuration.timezone
+            )
+            body.idempotency_key += f"-window-{int(body.window_start.timestamp())}"
         return body

@@ -7,6 +7,7 @@ rules (``reactions.py``) and placement (``placement.py``) use the words.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from prefect_spotgpu.market import DEFAULT_CATALOG
@@ -14,7 +15,21 @@ from prefect_spotgpu.messages import AllocationResponse, BidResponse, QuoteRespo
 from prefect_spotgpu.protocol import AllocationStatus, Capacity
 
 
-def bid_costs(bid: BidResponse, allocations: list[AllocationResponse]) -> dict:
+@dataclass(frozen=True, slots=True)
+class BidCosts:
+    """What a bid cost against the same GPU-hours on demand (money in the market's units)."""
+
+    gpu_hours: float
+    spot_cost: float
+    on_demand_cost: float
+    on_demand_price: float
+    saving: float | None  # 1 - spot / on demand (None: nothing ran)
+    preemptions: int
+    final_saves_ok: int
+    work_lost_seconds: float  # since the last checkpoint, of preemptions without a final save
+
+
+def bid_costs(bid: BidResponse, allocations: list[AllocationResponse]) -> BidCosts:
     """A bid's spot cost against the same GPU-hours on-demand, its preemptions, final saves
     and the work lost (seconds since the last checkpoint of preemptions without a final save).
     """
@@ -28,16 +43,16 @@ def bid_costs(bid: BidResponse, allocations: list[AllocationResponse]) -> dict:
         if a.final_save != "ok" and a.ended_at is not None
     )
     on_demand = gpu_hours * on_demand_price
-    return {
-        "gpu_hours": gpu_hours,
-        "spot_cost": spot,
-        "on_demand_cost": on_demand,
-        "on_demand_price": on_demand_price,
-        "saving": 1 - spot / on_demand if on_demand > 0 else None,
-        "preemptions": len(preempted),
-        "final_saves_ok": sum(a.final_save == "ok" for a in allocations),
-        "work_lost_seconds": lost,
-    }
+    return BidCosts(
+        gpu_hours=gpu_hours,
+        spot_cost=spot,
+        on_demand_cost=on_demand,
+        on_demand_price=on_demand_price,
+        saving=1 - spot / on_demand if on_demand > 0 else None,
+        preemptions=len(preempted),
+        final_saves_ok=sum(a.final_save == "ok" for a in allocations),
+        work_lost_seconds=lost,
+    )
 
 
 def _bids(allocations: list[AllocationResponse], bid: BidResponse) -> str:
@@ -73,7 +88,7 @@ def allocation_report(
             }
         )
     c = bid_costs(bid, allocations)
-    saving = "n/a" if c["saving"] is None else f"{c['saving']:.0%}"
+    saving = "n/a" if c.saving is None else f"{c.saving:.0%}"
     summary = "\n".join(
         [
             f"### GPU cost of {_bids(allocations, bid)}",
@@ -81,12 +96,12 @@ def allocation_report(
             "| | |",
             "|---|---|",
             f"| GPUs | {describe(bid)} |",
-            f"| GPU-hours | {c['gpu_hours']:.4f} |",
-            f"| Cost paid | {c['spot_cost']:.6f} |",
-            f"| On-demand cost | {c['on_demand_cost']:.6f} (at {c['on_demand_price']:.2f}/GPU-h) |",
+            f"| GPU-hours | {c.gpu_hours:.4f} |",
+            f"| Cost paid | {c.spot_cost:.6f} |",
+            f"| On-demand cost | {c.on_demand_cost:.6f} (at {c.on_demand_price:.2f}/GPU-h) |",
             f"| Saving | {saving} |",
-            f"| Preemptions | {c['preemptions']} |",
-            f"| Work lost | {c['work_lost_seconds']:.1f} s (preemptions without a final save) |",
+            f"| Preemptions | {c.preemptions} |",
+            f"| Work lost | {c.work_lost_seconds:.1f} s (preemptions without a final save) |",
         ]
     )
     return rows, summary

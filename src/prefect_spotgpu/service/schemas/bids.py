@@ -8,6 +8,7 @@ from typing import Annotated
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from prefect_spotgpu import messages
 from prefect_spotgpu.market.checks import MAX_GANG_NODES
 from prefect_spotgpu.messages import BidBatchResponse as BidBatchResponse
 from prefect_spotgpu.messages import BidResponse as BidResponse
@@ -26,8 +27,9 @@ from prefect_spotgpu.service.schemas.fields import (
 from prefect_spotgpu.service.schemas.images import ImageReference
 
 
-class JobSpec(Strict):
-    """What the node agent runs for an allocation: a command, or an image with a command."""
+class JobSpec(Strict, messages.JobSpec):
+    """What the node agent runs for an allocation: a command, or an image with a command
+    (``messages.JobSpec``, with the service's checks)."""
 
     command: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(
         min_length=1, max_length=256, examples=[["python", "-m", "prefect.engine"]]
@@ -80,7 +82,9 @@ NodeCount = Annotated[
 ]
 
 
-class BidCreate(Strict):
+class BidCreate(Strict, messages.BidRequest):
+    """A new bid (``messages.BidRequest``, with the service's checks)."""
+
     gpu_model: GpuModelName
     gpu_count: GpuCount
     max_price: Price | None = Field(

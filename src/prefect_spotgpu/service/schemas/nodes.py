@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
+from prefect_spotgpu import messages
 from prefect_spotgpu.market import MAX_GPUS_PER_NODE
 from prefect_spotgpu.messages import NodeCreated as NodeCreated
 from prefect_spotgpu.messages import NodeResponse as NodeResponse
@@ -74,7 +75,7 @@ JobSubnet = Annotated[
 ]
 
 
-class RunnerTerms(Strict):
+class RunnerTerms(Strict, messages.RunnerTerms):
     """How a node's agent runs jobs (``market.Runner``), as it says when it registers and with
     every heartbeat (None: not said; at registration, a node that serves any bid)."""
 
@@ -96,7 +97,7 @@ class RunnerTerms(Strict):
         return self
 
 
-class NodeCreate(RunnerTerms):
+class NodeCreate(RunnerTerms, messages.NodeRegistration):
     name: Name
     gpu_model: GpuModelName
     region: NodeRegion
@@ -146,7 +147,7 @@ def node_response(node) -> NodeResponse:
     return NodeResponse.model_validate(node, from_attributes=True)
 
 
-class Heartbeat(RunnerTerms):
+class Heartbeat(RunnerTerms, messages.Heartbeat):
     telemetry: Telemetry | None = None
     images: list[ImageReference] | None = Field(
         None,
