@@ -220,6 +220,21 @@ class Service:
     server: uvicorn.Server
     thread: threading.Thread
     clients: list[httpx.Client] = field(default_factory=list)
+    clock: object = None  # a ManualClock, when the test drives time (``advance``)
+
+    def advance(self, seconds: float, step: float | None = None) -> None:
+        """Move the service's ``ManualClock`` on by ``seconds``, a tick every ``step`` (the
+        tick interval unless given), each tick done before the next step: what the market does
+        in that time, without waiting it. A tick that fails (SQLite busy under a loaded
+        machine) is tried again at the next step, as the ticker does on the wall clock."""
+        ticker = self.app.state.ticker
+        step = step or ticker.settings.tick_seconds
+        moved = 0.0
+        while moved < seconds - 1e-9:
+            rounds = ticker.rounds
+            self.clock.advance(min(step, seconds - moved))
+            moved += step
+            wait_for(lambda done=rounds: ticker.rounds > done, 30, "a tick at the new time", 0.002)
 
     def client(self, key: str | None = None) -> httpx.Client:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -284,8 +299,13 @@ class Service:
         self.thread.join(timeout=15)
 
 
-def start_service(db_url: str, home, port: int | None = None, **overrides) -> Service:
+def start_service(
+    db_url: str, home, port: int | None = None, clock=None, **overrides
+) -> Service:
+    """The service on a loopback port; ``clock``: a ``ManualClock`` the test drives
+    (``Service.advance``) instead of the wall clock."""
     from prefect_spotgpu.service.api import create_app
+    from prefect_spotgpu.service.clock import SYSTEM
     from prefect_spotgpu.service.settings import ServiceSettings
 
     # webhooks go to loopback receivers in tests: private destinations are allowed unless a
@@ -300,7 +320,7 @@ def start_service(db_url: str, home, port: int | None = None, **overrides) -> Se
         webhook_backoff_seconds=0.2,
         **overrides,
     )
-    app = create_app(settings)
+    app = create_app(settings, clock=clock or SYSTEM)
     port = port or free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
@@ -312,15 +332,28 @@ def start_service(db_url: str, home, port: int | None = None, **overrides) -> Se
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the service did not start")
         time.sleep(0.02)
-    service = Service(f"http://127.0.0.1:{port}", app, server, thread)
-    # wait until this replica leads the tick loop
+    service = Service(f"http://127.0.0.1:{port}", app, server, thread, clock=clock)
+    # wait until this replica leads the tick loop (on a manual clock: and its first tick is
+    # done, so that the test's first step is the next tick's)
     service.wait_for(lambda: service.client().get("/health").json()["leader"], timeout=60)
+    if clock is not None:
+        service.wait_for(lambda: app.state.ticker.rounds >= 1, timeout=60)
     return service
 
 
 @pytest.fixture
 def service(db_url, tmp_path) -> Iterator[Service]:
     svc = start_service(db_url, tmp_path / "home")
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture
+def driven(db_url, tmp_path) -> Iterator[Service]:
+    """The service on a ``ManualClock``: nothing ticks until the test ``advance``s it."""
+    from prefect_spotgpu.service.clock import ManualClock
+
+    svc = start_service(db_url, tmp_path / "home", clock=ManualClock())
     yield svc
     svc.stop()
 

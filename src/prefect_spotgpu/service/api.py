@@ -26,6 +26,7 @@ from sqlalchemy import Engine
 import prefect_spotgpu
 from prefect_spotgpu.service import credit, crud
 from prefect_spotgpu.service.at_rest import check_private_files, sqlite_file
+from prefect_spotgpu.service.clock import SYSTEM, Clock, ClockMiddleware
 from prefect_spotgpu.service.db import make_reading_sessionmaker, make_sessionmaker
 from prefect_spotgpu.service.errors import ServiceError, TooManyRequests
 from prefect_spotgpu.service.event_watch import EventWatch
@@ -148,10 +149,14 @@ def _validation_response(request: Request, exc: RequestValidationError) -> JSONR
 
 
 def create_app(
-    settings: ServiceSettings | None = None, engine: Engine | None = None, background: bool = True
+    settings: ServiceSettings | None = None,
+    engine: Engine | None = None,
+    background: bool = True,
+    clock: Clock = SYSTEM,
 ) -> FastAPI:
     """The service as an ASGI app. With ``background``, the app's lifespan runs the tick loop
-    (one leader among replicas) and the webhook sender."""
+    (one leader among replicas) and the webhook sender. ``clock``: the time its ticks and
+    routes read (``service/clock.py``; a test's ``ManualClock``)."""
     from prefect_spotgpu.service import metrics as service_metrics
     from prefect_spotgpu.service.db import check_database, make_engine, prepare_schema
 
@@ -168,7 +173,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         if background and settings.run_ticker:
-            ticker = Ticker(settings, engine, sessions, notifier, metrics)
+            ticker = Ticker(settings, engine, sessions, notifier, metrics, clock=clock)
             app.state.ticker = ticker
             sender = WebhookSender(
                 settings, sessions, metrics, reads=make_reading_sessionmaker(engine), sealer=sealer
@@ -244,6 +249,8 @@ def create_app(
         app.include_router(routes.router)
     app.include_router(service_metrics.router)
     app.include_router(dashboard.router)
+    if clock is not SYSTEM:  # (a request's time is the system's unless told otherwise)
+        app.add_middleware(ClockMiddleware, clock=clock)
     app.add_middleware(BodyLimit)  # a huge body is refused before anything reads it
     install_security_headers(app)  # outermost: on every answer, the body limit's 413 too
     check_route_table(app)

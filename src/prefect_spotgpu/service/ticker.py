@@ -32,6 +32,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from prefect_spotgpu.market import Decision, Market
 from prefect_spotgpu.service import credit, leader, ledger, outbox
 from prefect_spotgpu.service.changes import apply_change, lose_silent_nodes, read_bid_rows
+from prefect_spotgpu.service.clock import SYSTEM, Clock
 from prefect_spotgpu.service.leader import Leadership, LostLeadership
 from prefect_spotgpu.service.market_rows import load_market
 from prefect_spotgpu.service.metrics import ServiceMetrics
@@ -76,8 +77,10 @@ class Ticker:
         sessions: sessionmaker[Session],
         notifier: Notifier | None = None,
         metrics: ServiceMetrics | None = None,
+        clock: Clock = SYSTEM,
     ) -> None:
         self.settings = settings
+        self.clock = clock  # (the only time it reads: service/clock.py)
         self.engine = engine
         self.sessions = sessions
         self.notifier = notifier or Notifier()
@@ -94,6 +97,7 @@ class Ticker:
         self.last_flush = 0.0
         self.tick_seconds_last = 0.0
         self.ticks = 0
+        self.rounds = 0  # passes of the loop, a tick or not (a failed one, a follower's)
 
     # ---------------------------------------------------------------- the loop
 
@@ -105,21 +109,22 @@ class Ticker:
                     self.become_leader()
                 if self.epoch is not None:
                     self.leadership.check()
-                    self.tick(time.time())
+                    self.tick(self.clock.time())
             except LostLeadership as exc:
                 logger.warning("lost tick leadership: %s", exc)
                 self.step_down()
             except Exception:
                 logger.exception("tick failed; the market is rebuilt from the database")
                 self.market = None
-            stop.wait(max(0.0, self.settings.tick_seconds - (time.monotonic() - started)))
+            self.rounds += 1
+            self.clock.wait(stop, self.settings.tick_seconds - (time.monotonic() - started))
         self.step_down()
 
     def become_leader(self) -> None:
         with self.sessions.begin() as session:
             self.epoch = leader.take_over(session=session, holder=self.holder, now=time.time())
         self.market = None
-        self.leading_since = time.time()
+        self.leading_since = self.clock.time()
         logger.info("%s leads the tick loop (epoch %s)", self.holder, self.epoch)
 
     def step_down(self) -> None:

@@ -12,6 +12,8 @@ from typing import Annotated
 
 from fastapi import Path, Query, Request, Response
 
+from prefect_spotgpu.service.clock import request_clock
+
 API = "/api/v1"
 
 Id = Annotated[int, Path(ge=1, le=2**62, description="Numeric id.")]
@@ -32,7 +34,8 @@ RegionPath = Annotated[str, Path(max_length=63, description="Region, or any.")]
 
 
 def now() -> datetime:
-    return datetime.now(UTC)
+    """The time of the request being served, on its service's clock (``service/clock.py``)."""
+    return datetime.fromtimestamp(request_clock.get().time(), UTC)
 
 
 def next_cursor(rows: list, limit: int) -> int | None:
