@@ -236,6 +236,15 @@ class Service:
             moved += step
             wait_for(lambda done=rounds: ticker.rounds > done, 30, "a tick at the new time", 0.002)
 
+    def flushed(self) -> None:
+        """Until the tick loop has written its charges of this moment (a charge flush after
+        it): what a test reads of balances then includes everything billed so far."""
+        ticker = self.app.state.ticker
+        at = self.clock.time() if self.clock is not None else time.time()
+        if self.clock is not None:
+            self.advance(ticker.settings.charge_flush_seconds)
+        wait_for(lambda: ticker.last_flush >= at, 30, "a charge flush", 0.01)
+
     def client(self, key: str | None = None) -> httpx.Client:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         client = httpx.Client(base_url=self.base_url + "/api/v1", headers=headers, timeout=30)

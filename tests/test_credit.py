@@ -104,7 +104,7 @@ def test_forty_parallel_bids_spend_only_the_credit_there_is(market):
         ended = wait_event(mallory, f"/bids/{bid_id}/events", "preempted", timeout=20)
         assert ended["payload"]["reason"] == "notice deadline passed"  # noticed, not killed
         lowest = min(lowest, balance(mallory))
-    time.sleep(1.0)  # past a charge flush
+    market.flushed()
     lowest = min(lowest, balance(mallory))
     assert lowest >= -one_tick, (lowest, one_tick)
     assert all(a["status"] != "running" for a in mallory.get("/allocations").json())
@@ -165,7 +165,7 @@ def test_a_job_whose_credit_runs_short_is_noticed_held_and_reopened_by_a_credit(
     assert held["status"] == "held" and held["hold_reason"].startswith("out of credit")
     ended = wait_event(poor, f"/bids/{b['id']}/events", "preempted")  # its notice, paid
     assert ended["payload"]["reason"] == "notice deadline passed"
-    time.sleep(1.0)
+    market.flushed()
     assert balance(poor) >= -8 * 1.0 * TICK / 3600
     late = a_bid(poor, gpu_count=1, max_price=1.0)
     assert late.status_code == 402
