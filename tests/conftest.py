@@ -245,6 +245,15 @@ class Service:
             self.advance(ticker.settings.charge_flush_seconds)
         wait_for(lambda: ticker.last_flush >= at, 30, "a charge flush", 0.01)
 
+    def ticked(self, ticks: int = 2) -> None:
+        """Until ``ticks`` more ticks are done: what a request changed has reached the market
+        and its answer the database (a test that asserts nothing happened waits for this)."""
+        ticker = self.app.state.ticker
+        if self.clock is not None:
+            return self.advance(ticks * ticker.settings.tick_seconds)
+        done = ticker.ticks + ticks
+        wait_for(lambda: ticker.ticks >= done, 30, f"{ticks} ticks", 0.01)
+
     def client(self, key: str | None = None) -> httpx.Client:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         client = httpx.Client(base_url=self.base_url + "/api/v1", headers=headers, timeout=30)

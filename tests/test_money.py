@@ -95,7 +95,7 @@ def test_every_balance_is_credits_minus_charges_to_the_micro(service, db_url):
                 owner.patch(f"/nodes/{node['id']}", json={"reserve_price": step[1]})
             elif kind == "wait":
                 time.sleep(step[1])
-        time.sleep(0.6)  # past a charge flush (0.5 s here)
+        service.flushed()
         assert_exact_ledger(engine, service)
 
     try:

@@ -119,7 +119,7 @@ def test_a_reserved_allocation_gets_its_job_only_as_a_warm_migration_target(db_u
         assert (early["env"] == {"TOKEN": SECRET}) if warm else early is None
         assert node_jobs(agent3, third["id"]) == {}
         target = f"/allocations/{reserved['allocation_id']}"
-        time.sleep(1.2)  # ticks and a charge flush (0.5 s) go by while it warms up
+        service.flushed()  # ticks and a charge flush (0.5 s) go by while it warms up
         assert alice.get(target).json()["charged_micros"] == 0  # never billed while reserved
         notice = wait_event(agent1, f"/nodes/{first['id']}/events", "noticed")
         agent1.post(
@@ -221,7 +221,7 @@ def test_a_node_cannot_end_or_bill_another_nodes_job_and_every_report_is_audited
     assert forged.status_code == 404
     stale = agent.post(f"/allocations/{alloc}/report", json={"epoch": 7, "outcome": "finished"})
     assert stale.status_code == 409
-    time.sleep(0.5)
+    service.ticked()
     assert victim.get(f"/bids/{b['id']}").json()["status"] == "open"
     assert victim.get(f"/allocations/{alloc}").json()["status"] == "running"
     ok = agent.post(
@@ -279,7 +279,7 @@ def test_a_job_that_dies_on_its_notice_is_not_compensated_and_stops_paying_at_on
     )
     assert ended["end_reason"] == "final save failed (job)"
     assert ended["ended_at"] < ended["deadline"] - 250  # at once, not at the deadline
-    time.sleep(1.0)
+    service.flushed()
     assert alice.get(f"/allocations/{alloc}").json()["charged_amount"] == ended["charged_amount"]
     assert ledger_compensation(alice) == []
 
@@ -316,7 +316,7 @@ def test_a_job_that_ignores_its_notice_is_not_compensated(db_url, tmp_path):
             timeout=15,
         )
         assert ended["ended_at"] >= ended["deadline"] - 0.5
-        time.sleep(0.5)
+        svc.flushed()
         assert ledger_compensation(alice) == [] and ledger_compensation(carol) == []
     finally:
         svc.stop()
@@ -336,7 +336,7 @@ def test_no_compensation_for_a_bid_on_ones_own_node(service):
         json={"epoch": epoch, "outcome": "save_failed", "cause": "storage"},
     )
     service.wait_for(lambda: alice_status(mallory, alloc) == "preempted")
-    time.sleep(0.5)
+    service.flushed()
     assert ledger_compensation(mallory) == []
 
 
@@ -390,7 +390,7 @@ def test_a_lost_node_compensates_what_was_paid_never_more(db_url, tmp_path):
         mallory = svc.tenant()
         _, _, own_bid, _ = _running(svc, mallory, mallory)
         wait_event(mallory, f"/bids/{own_bid['id']}/events", "preempted", timeout=15)
-        time.sleep(0.5)
+        svc.flushed()
         assert ledger_compensation(mallory) == []
     finally:
         svc.stop()
@@ -452,7 +452,7 @@ def test_a_storage_failure_under_a_notice_the_tenant_caused_is_not_compensated(s
         json={"epoch": notice["payload"]["epoch"], "outcome": "save_failed", "cause": "storage"},
     )
     service.wait_for(lambda: alice_status(alice, alloc) == "preempted")
-    time.sleep(0.5)
+    service.flushed()
     assert ledger_compensation(alice) == []
     # and a save_failed on an allocation that has no notice changes nothing
     running = service.wait_for(
@@ -463,7 +463,7 @@ def test_a_storage_failure_under_a_notice_the_tenant_caused_is_not_compensated(s
         json={"epoch": running["epoch"], "outcome": "save_failed", "cause": "storage"},
     )
     assert refused.status_code == 200  # recorded, but the market ignores it
-    time.sleep(0.5)
+    service.ticked()
     ignored = alice.get(f"/allocations/{running['id']}").json()
     assert ignored["status"] == "running" and ignored["final_save"] is None
     assert ledger_compensation(alice) == []

@@ -668,7 +668,7 @@ def test_on_demand_capacity_is_sold_at_the_on_demand_price_and_never_to_spot_bid
     # a second on-demand buyer waits; it never evicts the first
     late = bid(alice, gpu_count=4, capacity="on_demand", max_price=3.0, region="any")
     assert late["max_price"] == 2.1  # pays the on-demand price, not its cap
-    time.sleep(1.5)
+    service.ticked(10)  # ten ticks of a market that could evict it
     later = events(bob, f"/bids/{od['id']}/events", after=placed["id"], timeout=0.2)
     assert later["events"] == []  # no notice
     quotes = {(q["region"], q["capacity"]): q for q in service.client().get("/prices").json()}

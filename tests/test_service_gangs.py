@@ -292,7 +292,7 @@ def test_a_restarted_service_rebuilds_its_gangs(db_url, tmp_path):
         running = gang_bid(alice)
         before = gang_allocations(alice, running["id"])
         waiting = gang_bid(alice, max_price=0.5)  # under the reserve: it waits
-        time.sleep(0.5)
+        svc.ticked()
         assert alice.get(f"/bids/{waiting['id']}/allocations").json() == []
         api_key = alice.headers["Authorization"].removeprefix("Bearer ")
         owner_key = owner.headers["Authorization"].removeprefix("Bearer ")
@@ -319,7 +319,7 @@ def test_a_restarted_service_rebuilds_its_gangs(db_url, tmp_path):
         agents = {n: svc.client(t) for n, t in tokens.items()}
         for n, agent in agents.items():
             assert agent.post(f"/nodes/{n}/heartbeat", json={}).status_code == 200
-        time.sleep(0.5)  # ticks of the new leader
+        svc.ticked()  # ticks of the new leader
         after = alice.get(f"/bids/{running['id']}/allocations").json()
         assert [(a["id"], a["status"], a["rank"]) for a in after] == [
             (a["id"], "running", a["rank"]) for a in before
