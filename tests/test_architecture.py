@@ -581,3 +581,21 @@ def test_nothing_writes_the_environment_to_reach_another_process():
             if hit:
                 found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert {f.split(":")[0] for f in found} <= ENVIRON_WRITES, found
+
+
+def test_the_worker_and_the_agent_read_models_not_string_keys():
+    """What crosses a process is a shared model (``messages``) or a named constant: a string
+    key subscript in worker/ and agent/ is left only where it reads or writes a shape that is
+    not ours (docker-py's keyword arguments and pull stream, httpx's links, a pydantic
+    ``model_copy`` update), at most 10 (issue 43.2)."""
+    import re
+
+    pattern = re.compile(r"\[\"[a-z_]+\"\]|\['[a-z_]+'\]")
+    found = [
+        f"{path.relative_to(PACKAGE)}:{n}"
+        for room in ("worker", "agent")
+        for path in sorted((PACKAGE / room).rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), start=1)
+        if pattern.search(line) and "Literal[" not in line and '[["' not in line
+    ]
+    assert len(found) <= 10, found

@@ -14,7 +14,7 @@ tenant (``TenantResponse``; as created, with its key: ``TenantCreated``), its ke
 ways, which the service declares as its request models (subclasses adding its checks, with the
 same fields: ``tests/test_messages.py``): a new bid (``BidRequest``, its job ``JobSpec``), what
 a node agent reports of an allocation (``AllocationReport``), a node's registration
-(``NodeRegistration``) and its heartbeat (``Heartbeat``).
+(``NodeRegistration``) and its heartbeat (``Heartbeat``). A refusal is an ``ErrorResponse``.
 
 Wire compatibility: a field a newer service adds is ignored by an older client (pydantic's
 default ``extra="ignore"``), and a field a client needs that a reply lacks fails the parse
@@ -446,3 +446,33 @@ class Heartbeat(RunnerTerms):
 
     def body(self) -> dict:
         return self.model_dump(mode="json", exclude_none=True)
+
+
+class ValidationIssue(BaseModel):
+    """One problem of a 422 (FastAPI's shape: where, what; a key it adds is kept)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    loc: list[str | int] = Field(default_factory=list)
+    msg: str = ""
+    type: str = ""
+
+
+class ErrorResponse(BaseModel):
+    """What the service answers when it refuses a request: ``detail`` (a message, or a 422's
+    problems), ``field`` (the one it names) and, for a batch, ``item`` (the refused one's
+    index)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    detail: str | list[ValidationIssue] | None = None
+    field: str | None = None
+    item: int | None = None
+
+    @classmethod
+    def of(cls, response) -> ErrorResponse | None:
+        """The refusal in an ``httpx.Response`` (None: its body is not one)."""
+        try:
+            return cls.model_validate(response.json())
+        except ValueError:  # (not JSON, or not this shape: pydantic's errors are ValueErrors)
+            return None

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import httpx
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from prefect_spotgpu.messages import NodeCreated, NodeRegistration, NodeResponse, NodeToken
 from prefect_spotgpu.protocol import Capacity
@@ -53,15 +53,16 @@ class NodeRecord:
     token: str
 
 
+_NODE_FILE = TypeAdapter(NodeRecord)
+
+
 def load_record(state_dir: Path, market: str) -> NodeRecord | None:
     """The node token this state directory holds for ``market``, if any."""
     try:
-        record = json.loads((state_dir / NODE_FILE).read_text())
-        if record.get("market") != market:
-            return None
-        return NodeRecord(market, int(record["node_id"]), str(record["token"]))
-    except (OSError, ValueError, KeyError, TypeError):
+        record = _NODE_FILE.validate_json((state_dir / NODE_FILE).read_bytes())
+    except (OSError, ValueError):  # (missing, or not a record: pydantic's errors are these)
         return None
+    return record if record.market == market else None
 
 
 def save_record(state_dir: Path, record: NodeRecord) -> None:

@@ -22,6 +22,8 @@ import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pydantic import TypeAdapter
+
 from prefect_spotgpu.agent.isolation import write_job_file
 from prefect_spotgpu.agent.runners.runner import GangPlace, JobHandle, JobRequest
 
@@ -82,6 +84,14 @@ class HandedJob:
         )
 
 
+@dataclass
+class _Record:
+    jobs: list[HandedJob]
+
+
+_RECORD = TypeAdapter(_Record)
+
+
 def write_record(state_dir: Path, handles: list[JobHandle]) -> None:
     """Record ``handles`` for the next agent (readable by the agent's user only)."""
     jobs = [asdict(HandedJob.of(h)) for h in handles]
@@ -99,8 +109,8 @@ def take_record(state_dir: Path) -> dict[int, HandedJob]:
     finally:
         path.unlink(missing_ok=True)
     try:
-        jobs = [HandedJob(**job) for job in json.loads(text)["jobs"]]
-    except (ValueError, TypeError, KeyError) as exc:
+        jobs = _RECORD.validate_json(text).jobs
+    except ValueError as exc:  # (pydantic's errors are ValueErrors)
         logger.error("the hand-over record %s is unreadable (%s): no job is adopted", path, exc)
         return {}
     return {job.allocation_id: job for job in jobs}

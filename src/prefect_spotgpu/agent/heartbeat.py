@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import httpx
 
-from prefect_spotgpu.messages import Heartbeat, RunnerTerms
+from prefect_spotgpu.messages import ErrorResponse, Heartbeat, RunnerTerms
 
 logger = logging.getLogger("prefect_spotgpu.agent")
 TELEMETRY_GPUS = "gpus"
@@ -113,10 +113,7 @@ def send_heartbeat(
 
 def _refused_fields(response: httpx.Response) -> set[str]:
     """The body fields a 422 names (``{"detail": [{"loc": ["body", FIELD, ...]}]}``)."""
-    if response.status_code != 422:
+    refusal = ErrorResponse.of(response) if response.status_code == 422 else None
+    if refusal is None or not isinstance(refusal.detail, list):
         return set()
-    try:
-        errors = response.json()["detail"]
-        return {e["loc"][1] for e in errors if len(e["loc"]) > 1 and e["loc"][0] == "body"}
-    except (ValueError, KeyError, TypeError, IndexError):
-        return set()
+    return {str(i.loc[1]) for i in refusal.detail if len(i.loc) > 1 and i.loc[0] == "body"}

@@ -33,6 +33,11 @@ EXIT_NAME = "exit"
 START_FAILED = "failed"
 """The handshake's key for a job that could not start: ``[errno, strerror, filename]``."""
 
+SPEC_COMMAND, SPEC_ENV, SPEC_EXIT_FILE = "command", "env", "exit_file"
+"""The spec's keys (a JSON object on the keeper's standard input): the job's argv, its
+environment, where its keeper records how it ended; and its ``SWITCHES``."""
+ANSWER_PID = "pid"
+"""The handshake's key for the job's pid, once it started."""
 SWITCHES = ("user", "group", "extra_groups", "umask")
 """What of the spec becomes ``Popen``'s user switch (only under root)."""
 
@@ -55,17 +60,21 @@ def main(argv: list[str]) -> int:
     switch = {name: spec[name] for name in SWITCHES if name in spec}
     try:
         job = subprocess.Popen(
-            spec["command"], env=spec["env"], stdin=subprocess.DEVNULL, close_fds=True, **switch
+            spec[SPEC_COMMAND],
+            env=spec[SPEC_ENV],
+            stdin=subprocess.DEVNULL,
+            close_fds=True,
+            **switch,
         )
     except OSError as exc:
         failed = [exc.errno, exc.strerror, exc.filename]
         os.write(handshake, json.dumps({START_FAILED: failed}).encode())
         return 127
-    os.write(handshake, json.dumps({"pid": job.pid}).encode())
+    os.write(handshake, json.dumps({ANSWER_PID: job.pid}).encode())
     os.close(handshake)
     code = job.wait()
     try:
-        _write_exit(spec["exit_file"], code)
+        _write_exit(spec[SPEC_EXIT_FILE], code)
     except OSError as exc:  # (what the job did to its directory): its exit code still counts
         print(f"spotgpu keeper: the job's exit status was not recorded: {exc}", file=sys.stderr)
     if code < 0:  # end as the job did: killed by its signal

@@ -23,7 +23,7 @@ from concurrent.futures import Future
 
 import httpx
 
-from prefect_spotgpu.messages import BidBatchResponse, BidResponse
+from prefect_spotgpu.messages import BidBatchResponse, BidResponse, ErrorResponse
 from prefect_spotgpu.protocol import MAX_BIDS_PER_BATCH
 
 WINDOW_SECONDS = 0.02
@@ -123,14 +123,13 @@ class BidBatcher:
 
 
 def _refused_index(response: httpx.Response) -> int | None:
-    try:
-        body = response.json()
-    except ValueError:
+    refusal = ErrorResponse.of(response)
+    if refusal is None:
         return None
-    if isinstance(body.get("item"), int):  # the service's refusal names its item
-        return body["item"]
-    if isinstance(body.get("detail"), list) and body["detail"]:  # pydantic's: by its place
-        loc = body["detail"][0].get("loc", [])
+    if refusal.item is not None:  # the service's refusal names its item
+        return refusal.item
+    if isinstance(refusal.detail, list) and refusal.detail:  # pydantic's: by its place
+        loc = refusal.detail[0].loc
         if len(loc) >= 3 and loc[:2] == ["body", "bids"] and isinstance(loc[2], int):
             return loc[2]
     return None
@@ -144,20 +143,19 @@ def _single(batch: httpx.Response, bid: BidResponse, status: int) -> httpx.Respo
 def _without_index(response: httpx.Response, index: int) -> httpx.Response:
     """The refusal of item ``index`` as a refusal of that bid alone (its field and message
     without the ``bids[i]`` prefix)."""
-    body = response.json()
+    refusal = ErrorResponse.of(response) or ErrorResponse()
     prefix = f"bids[{index}]"
-    if isinstance(body.get("field"), str):
-        body["field"] = body["field"].removeprefix(prefix).lstrip(".") or None
-    detail = body.get("detail")
-    if isinstance(detail, str):
-        body["detail"] = detail.removeprefix(f"{prefix}: ")
-    elif isinstance(detail, list):
-        for error in detail:
-            loc = error.get("loc", [])
+    if refusal.field is not None:
+        refusal.field = refusal.field.removeprefix(prefix).lstrip(".") or None
+    if isinstance(refusal.detail, str):
+        refusal.detail = refusal.detail.removeprefix(f"{prefix}: ")
+    elif isinstance(refusal.detail, list):
+        for issue in refusal.detail:
+            loc = issue.loc
             if loc[:3] == ["body", "bids", index]:  # pydantic's own
-                error["loc"] = ["body", *loc[3:]]
+                issue.loc = ["body", *loc[3:]]
             elif len(loc) == 2 and isinstance(loc[1], str) and loc[1].startswith(prefix):
-                error["loc"] = ["body", loc[1].removeprefix(prefix).lstrip(".")]  # the service's
-            if isinstance(error.get("msg"), str):
-                error["msg"] = error["msg"].removeprefix(f"{prefix}: ")
+                issue.loc = ["body", loc[1].removeprefix(prefix).lstrip(".")]  # the service's
+            issue.msg = issue.msg.removeprefix(f"{prefix}: ")
+    body = refusal.model_dump(mode="json", exclude_none=True)
     return httpx.Response(response.status_code, json=body, request=response.request)

@@ -40,7 +40,14 @@ from prefect_spotgpu.agent.isolation import (
     retire_workdir,
     uids_in_use,
 )
-from prefect_spotgpu.agent.keeper import EXIT_NAME, START_FAILED
+from prefect_spotgpu.agent.keeper import (
+    ANSWER_PID,
+    EXIT_NAME,
+    SPEC_COMMAND,
+    SPEC_ENV,
+    SPEC_EXIT_FILE,
+    START_FAILED,
+)
 from prefect_spotgpu.agent.runners.runner import (
     JobFault,
     JobHandle,
@@ -217,9 +224,9 @@ class ProcessRunner:
         """Start the job under its keeper (``keeper``): the keeper's ``Popen`` and the job's
         pid; the ``OSError`` the job's own start raised, if it could not start."""
         spec = {
-            "command": argv,
-            "env": process_environment(request, url, self.interpreter),
-            "exit_file": str(request.workdir / EXIT_NAME),
+            SPEC_COMMAND: argv,
+            SPEC_ENV: process_environment(request, url, self.interpreter),
+            SPEC_EXIT_FILE: str(request.workdir / EXIT_NAME),
             **switch,
         }
         marker_name, _, marker = job_marker(request.workdir).decode().partition("=")
@@ -250,8 +257,8 @@ class ProcessRunner:
             answer = json.loads(told or b"{}")
         except ValueError:
             answer = {}
-        if "pid" in answer:
-            return keeper, int(answer["pid"])
+        if ANSWER_PID in answer:
+            return keeper, int(answer[ANSWER_PID])
         keeper.wait()
         if START_FAILED in answer:
             number, message, filename = answer[START_FAILED]
