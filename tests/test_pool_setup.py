@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from conftest import start_service
+from helpers import image
 from test_cli import spotgpu
 
 pytestmark = pytest.mark.slow
@@ -268,8 +269,8 @@ def test_offer_images_keeps_the_workers_shape_with_the_catalogues_names():
 
     shape = SpotGPUWorker.get_default_base_job_template()["variables"]["properties"]["image"]
     catalogue = [
-        {"name": "a-img", "framework": "PyTorch 2.5.1", "cuda_version": "12.4"},
-        {"name": "b-img", "framework": "", "cuda_version": None},
+        image("a-img", "r/a:1", framework="PyTorch 2.5.1"),
+        image("b-img", "r/b:1", framework="", cuda_version=None),
     ]
     offered = offer_images({"default": "gone-img"}, shape, catalogue)
     assert set(offered) == set(shape)  # the same keys: the same form, other choices

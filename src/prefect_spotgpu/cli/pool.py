@@ -24,6 +24,7 @@ from pathlib import Path
 import typer
 
 from prefect_spotgpu.cli.common import API_KEY_FILE, MARKET, console, tenant_key
+from prefect_spotgpu.messages import ImageResponse
 from prefect_spotgpu.protocol import IMAGE_BUILD_COMMAND, IMAGE_NAME_PATTERN, PROCESS_IMAGE
 
 blocks_app = typer.Typer(help="Save the Prefect blocks a spot-gpu pool uses.", no_args_is_help=True)
@@ -201,7 +202,7 @@ async def _setup(pool: str, market_block: str, storage_block: str, replace: bool
             properties["image"] = offer_images(
                 properties.get("image", {}), shape["image"], catalogue
             )
-            names = ", ".join(i["name"] for i in catalogue) or "none"
+            names = ", ".join(i.name for i in catalogue) or "none"
             out.append(
                 f"its form offers {len(catalogue)} flow-ready catalogue image(s) ({names}) "
                 f"and {PROCESS_IMAGE!r} (no container)" + _command_only(listed)
@@ -303,10 +304,12 @@ class _Unread(Exception):
     """The market's catalogue could not be read (the message says why)."""
 
 
-async def _catalogue(market) -> list[dict]:
+async def _catalogue(market) -> list[ImageResponse]:
     """The market's image catalogue (``GET /images``), entries whose name a form can offer
-    (``IMAGE_NAME_PATTERN``, never ``process``), in the market's order; ``_Unread`` if not."""
+    (``IMAGE_NAME_PATTERN``, never ``process``), in the market's order; ``_Unread`` if not.
+    An entry that does not parse as an ``ImageResponse`` is left out."""
     import httpx
+    from pydantic import ValidationError
 
     try:
         async with market.get_async_client(timeout=CATALOGUE_SECONDS) as http:
@@ -322,26 +325,27 @@ async def _catalogue(market) -> list[dict]:
         raise _Unread(
             f"the market at {market.url} did not list its images (HTTP {response.status_code})"
         )
-    return [
-        image
-        for image in listed
-        if isinstance(image, dict)
-        and isinstance(image.get("name"), str)
-        and re.fullmatch(IMAGE_NAME_PATTERN, image["name"])
-        and image["name"] != PROCESS_IMAGE
-    ]
+    entries = []
+    for entry in listed:
+        try:
+            image = ImageResponse.model_validate(entry)
+        except ValidationError:
+            continue
+        if re.fullmatch(IMAGE_NAME_PATTERN, image.name) and image.name != PROCESS_IMAGE:
+            entries.append(image)
+    return entries
 
 
-def flow_ready(catalogue: list[dict]) -> list[dict]:
+def flow_ready(catalogue: list[ImageResponse]) -> list[ImageResponse]:
     """The entries a flow run can pick: those that hold prefect-spotgpu (``runs_flows``; a
     market that does not say is taken at its word, as ``messages.ImageResponse`` does)."""
-    return [image for image in catalogue if image.get("runs_flows", True) is not False]
+    return [image for image in catalogue if image.runs_flows]
 
 
-def _command_only(catalogue: list[dict]) -> str:
+def _command_only(catalogue: list[ImageResponse]) -> str:
     """The rest of a setup's line: the entries that run only a job's own command, not offered
     for flows, and the command that makes one flow-ready ("" when there are none)."""
-    others = [image["name"] for image in catalogue if image not in flow_ready(catalogue)]
+    others = [image.name for image in catalogue if not image.runs_flows]
     if not others:
         return ""
     return (
@@ -350,7 +354,7 @@ def _command_only(catalogue: list[dict]) -> str:
     )
 
 
-def offer_images(current: dict, shape: dict, catalogue: list[dict]) -> dict:
+def offer_images(current: dict, shape: dict, catalogue: list[ImageResponse]) -> dict:
     """The pool's ``image`` variable offering ``process`` and the catalogue's names as its
     choices, any image reference still accepted, and each image's framework and CUDA in its
     description (the Prefect UI shows a variable's description, not a choice's).
@@ -361,20 +365,24 @@ def offer_images(current: dict, shape: dict, catalogue: list[dict]) -> dict:
     its default stays where it is still a choice or a reference, else the worker's is used.
     Pure: the same inputs give the same schema (setting up twice changes nothing).
 
+    >>> from datetime import UTC, datetime
+    >>> pytorch = ImageResponse(name="pytorch", reference="pytorch/pytorch:2.5.1",
+    ...     framework="PyTorch 2.5.1", cuda_version="12.4", description="",
+    ...     updated_at=datetime(2026, 1, 1, tzinfo=UTC))
     >>> image = offer_images({}, {"anyOf": [{"enum": ["process"], "type": "string"},
     ...     {"pattern": "/", "type": "string"}], "default": "process", "description": "Image."},
-    ...     [{"name": "pytorch", "framework": "PyTorch 2.5.1", "cuda_version": "12.4"}])
+    ...     [pytorch])
     >>> image["anyOf"][0]["enum"], image["description"]
     (['process', 'pytorch'], 'Image. Catalogue: pytorch (PyTorch 2.5.1, CUDA 12.4).')
     """
-    names = [PROCESS_IMAGE, *(image["name"] for image in catalogue)]
+    names = [PROCESS_IMAGE, *(image.name for image in catalogue)]
     branches = []
     for branch in shape.get("anyOf", []):
         if "enum" in branch:
             branches.append({**branch, "enum": names, "title": CATALOGUE_TITLE})
         else:
             branches.append({"title": REFERENCE_TITLE, **branch})
-    offered = [f"{image['name']} ({_what(image)})" for image in catalogue]
+    offered = [f"{image.name} ({_what(image)})" for image in catalogue]
     description = shape.get("description", "")
     if offered:
         description = f"{description} Catalogue: {'; '.join(offered)}."
@@ -384,11 +392,10 @@ def offer_images(current: dict, shape: dict, catalogue: list[dict]) -> dict:
     return {**shape, "anyOf": branches, "default": default, "description": description.strip()}
 
 
-def _what(image: dict) -> str:
-    framework = str(image.get("framework") or "").strip()
-    cuda = image.get("cuda_version")
+def _what(image: ImageResponse) -> str:
+    framework = image.framework.strip()
     parts = [framework] if framework else []
-    parts.append(f"CUDA {cuda}" if cuda else "no CUDA version given")
+    parts.append(f"CUDA {image.cuda_version}" if image.cuda_version else "no CUDA version given")
     return ", ".join(parts)
 
 
@@ -413,7 +420,7 @@ async def _images_offered(pool: str, properties: dict, market) -> tuple[str, boo
     still name it), but the line says how to offer it."""
     offered = offered_names(properties)
     try:
-        listed = [image["name"] for image in flow_ready(await _catalogue(market))]
+        listed = [image.name for image in flow_ready(await _catalogue(market))]
     except _Unread as exc:
         return f"{exc}: its image choices cannot be checked", False
     gone = [name for name in offered if name not in listed]
