@@ -317,9 +317,7 @@ class Service:
         self.thread.join(timeout=15)
 
 
-def start_service(
-    db_url: str, home, port: int | None = None, clock=None, **overrides
-) -> Service:
+def start_service(db_url: str, home, port: int | None = None, clock=None, **overrides) -> Service:
     """The service on a loopback port; ``clock``: a ``ManualClock`` the test drives
     (``Service.advance``) instead of the wall clock."""
     from prefect_spotgpu.service.api import create_app

@@ -267,24 +267,27 @@ def flow_image() -> str:
     """The test flow's job image, made by the repository's recipe (``docker/job.Dockerfile``)
     from ``python_image()``: prefect-spotgpu from this checkout's wheel, with its
     dependencies, and ``tests/spot_flow.py`` at ``FLOWS``."""
-    base = python_image()
+    return _recipe_image(python_image(), [ROOT / "tests" / "spot_flow.py"], FLOW_REPOSITORY)
+
+
+def _recipe_image(base: str, flows: list[Path], repository: str) -> str:
+    """A job image made by the repository's recipe (``docker/job.Dockerfile``) from ``base``,
+    with ``flows`` at ``FLOWS``; named by what it holds (built once per version of it)."""
     recipe = ROOT / "docker" / "job.Dockerfile"
-    flow = ROOT / "tests" / "spot_flow.py"
-    with tempfile.TemporaryDirectory(prefix="spotgpu-flow-image-") as context:
+    with tempfile.TemporaryDirectory(prefix="spotgpu-recipe-image-") as context:
         began = time.monotonic()
         wheel = _wheel(str(Path(context) / "dist"))
         (Path(context) / "flows").mkdir()
-        shutil.copy(flow, Path(context) / "flows")
-        digest = hashlib.sha256(
-            _held(wheel) + flow.read_bytes() + recipe.read_bytes() + base.encode()
-        ).hexdigest()[:12]
-        name = f"{FLOW_REPOSITORY}:{digest}"
+        for flow in flows:
+            shutil.copy(flow, Path(context) / "flows")
+        held = _held(wheel) + b"".join(f.read_bytes() for f in flows) + recipe.read_bytes()
+        name = f"{repository}:{hashlib.sha256(held + base.encode()).hexdigest()[:12]}"
         if _has_image(name):
             return name
         shutil.copy(recipe, Path(context) / "Dockerfile")
         env = {**os.environ, "DOCKER_BUILDKIT": "0"}
         _docker("build", "-q", "--build-arg", f"BASE={base}", "-t", name, context, env=env)
-        TIMINGS["flow_image_seconds"] = round(time.monotonic() - began, 1)
+        TIMINGS[f"{repository}_seconds"] = round(time.monotonic() - began, 1)
         _drop_other_tags(name)
         return name
 
@@ -323,28 +326,8 @@ def torch_image() -> str:
 def torch_flow_image() -> str:
     """A job image of the repository's recipes (``flows/``, at ``FLOWS``) on ``torch_image()``,
     made by ``docker/job.Dockerfile`` as a user makes theirs."""
-    base = torch_image()
-    recipe = ROOT / "docker" / "job.Dockerfile"
     flows = sorted((ROOT / "flows").glob("*.py"))
-    with tempfile.TemporaryDirectory(prefix="spotgpu-torch-flow-image-") as context:
-        began = time.monotonic()
-        wheel = _wheel(str(Path(context) / "dist"))
-        (Path(context) / "flows").mkdir()
-        for flow in flows:
-            shutil.copy(flow, Path(context) / "flows")
-        digest = hashlib.sha256(
-            _held(wheel) + b"".join(f.read_bytes() for f in flows) + recipe.read_bytes()
-            + base.encode()
-        ).hexdigest()[:12]  # fmt: skip
-        name = f"{TORCH_FLOW_REPOSITORY}:{digest}"
-        if _has_image(name):
-            return name
-        shutil.copy(recipe, Path(context) / "Dockerfile")
-        env = {**os.environ, "DOCKER_BUILDKIT": "0"}
-        _docker("build", "-q", "--build-arg", f"BASE={base}", "-t", name, context, env=env)
-        TIMINGS["torch_flow_image_seconds"] = round(time.monotonic() - began, 1)
-        _drop_other_tags(name)
-        return name
+    return _recipe_image(torch_image(), flows, TORCH_FLOW_REPOSITORY)
 
 
 WHEELHOUSE_HOME = Path(tempfile.gettempdir()) / "spotgpu-test-wheelhouse"

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import shlex
+import subprocess
+
 import httpx
 
 
@@ -176,3 +180,42 @@ def stop_agent(proc, timeout: float = 15) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
     proc.logfile.close()
+
+
+@contextlib.contextmanager
+def namespace_elsewhere(name: str, here: str, there: str):
+    """A machine elsewhere, for the container tests: a network namespace ``name`` behind a
+    veth pair, this host's end at ``here``, its own at ``there`` (both /24), its default route
+    through this host. Removed afterwards (and first, if a killed run left it)."""
+
+    def sh(command: str, check: bool = True) -> None:
+        subprocess.run(shlex.split(command), capture_output=True, text=True, check=check)
+
+    sh(f"ip netns del {name}", check=False)
+    sh(f"ip link del {name}0", check=False)
+    sh(f"ip netns add {name}")
+    try:
+        sh(f"ip link add {name}0 type veth peer name {name}1")
+        sh(f"ip link set {name}1 netns {name}")
+        sh(f"ip addr add {here}/24 dev {name}0")
+        sh(f"ip link set {name}0 up")
+        for step in (f"ip addr add {there}/24 dev {name}1", f"ip link set {name}1 up",
+                     "ip link set lo up", f"ip route add default via {here}"):  # fmt: skip
+            sh(f"ip netns exec {name} {step}")
+        yield there
+    finally:
+        sh(f"ip netns del {name}", check=False)
+        sh(f"ip link del {name}0", check=False)
+
+
+@contextlib.contextmanager
+def prefect_client(api_url: str):
+    """A synchronous client of the Prefect server at ``api_url`` (a stack's own)."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with (
+        temporary_settings(updates={PREFECT_API_URL: api_url}),
+        get_client(sync_client=True) as client,
+    ):
+        yield client

@@ -22,6 +22,7 @@ import pytest
 
 import docker_engine
 from conftest import wait_for
+from helpers import prefect_client
 from prefect_spotgpu.checkpoint import Checkpointer, LocalStorage
 from prefect_spotgpu.cli.stack import LocalStack
 from spot_flow import count
@@ -65,13 +66,7 @@ def stack(flow_image, registry):
 
 @pytest.fixture
 def prefect(stack):
-    from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    with (
-        temporary_settings(updates={PREFECT_API_URL: stack.prefect_api_url}),
-        get_client(sync_client=True) as client,
-    ):
+    with prefect_client(stack.prefect_api_url) as client:
         yield client
 
 

@@ -23,28 +23,27 @@ image's Python standard library, not this host's).
 from __future__ import annotations
 
 import json
-import shlex
 import shutil
 import subprocess
 import tempfile
 import time
 from pathlib import Path
-from uuid import UUID
 
 import pytest
 
 import docker_engine
 from conftest import wait_for
+from helpers import namespace_elsewhere, prefect_client
 from prefect_spotgpu.cli.stack import LocalStack
 from test_gang_e2e import (
-    HOLDING,
     STEPS,
     acknowledgement,
-    gang_allocations,
+    all_ended,
     logged_step,
     loss_table,
     reclaim,
     running_gang,
+    start_run,
     the_end,
     timeline,
 )
@@ -54,27 +53,12 @@ SUBNETS = {"node-a": "10.88.21.0/24", "node-b": "10.88.22.0/24", "node-c": "10.8
 AWAY = ("sgtest-prefect", "10.99.8.1", "10.99.8.2")  # namespace, this host's end, the server's
 
 
-def sh(command: str, check: bool = True) -> None:
-    subprocess.run(shlex.split(command), capture_output=True, text=True, check=check)
-
-
 @pytest.fixture(scope="module")
 def away():
-    """A machine elsewhere for the Prefect server: a namespace behind a veth pair."""
+    """A machine elsewhere for the Prefect server."""
     name, here, there = AWAY
-    sh(f"ip netns del {name}", check=False)
-    sh(f"ip link del {name}0", check=False)
-    sh(f"ip netns add {name}")
-    sh(f"ip link add {name}0 type veth peer name {name}1")
-    sh(f"ip link set {name}1 netns {name}")
-    sh(f"ip addr add {here}/24 dev {name}0")
-    sh(f"ip link set {name}0 up")
-    for step in (f"ip addr add {there}/24 dev {name}1", f"ip link set {name}1 up",
-                 "ip link set lo up", f"ip route add default via {here}"):  # fmt: skip
-        sh(f"ip netns exec {name} {step}")
-    yield name, there
-    sh(f"ip netns del {name}", check=False)
-    sh(f"ip link del {name}0", check=False)
+    with namespace_elsewhere(name, here, there):
+        yield name, there
 
 
 @pytest.fixture(scope="module")
@@ -158,13 +142,7 @@ def stack(torch_flow_image, away):
 
 @pytest.fixture
 def prefect(stack):
-    from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    with (
-        temporary_settings(updates={PREFECT_API_URL: stack.prefect_api_url}),
-        get_client(sync_client=True) as client,
-    ):
+    with prefect_client(stack.prefect_api_url) as client:
         yield client
 
 
@@ -174,15 +152,7 @@ def test_a_gang_in_containers_on_two_hosts_resumes_after_a_reclaim_with_the_same
     uninterrupted,
 ):
     started = time.time()
-    run = prefect.create_flow_run_from_deployment(
-        UUID(stack.deployment),
-        parameters={"steps": STEPS, "checkpoint_minutes": 0.05},
-        job_variables={
-            "cheap_window_only": False,
-            "env": {"PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.3", "OMP_NUM_THREADS": "1"},
-        },
-    )
-    run_id = run.id
+    run_id = start_run(prefect, stack)
     first = running_gang(stack, prefect, run_id)
     assert len({a["node_id"] for a in first}) == 2
     containers = {a["id"]: _container(a["id"]) for a in first}
@@ -204,12 +174,7 @@ def test_a_gang_in_containers_on_two_hosts_resumes_after_a_reclaim_with_the_same
     names = [s.name for s in prefect.read_flow_run_states(run_id)]
     assert "Preempted" in names and names[-1] == "Completed", names
 
-    wait_for(
-        lambda: all(a["status"] not in HOLDING for a in gang_allocations(stack, prefect, run_id)),
-        30,
-        "every member's allocation ended",
-    )
-    allocations = gang_allocations(stack, prefect, run_id)
+    allocations = all_ended(stack, prefect, run_id)
     second = sorted((a for a in allocations if a["id"] > max(x["id"] for x in first)),
                     key=lambda a: a["rank"])  # fmt: skip
     survivor, lost = first[0]["node_id"], first[1]["node_id"]

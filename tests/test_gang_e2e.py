@@ -144,6 +144,16 @@ def acknowledgement(stack, allocation: dict) -> dict:
     return json.loads(wait_for(lambda: path.exists() and path.read_text(), 60, f"{path}"))
 
 
+def all_ended(stack, prefect, run_id) -> list[dict]:
+    """The gang's allocations, once none of them holds GPUs any more."""
+    wait_for(
+        lambda: all(a["status"] not in HOLDING for a in gang_allocations(stack, prefect, run_id)),
+        30,
+        "every member's allocation ended",
+    )
+    return gang_allocations(stack, prefect, run_id)
+
+
 def loss_table(prefect, run_id) -> list[float]:
     artifacts = prefect.read_artifacts(
         artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]))
@@ -309,12 +319,7 @@ def test_a_gang_that_may_shrink_goes_on_with_its_survivor_and_dcp_reshards(
     saved_at = acks[0]["step"]
     final = wait_for(lambda: the_end(prefect, run_id), 240, "the run's end")
     assert final.is_completed(), final
-    wait_for(
-        lambda: all(a["status"] not in HOLDING for a in gang_allocations(stack, prefect, run_id)),
-        30,
-        "every member's allocation ended",
-    )
-    allocations = gang_allocations(stack, prefect, run_id)
+    allocations = all_ended(stack, prefect, run_id)
     second = [a for a in allocations if a["id"] > max(x["id"] for x in first)]
     # one node: rank 0 on the survivor, rank 1 parked (a gang gone smaller holds its first ranks)
     assert [(a["rank"], a["node_id"], a["status"]) for a in second] == [

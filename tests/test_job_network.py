@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_for
+from helpers import namespace_elsewhere
 from prefect_spotgpu.agent.isolation import JobUsers
 from prefect_spotgpu.agent.runners import JobRequest
 from prefect_spotgpu.agent.runners.docker import DockerRunner
@@ -67,24 +68,12 @@ def sh(command: str, check: bool = True) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def elsewhere():
-    """A machine elsewhere: a namespace behind a veth pair, listening on ``PORT`` (it answers
-    with the address it saw)."""
+    """A machine elsewhere, listening on ``PORT`` (it answers with the address it saw)."""
     name, here, there = ELSEWHERE
-    sh(f"ip netns del {name}", check=False)
-    sh(f"ip link del {name}0", check=False)
-    sh(f"ip netns add {name}")
-    sh(f"ip link add {name}0 type veth peer name {name}1")
-    sh(f"ip link set {name}1 netns {name}")
-    sh(f"ip addr add {here}/24 dev {name}0")
-    sh(f"ip link set {name}0 up")
-    for step in (f"ip addr add {there}/24 dev {name}1", f"ip link set {name}1 up",
-                 "ip link set lo up", f"ip route add default via {here}"):  # fmt: skip
-        sh(f"ip netns exec {name} {step}")
-    server = subprocess.Popen(["ip", "netns", "exec", name, sys.executable, "-c", ECHO])
-    yield there
-    server.kill()
-    sh(f"ip netns del {name}", check=False)
-    sh(f"ip link del {name}0", check=False)
+    with namespace_elsewhere(name, here, there):
+        server = subprocess.Popen(["ip", "netns", "exec", name, sys.executable, "-c", ECHO])
+        yield there
+        server.kill()
 
 
 @pytest.fixture(scope="module")
