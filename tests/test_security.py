@@ -258,6 +258,15 @@ def _running(service, tenant, provider, **bid_fields):
     return node, agent, b, alloc
 
 
+def paid(service, client, alloc, seconds: float) -> float:
+    """Until the allocation has been billed for ``seconds`` (its charges flushed): its
+    billed seconds then."""
+    return service.wait_for(
+        lambda: (s := client.get(f"/allocations/{alloc}").json()["charged_seconds"]) >= seconds
+        and s
+    )
+
+
 def _notice(service, owner, agent, node) -> int:
     owner.patch(f"/nodes/{node['id']}", json={"state": "reclaimed"})
     return wait_event(agent, f"/nodes/{node['id']}/events", "noticed")["payload"]["epoch"]
@@ -267,7 +276,7 @@ def _notice(service, owner, agent, node) -> int:
 def test_a_job_that_dies_on_its_notice_is_not_compensated_and_stops_paying_at_once(service):
     alice, provider = service.tenant(), service.tenant()
     node, agent, _, alloc = _running(service, alice, provider)
-    time.sleep(1.0)
+    paid(service, alice, alloc, 1.0)
     epoch = _notice(service, provider, agent, node)
     died = agent.post(
         f"/allocations/{alloc}/report",
@@ -329,7 +338,7 @@ def test_no_compensation_for_a_bid_on_ones_own_node(service):
     node, agent, b, alloc = _running(service, mallory, mallory)
     mallory.patch(f"/bids/{b['id']}", json={"max_price": 900.0})
     mallory.patch(f"/nodes/{node['id']}", json={"reserve_price": 800.0})
-    time.sleep(1.0)
+    paid(service, mallory, alloc, 1.0)
     epoch = _notice(service, mallory, agent, node)
     agent.post(
         f"/allocations/{alloc}/report",
@@ -348,12 +357,13 @@ def alice_status(client, alloc) -> str:
 def test_compensation_is_what_was_paid_since_the_last_durable_checkpoint(service):
     alice, provider = service.tenant(), service.tenant()
     node, agent, _, alloc = _running(service, alice, provider)
-    time.sleep(1.5)
+    paid(service, alice, alloc, 1.5)
     agent.post(
         f"/allocations/{alloc}/report",
         json={"epoch": 1, "outcome": "checkpoint", "checkpoint_at": time.time(), "step": 10},
     )
-    time.sleep(1.0)
+    at_checkpoint = paid(service, alice, alloc, 0)
+    paid(service, alice, alloc, at_checkpoint + 1.0)
     epoch = _notice(service, provider, agent, node)
     agent.post(
         f"/allocations/{alloc}/report",
@@ -443,7 +453,7 @@ def test_a_storage_failure_under_a_notice_the_tenant_caused_is_not_compensated(s
     failed. The tenant caused that notice: nothing is credited."""
     alice, provider = service.tenant(credit=100), service.tenant()
     node, agent, _, alloc = _running(service, alice, provider)
-    time.sleep(1.0)
+    paid(service, alice, alloc, 1.0)
     bid(alice, gpu_count=8, max_price=2.0)  # outbids its own first bid
     notice = wait_event(agent, f"/nodes/{node['id']}/events", "noticed")
     assert notice["payload"]["reason"] == "outbid"

@@ -417,30 +417,32 @@ def test_a_release_pays_the_reserve_through_its_notice(driven):
     )
 
 
-def test_a_failed_final_save_is_compensated(service):
-    alice, owner = service.tenant(), service.tenant()
-    node, agent = service.node(owner)
+def test_a_failed_final_save_is_compensated(driven):
+    alice, owner = driven.tenant(), driven.tenant()
+    node, agent = driven.node(owner)
     b = bid(alice, gpu_count=8, max_price=1.0)
+    driven.advance(0.1)
     alloc = wait_event(alice, f"/bids/{b['id']}/events", "allocated")["allocation_id"]
-    start = time.time()
     agent.post(
         f"/allocations/{alloc}/report",
-        json={"epoch": 1, "outcome": "checkpoint", "checkpoint_at": start},
+        json={"epoch": 1, "outcome": "checkpoint", "checkpoint_at": driven.clock.time()},
     )
-    time.sleep(1.0)
+    driven.advance(10.0, step=1.0)  # ten seconds paid since the durable checkpoint
     owner.patch(f"/nodes/{node['id']}", json={"state": "reclaimed"})
+    driven.advance(0.1)
     notice = wait_event(agent, f"/nodes/{node['id']}/events", "noticed")
     failed = agent.post(
         f"/allocations/{alloc}/report",
         json={"epoch": notice["payload"]["epoch"], "outcome": "save_failed", "cause": "storage"},
     )
     assert failed.status_code == 200
-    entry = service.wait_for(
+    driven.flushed()
+    entry = driven.wait_for(
         lambda: [e for e in alice.get("/ledger").json()["entries"] if e["kind"] == "compensation"]
     )[0]
     assert entry["allocation_id"] == alloc
     assert "final save failed" in entry["reason"]
-    assert 0.9 * 8 * 0.8 / 3600 < entry["amount"] < 0.9 * 8 * 10 / 3600
+    assert entry["amount"] == pytest.approx(0.9 * 8 * 10.2 / 3600, abs=0.9 * 8 * 0.2 / 3600)
     ended = alice.get(f"/allocations/{alloc}").json()  # at once, not at the deadline
     assert ended["status"] == "preempted" and ended["end_reason"] == "final save failed (storage)"
     assert entry["amount"] <= ended["charged_amount"]  # never more than was paid
