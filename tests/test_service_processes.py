@@ -15,7 +15,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from conftest import ADMIN_KEY, free_port
+from conftest import ADMIN_KEY, free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -171,6 +171,12 @@ def check_ledger(engine) -> None:
         assert credits == entries, f"tenant {tenant_id}: credits"
 
 
+def ticked(server, ticks: int) -> None:
+    """Until ``server``'s tick loop has ticked ``ticks`` more times."""
+    done = server.health()["ticks"] + ticks
+    wait_for(lambda: server.health()["ticks"] >= done, 60, f"{ticks} ticks", 0.05)
+
+
 def test_two_replicas_on_postgresql_one_leader_no_gpu_held_twice(postgres_url, tmp_path):
     from conftest import fresh_postgres_schema
 
@@ -178,7 +184,7 @@ def test_two_replicas_on_postgresql_one_leader_no_gpu_held_twice(postgres_url, t
     engine = sa.create_engine(url)
     servers = [Server(url, tmp_path), Server(url, tmp_path)]
     try:
-        time.sleep(1.0)
+        wait_for(lambda: any(s.health()["leader"] for s in servers), 30, "a leader")
         leaders = [s for s in servers if s.health()["leader"]]
         assert len(leaders) == 1, [s.health() for s in servers]
         key, _ = setup_market(servers[0], nodes=6)
@@ -197,7 +203,7 @@ def test_two_replicas_on_postgresql_one_leader_no_gpu_held_twice(postgres_url, t
         ] + [threading.Thread(target=watch)]
         for t in threads:
             t.start()
-        time.sleep(4)
+        wait_for(lambda: len(accepted) > 100, 60, "a hundred bids accepted under load", 0.05)
         leader = next(s for s in servers if s.health()["leader"])
         follower = next(s for s in servers if s is not leader)
         leader.kill()  # the leader dies mid-load: the other replica takes over
@@ -205,7 +211,7 @@ def test_two_replicas_on_postgresql_one_leader_no_gpu_held_twice(postgres_url, t
         while not follower.health()["leader"]:
             assert time.monotonic() < deadline, "no takeover"
             time.sleep(0.1)
-        time.sleep(3)
+        ticked(follower, 20)  # the new leader ticks on under the load
         stop.set()
         for t in threads:
             t.join(timeout=60)
@@ -217,7 +223,7 @@ def test_two_replicas_on_postgresql_one_leader_no_gpu_held_twice(postgres_url, t
             allocations = connection.execute(sa.text("SELECT COUNT(*) FROM allocations")).scalar()
         assert set(accepted) <= stored
         assert epochs >= 2 and allocations > 0
-        time.sleep(1.0)
+        ticked(follower, 10)  # (its charges flushed)
         check_ledger(engine)
     finally:
         for s in servers:
@@ -239,7 +245,7 @@ def test_sigkill_during_a_bid_burst_loses_nothing(db_url, tmp_path):
         ]
         for t in threads:
             t.start()
-        time.sleep(3)
+        wait_for(lambda: len(accepted) > 50, 60, "fifty bids accepted under load", 0.05)
         server.kill()
         stop.set()
         for t in threads:
@@ -255,7 +261,7 @@ def test_sigkill_during_a_bid_burst_loses_nothing(db_url, tmp_path):
                     break
                 response = client.get(response.links["next"]["url"])
         assert set(accepted) <= stored, f"lost {sorted(set(accepted) - stored)[:10]}"
-        time.sleep(2.0)  # the restarted leader ticks on
+        ticked(server, 10)  # the restarted leader ticks on
         with engine.connect() as connection:
             assert connection.execute(OVER_COMMITTED).all() == []
         check_ledger(engine)
