@@ -204,7 +204,8 @@ def test_the_page_loads_live_with_no_console_errors(page, market, tmp_path):
     assert {1.3, 1.1} <= {lv["price"] for lv in book}
     page.click("#pools tbody tr.pool:has-text('us-east')")
     until(page, "document.querySelector('#price-line')?.dataset.points > 1000")
-    time.sleep(1.0)  # a few live updates
+    seen = page.evaluate("Number(document.querySelector('#live').dataset.refreshes || 0)")
+    until(page, f"Number(document.querySelector('#live').dataset.refreshes) >= {seen + 3}")
     shot(page, tmp_path, "dashboard.png")
     assert page.problems == []
 
@@ -592,7 +593,8 @@ def test_hostile_strings_render_as_text_and_nothing_runs(browser, hostile, tmp_p
         page.wait_for_selector(f"tr[data-bid='{bid['id']}']")
     until(page, "document.querySelectorAll('#ledger li').length >= 1")
     evil = page.wait_for_selector("#images tr[data-image='evil-desc']")
-    time.sleep(1.0)  # a few live refreshes over the hostile data
+    seen = page.evaluate("Number(document.querySelector('#live').dataset.refreshes || 0)")
+    until(page, f"Number(document.querySelector('#live').dataset.refreshes) >= {seen + 3}")
     assert page.evaluate("typeof window.__pwned") == "undefined"
     # the markup stayed text: no element came from it, and no link either
     made = ("img", "script", "iframe", "object", "embed", "a", "svg:not(#chart)", "[onerror]")

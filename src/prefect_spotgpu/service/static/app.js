@@ -486,6 +486,7 @@ async function refreshAll() {
     report(error);
   } finally {
     state.refreshing = false;
+    $("live").dataset.refreshes = Number($("live").dataset.refreshes || 0) + 1;  // (tests wait on it)
     if (state.again) { state.again = false; setTimeout(refreshAll, 250); }
   }
 }
