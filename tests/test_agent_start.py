@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 from conftest import one_database, start_service, wait_for
 from prefect_spotgpu.cli.stack import free_port
@@ -39,8 +38,8 @@ def test_an_agent_waits_for_a_market_that_is_down_and_registers_when_it_is_up(db
         )
     try:
         wait_for(lambda: "unreachable" in log.read_text() or agent.poll() is not None, 30)
-        time.sleep(2.5)  # a few tries
-        text = log.read_text()
+        wait_for(lambda: log.read_text().count("unreachable") >= 2 or agent.poll() is not None, 30)
+        text = log.read_text()  # (a few tries)
         assert agent.poll() is None, text
         tries = [line for line in text.splitlines() if "unreachable" in line]
         assert len(tries) >= 2 and all(market in line for line in tries), text

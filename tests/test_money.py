@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import ADMIN_KEY
-from test_service_processes import Server
+from test_service_processes import Server, ticked
 
 LEDGER = sa.text("""
     SELECT t.id, t.credits_micros, t.spent_micros,
@@ -148,7 +148,7 @@ def test_sigkill_of_the_tick_leader_neither_creates_nor_loses_a_micro(db_url, tm
                 with server.client(buyer["api_key"]) as client:
                     for bid_id in ids[:3]:  # three end: their last charge rounds up
                         assert client.post(f"/bids/{bid_id}/cancel").status_code == 200
-        time.sleep(1.5)
+        ticked(server, 10)  # the (new) leader ticks on, its charges flushed
         server.kill()
         with engine.connect() as connection:
             rows = connection.execute(

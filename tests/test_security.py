@@ -262,8 +262,9 @@ def paid(service, client, alloc, seconds: float) -> float:
     """Until the allocation has been billed for ``seconds`` (its charges flushed): its
     billed seconds then."""
     return service.wait_for(
-        lambda: (s := client.get(f"/allocations/{alloc}").json()["charged_seconds"]) >= seconds
-        and s
+        lambda: (
+            (s := client.get(f"/allocations/{alloc}").json()["charged_seconds"]) >= seconds and s
+        )
     )
 
 
