@@ -219,3 +219,12 @@ def prefect_client(api_url: str):
         get_client(sync_client=True) as client,
     ):
         yield client
+
+
+def market_ticked(stack, ticks: int = 10) -> None:
+    """Until a stack's market has ticked ``ticks`` more times (its charges flushed, what it
+    would place placed): a test asserting that nothing happens waits for this, not seconds."""
+    from prefect_spotgpu.cli.stack import wait_for
+
+    done = stack.market().get("/health").json()["ticks"] + ticks
+    wait_for(lambda: stack.market().get("/health").json()["ticks"] >= done, 60, "ticks", 0.05)

@@ -26,7 +26,7 @@ from prefect.events.filters import (
 from prefect.states import Cancelling
 
 from conftest import wait_for
-from helpers import nodes_back_to_live
+from helpers import market_ticked, nodes_back_to_live
 from prefect_spotgpu.checkpoint import Checkpointer, LocalStorage
 from prefect_spotgpu.cli.stack import LocalStack
 from prefect_spotgpu.worker.pacing import RELEASE_PRICE
@@ -282,7 +282,7 @@ def test_a_run_that_finishes_during_its_notice_leaves_no_open_bid(stack, prefect
         return [a["charged_micros"] for a in market.get(f"/bids/{bid['id']}/allocations").json()]
 
     before = charged()
-    time.sleep(2)  # a flush later (0.5 s in the stack): nothing more is charged
+    market_ticked(stack)  # flushes later (every 0.5 s in the stack): nothing more is charged
     assert charged() == before
     assert prefect.read_flow_run(run.id).run_count == 1
 
@@ -481,7 +481,7 @@ def test_a_cheap_window_only_run_bids_for_its_window(stack, prefect, tmp_path):
     if closed:
         state = wait_state(prefect, run_id, lambda s: s.name == "AwaitingGPU", 30, "AwaitingGPU")
         assert "cheap window" in state.message
-        time.sleep(2)
+        market_ticked(stack)
         assert stack.market().get(f"/bids/{bid['id']}/allocations").json() == []
         prefect.set_flow_run_state(run_id, Cancelling(), force=True)
         wait_state(prefect, run_id, lambda s: s.is_cancelled(), 60, "Cancelled")
