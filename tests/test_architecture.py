@@ -587,7 +587,7 @@ def test_the_worker_and_the_agent_read_models_not_string_keys():
     """What crosses a process is a shared model (``messages``) or a named constant: a string
     key subscript in worker/ and agent/ is left only where it reads or writes a shape that is
     not ours (docker-py's keyword arguments and pull stream, httpx's links, a pydantic
-    ``model_copy`` update), at most 10 (issue 43.2)."""
+    ``model_copy`` update), at most 10."""
     import re
 
     pattern = re.compile(r"\[\"[a-z_]+\"\]|\['[a-z_]+'\]")
