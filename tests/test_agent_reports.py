@@ -25,7 +25,9 @@ def test_a_report_lost_in_a_market_outage_is_delivered_when_it_returns(tmp_path)
         wait(lambda: [e for e in read_log(job_log) if "start" in e], 30, "the job started")
         server.kill()  # the market goes down while the job runs
         wait(lambda: [e for e in read_log(job_log) if "done" in e], 30, "the job finished")
-        time.sleep(3.0)  # the agent's report fails, and it keeps trying
+        agent_log = tmp_path / "agent-a.log"
+        wait(lambda: agent_log.read_text().count("not delivered") >= 3, 30,
+             "the agent's report failing, and tried again")  # fmt: skip
         server.stop()
         back = time.monotonic()
         server = Server(db, tmp_path, port=server.port)

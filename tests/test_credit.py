@@ -255,7 +255,13 @@ def test_no_balance_falls_below_one_ticks_charges_over_market_lives(db_url, tmp_
                     assert balance(b) >= -worst[who] * TICK / 3600, (who, life)
             for n in nodes:
                 owner.patch(f"/nodes/{n['id']}", json={"state": "live"})
-            time.sleep(NOTICE + 1.0)  # every notice runs out; charges flushed
+            svc.wait_for(  # every notice runs out (ended at its deadline, or saved)
+                lambda: all(
+                    a["status"] != "noticed" for b in buyers for a in b.get("/allocations").json()
+                ),
+                NOTICE + 15,
+            )
+            svc.flushed()
             for who, b in enumerate(buyers):
                 assert balance(b) >= -worst[who] * TICK / 3600, (who, balance(b), life)
                 for _, bid_id in (p for p in posted if p[0] == who):
