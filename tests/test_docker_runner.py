@@ -126,7 +126,10 @@ def test_a_notice_reaches_the_job_in_its_container_within_a_second_and_it_saves(
     handle = runner.start(req)
     started = wait_log(req, "start")
     wait_log(req, "step")
-    time.sleep(0.6)  # a periodic checkpoint (every 0.5 s) before the notice
+    deadline = time.monotonic() + 30  # a periodic checkpoint (every 0.5 s) before the notice
+    while not req.saved_file.exists():
+        assert time.monotonic() < deadline, "no periodic checkpoint"
+        time.sleep(0.02)
     noticed_at = time.time()
     runner.notice(handle, deadline=noticed_at + 300)
     signalled = wait_log(req, "signal")
