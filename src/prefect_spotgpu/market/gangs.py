@@ -313,7 +313,13 @@ def serves_member(ix: MarketIndex, nrow: int, image: int) -> bool:
 
 
 def without_gangs(ix: MarketIndex, pool: Pool) -> set[int]:
-    """The node rows of a pool that run no gang member (none outside a mixed pool)."""
-    if not pool.mixed:
-        return set()
-    return {r for r in pool.nodes if not ix.n_serves[r] & SERVES_GANGS}
+    """The node rows of a pool that run no gang member (none outside a mixed pool), kept
+    with the pool's live nodes until one of its nodes changes."""
+    live = ix.live(pool)  # (a new list whenever a node of the pool changed)
+    if pool.no_gangs_of is not live:
+        serves = ix.n_serves
+        pool.no_gangs = (
+            {r for r in pool.nodes if not serves[r] & SERVES_GANGS} if pool.mixed else set()
+        )
+        pool.no_gangs_of = live
+    return pool.no_gangs

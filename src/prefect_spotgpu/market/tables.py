@@ -73,6 +73,8 @@ class Pool:
     total: int = 0
     min_reserve: float | None = None
     serves: int = 0  # what its live nodes serve, together (SERVES_* bits; with ``live``)
+    no_gangs: set[int] = field(default_factory=set)  # rows that run no gang member, known
+    no_gangs_of: list[int] | None = None  # for this ``live`` (gangs.without_gangs)
 
 
 @dataclass(slots=True)
