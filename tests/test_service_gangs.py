@@ -6,6 +6,7 @@ rebuilds the gang from the database."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -628,3 +629,40 @@ def test_a_provider_cannot_claim_another_nodes_job_network(service):
                       json={"runner": "docker", "job_subnet": "10.88.0.0/20"})  # fmt: skip
     assert beat.status_code == 422 and "job_subnet" in beat.text, beat.text
     assert hostile.get(f"/nodes/{created['id']}").json()["job_subnet"] == "10.89.0.0/24"
+
+
+def test_an_agent_whose_new_subnet_overlaps_keeps_saying_it_and_its_node_keeps_its_network(
+    service,
+):
+    """The agent drops a field from its heartbeat only when the market does not know it (an
+    older market). A subnet refused as another node's is sent again as it is: sent without,
+    the node would lose its job network while its containers sit on it."""
+    import httpx
+
+    from prefect_spotgpu.agent.heartbeat import NodeImages, send_heartbeat
+    from prefect_spotgpu.messages import RunnerTerms
+
+    owner = service.tenant()
+    node(service, owner, runner="docker", job_subnet="10.88.0.0/24")
+    created, agent = node(service, owner, runner="docker", job_subnet="10.89.0.0/24")
+    moved = RunnerTerms(runner="docker", job_subnet="10.88.0.0/24")  # restarted with another's
+    answer = send_heartbeat(
+        agent, created["id"], telemetry={}, images=NodeImages(list), runner=moved
+    )
+    assert answer.status_code == 422 and "another node's job network" in answer.text
+    assert owner.get(f"/nodes/{created['id']}").json()["job_subnet"] == "10.89.0.0/24"
+
+    sent = []
+
+    def older_market(request: httpx.Request) -> httpx.Response:  # it forbids the field
+        body = json.loads(request.content)
+        sent.append(body)
+        if "job_subnet" in body:
+            issue = {"loc": ["body", "job_subnet"], "msg": "Extra inputs are not permitted",
+                     "type": "extra_forbidden"}  # fmt: skip
+            return httpx.Response(422, json={"detail": [issue]})
+        return httpx.Response(200, json={})
+
+    older = httpx.Client(transport=httpx.MockTransport(older_market), base_url="http://m")
+    assert send_heartbeat(older, 1, telemetry={}, images=NodeImages(list), runner=moved).is_success
+    assert ["job_subnet" in body for body in sent] == [True, False]

@@ -99,6 +99,9 @@ def send_heartbeat(
     response = client.post(path, json=beat.body())
     said = set(RunnerTerms.model_fields)
     refused = _refused_fields(response) & ({"telemetry", "images"} | said)
+    if "job_subnet" in refused and "job_subnet" not in _refused_fields(response, unknown=True):
+        refused.discard("job_subnet")  # (the market knows it and says no: an overlap. Sent
+        # without, the node would lose its job network while its containers sit on it)
     if refused:  # (a market older than this agent): sent again without
         without: dict = dict.fromkeys(refused & (said | {"images"}))
         if "telemetry" in refused:
@@ -111,9 +114,14 @@ def send_heartbeat(
     return response
 
 
-def _refused_fields(response: httpx.Response) -> set[str]:
-    """The body fields a 422 names (``{"detail": [{"loc": ["body", FIELD, ...]}]}``)."""
+def _refused_fields(response: httpx.Response, unknown: bool = False) -> set[str]:
+    """The body fields a 422 names (``{"detail": [{"loc": ["body", FIELD, ...]}]}``);
+    ``unknown``: only those refused as fields the market does not know (an older one)."""
     refusal = ErrorResponse.of(response) if response.status_code == 422 else None
     if refusal is None or not isinstance(refusal.detail, list):
         return set()
-    return {str(i.loc[1]) for i in refusal.detail if len(i.loc) > 1 and i.loc[0] == "body"}
+    return {
+        str(i.loc[1])
+        for i in refusal.detail
+        if len(i.loc) > 1 and i.loc[0] == "body" and (not unknown or i.type == "extra_forbidden")
+    }
