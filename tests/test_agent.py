@@ -184,8 +184,7 @@ def test_the_process_runner_signals_the_main_process_only_and_stops_the_group(tm
     assert json.loads(req.notice_file.read_text())["allocation_id"] == 7
     runner.stop(handle, grace=0.5)
     assert handle.poll() is not None
-    time.sleep(0.2)
-    assert not running(child)  # the group went down with it
+    wait(lambda: not running(child), 5, "the group going down with it")
     out = (req.workdir / "job.log").read_text()
     assert out.startswith("1,3 ") and "notice.json" in out
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from conftest import wait_for as wait
@@ -52,9 +53,7 @@ def test_an_adopted_process_jobs_exit_status_is_its_keepers_record(tmp_path, scr
     handle = runner.start(request(tmp_path, ["sh", "-c", f"{go}; {script}"]))
     fresh, adoptee = adopted(tmp_path, handle)
     assert adoptee is not None and adoptee.process is None  # not its child
-    assert fresh.poll(adoptee) is None  # runs
-    time.sleep(0.3)
-    assert fresh.poll(adoptee) is None  # still runs
+    assert fresh.poll(adoptee) is None  # runs (held until ``go``: no record of an end yet)
     (tmp_path / "alloc-1" / "go").touch()
     assert wait(lambda: fresh.poll(adoptee) is not None, 10, "the job's end") is True
     assert fresh.poll(adoptee) == code
@@ -97,6 +96,8 @@ def test_a_handed_over_job_runs_on_under_the_next_agent_which_notices_it(tmp_pat
     )
     first, alloc = run.first, run.alloc
     try:
+        agent = psutil.Process(run.agents[run.name].pid)
+        (guard,) = [c for c in agent.children() if c.cmdline() == agent.cmdline()]  # its fork
         run.agents[run.name].send_signal(signal.SIGUSR2)
         assert run.agents[run.name].wait(timeout=10) == 0
         assert running(first["pid"])  # left running
@@ -106,8 +107,8 @@ def test_a_handed_over_job_runs_on_under_the_next_agent_which_notices_it(tmp_pat
         run.start_agent(run.name, f"{run.name}-next")
         wait(lambda: "adopted its job" in (tmp_path / f"agent-{run.name}.log").read_text(),
              30, "the next agent adopting the job")  # fmt: skip
-        time.sleep(HANDOVER + 1)  # past the hand-over: the old guard did not kill it
-        assert running(first["pid"])
+        guard.wait(timeout=HANDOVER + 5)  # the old guard ends once the next agent holds the job
+        assert running(first["pid"])  # and it did not kill it
         assert len(read_log(run.log)) > steps + 20  # it never stopped
         assert run.buyer.get(f"/allocations/{alloc['id']}").json()["status"] == "running"
         # the next agent serves it fully: stopped, it notices the job, which saves and resumes

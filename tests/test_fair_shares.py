@@ -422,7 +422,7 @@ def test_a_waiting_poll_answers_within_a_tick_of_the_event(service):
     thread.start()
     key = ("tenant", buyer.tenant_id)
     service.wait_for(lambda: held(service, "long_polls_by_caller", key) == 1)
-    time.sleep(0.3)  # waiting, not querying
+    service.wait_for(lambda: service.app.state.event_watch.waiting == 1)  # not querying
     placed = buyer.post("/bids", json={"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1})
     assert placed.status_code == 201, placed.text
     placed_at = time.monotonic()

@@ -193,7 +193,13 @@ def test_the_first_hour_runs_as_written_in_a_fresh_home():
 
                 wait_for(running_on_dev_1, 120, "the run Running on dev-1")
         elif command.startswith("spotgpu node reclaim"):
-            time.sleep(3)  # a few steps in
+
+            def stepped() -> bool:  # a few steps in: a step's line in the run's logs
+                where = {"logs": {"flow_run_id": {"any_": [flow_run()["id"]]}}}
+                logs = httpx.post(f"{prefect}/logs/filter", json=where).json()
+                return any(log["message"].startswith("step ") for log in logs)
+
+            wait_for(stepped, 120, "a step's line in the run's logs")
         elif command.startswith("prefect flow-run ls"):
             # (Preempted at the reclaim is not the end: the run resumes on dev-2)
             wait_for(lambda: flow_run()["state_type"] in ("COMPLETED", "FAILED", "CANCELLED"), 420)

@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import signal
-import time
 from pathlib import Path
 from uuid import UUID
 
@@ -317,10 +316,7 @@ def test_cancelling_the_flow_run_cancels_the_bid_and_stops_the_job(stack, prefec
     assert bid_of(stack, prefect, run_id)["status"] == "cancelled"
     ended = stack.market().get(f"/allocations/{allocation}").json()
     assert ended["status"] == "finished" and ended["ended_at"] is not None
-    wait_for(lambda: not _running_jobs(stack), 30, "the job stopped")
-    before = steps_done(progress)
-    time.sleep(1)
-    assert steps_done(progress) == before  # the job is gone
+    wait_for(lambda: not _running_jobs(stack), 30, "the job stopped")  # no process of it left
 
 
 def test_beyond_max_preemptions_the_run_fails_with_a_clear_message(stack, prefect, tmp_path):

@@ -240,7 +240,7 @@ def test_a_worker_that_prefect_does_not_answer_still_exits_within_seconds(
     run_id, progress, allocation = follow(prefect, stack, tmp_path, "cut-off")
     gate.cut()
     try:
-        time.sleep(3)  # its calls to Prefect hang now
+        wait_for(lambda: len(gate.held) > 0, 30, "a call to Prefect hanging at the cut")
         seconds, code = stop(stack, "cut-off", signal.SIGINT)  # Ctrl-C, where SIGTERM is above
     finally:
         gate.restore()

@@ -62,6 +62,12 @@ class EventWatch:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @property
+    def waiting(self) -> int:
+        """How many polls wait on the watcher now (past their first query)."""
+        with self._lock:
+            return len(self._waiters)
+
     async def wait_past(self, seen: int, timeout: float) -> int:
         """Wait up to ``timeout`` s for an event id above ``seen``; the newest id known then."""
         loop = asyncio.get_running_loop()
