@@ -69,7 +69,12 @@ class Leadership:
                 raise LostLeadership(str(exc)) from exc
 
     def release(self) -> None:
+        """Let go of the lock. On PostgreSQL the lock belongs to the database session, which
+        a pooled connection's ``close`` would keep alive (the lock with it, and no replica could
+        lead until this process exits): the connection is discarded instead."""
         if self._connection is not None:
+            with contextlib.suppress(Exception):
+                self._connection.invalidate()
             with contextlib.suppress(Exception):
                 self._connection.close()
             self._connection = None
