@@ -231,10 +231,10 @@ class Service:
         step = step or ticker.settings.tick_seconds
         moved = 0.0
         while moved < seconds - 1e-9:
-            rounds = ticker.rounds
             self.clock.advance(min(step, seconds - moved))
             moved += step
-            wait_for(lambda done=rounds: ticker.rounds > done, 30, "a tick at the new time", 0.002)
+            at = self.clock.time()  # a pass that began before the move does not count
+            wait_for(lambda: ticker.round_at >= at, 30, "a tick at the new time", 0.002)
 
     def flushed(self) -> None:
         """Until the tick loop has written its charges of this moment (a charge flush after

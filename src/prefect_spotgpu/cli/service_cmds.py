@@ -1,6 +1,7 @@
 """``spotgpu server start`` (the market service: its API, the clearing tick and the webhooks, in
-this process until it is stopped) and ``spotgpu server migrate`` (the database's schema, once
-per upgrade: replicas do not migrate as they start; docs/operators/backup-and-upgrade.md).
+this process until it is stopped), ``spotgpu server migrate`` (the database's schema, once
+per upgrade: replicas do not migrate as they start; docs/operators/backup-and-upgrade.md) and
+``spotgpu server prune`` (rows past their retention, now: service/retention.py).
 
 The database URL comes from ``SPOTGPU_DB_URL`` or a file (``--db-url-file``): a URL with a
 password on the command line would be readable by every user of the host (``ps``)."""
@@ -188,3 +189,111 @@ def server_migrate(
         raise typer.Exit(1) from None
     finally:
         engine.dispose()
+
+
+@server_app.command("prune")
+def server_prune(
+    db: str = DB,
+    db_url_file: Path = DB_URL_FILE,
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Only count, per table, what would be removed or downsampled."
+    ),
+) -> None:
+    """Remove the market's rows past their retention (SPOTGPU_RETENTION_*_DAYS), and fold
+    minute price bars past theirs into hourly bars. The tick leader does the same every
+    SPOTGPU_RETENTION_INTERVAL_SECONDS; this runs it now, to the end, in short batches (safe
+    beside running replicas). Ledger entries, bids, live bids' allocations and pending
+    webhook deliveries are never removed (docs/operators/retention.md)."""
+    from prefect_spotgpu.service.clock import SYSTEM
+    from prefect_spotgpu.service.db import (
+        DatabaseUnavailable,
+        check_database,
+        make_engine,
+        make_reading_sessionmaker,
+        make_sessionmaker,
+        schema_status,
+    )
+    from prefect_spotgpu.service.retention import count_prunable, prune_all
+    from prefect_spotgpu.service.retention_rules import RetentionPolicy, cutoffs
+
+    settings = _settings(db_url=_database_url(db, db_url_file))
+    policy = RetentionPolicy.from_settings(settings)
+    engine = make_engine(settings.database_url())
+    where = shown(settings.database_url())
+    try:
+        check_database(engine)
+        status = schema_status(engine)
+        if status.current is None:
+            console.print(f"[red]{where} holds no market[/red]: nothing to prune")
+            raise typer.Exit(1)
+        if not status.known:
+            console.print(
+                f"[red]{where} is at revision {status.current}[/red], which this version "
+                f"({status.head}) does not know: prune with the prefect-spotgpu that migrated it"
+            )
+            raise typer.Exit(1)
+        if status.pending:
+            console.print(
+                f"[red]{where} is at revision {status.current}[/red], this version needs "
+                f"{status.head}: run `spotgpu server migrate` first (retention needs its "
+                "columns and indexes)"
+            )
+            raise typer.Exit(1)
+        if policy.keeps_everything:
+            console.print(
+                "every retention is 0 (kept for ever): nothing to prune. Set "
+                "SPOTGPU_RETENTION_EVENTS_DAYS and the other SPOTGPU_RETENTION_*_DAYS"
+            )
+            return
+        cut = cutoffs(policy, SYSTEM.time())  # (an operator's command: the wall clock)
+        with make_reading_sessionmaker(engine).begin() as session:  # (no write lock)
+            counts = count_prunable(session=session, policy=policy, cut=cut)
+        if dry_run:
+            console.print(_prune_table(counts, None, where))
+            console.print("dry run: nothing was removed")
+            return
+        sessions = make_sessionmaker(engine)
+        done = prune_all(sessions=sessions, cut=cut, batch_rows=settings.retention_batch_rows)
+        console.print(_prune_table(counts, done, where))
+    except DatabaseUnavailable as exc:
+        console.print(str(exc), style="red", soft_wrap=True, markup=False)
+        raise typer.Exit(1) from None
+    finally:
+        engine.dispose()
+
+
+def _prune_table(counts, done, where: str):
+    """Per kind of row: its retention, its cutoff, its rows, and what would go (``done``
+    None) or went."""
+    from rich.table import Table
+
+    from prefect_spotgpu.service.retention_rules import RowKind
+
+    verb = "would go" if done is None else "removed"
+    table = Table(title=f"retention of {where}", title_justify="left")
+    for name in ("what", "kept", "older than", "rows", verb, "note"):
+        table.add_column(name, justify="right" if name in ("rows", verb) else "left")
+    for count in counts:
+        if done is None:
+            going, made = count.going, count.made
+        else:
+            going, made = done[count.kind].removed, done[count.kind].made
+        note = ""
+        if count.kind is RowKind.MINUTE_BARS and (going or made):
+            note = f"into {made:,} hourly bars"
+        elif count.kind is RowKind.ENDED_ALLOCATIONS:
+            note = "charges kept in archived_charges"
+        elif count.kind is RowKind.WEBHOOK_DELIVERIES:
+            note = "pending ones stay"
+        kept = "for ever"
+        if count.days is not None:
+            kept = f"{count.days:g} day" + ("" if count.days == 1 else "s")
+        table.add_row(
+            str(count.kind),
+            kept,
+            "-" if count.cutoff is None else count.cutoff.strftime("%Y-%m-%d %H:%M UTC"),
+            f"{count.rows:,}",
+            f"{going:,}",
+            note,
+        )
+    return table

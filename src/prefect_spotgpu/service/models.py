@@ -2,8 +2,9 @@
 
 Money is stored as whole micros (``*_micros``, BigInteger; :mod:`prefect_spotgpu.market.money`),
 never as floats: a tenant's ``spent_micros`` is exactly the sum of its allocations'
-``charged_micros``, and its ``credits_micros`` exactly the sum of its ledger entries. The
-float properties (``credits``, ``charged_amount`` ...) are read-only views for display.
+``charged_micros`` (with those retention removed: ``archived_charges``), and its
+``credits_micros`` exactly the sum of its ledger entries (never removed). The float
+properties (``credits``, ``charged_amount`` ...) are read-only views for display.
 """
 
 from __future__ import annotations
@@ -184,13 +185,26 @@ class AllocationRow(Base):
         BigInteger, default=0, server_default="0"
     )  # charged_micros when the last durable checkpoint was reported
     final_save: Mapped[str | None] = mapped_column(String(20))  # ok, failed: gate.FINAL_SAVES
-    ended_at: Mapped[float | None] = mapped_column(Float)
+    ended_at: Mapped[float | None] = mapped_column(Float, index=True)  # (retention)
     job_address: Mapped[str | None] = mapped_column(String(15))  # on its node's job network
     end_reason: Mapped[str | None] = mapped_column(String(200))  # a protocol.EndReason, mostly
 
     @property
     def charged_amount(self) -> float:
         return from_micros(self.charged_micros)
+
+
+class ArchivedCharges(Base):
+    """Per tenant, the charges of its ended allocations that retention removed
+    (``service/retention.py``, the only writer): its ``spent_micros`` is exactly the sum of
+    its allocations' ``charged_micros`` plus ``charged_micros`` here."""
+
+    __tablename__ = "archived_charges"
+
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), primary_key=True)
+    allocations: Mapped[int] = mapped_column(BigInteger, default=0)
+    charged_micros: Mapped[int] = mapped_column(BigInteger, default=0)
+    charged_seconds: Mapped[float] = mapped_column(Float, default=0.0)
 
 
 class LedgerEntry(Base):
@@ -226,7 +240,7 @@ class NodeReport(Base):
     step: Mapped[int | None] = mapped_column(BigInteger)
     status_code: Mapped[int] = mapped_column(Integer)  # what the API answered
     detail: Mapped[str | None] = mapped_column(String(500))
-    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)  # (retention)
 
 
 class ImageRow(Base):
@@ -258,7 +272,7 @@ class EventRow(Base):
     allocation_id: Mapped[int] = mapped_column(BigId)
     kind: Mapped[str] = mapped_column(String(20))  # a protocol.EventKind
     payload: Mapped[dict] = mapped_column(JSON)
-    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)  # (retention)
 
 
 class WebhookDelivery(Base):
@@ -273,11 +287,12 @@ class WebhookDelivery(Base):
     last_status_code: Mapped[int | None] = mapped_column(Integer)
     last_error: Mapped[str | None] = mapped_column(Text)
     next_attempt_at: Mapped[float] = mapped_column(Float, index=True)
-    updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)  # (retention)
 
 
 class PriceBar(Base):
-    """One minute of a pool's clearing price."""
+    """One minute of a pool's clearing price; or, once retention folded an hour's minutes
+    (``service/retention.py``), that hour, at its first minute."""
 
     __tablename__ = "price_bars"
 
@@ -288,6 +303,11 @@ class PriceBar(Base):
     high: Mapped[float] = mapped_column(Float)
     low: Mapped[float] = mapped_column(Float)
     close: Mapped[float] = mapped_column(Float)
+    seconds: Mapped[int] = mapped_column(
+        Integer, default=60, server_default="60"
+    )  # the bar's width: 60, as the tick writes it; 3600, an hour folded by retention
+
+    __table_args__ = (Index("ix_price_bars_seconds_minute", "seconds", "minute"),)  # retention
 
 
 class MarketChange(Base):

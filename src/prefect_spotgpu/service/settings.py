@@ -165,6 +165,71 @@ class ServiceSettings(BaseSettings):
         60, ge=1, le=100_000, description="Estimates a tenant may start at once."
     )
 
+    # retention (service/retention.py; docs/operators/retention.md): 0 keeps for ever
+    retention_events_days: float = Field(
+        30.0,
+        ge=0,
+        description="Days events are kept (long-polls and webhooks read them); 0: for ever. "
+        "An event a pending webhook delivery will still send is kept.",
+    )
+    retention_webhook_deliveries_days: float = Field(
+        30.0,
+        ge=0,
+        description="Days a delivered or failed webhook delivery is kept after its last "
+        "attempt; 0: for ever. A pending one is never removed.",
+    )
+    retention_node_reports_days: float = Field(
+        14.0, ge=0, description="Days the audit of node agents' reports is kept; 0: for ever."
+    )
+    retention_ended_allocations_days: float = Field(
+        90.0,
+        ge=0,
+        description="Days an ended allocation is kept; 0: for ever. Its charges stay in its "
+        "tenant's totals (archived_charges); an allocation of a bid or gang still open or "
+        "held is kept whatever its age.",
+    )
+    retention_minute_bars_days: float = Field(
+        7.0,
+        ge=0,
+        description="Days a pool's minute price bars are kept; older ones are folded into "
+        "one hourly bar per hour (open, high, low, close), not dropped. 0: minute bars for ever.",
+    )
+    retention_hourly_bars_days: float = Field(
+        0.0,
+        ge=0,
+        description="Days the hourly price bars folded from minute bars are kept; 0: for ever "
+        "(24 rows a pool a day).",
+    )
+    retention_interval_seconds: float = Field(
+        600.0,
+        ge=0,
+        description="How often the tick leader prunes, on the service's clock (while a "
+        "backlog is left: one batch of each kind at every tick); 0: never (only "
+        "`spotgpu server prune`).",
+    )
+    retention_batch_rows: int = Field(
+        5000,
+        ge=100,
+        le=20_000,
+        description="Rows one pruning transaction removes at most (short transactions: the "
+        "tick's writes never wait long behind them).",
+    )
+
+    @model_validator(mode="after")
+    def _hourly_bars_outlive_minute_bars(self) -> ServiceSettings:
+        minute, hourly = self.retention_minute_bars_days, self.retention_hourly_bars_days
+        if 0 < minute < 1 / 24:
+            raise ValueError(
+                "retention_minute_bars_days must be 0 (for ever) or at least an hour (0.0417)"
+            )
+        if hourly > 0 and (minute == 0 or hourly < minute):
+            raise ValueError(
+                "retention_hourly_bars_days must be 0 (for ever) or at least "
+                "retention_minute_bars_days (hourly bars are made from minute bars that old), "
+                "and minute bars must then have a retention"
+            )
+        return self
+
     @field_validator("db_url")
     @classmethod
     def _check_url(cls, value: str | None) -> str | None:

@@ -10,6 +10,8 @@ writes reach it through the ``market_changes`` outbox, applied idempotently at e
 One tick, in one transaction: fence; apply the outbox; mark silent nodes lost; hold the bids
 of tenants out of credit; clear the market; write its decision
 (:mod:`~prefect_spotgpu.service.tick_writes`); write the charges when due; write the quotes.
+Between ticks, when due, the leader prunes rows past their retention, a bounded batch of
+each kind (:mod:`~prefect_spotgpu.service.retention`).
 
 Allocation rows are written only by the tick leader, through ``gate``. Charges accrue in memory
 (:class:`~prefect_spotgpu.service.ledger.Accrued`) and are written every
@@ -36,6 +38,7 @@ from prefect_spotgpu.service.clock import SYSTEM, Clock
 from prefect_spotgpu.service.leader import Leadership, LostLeadership
 from prefect_spotgpu.service.market_rows import load_market
 from prefect_spotgpu.service.metrics import ServiceMetrics
+from prefect_spotgpu.service.retention import Pruner
 from prefect_spotgpu.service.settings import ServiceSettings
 from prefect_spotgpu.service.tick_writes import PoolQuotes, TickWrites
 
@@ -94,22 +97,26 @@ class Ticker:
         self.charged: set[int] = set()  # the tenants the last tick charged
         self.limits = credit.BidLimits.from_settings(settings)
         self.quotes = PoolQuotes()
+        self.retention = Pruner(settings, sessions)  # old rows, pruned while this one leads
         self.last_flush = 0.0
         self.tick_seconds_last = 0.0
         self.ticks = 0
         self.rounds = 0  # passes of the loop, a tick or not (a failed one, a follower's)
+        self.round_at = float("-inf")  # the clock's time the last finished pass ran at
 
     # ---------------------------------------------------------------- the loop
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
             started = time.monotonic()
+            at = self.clock.time()
             try:
                 if self.epoch is None and self.leadership.try_acquire():
                     self.become_leader()
                 if self.epoch is not None:
                     self.leadership.check()
-                    self.tick(self.clock.time())
+                    self.tick(at)
+                    self.retention.run_due(now=at, epoch=self.epoch)
             except LostLeadership as exc:
                 logger.warning("lost tick leadership: %s", exc)
                 self.step_down()
@@ -117,6 +124,7 @@ class Ticker:
                 logger.exception("tick failed; the market is rebuilt from the database")
                 self.market = None
             self.rounds += 1
+            self.round_at = at
             self.clock.wait(stop, self.settings.tick_seconds - (time.monotonic() - started))
         self.step_down()
 
