@@ -14,7 +14,15 @@ import typer
 from rich.table import Table
 
 import prefect_spotgpu
-from prefect_spotgpu.cli import access, agent_cmds, market_cmds, nodes, pool, service_cmds
+from prefect_spotgpu.cli import (
+    access,
+    agent_cmds,
+    key_rotation,
+    market_cmds,
+    nodes,
+    pool,
+    service_cmds,
+)
 from prefect_spotgpu.cli.common import console
 
 app = typer.Typer(
@@ -25,6 +33,7 @@ app = typer.Typer(
 )
 app.add_typer(agent_cmds.agent_app, name="agent")
 app.add_typer(service_cmds.server_app, name="server")
+service_cmds.server_app.command("rotate-key")(key_rotation.rotate_key)
 app.add_typer(access.admin_app, name="admin")
 app.add_typer(access.keys_app, name="keys")
 app.add_typer(nodes.node_app, name="node")

@@ -17,6 +17,10 @@ the node's agent. ``tenants.webhook_secret`` holds ``sealed:`` and a Fernet toke
 secret written before sealing existed, which :func:`seal_plaintext_webhook_secrets` seals at
 start (migrations have no key), as :func:`seal_plaintext_jobs` does for job environments.
 
+The key is replaced only by ``spotgpu server rotate-key`` (``service/resealing.py``), which
+opens every sealed value with the old key and seals it again with the new one; a sealed value
+carries no key id (a Fernet token is authenticated: the key that opens it is its key).
+
 Example::
 
     >>> sealer = Sealer(Fernet.generate_key().decode())
@@ -149,18 +153,22 @@ def seal_plaintext_webhook_secrets(*, session: Session, sealer: Sealer) -> int:
 
 
 def check_sealing_key(*, session: Session, sealer: Sealer) -> None:
-    """Refuse a key that cannot open what this market has sealed (a replica started with a
-    home of its own, hence a key of its own, beside replicas that share one)."""
-    sample = session.scalar(
-        select(BidRow.job_env_sealed)
-        .where(BidRow.job_env_sealed.is_not(None))
-        .order_by(BidRow.id.desc())
-        .limit(1)
-    )
-    if sample is not None:
-        sealer.open(sample)  # SealError: the wrong key
-    secret = session.scalar(
-        select(Tenant.webhook_secret).where(_is_sealed()).order_by(Tenant.id.desc()).limit(1)
-    )
-    if secret is not None:
-        open_secret(secret, sealer)
+    """Refuse a key that cannot open what this market has sealed: a replica started with a
+    home of its own, hence a key of its own, beside replicas that share one; or a database
+    half-way through ``spotgpu server rotate-key``, which re-seals in id order (so the oldest
+    and the newest value of a column are opened: until it finishes, no one key opens both)."""
+    for order in (BidRow.id.desc(), BidRow.id.asc()):
+        sample = session.scalar(
+            select(BidRow.job_env_sealed)
+            .where(BidRow.job_env_sealed.is_not(None))
+            .order_by(order)
+            .limit(1)
+        )
+        if sample is not None:
+            sealer.open(sample)  # SealError: the wrong key
+    for order in (Tenant.id.desc(), Tenant.id.asc()):
+        secret = session.scalar(
+            select(Tenant.webhook_secret).where(_is_sealed()).order_by(order).limit(1)
+        )
+        if secret is not None:
+            open_secret(secret, sealer)

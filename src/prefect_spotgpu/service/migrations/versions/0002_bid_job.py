@@ -19,5 +19,6 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("bids") as batch:
-        batch.drop_column("job")
+    # plain DROP COLUMN (SQLite >= 3.35): a batch copy of ``bids`` would drop the table that
+    # ``allocations`` references, which SQLite's foreign keys refuse
+    op.drop_column("bids", "job")

@@ -51,6 +51,7 @@ def downgrade() -> None:
     op.drop_table("pool_quotes")
     _pool_quotes("gpu_model", "region")
     op.execute("DELETE FROM bids WHERE capacity = 'on_demand' AND status = 'open'")
+    # plain DROP COLUMN (SQLite >= 3.35): a batch copy of ``bids`` or ``nodes`` would drop the
+    # table that ``allocations`` references, which SQLite's foreign keys refuse
     for table in ("bids", "nodes"):
-        with op.batch_alter_table(table) as batch:
-            batch.drop_column("capacity")
+        op.drop_column(table, "capacity")
