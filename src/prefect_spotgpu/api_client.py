@@ -1,20 +1,30 @@
 """The one way to talk to a market's ``/api/v1``: an httpx client with its bearer credential.
 
 A tenant API key (the worker, the CLI, the ``SpotMarket`` block), a node token (the agent)
-or the admin key: every caller builds its client here, so the base path, the header and the
-timeout are written once. Light on purpose (httpx only): the CLI and the agent start fast.
+or the admin key: every caller builds its client here, so the base path, the headers and the
+timeout are written once. Every request says the client's version (``VERSION_HEADER``): the
+market refuses a client older than it accepts, naming the upgrade
+(docs/operators/version-skew.md). Light on purpose (httpx and the package's version only):
+the CLI and the agent start fast.
 
     >>> with api_client("http://127.0.0.1:4300/", "sgk_x") as client:
     ...     str(client.base_url), client.headers["Authorization"]
     ('http://127.0.0.1:4300/api/v1/', 'Bearer sgk_x')
+    >>> api_client("http://127.0.0.1:4300", None).headers[VERSION_HEADER] == __version__
+    True
 """
 
 from __future__ import annotations
 
 import httpx
 
+from prefect_spotgpu import __version__
+
 API_PATH = "/api/v1"
 DEFAULT_TIMEOUT = 30.0
+VERSION_HEADER = "X-Spotgpu-Version"
+"""``protocol.VERSION_HEADER``, spelled here: this module imports nothing else of ours (the
+protocol's imports would slow every start; a test holds the two equal)."""
 
 
 def api_client(url: str, credential: str | None, timeout: float = DEFAULT_TIMEOUT) -> httpx.Client:
@@ -34,4 +44,7 @@ def api_base(url: str) -> str:
 
 
 def _headers(credential: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {credential}"} if credential else {}
+    headers = {VERSION_HEADER: __version__}
+    if credential:
+        headers["Authorization"] = f"Bearer {credential}"
+    return headers

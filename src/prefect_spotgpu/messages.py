@@ -14,7 +14,8 @@ tenant (``TenantResponse``; as created, with its key: ``TenantCreated``), its ke
 ways, which the service declares as its request models (subclasses adding its checks, with the
 same fields: ``tests/test_messages.py``): a new bid (``BidRequest``, its job ``JobSpec``), what
 a node agent reports of an allocation (``AllocationReport``), a node's registration
-(``NodeRegistration``) and its heartbeat (``Heartbeat``). A refusal is an ``ErrorResponse``.
+(``NodeRegistration``) and its heartbeat (``Heartbeat``). A refusal is an ``ErrorResponse``; a
+client too old for the market is refused with a ``VersionRefusal``.
 
 Wire compatibility: a field a newer service adds is ignored by an older client (pydantic's
 default ``extra="ignore"``), and a field a client needs that a reply lacks fails the parse
@@ -476,3 +477,14 @@ class ErrorResponse(BaseModel):
             return cls.model_validate(response.json())
         except ValueError:  # (not JSON, or not this shape: pydantic's errors are ValueErrors)
             return None
+
+
+class VersionRefusal(ErrorResponse):
+    """The market's refusal of a client older than it accepts (HTTP 426 Upgrade Required):
+    ``detail`` says it in words; the versions and the command that upgrades the client are
+    data too (docs/operators/version-skew.md)."""
+
+    market_version: str
+    oldest_accepted: str = Field(description="The oldest client version the market accepts.")
+    client_version: str = Field(description="The version the client sent (or was taken as).")
+    upgrade: str = Field(description="The command that installs a version the market accepts.")

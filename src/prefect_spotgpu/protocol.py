@@ -79,7 +79,8 @@ class BidStatus(StrEnum):
     OPEN = "open"
     """Waiting for GPUs, or running on them."""
     HELD = "held"
-    """Kept, but not placed: its tenant's balance ran out (``hold_reason`` says)."""
+    """Kept, but not placed: its tenant's balance ran out, or no node of its pools can run it
+    as asked (``hold_reason`` says which)."""
     CANCELLED = "cancelled"
     FINISHED = "finished"
     """Its job ended by itself (exit 0, or non-zero)."""
@@ -356,12 +357,15 @@ class WorkerEvent(StrEnum):
     PREEMPTED = "preempted"
     """The run's allocation ended by a preemption: the run is rescheduled."""
     ON_DEMAND = "on-demand"
-    """A deadline-aware run moved to on-demand capacity."""
+    """A paced run (``gpu_hours`` and a deadline, under any bidding policy) moved to on-demand
+    capacity."""
     SPOT = "spot"  # back to spot capacity from on-demand
-    """A deadline-aware run went back to spot capacity from on-demand."""
+    """A paced run went back to spot capacity from on-demand (a policy that moves back:
+    ``deadline-aware``)."""
     HELD = "held"
     """The market holds the run's bid: no node of its pools can run it as asked (its runner;
-    payload ``reason``). The run waits, AwaitingGPU, until a node that serves it comes."""
+    payload ``reason``). The run waits, AwaitingGPU, until a node that serves it comes. (A bid
+    held for its tenant's credit says so in its own status, not by this event.)"""
 
     @property
     def event(self) -> str:
@@ -419,6 +423,9 @@ class _JobEnv:
     SAVED_FILE: str = "SPOTGPU_SAVED_FILE"
     """Written by the job after each durable checkpoint (the agent reports it)."""
     CHECKPOINT_KEY: str = "SPOTGPU_CHECKPOINT_KEY"
+    """The bid's key, ``bid-<id>``, the same on every node it runs on. The checkpoint library
+    does not read it (it keys a flow run's checkpoints by ``flow-run-<id>``); a job without
+    Prefect may."""
     CHECKPOINT_URL: str = "SPOTGPU_CHECKPOINT_URL"
     CHECKPOINT_SIGNING_KEY: str = "SPOTGPU_CHECKPOINT_SIGNING_KEY"
     LAUNCH_TIMEOUT: str = "SPOTGPU_LAUNCH_TIMEOUT"
@@ -525,3 +532,12 @@ DASK_CLUSTER_LABEL = "spotgpu.dask-cluster"
 
 DASK_UNREACHABLE_EXIT = 4
 """A Dask worker job's exit code when it could not reach its scheduler in time."""
+
+VERSION_HEADER = "X-Spotgpu-Version"
+"""The header on every request of an agent, a worker or the CLI: its prefect-spotgpu version
+(``api_client`` sends it). The market refuses a client older than it accepts (426, a
+``messages.VersionRefusal``); a request without it is a tenant's own script's, or an agent's
+from before the header (docs/operators/version-skew.md)."""
+
+TELEMETRY_AGENT_VERSION = "agent_version"
+"""The key of a node's stored telemetry that holds the version its agent last sent."""

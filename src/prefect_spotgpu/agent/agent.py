@@ -25,7 +25,6 @@ lock.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -42,15 +41,11 @@ from prefect_spotgpu.agent.credentials import (
 )
 from prefect_spotgpu.agent.discovery import GpuInfo
 from prefect_spotgpu.agent.gpu_book import GpuBook, Verdict
-from prefect_spotgpu.agent.heartbeat import (
-    TELEMETRY_GPUS,
-    NodeImages,
-    runner_terms,
-    send_heartbeat,
-)
+from prefect_spotgpu.agent.heartbeat import NodeImages, node_telemetry, runner_terms, send_heartbeat
 from prefect_spotgpu.agent.isolation import read_job_file
 from prefect_spotgpu.agent.leaving import Leaving
 from prefect_spotgpu.agent.lifecycle import Lifecycle
+from prefect_spotgpu.agent.metrics import AgentMetrics, StartFailure
 from prefect_spotgpu.agent.reactions import (
     Already,
     Decline,
@@ -146,6 +141,7 @@ class Agent(Lifecycle):
         self.leaving = Leaving(grace_seconds)  # asked to stop: by when the jobs must be gone
         self.declined: dict[int, int] = {}  # allocation -> epoch, not started while leaving
         self.notice_threads: list[threading.Thread] = []
+        self.metrics = AgentMetrics(self)  # what it counts (``--metrics-port`` serves them)
 
     # ---------------------------------------------------------------- registration
 
@@ -179,7 +175,7 @@ class Agent(Lifecycle):
             raise AgentError(str(exc)) from None
         self.token = None  # the owner's key is not kept past registration
         self.client = self._http(token)
-        self.reporter = Reporter(self.client, self.stop_event)
+        self.reporter = Reporter(self.client, self.stop_event, self.metrics)
         self.node_id = node.id
         self.cursor = load_cursor(self.state_dir, self.market, self.node_id)
         logger.info(
@@ -222,6 +218,10 @@ class Agent(Lifecycle):
                     logger.warning("market unreachable (%s); retrying", exc)
                     self.stop_event.wait(1.0)
                     continue
+                if page.status_code == httpx.codes.UPGRADE_REQUIRED and not self.leaving.asked:
+                    logger.error("this agent is too old for the market: %s", page.text[:300])
+                    self.shutdown()  # it cannot serve: its jobs save and stop, it exits
+                    continue
                 if page.status_code != 200:
                     logger.warning("events: %s %s", page.status_code, page.text[:200])
                     self.stop_event.wait(1.0)
@@ -242,20 +242,15 @@ class Agent(Lifecycle):
             self.stop_event.set()
 
     def heartbeat(self) -> None:
-        telemetry = {"jobs": len(self.jobs), "declared": self.declared}
-        if self.telemetry is not None:
-            with contextlib.suppress(Exception):
-                telemetry[TELEMETRY_GPUS] = self.telemetry()
-        response = send_heartbeat(
+        send_heartbeat(
             self.client,
             self.node_id,
-            telemetry=telemetry,
+            telemetry=node_telemetry(len(self.jobs), self.declared, self.telemetry),
             images=self.images,
             address=self.address,
             runner=runner_terms(self.runner),
+            metrics=self.metrics,
         )
-        if response.status_code != 200:
-            logger.warning("heartbeat refused: %s %s", response.status_code, response.text[:200])
 
     def _heartbeats(self) -> None:
         while not self.stop_event.wait(self.heartbeat_seconds):
@@ -317,6 +312,7 @@ class Agent(Lifecycle):
                     return
                 case Fail(epoch, detail):
                     logger.error("allocation %s: %s", alloc_id, detail)
+                    self.metrics.start_failed(StartFailure.JOB)
                     self.reporter.report_failed(alloc_id, epoch, detail)
                     return
             request = self._take_gpus(alloc_id, decision)
@@ -347,6 +343,7 @@ class Agent(Lifecycle):
             return None
         if taken.verdict == Verdict.GIVE_UP:
             logger.error("allocation %s needs %s GPUs, %s free", alloc_id, count, taken.free)
+            self.metrics.start_failed(StartFailure.GPUS)
             self.reporter.report_failed(alloc_id, assignment.epoch)
             return None
         return job_request(go, taken.indices, self.state_dir)
@@ -357,7 +354,8 @@ class Agent(Lifecycle):
         ``preparing``: its GPUs are free again)."""
         alloc_id = request.allocation_id
         try:
-            self.runner.prepare(request, lambda line: self._report_progress(request, line))
+            with self.metrics.image_pull():
+                self.runner.prepare(request, lambda line: self._report_progress(request, line))
         except Exception as exc:
             self._not_started(request, exc)
             return
@@ -407,6 +405,7 @@ class Agent(Lifecycle):
                 del self.preparing[alloc_id]
                 self.jobs[alloc_id] = handle
                 self.start_failures.started()
+                self.metrics.job_started()
         if not kept:  # noticed or ended while it started: it never runs here
             logger.info("allocation %s: ended while it started; stopped", alloc_id)
             self.runner.stop(handle, grace=0)
@@ -431,6 +430,7 @@ class Agent(Lifecycle):
             del self.preparing[alloc_id]
             self.gpu_book.give_back(alloc_id)
         logger.error("allocation %s: the job could not start: %s", alloc_id, exc)
+        self.metrics.start_failed(StartFailure.of(exc))
         detail = f"the job could not start: {exc}"
         report_not_started(
             self.start_failures,
@@ -441,6 +441,7 @@ class Agent(Lifecycle):
 
     def notice(self, alloc_id: int, deadline: float, epoch: int | None) -> None:
         deadline = self.leaving.deadline(deadline)
+        self.metrics.noticed()
         with self.lock:
             handle = self.jobs.get(alloc_id)
             unstarted = self.preparing.pop(alloc_id, None)

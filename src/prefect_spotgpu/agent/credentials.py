@@ -13,7 +13,8 @@ first events.
 ``register_node`` is the whole registration: the token given, else the one kept, else one
 obtained with the owner's key; then the market's record of the node, which must sell this
 host's GPUs. The market's replies are parsed into ``messages``' models; one that lacks a field
-the agent needs is a ``CredentialError`` naming it.
+the agent needs is a ``CredentialError`` naming it, and so is a market that refuses this
+agent's version (426: the error says which version it needs, and how to install it).
 """
 
 from __future__ import annotations
@@ -31,7 +32,13 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from prefect_spotgpu.messages import NodeCreated, NodeRegistration, NodeResponse, NodeToken
+from prefect_spotgpu.messages import (
+    NodeCreated,
+    NodeRegistration,
+    NodeResponse,
+    NodeToken,
+    VersionRefusal,
+)
 from prefect_spotgpu.protocol import Capacity
 
 NODE_FILE = "node.json"
@@ -94,6 +101,7 @@ def obtain_node_token(
     """Register this host with the owner's ``client``, or, if the owner already has a node of
     that name, issue that node a new token (the old one stops working)."""
     response = client.post("/nodes", json=registration.body())
+    _check_version(response)
     if response.status_code == 201:
         created = _parse(NodeCreated, response.json(), "registration")
         return NodeRecord(market, created.id, created.token)
@@ -146,6 +154,7 @@ def register_node(
             )
         token = _register_with(http, owner_key, market, state_dir, registration)
         me = _me(http, token)
+    _check_version(me)
     if me.status_code != 200:
         raise CredentialError(f"the market refused this node's token: {me.status_code} {me.text}")
     node = _parse(NodeResponse, me.json(), "node record")
@@ -166,6 +175,17 @@ def _parse(model: type[M], reply: object, what: str) -> M:
         raise CredentialError(
             f"the market's {what} does not parse as {model.__name__}: {exc}"
         ) from None
+
+
+def _check_version(response: httpx.Response) -> None:
+    """A market that refuses this agent's version: a ``CredentialError`` with its words."""
+    if response.status_code != httpx.codes.UPGRADE_REQUIRED:
+        return
+    try:
+        said = VersionRefusal.model_validate(response.json()).detail
+    except ValueError:  # (not JSON, or not a refusal: pydantic's errors are ValueErrors)
+        said = response.text[:300]
+    raise CredentialError(f"the market refuses this agent's version: {said}")
 
 
 def _me(http: Callable[[str], httpx.Client], token: str) -> httpx.Response:

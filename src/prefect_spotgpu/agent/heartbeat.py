@@ -7,10 +7,14 @@ Listing them is a call to the Docker engine, too much for every heartbeat: the l
 the first heartbeat, after every pull (``pulled``), and otherwise at most every
 ``REFRESH_SECONDS``; a heartbeat carries it only when it differs from the list the market last
 accepted (``accepted``), so most heartbeats carry none (the market keeps what it has).
+
+Each heartbeat is counted by what became of it (``metrics``: accepted, refused, unanswered); a
+market that refuses this agent's version (426) says which one it needs, logged as an error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -18,6 +22,7 @@ from collections.abc import Callable
 
 import httpx
 
+from prefect_spotgpu.agent.metrics import AgentMetrics, Beat
 from prefect_spotgpu.messages import ErrorResponse, Heartbeat, RunnerTerms
 
 logger = logging.getLogger("prefect_spotgpu.agent")
@@ -69,6 +74,16 @@ class NodeImages:
         self._accepted = images
 
 
+def node_telemetry(jobs: int, declared: bool, read_gpus: Callable[[], list] | None) -> dict:
+    """A heartbeat's telemetry: the jobs running, whether the GPUs were declared, and each
+    GPU's readings (``read_gpus``: ``discovery.telemetry_nvml``; left out if it fails)."""
+    telemetry = {"jobs": jobs, "declared": declared}
+    if read_gpus is not None:
+        with contextlib.suppress(Exception):
+            telemetry[TELEMETRY_GPUS] = read_gpus()
+    return telemetry
+
+
 def runner_terms(runner) -> RunnerTerms:
     """How a node runs jobs, as the market takes it (``market.Runner``): the market places a
     bid only where it can run as asked, a gang member only where its peers reach it."""
@@ -88,10 +103,30 @@ def send_heartbeat(
     images: NodeImages,
     address: str | None = None,
     runner: RunnerTerms | None = None,
+    metrics: AgentMetrics | None = None,
 ) -> httpx.Response:
     """One heartbeat: ``telemetry``, the node's advertised ``address`` (where a gang's other
     ranks reach its rank 0), how it runs jobs (``runner``, every time) and the node's images
-    when they changed; the market's answer (after one more try without what it refused)."""
+    when they changed; the market's answer (after one more try without what it refused),
+    counted in ``metrics`` (no answer: counted, and the ``httpx.HTTPError`` raised)."""
+    try:
+        response = _send(client, node_id, telemetry, images, address, runner)
+    except httpx.HTTPError:
+        if metrics is not None:
+            metrics.heartbeat(Beat.UNANSWERED)
+        raise
+    if metrics is not None:
+        metrics.heartbeat(Beat.ACCEPTED if response.status_code == 200 else Beat.REFUSED)
+    if response.status_code == httpx.codes.UPGRADE_REQUIRED:
+        refusal = ErrorResponse.of(response)
+        logger.error("heartbeat refused: %s", refusal.detail if refusal else response.text[:300])
+    elif response.status_code != 200:
+        logger.warning("heartbeat refused: %s %s", response.status_code, response.text[:200])
+    return response
+
+
+def _send(client, node_id, telemetry, images, address, runner) -> httpx.Response:
+    """The heartbeat; once more without the fields a market older than this agent refused."""
     listed = images.to_send()
     terms = (runner or RunnerTerms()).model_dump()
     beat = Heartbeat(telemetry=telemetry, images=listed, address=address, **terms)

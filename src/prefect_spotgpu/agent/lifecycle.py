@@ -138,6 +138,8 @@ class Lifecycle:
         handed over, start the rest of what it does assign."""
         handed = take_record(self.state_dir)
         active = self.assignments()
+        for _ in handed.keys() - active.keys():  # handed over, no longer assigned here
+            self.metrics.handover_job(adopted=False)
         for workdir in sorted(self.state_dir.glob("alloc-*")):
             alloc_id = int(workdir.name.removeprefix("alloc-"))
             if alloc_id in active:
@@ -147,8 +149,11 @@ class Lifecycle:
                     "reconcile: killed the job of allocation %s, no longer ours", alloc_id
                 )
         for alloc_id, assignment in active.items():
-            if alloc_id in handed and self._adopt(handed[alloc_id], assignment):
-                continue
+            if alloc_id in handed:
+                adopted = self._adopt(handed[alloc_id], assignment)
+                self.metrics.handover_job(adopted)
+                if adopted:
+                    continue
             if assignment.status == AllocationStatus.NOTICED:  # its notice outlived an agent
                 self._settle_left_notice(alloc_id, assignment.epoch)
             elif assignment.status in STARTABLE:

@@ -21,6 +21,7 @@ from weakref import WeakKeyDictionary
 import httpx
 
 from prefect_spotgpu.agent.isolation import read_job_file
+from prefect_spotgpu.agent.metrics import AgentMetrics
 from prefect_spotgpu.agent.reports import checkpoint_report, one_line, save_marker
 from prefect_spotgpu.agent.runners import JobHandle
 from prefect_spotgpu.messages import AllocationReport
@@ -30,11 +31,15 @@ logger = logging.getLogger("prefect_spotgpu.agent")
 
 
 class Reporter:
-    """The agent's reports, over its node's ``client``; retries end when ``stopped`` is set."""
+    """The agent's reports, over its node's ``client``; retries end when ``stopped`` is set.
+    How each notice ended is counted in ``metrics`` (``AgentMetrics.notice_ended``)."""
 
-    def __init__(self, client: httpx.Client, stopped: threading.Event) -> None:
+    def __init__(
+        self, client: httpx.Client, stopped: threading.Event, metrics: AgentMetrics | None = None
+    ) -> None:
         self.client = client
         self.stopped = stopped
+        self.metrics = metrics or AgentMetrics()
         self._lock = threading.Lock()
         # job -> the save last reported (the agent's loop and a notice thread may both look)
         self._reported: WeakKeyDictionary[JobHandle, tuple[float, int | None] | None] = (
@@ -98,7 +103,8 @@ class Reporter:
 
     def report_notice(self, alloc_id: int, body: AllocationReport, ack: dict | None) -> None:
         """``report`` a notice's outcome (``reports.notice_report``: ``body``; ``ack``: the
-        job's acknowledgement, if any), and log what it was."""
+        job's acknowledgement, if any), and log what it was (and count it, as decided)."""
+        self.metrics.notice_ended(body)
         response = self.report(alloc_id, body)
         if response is None:
             return

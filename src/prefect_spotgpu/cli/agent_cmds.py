@@ -120,6 +120,21 @@ def agent_start(
         "for the next agent on this state directory before they are killed. Keep it under the "
         "market's heartbeat timeout (SPOTGPU_HEARTBEAT_TIMEOUT_SECONDS, default 30).",
     ),
+    metrics_port: int = typer.Option(
+        None,
+        min=0,
+        max=65535,
+        envvar="SPOTGPU_AGENT_METRICS_PORT",
+        help="Serve the agent's own Prometheus metrics on this port, at /metrics (jobs, "
+        "starts, notices, final saves, heartbeats, image pulls, the guard, hand-overs). "
+        "Default: none.",
+    ),
+    metrics_address: str = typer.Option(
+        "127.0.0.1",
+        envvar="SPOTGPU_AGENT_METRICS_ADDRESS",
+        help="The address --metrics-port listens on (the metrics need no key: keep them off "
+        "networks your Prometheus is not on).",
+    ),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
 ) -> None:
     """Run the node agent: discover GPUs, register, heartbeat, run assigned jobs.
@@ -133,7 +148,8 @@ def agent_start(
     started on the same --state-dir within --handover-seconds adopts them. Run as
     root, it runs each job as an unprivileged user of its own (see --job-user), and refuses to
     start when that user cannot execute the job interpreter (see --job-python). A node whose
-    jobs cannot start, three in a row, drains itself until its owner offers it again.
+    jobs cannot start, three in a row, drains itself until its owner offers it again. With
+    --metrics-port it serves its own Prometheus metrics.
     """
     import logging
     import signal as signals
@@ -202,6 +218,8 @@ def agent_start(
     lock = hold_state_dir(state)  # one agent at a time: a quick restart waits for the last
     agent.guard = start_guard(job_runner, state, lock)  # its jobs die with it (before threads)
     agent.handover_seconds = handover_seconds
+    if metrics_port is not None:  # (a thread: after the guard's fork)
+        agent.metrics.serve(metrics_address, metrics_port)
     for stop_signal in (signals.SIGTERM, signals.SIGINT):  # leave as a reclaim (twice: now)
         signals.signal(stop_signal, lambda *_: agent.shutdown())
     signals.signal(signals.SIGUSR2, lambda *_: agent.hand_over())  # an upgrade: jobs stay

@@ -1,13 +1,14 @@
 """The app factory: ``create_app`` builds the service as an ASGI app.
 
 It checks the database (and migrates it), that no other user can reach the market's files
-(``at_rest``) and the sealing key, and seals what older versions kept in the clear; it adds
-the middleware (body limit, request timer, public cache, security headers), keeps the fair
-shares' state (``fairness``, ``event_watch``, ``forecasts``), maps domain errors
-(``errors.ServiceError``; a 429 with its ``Retry-After``) and request validation errors to
-JSON, includes every router of ``routes`` (and ``/metrics``), refuses to start with a route
-that has no roles (``roles.check_route_table``), and, with ``background``, runs the tick loop
-and the webhook sender in its lifespan.
+(``at_rest``) and the sealing key, and seals what older versions kept in the clear; it judges
+every client's version (``versions``: one too old is refused, 426); it adds the middleware
+(body limit, request timer, public cache, security headers), keeps the fair shares' state
+(``fairness``, ``event_watch``, ``forecasts``), maps domain errors (``errors.ServiceError``;
+a 429 with its ``Retry-After``) and request validation errors to JSON, includes every router
+of ``routes`` (and ``/metrics``), refuses to start with a route that has no roles
+(``roles.check_route_table``), and, with ``background``, runs the tick loop and the webhook
+sender in its lifespan.
 """
 
 from __future__ import annotations
@@ -59,6 +60,12 @@ from prefect_spotgpu.service.routes import (
 from prefect_spotgpu.service.sealing import Sealer, SealError, seal_plaintext_webhook_secrets
 from prefect_spotgpu.service.settings import ServiceSettings
 from prefect_spotgpu.service.ticker import Notifier, Ticker
+from prefect_spotgpu.service.versions import (
+    ClientTooOld,
+    SkewLog,
+    check_client_version,
+    too_old_response,
+)
 from prefect_spotgpu.service.webhooks import WebhookSender
 
 ROUTES = (
@@ -210,7 +217,8 @@ def create_app(
         crud.seal_plaintext_jobs(session=session, sealer=sealer)
         seal_plaintext_webhook_secrets(session=session, sealer=sealer)
     app = FastAPI(
-        dependencies=[Depends(authorize)],  # every route's roles: service/roles.py
+        # every route's roles (service/roles.py), then the client's version (versions.py)
+        dependencies=[Depends(authorize), Depends(check_client_version)],
         title="prefect-spotgpu market",
         version=prefect_spotgpu.__version__,
         description="A spot market for idle GPUs: tenants bid, node agents serve, the market "
@@ -226,6 +234,8 @@ def create_app(
     app.state.ticker = None
     app.state.admin_key = settings.resolved_admin_key()
     app.state.sealer = sealer
+    app.state.market_version = prefect_spotgpu.__version__  # what clients are judged by
+    app.state.skew_log = SkewLog()  # a skew logged once per node or tenant and version
     # fair shares: caps and buckets, one event watcher, forecasts per bar, one stream read
     app.state.fair_shares = FairShares.from_settings(settings)
     app.state.event_watch = EventWatch(
@@ -237,6 +247,7 @@ def create_app(
     app.state.stream_snapshot = SharedSnapshot(seconds=1.0)
     app.state.bid_limits = credit.BidLimits.from_settings(settings)
     app.add_exception_handler(ServiceError, _error_response)
+    app.add_exception_handler(ClientTooOld, too_old_response)  # 426: its versions as data
     app.add_exception_handler(RequestValidationError, _validation_response)
     app.add_middleware(  # inside the timer: hits are counted and timed too
         PublicCache,

@@ -1,10 +1,11 @@
 """Node agent routes: an agent, with its node's token, acts only for its own node (it reads
-the node with ``GET /nodes/me``, a ``nodes`` route). It sends heartbeats with telemetry,
-reconciles against the node's active allocations (each running one with its job, environment
-opened), long-polls the node's assignments and notices, and reports checkpoints, the final
-save and the job's end. Every report, accepted or refused, is kept in the audit table
-``node_reports``. An agent whose jobs cannot start drains its own node (``drain``), as its
-owner would: the node then takes no new work until its owner offers it again."""
+the node with ``GET /nodes/me``, a ``nodes`` route). It sends heartbeats with telemetry (kept
+with the version the agent sent: ``versions``), reconciles against the node's active
+allocations (each running one with its job, environment opened), long-polls the node's
+assignments and notices, and reports checkpoints, the final save and the job's end. Every
+report, accepted or refused, is kept in the audit table ``node_reports``. An agent whose jobs
+cannot start drains its own node (``drain``), as its owner would: the node then takes no new
+work until its owner offers it again."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import logging
 from fastapi import APIRouter, Request
 
 from prefect_spotgpu.market import AllocationStatus, NodeState, NoticeReason
-from prefect_spotgpu.protocol import HOLDING_STATUSES
-from prefect_spotgpu.service import crud, gangs, queries, schemas
+from prefect_spotgpu.protocol import HOLDING_STATUSES, TELEMETRY_AGENT_VERSION
+from prefect_spotgpu.service import crud, gangs, queries, schemas, versions
 from prefect_spotgpu.service.deps import CurrentNode, Db
 from prefect_spotgpu.service.errors import Forbidden, ServiceError
 from prefect_spotgpu.service.models import BidRow
@@ -57,17 +58,25 @@ def _warms_up(allocation, bid: BidRow, settings, moved_by: str | None) -> bool:
     response_model=schemas.NodeResponse,
     summary="The node agent's heartbeat, with telemetry",
 )
-def heartbeat(node_id: Id, data: schemas.Heartbeat, caller_node: CurrentNode, db: Db):
+def heartbeat(
+    node_id: Id, data: schemas.Heartbeat, caller_node: CurrentNode, db: Db, request: Request
+):
+    """The node is alive; its telemetry is kept with the version its agent sent (its
+    ``agent_version``: ``versions``, judged before), images and runner terms when they
+    change."""
     _same_node(node_id, caller_node)
+    telemetry = None
+    if data.telemetry is not None:
+        telemetry = data.telemetry.model_dump(mode="json", exclude_none=True)
+        if (version := versions.sent_version(request)) is not None:
+            telemetry[TELEMETRY_AGENT_VERSION] = version
     with db.begin() as session:
         node = crud.get_node(session=session, node_id=node_id, owner_id=None)
         return schemas.node_response(
             crud.heartbeat_node(
                 session=session,
                 node=node,
-                telemetry=None
-                if data.telemetry is None
-                else data.telemetry.model_dump(mode="json", exclude_none=True),
+                telemetry=telemetry,
                 images=data.images,
                 address=data.address,
                 runner=data.runner,
