@@ -1,7 +1,12 @@
-"""Generate the Reference pages from the code, at build time (mkdocs-gen-files).
+"""Generate the Reference pages from the code into ``docs/reference/``, where they are committed.
 
-Nothing this script writes exists on disk: ``mkdocs build`` runs it and serves its pages, so a
-page cannot drift from the code it describes. Each page has one ``render_*`` function:
+    python docs/gen_reference.py --write     # after a change to what a page describes
+    python docs/gen_reference.py --check     # exit 1 naming each page the code has left behind
+
+The pages are files of the repository, so a reader without a built site has the reference too;
+``tests/test_docs.py`` fails when a committed page is not what this script writes now, naming the
+command above. mkdocs serves the committed files as any other page. Each page has one
+``render_*`` function:
 
 - ``reference/cli.md``: the typer app's commands, walked recursively (hidden ones skipped).
 - ``reference/rest-api.md``: the service's OpenAPI schema (the app built over a throwaway SQLite
@@ -9,20 +14,19 @@ page cannot drift from the code it describes. Each page has one ``render_*`` fun
 - ``reference/job-variables.md``: the worker's ``SpotGPUJobConfiguration`` and the cross-field rules
   of its job configuration.
 - ``reference/settings.md``: ``ServiceSettings`` as ``SPOTGPU_*`` variables, and every other
-  ``SPOTGPU_*`` variable the package reads; a variable nobody describes fails the build.
+  ``SPOTGPU_*`` variable the package reads; a variable nobody describes fails the script.
 - ``reference/events.md``: the enums and labels of ``prefect_spotgpu.protocol``.
 - ``reference/metrics.md``: the Prometheus metrics of ``service/metrics.py``.
 
 Descriptions come from the code (docstrings, attribute docstrings, ``Field(description=...)``,
 inline comments). Where the code has none, the small mappings below supply one, keyed by the
-constant; a key that no longer exists in the code fails the build, and so does a constant that
+constant; a key that no longer exists in the code fails the script, and so does a constant that
 neither the code nor a mapping describes.
 """
 
 from __future__ import annotations
 
 import ast
-import atexit
 import contextlib
 import enum
 import functools
@@ -37,18 +41,20 @@ import tokenize
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-import mkdocs_gen_files
-
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src"
 PACKAGE = SRC / "prefect_spotgpu"
+DOCS = ROOT / "docs"
 THIS = "docs/gen_reference.py"
+REGENERATE = f"python {THIS} --write"
+"""The one command that brings the committed pages up to date with the code."""
 
-ENV_NAME = re.compile(r"\bSPOTGPU_[A-Z0-9_]*[A-Z0-9]")
-"""A ``SPOTGPU_*`` environment variable's name, wherever it is written."""
+ENV_NAME = re.compile(r"\bSPOTGPU_[A-Z0-9_]*[A-Z0-9](?![A-Z0-9_]*\*)")
+"""A ``SPOTGPU_*`` environment variable's name, wherever it is written (a family written with a
+wildcard, ``SPOTGPU_RETENTION_*_DAYS``, names no variable of its own)."""
 
 # --------------------------------------------------------------------------- descriptions the
-# code does not (yet) carry. Each is keyed by the constant; a stale key fails the build.
+# code does not (yet) carry. Each is keyed by the constant; a stale key fails the script.
 
 SETTING_DESCRIPTIONS = {
     "host": "Interface the API listens on (``spotgpu server start --host``).",
@@ -72,8 +78,9 @@ JOB_ENV_DESCRIPTIONS = {
     "identify themselves by it).",
     "ALLOCATION_EPOCH": "The allocation's epoch: which start of the allocation this process is.",
     "BID_ID": "The market bid the allocation serves.",
-    "CHECKPOINT_KEY": "The key the run's checkpoints are kept under (``bid-<id>`` unless the "
-    "flow gives one).",
+    "CHECKPOINT_KEY": "The bid's name for its checkpoints (``bid-<id>``), given by the agent; "
+    "the checkpoint library does not read it: ``checkpointer_for_run`` keys a run's checkpoints "
+    "by its flow run (``flow-run-<id>``), the same key across every bid and attempt of the run.",
     "CHECKPOINT_URL": "Where the run's checkpoints go: a directory or ``s3://bucket/prefix``.",
     "CHECKPOINT_SIGNING_KEY": "The key the run's checkpoints are signed with (the worker gives "
     "each flow run its own); a checkpoint that does not verify is refused at restore.",
@@ -202,8 +209,9 @@ def doc(obj) -> str:
 def generated_from(*sources: str) -> str:
     names = ", ".join(code(s) for s in sources)
     return (
-        f'!!! note "Generated"\n    This page is generated from {names} when the site is '
-        f"built (`{THIS}`): edit the code, not the page.\n\n"
+        f'!!! note "Generated"\n    This page is generated from {names} by `{REGENERATE}`: '
+        "edit the code, then run that command; a test fails while the page and the code "
+        "differ.\n\n"
     )
 
 
@@ -527,7 +535,7 @@ def render_cli() -> str:
 @contextlib.contextmanager
 def throwaway_home() -> Iterator[Path]:
     """A temporary ``SPOTGPU_HOME`` (mode 0700), set in the environment meanwhile: nothing the
-    build does reaches ``~/.spotgpu``."""
+    script does reaches ``~/.spotgpu``."""
     saved = os.environ.get("SPOTGPU_HOME")
     with tempfile.TemporaryDirectory(prefix="spotgpu-docs-") as directory:
         os.environ["SPOTGPU_HOME"] = directory
@@ -933,7 +941,7 @@ def render_settings() -> str:
     ]
     out.append(
         "Every `SPOTGPU_*` variable the package reads, by who reads it. A variable added to "
-        "the code without a description here fails the docs build.\n\n"
+        "the code without a description here fails the reference's generation.\n\n"
     )
 
     # -- the market service
@@ -1251,7 +1259,7 @@ def render_metrics() -> str:
                         )
                     )
     if not found:
-        raise RuntimeError("service/metrics.py defines no metric the docs build can find")
+        raise RuntimeError("service/metrics.py defines no metric the generator can find")
     suffixes = {
         "counter": ["_total"],
         "histogram": ["_bucket", "_sum", "_count"],
@@ -1331,20 +1339,63 @@ PAGES = {
 }
 
 
-def main() -> None:
+def render_pages() -> dict[str, str]:
+    """Every generated page's text, by its path under ``docs/``."""
     if str(SRC) not in sys.path:
         sys.path.insert(0, str(SRC))
-    # Prefect (imported by the worker's config) gets a throwaway home unless one is set
-    if "PREFECT_HOME" not in os.environ:
+    prefect_home = None
+    if "PREFECT_HOME" not in os.environ:  # Prefect (the worker's config imports it): a throwaway
         prefect_home = tempfile.mkdtemp(prefix="spotgpu-docs-prefect-")
         os.environ["PREFECT_HOME"] = prefect_home
-        atexit.register(shutil.rmtree, prefect_home, ignore_errors=True)
-    with throwaway_home():
-        for page, render in PAGES.items():
-            text = render()
-            with mkdocs_gen_files.open(page, "w") as f:
-                f.write(text)
-            mkdocs_gen_files.set_edit_path(page, THIS)
+    try:
+        with throwaway_home():
+            return {page: render() for page, render in PAGES.items()}
+    finally:
+        if prefect_home is not None:
+            os.environ.pop("PREFECT_HOME", None)
+            shutil.rmtree(prefect_home, ignore_errors=True)
 
 
-main()
+def stale_pages(pages: dict[str, str], docs: Path = DOCS) -> list[str]:
+    """The pages whose committed file under ``docs`` is missing or not ``pages``' text."""
+    stale = []
+    for page, text in pages.items():
+        path = docs / page
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            stale.append(page)
+    return stale
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description="Generate the Reference pages from the code into docs/reference/."
+    )
+    action = parser.add_mutually_exclusive_group(required=True)
+    action.add_argument("--write", action="store_true", help="write the stale pages")
+    action.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 naming each stale page"
+    )
+    parser.add_argument("--docs", type=Path, default=DOCS, help="the docs directory (%(default)s)")
+    args = parser.parse_args(argv)
+    pages = render_pages()
+    stale = stale_pages(pages, args.docs)
+    if args.check:
+        for page in stale:
+            print(f"{_shown(args.docs / page)} is stale: run `{REGENERATE}`", file=sys.stderr)
+        return 1 if stale else 0
+    for page in stale:
+        path = args.docs / page
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(pages[page], encoding="utf-8")
+        print(f"wrote {_shown(path)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
