@@ -3,8 +3,9 @@
     from prefect_spotgpu.fanout import fan_out
 
     @flow
-    def render_queue(frames: int = 96):
-        shards = [{"first": i, "stop": min(i + 16, frames)} for i in range(0, frames, 16)]
+    def render_queue(out: str, frames: int = 96):
+        shards = [{"out": out, "first": i, "stop": min(i + 16, frames), "frames": frames}
+                  for i in range(0, frames, 16)]
         return fan_out(render_frames, shards, cap=8)   # render_frames: a @spot_gpu flow
 
 How it holds (docs/operators/architecture.md, "How users reach it"):

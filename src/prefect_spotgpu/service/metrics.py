@@ -4,9 +4,10 @@ What is measured, and who writes it:
 
 - **Market state** — ``spotgpu_pool_*`` (each pool's clearing and reserve price, GPUs total, free
   and running, waiting bids; labels ``gpu_model``, ``region``, ``capacity``) and
-  ``spotgpu_bids{status}`` (open and held bids). Nobody increments these: ``MarketState`` reads
-  them from the database at scrape time — the ``pool_quotes`` rows the tick leader writes, and
-  one ``GROUP BY`` over the indexed ``bids.status`` — so every replica reports the same values.
+  ``spotgpu_bids{status}`` (open and held bids: held for credit, or because no node serves
+  them). Nobody increments these: ``MarketState`` reads them from the database at scrape
+  time — the ``pool_quotes`` rows the tick leader writes, and one ``GROUP BY`` over the indexed
+  ``bids.status`` — so every replica reports the same values.
 - **The tick loop** — ``spotgpu_tick_duration_seconds`` (histogram),
   ``spotgpu_notices_total{reason}`` and ``spotgpu_final_saves_total{outcome}`` (``ok``,
   ``failed``): written only by ``Ticker.tick`` on the leader, after its transaction commits, so a
@@ -169,7 +170,8 @@ class MarketState:
             yield family
         family = GaugeMetricFamily(
             "spotgpu_bids",
-            "Bids that are open or held (out of credit), by status.",
+            "Bids that are open or held (out of credit, or no node of their pools can run them), "
+            "by status.",
             labels=["status"],
         )
         if bids is not None:

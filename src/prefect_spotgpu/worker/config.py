@@ -173,8 +173,9 @@ class SpotGPUJobConfiguration(BaseJobConfiguration):
     on_demand_fallback: bool = Field(
         default=True,
         title="On-demand fallback",
-        description="With a deadline: move to on-demand capacity (never preempted, at the "
-        "on-demand price) when spot can no longer meet it.",
+        description="With a deadline: move to on-demand capacity (never outbid, at the "
+        "on-demand price; only its owner's reclaim gives it a notice) when spot can no longer "
+        "meet it.",
     )
     checkpoint_storage: CheckpointStorage | None = Field(
         default=None,
