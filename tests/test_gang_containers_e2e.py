@@ -185,8 +185,9 @@ def test_a_gang_in_containers_on_two_hosts_resumes_after_a_reclaim_with_the_same
     ]
     losses = loss_table(prefect, run_id)
     assert [x.hex() for x in losses] == [x.hex() for x in uninterrupted()]  # bit for bit
-    rules = subprocess.run(["iptables", "-w", "-S"], capture_output=True, text=True).stdout
-    assert "spotgpu-alloc-" not in rules  # every member's rules went with it
+    wait_for(  # every member's rules go with it (the run's end reaches its agents after the market)
+        lambda: "spotgpu-alloc-" not in _iptables_rules(), 60, "every member's rules gone"
+    )
     print("\n".join(["", f"saved at step {saved_at}; first attempt at {addresses}",
                      *timeline(stack, prefect, run_id, started)]))  # fmt: skip
 
@@ -211,3 +212,7 @@ def _address(container) -> str:
 
 def _env(container) -> dict[str, str]:
     return dict(v.split("=", 1) for v in container.attrs["Config"]["Env"])
+
+
+def _iptables_rules() -> str:
+    return subprocess.run(["iptables", "-w", "-S"], capture_output=True, text=True).stdout
