@@ -116,9 +116,7 @@ class MarketLife:
         return response.json()["id"]
 
     def allocation(self, client, bid_id: int, status: str) -> dict:
-        """The bid's allocation in ``status``, once the tick at the clock's time made it (a
-        loop round slower than the tick interval may answer an ``advance`` before that
-        tick: conftest's ``Service.advance`` counts rounds)."""
+        """The bid's allocation in ``status``, once the tick at the clock's time made it."""
 
         def found():
             allocations = client.get(f"/bids/{bid_id}/allocations").json()
@@ -200,11 +198,8 @@ class MarketLife:
 
 
 def ticked_at_now(svc) -> None:
-    """Until the tick loop has ticked at the clock's time (its charges flushed then). A loop
-    round slower than the tick interval (a retention pass on a loaded machine) is followed at
-    once by another at the same time, and ``Service.advance``, which counts rounds, may return
-    on that one; the loop then waits for the clock to pass the new time by what is left of a
-    tick interval, so the clock is moved on by one interval."""
+    """Until the tick loop has ticked at the clock's time and flushed its charges then (a
+    flush that is not due yet comes one tick interval later)."""
     ticker, at = svc.app.state.ticker, svc.clock.time()
     try:
         svc.wait_for(lambda: ticker.last_flush >= at, timeout=0.5)

@@ -108,7 +108,6 @@ class Ticker:
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
-            started = time.monotonic()
             at = self.clock.time()
             try:
                 if self.epoch is None and self.leadership.try_acquire():
@@ -125,7 +124,8 @@ class Ticker:
                 self.market = None
             self.rounds += 1
             self.round_at = at
-            self.clock.wait(stop, self.settings.tick_seconds - (time.monotonic() - started))
+            # until a tick after this pass's time (a clock moved on meanwhile: at once)
+            self.clock.wait(stop, at + self.settings.tick_seconds - self.clock.time())
         self.step_down()
 
     def become_leader(self) -> None:

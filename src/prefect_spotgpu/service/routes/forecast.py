@@ -25,6 +25,7 @@ from prefect_spotgpu.economics.anywhere import AnyRegionForecast
 from prefect_spotgpu.market import DEFAULT_CATALOG
 from prefect_spotgpu.market.forecast import estimate
 from prefect_spotgpu.service import crud, queries, schemas
+from prefect_spotgpu.service.clock import request_clock
 from prefect_spotgpu.service.deps import Db
 from prefect_spotgpu.service.errors import Conflict, Invalid, TooManyRequests
 from prefect_spotgpu.service.fairness import FairShares, client_address
@@ -48,7 +49,7 @@ def _model_and_since(gpu_model: str, days: float) -> tuple[str, int]:
         model = DEFAULT_CATALOG.normalize(gpu_model)
     except ValueError as exc:
         raise Invalid(str(exc), field="gpu_model") from None
-    return model, int((time.time() - days * 86400) // 60)
+    return model, int((request_clock.get().time() - days * 86400) // 60)
 
 
 def _fitted(
@@ -146,7 +147,7 @@ def forecast(
     hours: Annotated[int, Query(ge=1, le=24 * 14)] = 48,
 ):
     model, fitted = _fitted(request, db, gpu_model, region, days, lambda: _spend(request))
-    ahead = (np.floor(time.time() / 3600) + np.arange(1, hours + 1)) * 3600.0
+    ahead = (np.floor(request_clock.get().time() / 3600) + np.arange(1, hours + 1)) * 3600.0
     expected, low, high = fitted.forecast.predict(ahead)
     times, error = fitted.bars["hour"], fitted.error
     return {

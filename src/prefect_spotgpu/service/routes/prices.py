@@ -4,7 +4,6 @@ estimator are ``forecast``'s."""
 
 from __future__ import annotations
 
-import time
 from datetime import UTC, datetime
 from typing import Annotated
 
@@ -12,6 +11,7 @@ from fastapi import APIRouter, Path, Query
 
 from prefect_spotgpu.market import DEFAULT_CATALOG
 from prefect_spotgpu.service import crud, queries, schemas
+from prefect_spotgpu.service.clock import request_clock
 from prefect_spotgpu.service.deps import Db
 from prefect_spotgpu.service.errors import Invalid
 from prefect_spotgpu.service.routes.params import API
@@ -63,7 +63,7 @@ def price_history(
         model = DEFAULT_CATALOG.normalize(gpu_model)
     except ValueError as exc:
         raise Invalid(str(exc), field="gpu_model") from None
-    now = time.time()
+    now = request_clock.get().time()
     with db.begin() as session:
         bars = crud.price_bars(
             session=session,
