@@ -63,6 +63,10 @@ def sizes(engine) -> dict[str, int]:
         one = lambda sql: connection.execute(sa.text(sql)).scalar() or 0  # noqa: E731
         out = {t: one(f"SELECT count(*) FROM {t}") for t in (*PRUNED, "ledger_entries", "bids")}
         out["minute_bars"] = one("SELECT count(*) FROM price_bars WHERE seconds = 60")
+        out["ended bids' events"] = one(
+            "SELECT count(*) FROM events e JOIN bids b ON b.id = e.bid_id"
+            " WHERE b.status NOT IN ('open', 'held')"
+        )  # (a live bid's are kept, however old)
         out["hourly_bars"] = one("SELECT count(*) FROM price_bars WHERE seconds = 3600")
         for table in PRUNED:
             out[f"newest {table}"] = one(f"SELECT max(id) FROM {table}")
@@ -247,20 +251,30 @@ def test_a_month_of_market_life_stays_bounded_and_keeps_what_is_needed(db_url, t
                 for d in life.bob.get("/webhook/deliveries").json()
                 if d["url"] == life.refused_url
             }
+        month_end = svc.clock.time() + 7200
         life.tick_after(7200)  # one more pass after the last deliveries were dated
         ticker = svc.app.state.ticker
-        passed = lambda: ticker.retention.last_pass_at == svc.clock.time()  # noqa: E731
+        passed = lambda: ticker.retention.last_pass_at >= month_end  # noqa: E731
         wait_for(passed, 30, "the leader's retention pass at the month's end")
         end = sizes(engine)
         print(f"\n{db_url.split(':')[0]}: day 15 {by_day[15]}\nday 30 {end}")
         print("removed by the leader:", {str(k): v for k, v in ticker.retention.removed.items()})
 
         # bounded: written at a steady rate, kept no more at day 30 than at day 15
-        for table in ("events", "webhook_deliveries", "node_reports", "minute_bars"):
+        for table in ("ended bids' events", "webhook_deliveries", "node_reports", "minute_bars"):
             assert end[table] <= by_day[15][table] * 1.1 + 5, table
-        for table in ("events", "webhook_deliveries", "node_reports"):
-            assert end[f"newest {table}"] >= 1.9 * by_day[15][f"newest {table}"], table
-            assert end[table] < end[f"newest {table}"] / 4, table
+        for table, newest in (
+            ("ended bids' events", "newest events"),
+            ("webhook_deliveries", "newest webhook_deliveries"),
+            ("node_reports", "newest node_reports"),
+        ):
+            assert end[newest] >= 1.9 * by_day[15][newest], table
+            assert end[table] < end[newest] / 4, table
+        # carol's bid, live all month: every event of it stays, its first included
+        carol_events = life.carol.get(
+            f"/bids/{life.carol_bid}/events", params={"after": 0, "timeout": 0}
+        ).json()["events"]
+        assert carol_events[0]["kind"] == "allocated" and len(carol_events) >= days
         # allocations: alice's and bob's go, carol's (a live bid) all stay
         carol_now = life.carol.get(f"/bids/{life.carol_bid}/allocations").json()
         ended_early = [a for a in carol_early if a["status"] != "running"]  # (as they were)
@@ -528,52 +542,68 @@ def test_the_retention_migration_goes_down_and_up_and_a_prune_refolds_the_hours(
         engine.dispose()
 
 
+# bid id: (status, gang id); 1 ended alone, 2-3 a gang (2 ended, 3 open), 4 open, 5 ended
+BIDS = {1: ("finished", None), 2: ("cancelled", 2), 3: ("open", 2), 4: ("open", None)}
+BIDS[5] = ("finished", None)
+
+
+def _bids_ended_long_ago(engine, ended: float) -> None:
+    """A tenant, a node, ``BIDS``, an allocation of each ended at ``ended`` (10 charged each),
+    and an event of each then (bid 5's the newest)."""
+    from sqlalchemy.orm import Session
+
+    from prefect_spotgpu.service.db import migrate
+    from prefect_spotgpu.service.models import AllocationRow, BidRow, EventRow, NodeRow, Tenant
+
+    now = datetime.now(UTC)
+    migrate(engine)
+    with Session(engine) as session, session.begin():
+        session.add(Tenant(id=1, name="t", credits_micros=0, spent_micros=50, created_at=now))
+        session.flush()
+        session.add(
+            NodeRow(
+                id=1, owner_id=1, name="n", gpu_model="A100-80G", region="eu-west",
+                gpu_count=8, reserve_price=0.5, state="live", token_hash="h",
+                last_heartbeat_at=now, created_at=now,
+            )
+        )  # fmt: skip
+        session.flush()
+        for bid_id, (status, gang) in BIDS.items():
+            session.add(
+                BidRow(
+                    id=bid_id, tenant_id=1, gpu_model="A100-80G", region="eu-west",
+                    gpu_count=1, max_price=1.0, status=status, gang_id=gang,
+                    created_at=now, updated_at=now,
+                )
+            )  # fmt: skip
+        session.flush()
+        for bid_id in BIDS:
+            session.add(
+                AllocationRow(
+                    id=10 + bid_id, bid_id=bid_id, node_id=1, tenant_id=1, gpu_count=1,
+                    status="finished", kind="new", started_at=ended - 60,
+                    charged_until=ended, ended_at=ended, charged_micros=10,
+                )
+            )  # fmt: skip
+            session.add(
+                EventRow(
+                    id=100 + bid_id, tenant_id=1, bid_id=bid_id, node_id=1,
+                    allocation_id=10 + bid_id, kind="allocated", payload={},
+                    created_at=datetime.fromtimestamp(ended - 60, UTC),
+                )
+            )  # fmt: skip
+
+
 def test_a_gang_with_a_live_member_keeps_every_members_allocations(db_url):
     """Allocations ended long ago go, their charges archived, except a live bid's, a gang's
     whose member is live (rank 0 ended, another member still open), and the newest."""
-    from sqlalchemy.orm import Session
-
-    from prefect_spotgpu.service.db import make_engine, make_sessionmaker, migrate
-    from prefect_spotgpu.service.models import AllocationRow, BidRow, NodeRow, Tenant
+    from prefect_spotgpu.service.db import make_engine, make_sessionmaker
     from prefect_spotgpu.service.retention import prune_all
     from prefect_spotgpu.service.retention_rules import RetentionPolicy, cutoffs
 
     engine = make_engine(db_url)
-    now = datetime.now(UTC)
-    ended = time.time() - 30 * DAY
-    # bid id: (status, gang id); 1 ended alone, 2-3 a gang (2 ended, 3 open), 4 open, 5 ended
-    bids = {1: ("finished", None), 2: ("cancelled", 2), 3: ("open", 2), 4: ("open", None)}
-    bids[5] = ("finished", None)
     try:
-        migrate(engine)
-        with Session(engine) as session, session.begin():
-            session.add(Tenant(id=1, name="t", credits_micros=0, spent_micros=50, created_at=now))
-            session.flush()
-            session.add(
-                NodeRow(
-                    id=1, owner_id=1, name="n", gpu_model="A100-80G", region="eu-west",
-                    gpu_count=8, reserve_price=0.5, state="live", token_hash="h",
-                    last_heartbeat_at=now, created_at=now,
-                )
-            )  # fmt: skip
-            session.flush()
-            for bid_id, (status, gang) in bids.items():
-                session.add(
-                    BidRow(
-                        id=bid_id, tenant_id=1, gpu_model="A100-80G", region="eu-west",
-                        gpu_count=1, max_price=1.0, status=status, gang_id=gang,
-                        created_at=now, updated_at=now,
-                    )
-                )  # fmt: skip
-            session.flush()
-            for bid_id in bids:
-                session.add(
-                    AllocationRow(
-                        id=10 + bid_id, bid_id=bid_id, node_id=1, tenant_id=1, gpu_count=1,
-                        status="finished", kind="new", started_at=ended - 60,
-                        charged_until=ended, ended_at=ended, charged_micros=10,
-                    )
-                )  # fmt: skip
+        _bids_ended_long_ago(engine, time.time() - 30 * DAY)
         cut = cutoffs(RetentionPolicy(ended_allocations_days=1), time.time())
         done = prune_all(sessions=make_sessionmaker(engine), cut=cut, batch_rows=100)
         assert done[RowKind.ENDED_ALLOCATIONS].removed == 1
@@ -581,6 +611,27 @@ def test_a_gang_with_a_live_member_keeps_every_members_allocations(db_url):
             kept = connection.execute(sa.text("SELECT bid_id FROM allocations")).scalars()
             assert sorted(kept) == [2, 3, 4, 5]
         assert_ledger_exact(engine)  # 50 spent: 40 on the allocations kept, 10 archived
+    finally:
+        engine.dispose()
+
+
+def test_a_live_bid_keeps_every_event_a_worker_reads_to_adopt_it(db_url):
+    """A worker that adopts a run reads its bid's events from the first (``allocated`` of an
+    allocation that has run for longer than events are kept): a live bid's events, and a gang's
+    with a live member, stay whatever their age; an ended bid's go."""
+    from prefect_spotgpu.service.db import make_engine, make_sessionmaker
+    from prefect_spotgpu.service.retention import prune_all
+    from prefect_spotgpu.service.retention_rules import RetentionPolicy, cutoffs
+
+    engine = make_engine(db_url)
+    try:
+        _bids_ended_long_ago(engine, time.time() - 30 * DAY)
+        cut = cutoffs(RetentionPolicy(events_days=1), time.time())
+        done = prune_all(sessions=make_sessionmaker(engine), cut=cut, batch_rows=100)
+        assert done[RowKind.EVENTS].removed == 1
+        with engine.connect() as connection:
+            kept = connection.execute(sa.text("SELECT bid_id FROM events")).scalars()
+            assert sorted(kept) == [2, 3, 4, 5]  # (5: the newest event)
     finally:
         engine.dispose()
 

@@ -78,6 +78,16 @@ def _when(seconds: float) -> datetime:
 # ---------------------------------------------------------------- what may go
 
 
+def _live_bids():
+    """A select of the ids of bids still open or held, and of every bid of a gang one of whose
+    members is: a worker that adopts such a run reads all its events and allocations, from the
+    first, to know what runs (old ones included)."""
+    live_gangs = select(BidRow.gang_id).where(
+        BidRow.status.in_(LIVE_BIDS), BidRow.gang_id.is_not(None)
+    )
+    return select(BidRow.id).where(BidRow.status.in_(LIVE_BIDS) | BidRow.gang_id.in_(live_gangs))
+
+
 def _prunable_ids(session: Session, kind: RowKind, cut: Cutoffs):
     """A select of the ids of ``kind``'s rows that may go, oldest first (None: none may)."""
     cutoff = cut.of(kind)
@@ -94,6 +104,7 @@ def _prunable_ids(session: Session, kind: RowKind, cut: Cutoffs):
                 EventRow.created_at < _when(cutoff),
                 EventRow.id < newest,
                 EventRow.id.not_in(pending),
+                EventRow.bid_id.not_in(_live_bids()),
             )
             .order_by(EventRow.created_at, EventRow.id)
         )
@@ -117,19 +128,13 @@ def _prunable_ids(session: Session, kind: RowKind, cut: Cutoffs):
         )
     if kind is RowKind.ENDED_ALLOCATIONS:
         newest = session.scalar(select(func.max(AllocationRow.id))) or 0
-        live_gangs = select(BidRow.gang_id).where(
-            BidRow.status.in_(LIVE_BIDS), BidRow.gang_id.is_not(None)
-        )
-        live_bids = select(BidRow.id).where(
-            BidRow.status.in_(LIVE_BIDS) | BidRow.gang_id.in_(live_gangs)
-        )
         return (
             select(AllocationRow.id)
             .where(
                 AllocationRow.ended_at < cutoff,
                 AllocationRow.status.in_(ENDED),
                 AllocationRow.id < newest,
-                AllocationRow.bid_id.not_in(live_bids),
+                AllocationRow.bid_id.not_in(_live_bids()),
             )
             .order_by(AllocationRow.ended_at, AllocationRow.id)
         )

@@ -200,8 +200,20 @@ def fold_range(oldest_minute: int, cutoff_minute: int, batch_rows: int) -> tuple
     return start, min(cutoff_minute, start + hours * per_hour)
 
 
+BACKLOG_PAUSE_SECONDS = 5.0
+"""Between two catch-up passes over a backlog, the market's writers (the API, the tick) have the
+database to themselves for this long: a year's backlog is pruned in hours, never by holding
+SQLite's write lock pass after pass."""
+
+
 def next_pass(*, now: float, interval: float, backlog: bool) -> float:
-    """When the tick leader prunes next: at its next round while a backlog is left (each
-    round one batch of each kind, so a tick is never held up by more), else ``interval``
-    seconds on."""
-    return now if backlog else now + interval
+    """When the tick leader prunes next: ``BACKLOG_PAUSE_SECONDS`` on while a backlog is left
+    (each pass one batch of each kind, so a tick is never held up by more), else ``interval``
+    seconds on (never sooner than the pause).
+
+    >>> next_pass(now=100.0, interval=600.0, backlog=True)
+    105.0
+    >>> next_pass(now=100.0, interval=600.0, backlog=False)
+    700.0
+    """
+    return now + (BACKLOG_PAUSE_SECONDS if backlog else max(interval, BACKLOG_PAUSE_SECONDS))
