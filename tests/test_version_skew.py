@@ -356,6 +356,20 @@ def test_an_agent_from_before_the_header_is_accepted_one_minor_on_with_one_warni
     assert sum("runs 0.1.4, behind" in r.getMessage() for r in caplog.records) == 1
 
 
+@one_database("the skew log is in memory; the requests read nothing that differs")
+def test_a_caller_varying_its_version_gets_one_warning_and_no_more_memory(service, caplog):
+    """The skew log keeps what it warned of by caller and kind of skew, never by the version
+    sent: a tenant sending endless made-up newer versions costs one line and one entry."""
+    buyer = service.tenant()
+    caplog.set_level(logging.WARNING, logger="prefect_spotgpu.service")
+    for n in range(200):
+        answer = with_version(service, key_of(buyer), f"7.{n}.0").get("/bids")
+        assert answer.status_code == 200, answer.text
+    lines = [r.getMessage() for r in caplog.records if "newer than this market" in r.getMessage()]
+    assert len(lines) == 1, lines[:3]
+    assert len(service.app.state.skew_log._logged) == 1
+
+
 def test_the_market_records_each_nodes_agent_version(service):
     """The version the agent's own client sends (``api_client``) is kept in its node's
     telemetry, shown to its owner; a later heartbeat from another release replaces it."""
@@ -414,7 +428,7 @@ def test_a_running_agent_the_market_finds_too_old_leaves_its_jobs_saved_and_stop
     from test_agent import AS_ME, make_agent
 
     owner, buyer = service.tenant(), service.tenant(credit=50.0)
-    _, agent = make_agent(service, owner, tmp_path, runner=ProcessRunner(users=AS_ME))
+    node, agent = make_agent(service, owner, tmp_path, runner=ProcessRunner(users=AS_ME))
     caplog.set_level(logging.ERROR, logger="prefect_spotgpu.agent")
     running = threading.Thread(target=agent.run, daemon=True)
     running.start()
@@ -436,3 +450,9 @@ def test_a_running_agent_the_market_finds_too_old_leaves_its_jobs_saved_and_stop
     assert noticed.exists() and agent.runner.poll(handle) == 0  # noticed, it ended itself
     assert agent.jobs == {}
     assert any("too old for the market" in r.getMessage() for r in caplog.records)
+    # and the market knows it at once (its leave and reports are not refused for the version):
+    # the node taken back, the job's end reported, nothing billed past it
+    assert owner.get(f"/nodes/{node['id']}").json()["state"] == "reclaimed"
+    allocations = f"/bids/{placed.json()['id']}/allocations"
+    ended = wait(lambda: [a for a in buyer.get(allocations).json() if a["ended_at"]], 10, "the end")
+    assert ended[0]["status"] == "finished", ended  # (it exited 0 at its notice, no save)

@@ -218,10 +218,6 @@ class Agent(Lifecycle):
                     logger.warning("market unreachable (%s); retrying", exc)
                     self.stop_event.wait(1.0)
                     continue
-                if page.status_code == httpx.codes.UPGRADE_REQUIRED and not self.leaving.asked:
-                    logger.error("this agent is too old for the market: %s", page.text[:300])
-                    self.shutdown()  # it cannot serve: its jobs save and stop, it exits
-                    continue
                 if page.status_code != 200:
                     logger.warning("events: %s %s", page.status_code, page.text[:200])
                     self.stop_event.wait(1.0)
@@ -242,7 +238,7 @@ class Agent(Lifecycle):
             self.stop_event.set()
 
     def heartbeat(self) -> None:
-        send_heartbeat(
+        answer = send_heartbeat(
             self.client,
             self.node_id,
             telemetry=node_telemetry(len(self.jobs), self.declared, self.telemetry),
@@ -251,6 +247,9 @@ class Agent(Lifecycle):
             runner=runner_terms(self.runner),
             metrics=self.metrics,
         )
+        if answer.status_code == httpx.codes.UPGRADE_REQUIRED and not self.leaving.asked:
+            logger.error("this agent is too old for the market: it leaves")
+            self.shutdown()  # it cannot serve: its jobs save and stop (``versions.WINDING_DOWN``)
 
     def _heartbeats(self) -> None:
         while not self.stop_event.wait(self.heartbeat_seconds):

@@ -207,13 +207,14 @@ def too_old_response(request: Request, exc: ClientTooOld) -> JSONResponse:
 
 
 class SkewLog:
-    """The skews already logged, by caller and version: one warning each (thread-safe)."""
+    """The skews already logged, by caller and kind of skew: one warning each (thread-safe;
+    never by the version sent, which a caller may vary without end)."""
 
     def __init__(self) -> None:
-        self._logged: set[tuple[str, int, str | None]] = set()
+        self._logged: set[tuple[str, int, Skew, bool]] = set()
         self._lock = threading.Lock()
 
-    def once(self, key: tuple[str, int, str | None], line: str) -> None:
+    def once(self, key: tuple[str, int, Skew, bool], line: str) -> None:
         with self._lock:
             if key in self._logged:
                 return
@@ -247,14 +248,34 @@ async def check_client_version(
         verdict = judge(sent, market, agent=agent)
     except ValueError as exc:
         raise ServiceError(str(exc)) from None
-    if not verdict.accepted:
+    if not verdict.accepted and not _winds_down(request):
         raise ClientTooOld(refusal(verdict, market, agent=agent))
+    skew = (verdict.skew, verdict.unversioned)
     if agent:
-        key, who = ("node", caller.node_id, sent), f"node {caller.node_id}'s agent"
+        key, who = ("node", caller.node_id, *skew), f"node {caller.node_id}'s agent"
     elif caller.tenant_id is not None:
-        key, who = ("tenant", caller.tenant_id, sent), f"tenant {caller.tenant_id}'s client"
+        key, who = ("tenant", caller.tenant_id, *skew), f"tenant {caller.tenant_id}'s client"
     else:
         return
     line = skew_line(verdict, market, who)
     if line is not None:
         request.app.state.skew_log.once(key, line)
+
+
+WINDING_DOWN = frozenset(
+    {
+        "/api/v1/nodes/{node_id}/leave",
+        "/api/v1/nodes/{node_id}/events",
+        "/api/v1/allocations/{allocation_id}/report",
+    }
+)
+"""The routes an agent too old for the market (its heartbeat refused: it leaves) still uses, to
+leave as if stopped: its node taken back, its jobs' notices (and their epochs) read, their final
+saves and ends reported. Refused, the market would learn nothing until the node's heartbeat
+timeout (charging the jobs meanwhile) and would not know the final saves (compensating from an
+older checkpoint)."""
+
+
+def _winds_down(request: Request) -> bool:
+    route = request.scope.get("route")
+    return getattr(route, "path", None) in WINDING_DOWN
