@@ -18,6 +18,7 @@ from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.orm import Session
 
+from conftest import one_database
 from prefect_spotgpu.service.db import MIGRATIONS, make_engine, migrate
 from prefect_spotgpu.service.models import (
     AllocationRow,
@@ -613,6 +614,20 @@ def test_the_documented_alembic_downgrade_rolls_back_and_migrate_upgrades_again(
         assert_reads_as_the_models(engine)
     finally:
         engine.dispose()
+
+
+@one_database("refused before any database is opened")
+def test_the_alembic_command_with_no_market_named_refuses_and_makes_none(db_url, tmp_path):
+    """Without the service's environment (no SPOTGPU_DB_URL, a home with no market in it) the
+    alembic command must not take a new, empty SQLite market for the operator's."""
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGPU_")}
+    env["SPOTGPU_HOME"] = str(home)
+    down = [*documented_rollback(tmp_path / "alembic.ini"), "0014"]
+    out = subprocess.run(down, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "no market database at" in out.stderr and "SPOTGPU_DB_URL" in out.stderr, out.stderr
+    assert not (home / "market.db").exists() and not (home / "market.db.leader").exists()
 
 
 def test_the_alembic_command_refuses_to_run_while_a_replica_leads(service, tmp_path):
