@@ -361,3 +361,19 @@ def test_a_bad_key_file_is_refused_before_anything_is_read(db_url, tmp_path):
     assert result.exit_code == 2
     assert stored(db_url) == before and (home / "secret_key").read_text().strip() == market_key
     assert not (tmp_path / "nowhere").exists()
+
+
+def test_a_second_rotation_keeps_the_first_old_key_too(tmp_path):
+    """Backups taken before each rotation open only with the key of their time: a second
+    rotation keeps the first one's old key (``secret_key.old.1``), never overwrites it."""
+    from prefect_spotgpu.service.resealing import install_key
+
+    first, second, third = new_key(), new_key(), new_key()
+    home = tmp_path / "home"
+    install_key(home=home, key=first)
+    assert install_key(home=home, key=second) == home / "secret_key.old"
+    assert install_key(home=home, key=third) == home / "secret_key.old"
+    assert (home / "secret_key").read_text().strip() == third
+    assert (home / "secret_key.old").read_text().strip() == second
+    assert (home / "secret_key.old.1").read_text().strip() == first
+    assert (home / "secret_key.old.1").stat().st_mode & 0o777 == 0o600

@@ -253,13 +253,19 @@ def _batches(
 def install_key(*, home: Path, key: str) -> Path | None:
     """Make ``key`` the one in ``<home>/secret_key`` (where the service reads it when
     ``SPOTGPU_SECRET_KEY`` is not set), atomically, mode 0600; the key it replaces is kept
-    in ``secret_key.old`` (the backups taken before the rotation open only with it), whose
+    in ``secret_key.old`` (the backups taken before the rotation open only with it; a key an
+    earlier rotation kept there moves to ``secret_key.old.1``, ``.2``, ..., never lost), whose
     path is returned (None: there was none)."""
     private_dir(home)
     path, kept = home / "secret_key", home / "secret_key.old"
     previous = path.read_text().strip() if path.exists() else None
     if previous == key:
         return None
+    if previous and kept.exists() and kept.read_text().strip() != previous:
+        n = 1
+        while (home / f"secret_key.old.{n}").exists():
+            n += 1
+        _write_private(home / f"secret_key.old.{n}", kept.read_text().strip())
     if previous:
         _write_private(kept, previous)
     _write_private(path, key)
