@@ -454,6 +454,7 @@ def fold_by_hand(bars: list[dict]) -> list[dict]:
             "high": max(b["high"] for b in group),
             "low": min(b["low"] for b in group),
             "close": group[-1]["close"],
+            "seconds": 3600,  # (the route says which bars are an hour wide)
         }
         for hour, group in sorted(hours.items())
     ]

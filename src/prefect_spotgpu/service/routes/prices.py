@@ -51,7 +51,7 @@ def prices(db: Db):
 @router.get(
     "/prices/{gpu_model}/{region}/history",
     response_model=list[schemas.PriceBarResponse],
-    summary="A pool's clearing price per minute (OHLC)",
+    summary="A pool's clearing price per minute (OHLC), hourly bars beyond their retention",
 )
 def price_history(
     gpu_model: Annotated[str, Path(max_length=100)],
@@ -79,6 +79,7 @@ def price_history(
                 "high": b.high,
                 "low": b.low,
                 "close": b.close,
+                "seconds": b.seconds,
             }
             for b in bars
         ]

@@ -18,6 +18,11 @@ class PriceBarResponse(BaseModel):
     high: float
     low: float
     close: float
+    seconds: int = Field(
+        60,
+        description="The bar's width: 60 (a minute), or 3600 (an hour: minute bars older than "
+        "the minute bars' retention are folded into hourly ones).",
+    )
 
 
 class EstimateRequest(Strict):
