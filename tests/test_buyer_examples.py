@@ -95,7 +95,6 @@ class Attempt:
             assert self.process.poll() is None, self.process.communicate()[0]
             assert time.monotonic() < deadline, "no acknowledgement"
             time.sleep(0.01)
-        time.sleep(0.2)
         assert self.process.poll() is None, "after its final save a job waits to be stopped"
         self.process.kill()
         self.process.communicate()
