@@ -20,7 +20,7 @@ DB = typer.Option(
     None,
     "--db",
     envvar="SPOTGPU_DB_URL",
-    help="SQLAlchemy URL (default: SQLite in ~/.spotgpu). PostgreSQL: "
+    help="SQLAlchemy URL (default: SQLite in $SPOTGPU_HOME, ~/.spotgpu unless set). PostgreSQL: "
     "postgresql+psycopg://user@host/db. One with a password: from SPOTGPU_DB_URL or "
     "--db-url-file, never the command line.",
     show_envvar=True,
@@ -117,7 +117,7 @@ def server_start(
     Run several against one PostgreSQL database for more API capacity: exactly one of them
     leads the tick loop at a time. An empty database gets its schema; one behind this version
     is refused until `spotgpu server migrate` has run. The admin key is SPOTGPU_ADMIN_KEY, or
-    generated once into ~/.spotgpu/admin_key.
+    generated once into $SPOTGPU_HOME/admin_key.
     """
     settings = _settings(
         db_url=_database_url(db, db_url_file),
