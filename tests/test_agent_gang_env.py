@@ -263,6 +263,6 @@ def test_two_agents_start_a_gang_with_rank_0s_address(tmp_path):
                 "SPOTGPU_GPUS_PER_NODE": "2",
                 "SPOTGPU_GANG_LEAD_ALLOCATION": str(rank0["id"]),
             }
-        assert int(port) == 20000 + bid.json()["id"] % 20000
+        assert int(port) == 20000 + bid.json()["id"] % 12000
     finally:
         stop_agents(agents, server, tmp_path)

@@ -115,7 +115,7 @@ def test_a_gang_runs_on_distinct_nodes_and_each_node_knows_where_it_meets(servic
             "rank": a["rank"],
             "world_size": 2,
             "master_addr": addresses[master],  # as rank 0's node registered it
-            "master_port": 20000 + b["id"] % 20000,
+            "master_port": 20000 + b["id"] % 12000,
             "gpus_per_node": 8,
             "lead_allocation": next(x["id"] for x in allocs if x["rank"] == 0),
         }

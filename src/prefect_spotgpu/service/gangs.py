@@ -26,8 +26,10 @@ from prefect_spotgpu.service.outbox import Entity, record_change
 from prefect_spotgpu.service.schemas import BidCreate
 
 MASTER_PORT_BASE = 20000
-"""A gang's ``master_port`` is ``MASTER_PORT_BASE + gang_id % MASTER_PORT_BASE``: one port per
-gang (20000..39999), so two gangs whose rank 0 share a node do not collide (mostly)."""
+MASTER_PORTS = 12000
+"""A gang's ``master_port`` is ``MASTER_PORT_BASE + gang_id % MASTER_PORTS``: one port per gang
+(20000..31999), so two gangs whose rank 0 share a node do not collide (mostly), and below
+Linux's ephemeral ports (32768 on), which an outgoing connection on the node could hold."""
 
 _ACTIVE = tuple(s.value for s in AllocationStatus.active_statuses())
 _HOLDING = frozenset(s.value for s in HOLDING_STATUSES)
@@ -182,7 +184,7 @@ def gang_places(
             "rank": gang.index(alloc.bid_id),
             "world_size": world,
             "master_addr": address or UNSET_NODE_ADDRESS,
-            "master_port": MASTER_PORT_BASE + bid.gang_id % MASTER_PORT_BASE,
+            "master_port": MASTER_PORT_BASE + bid.gang_id % MASTER_PORTS,
             "gpus_per_node": bid.gpu_count,
             "lead_allocation": lead,
         }
