@@ -49,6 +49,31 @@ def scrape(port: int) -> dict[tuple, float]:
 # ---------------------------------------------------------------- on data
 
 
+def test_a_silent_connection_is_dropped_and_scrapes_go_on(monkeypatch):
+    """A client that opens connections to the metrics port and sends nothing (a hostile job on
+    another host, where the port is on a network address) is dropped after
+    ``SCRAPE_SOCKET_SECONDS``, holding none of the agent's threads for longer; scrapes answer
+    meanwhile."""
+    import socket
+
+    from prefect_spotgpu.agent import metrics as agent_metrics
+
+    monkeypatch.setattr(agent_metrics._ScrapeHandler, "timeout", 1.0)
+    host, port = AgentMetrics().serve("127.0.0.1", 0)
+    silent = [socket.create_connection((host, port)) for _ in range(20)]
+    try:
+        scrape = httpx.get(f"http://{host}:{port}/metrics", timeout=10)
+        assert scrape.status_code == 200 and "spotgpu_agent_info" in scrape.text
+        began = time.monotonic()
+        for conn in silent:
+            conn.settimeout(10)
+            assert conn.recv(1) == b""  # closed by the agent
+        assert time.monotonic() - began < 5
+    finally:
+        for conn in silent:
+            conn.close()
+
+
 def test_every_series_exists_from_the_start_at_zero():
     seen = samples(AgentMetrics().exposition().decode())
     for reason in StartFailure:

@@ -37,12 +37,15 @@ import contextlib
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from enum import StrEnum
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from prefect_spotgpu import __version__
 from prefect_spotgpu.agent.runners import JobFault
@@ -247,13 +250,29 @@ class AgentMetrics:
         taken) logs why and serves nothing: the agent runs on without its metrics, since
         exiting would have its guard kill the jobs a hand-over just gave it."""
         try:
-            server, _ = start_http_server(port, addr=address, registry=self.registry)
+            app = make_wsgi_app(self.registry)
+            server = make_server(address, port, app, ThreadingWSGIServer, _ScrapeHandler)
         except OSError as exc:
             logger.error("the metrics cannot be served on %s:%s (%s)", address, port, exc)
             return None
+        name = "spotgpu-agent-metrics"
+        threading.Thread(target=server.serve_forever, name=name, daemon=True).start()
         host, bound = server.server_address[:2]
         logger.info("metrics at http://%s:%s/metrics", host, bound)
         return host, bound
+
+
+SCRAPE_SOCKET_SECONDS = 5.0
+"""How long a scrape's connection may stay silent before it is dropped: a client that opens
+connections and sends nothing (a job on another host, where the port is on a network address)
+does not hold the agent's threads."""
+
+
+class _ScrapeHandler(WSGIRequestHandler):
+    timeout = SCRAPE_SOCKET_SECONDS
+
+    def log_message(self, format: str, *args) -> None:
+        pass  # (a scrape every few seconds is not worth a log line)
 
 
 class _AtScrape:
