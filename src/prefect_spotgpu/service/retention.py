@@ -88,57 +88,52 @@ def _live_bids():
     return select(BidRow.id).where(BidRow.status.in_(LIVE_BIDS) | BidRow.gang_id.in_(live_gangs))
 
 
-def _prunable_ids(session: Session, kind: RowKind, cut: Cutoffs):
-    """A select of the ids of ``kind``'s rows that may go, oldest first (None: none may)."""
-    cutoff = cut.of(kind)
-    if cutoff is None:
-        return None
+BY_ID = {
+    RowKind.EVENTS: EventRow,
+    RowKind.WEBHOOK_DELIVERIES: WebhookDelivery,
+    RowKind.NODE_REPORTS: NodeReport,
+    RowKind.ENDED_ALLOCATIONS: AllocationRow,
+}
+"""The kinds removed row by row, by id: their tables."""
+
+
+def _removable(kind: RowKind, cutoff: float) -> tuple:
+    """``kind``'s age column, and what makes one of its rows removable at ``cutoff``."""
     if kind is RowKind.EVENTS:
-        newest = session.scalar(select(func.max(EventRow.id))) or 0
         pending = select(WebhookDelivery.event_id).where(
             WebhookDelivery.status == DeliveryStatus.PENDING.value
         )
-        return (
-            select(EventRow.id)
-            .where(
-                EventRow.created_at < _when(cutoff),
-                EventRow.id < newest,
-                EventRow.id.not_in(pending),
-                EventRow.bid_id.not_in(_live_bids()),
-            )
-            .order_by(EventRow.created_at, EventRow.id)
-        )
+        return EventRow.created_at, [
+            EventRow.created_at < _when(cutoff),
+            EventRow.id.not_in(pending),
+            EventRow.bid_id.not_in(_live_bids()),
+        ]
     if kind is RowKind.WEBHOOK_DELIVERIES:
-        newest = session.scalar(select(func.max(WebhookDelivery.id))) or 0
-        return (
-            select(WebhookDelivery.id)
-            .where(
-                WebhookDelivery.updated_at < _when(cutoff),
-                WebhookDelivery.status.in_(FINISHED_DELIVERIES),
-                WebhookDelivery.id < newest,
-            )
-            .order_by(WebhookDelivery.updated_at, WebhookDelivery.id)
-        )
+        return WebhookDelivery.updated_at, [
+            WebhookDelivery.updated_at < _when(cutoff),
+            WebhookDelivery.status.in_(FINISHED_DELIVERIES),
+        ]
     if kind is RowKind.NODE_REPORTS:
-        newest = session.scalar(select(func.max(NodeReport.id))) or 0
-        return (
-            select(NodeReport.id)
-            .where(NodeReport.created_at < _when(cutoff), NodeReport.id < newest)
-            .order_by(NodeReport.created_at, NodeReport.id)
-        )
-    if kind is RowKind.ENDED_ALLOCATIONS:
-        newest = session.scalar(select(func.max(AllocationRow.id))) or 0
-        return (
-            select(AllocationRow.id)
-            .where(
-                AllocationRow.ended_at < cutoff,
-                AllocationRow.status.in_(ENDED),
-                AllocationRow.id < newest,
-                AllocationRow.bid_id.not_in(_live_bids()),
-            )
-            .order_by(AllocationRow.ended_at, AllocationRow.id)
-        )
-    raise ValueError(f"{kind} is not pruned by id")
+        return NodeReport.created_at, [NodeReport.created_at < _when(cutoff)]
+    return AllocationRow.ended_at, [
+        AllocationRow.ended_at < cutoff,
+        AllocationRow.status.in_(ENDED),
+        AllocationRow.bid_id.not_in(_live_bids()),
+    ]
+
+
+def _prunable_ids(session: Session, kind: RowKind, cut: Cutoffs):
+    """A select of the ids of ``kind``'s rows that may go, oldest first, never the newest row
+    (None: none may)."""
+    if kind not in BY_ID:
+        raise ValueError(f"{kind} is not pruned by id")
+    cutoff = cut.of(kind)
+    if cutoff is None:
+        return None
+    table = BY_ID[kind]
+    newest = session.scalar(select(func.max(table.id))) or 0
+    aged, removable = _removable(kind, cutoff)
+    return select(table.id).where(*removable, table.id < newest).order_by(aged, table.id)
 
 
 # ---------------------------------------------------------------- one batch
@@ -172,21 +167,12 @@ def prune_batch(*, session: Session, kind: RowKind, cut: Cutoffs, batch_rows: in
     if not ids:
         return Pruned()
     full = len(ids) >= batch_rows
-    options = {"synchronize_session": False}
-    if kind is RowKind.EVENTS:
-        removed = session.execute(
-            delete(EventRow).where(EventRow.id.in_(ids)), execution_options=options
-        ).rowcount
-    elif kind is RowKind.WEBHOOK_DELIVERIES:
-        removed = session.execute(
-            delete(WebhookDelivery).where(WebhookDelivery.id.in_(ids)), execution_options=options
-        ).rowcount
-    elif kind is RowKind.NODE_REPORTS:
-        removed = session.execute(
-            delete(NodeReport).where(NodeReport.id.in_(ids)), execution_options=options
-        ).rowcount
-    else:
-        removed = _delete_allocations(session, ids)
+    if kind is RowKind.ENDED_ALLOCATIONS:
+        return Pruned(removed=_delete_allocations(session, ids), full=full)
+    table = BY_ID[kind]
+    removed = session.execute(
+        delete(table).where(table.id.in_(ids)), execution_options={"synchronize_session": False}
+    ).rowcount
     return Pruned(removed=removed, full=full)
 
 
@@ -366,12 +352,7 @@ def _counts(session: Session, kind: RowKind, cut: Cutoffs) -> tuple[int, int, in
             return rows, going, 0
         hours = select(PriceBar.gpu_model, PriceBar.region, PriceBar.minute // 60).where(old)
         return rows, going, _count(session, hours.distinct())
-    table = {
-        RowKind.EVENTS: EventRow,
-        RowKind.WEBHOOK_DELIVERIES: WebhookDelivery,
-        RowKind.NODE_REPORTS: NodeReport,
-        RowKind.ENDED_ALLOCATIONS: AllocationRow,
-    }[kind]
+    table = BY_ID[kind]
     everything = select(table.id)
     if kind is RowKind.ENDED_ALLOCATIONS:
         everything = everything.where(AllocationRow.status.in_(ENDED))
@@ -403,7 +384,7 @@ def prune_all(
 class Pruner:
     """The tick leader's retention: a pass every ``retention_interval_seconds`` of the
     service's clock, one batch of each kind per pass, each fenced on the leader's epoch; a
-    pass that left a backlog is followed by another at the next round of the loop."""
+    pass that left a backlog is followed by another ``BACKLOG_PAUSE_SECONDS`` later."""
 
     def __init__(self, settings: ServiceSettings, sessions: sessionmaker[Session]) -> None:
         self.policy = RetentionPolicy.from_settings(settings)

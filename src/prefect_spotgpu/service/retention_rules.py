@@ -32,7 +32,9 @@ HOUR_BAR = 3600
 
 
 class RowKind(StrEnum):
-    """The kinds of rows retention removes, in the order a pass prunes them."""
+    """The kinds of rows retention removes, in the order a pass prunes them. A member's name,
+    lower-cased, names its fields: ``RetentionPolicy.<name>_days``, ``Cutoffs.<name>`` and the
+    setting ``retention_<name>_days``."""
 
     EVENTS = "events"
     WEBHOOK_DELIVERIES = "webhook deliveries"
@@ -58,28 +60,15 @@ class RetentionPolicy:
     def from_settings(cls, settings: ServiceSettings) -> RetentionPolicy:
         """The operator's ``retention_*_days`` settings (0: for ever)."""
 
-        def days(value: float) -> float | None:
+        def days(kind: RowKind) -> float | None:
+            value = getattr(settings, f"retention_{kind.name.lower()}_days")
             return value if value > 0 else None
 
-        return cls(
-            events_days=days(settings.retention_events_days),
-            webhook_deliveries_days=days(settings.retention_webhook_deliveries_days),
-            node_reports_days=days(settings.retention_node_reports_days),
-            ended_allocations_days=days(settings.retention_ended_allocations_days),
-            minute_bars_days=days(settings.retention_minute_bars_days),
-            hourly_bars_days=days(settings.retention_hourly_bars_days),
-        )
+        return cls(**{f"{kind.name.lower()}_days": days(kind) for kind in RowKind})
 
     def days(self, kind: RowKind) -> float | None:
         """How long rows of ``kind`` are kept (None: for ever)."""
-        return {
-            RowKind.EVENTS: self.events_days,
-            RowKind.WEBHOOK_DELIVERIES: self.webhook_deliveries_days,
-            RowKind.NODE_REPORTS: self.node_reports_days,
-            RowKind.ENDED_ALLOCATIONS: self.ended_allocations_days,
-            RowKind.MINUTE_BARS: self.minute_bars_days,
-            RowKind.HOURLY_BARS: self.hourly_bars_days,
-        }[kind]
+        return getattr(self, f"{kind.name.lower()}_days")
 
     @property
     def keeps_everything(self) -> bool:
@@ -105,14 +94,7 @@ class Cutoffs:
     """Hourly bars of the hours before this minute go."""
 
     def of(self, kind: RowKind) -> float | int | None:
-        return {
-            RowKind.EVENTS: self.events,
-            RowKind.WEBHOOK_DELIVERIES: self.webhook_deliveries,
-            RowKind.NODE_REPORTS: self.node_reports,
-            RowKind.ENDED_ALLOCATIONS: self.ended_allocations,
-            RowKind.MINUTE_BARS: self.minute_bars,
-            RowKind.HOURLY_BARS: self.hourly_bars,
-        }[kind]
+        return getattr(self, kind.name.lower())
 
     def as_seconds(self, kind: RowKind) -> float | None:
         """The cutoff of ``kind`` in UNIX seconds (bars' minutes converted)."""
