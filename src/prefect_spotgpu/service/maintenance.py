@@ -12,9 +12,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
-from prefect_spotgpu.service.leader import ADVISORY_LOCK_KEY, Leadership
+from prefect_spotgpu.service.leader import Leadership
 from prefect_spotgpu.service.settings import ServiceSettings
 
 
@@ -24,30 +24,15 @@ class ReplicaRunning(RuntimeError):
 
 @contextlib.contextmanager
 def maintenance_lock(engine: Engine, settings: ServiceSettings) -> Iterator[None]:
-    """The tick leader's lock, held meanwhile; :class:`ReplicaRunning` when a replica holds
-    it. On PostgreSQL it is unlocked at the end, not only given back to the pool with its
-    connection (a pooled session would go on holding it)."""
-    refused = ReplicaRunning(
-        "a replica of this market is running (it holds the tick loop's lock): stop every "
-        "replica, then run this again"
-    )
-    if engine.dialect.name != "postgresql":
-        leadership = Leadership(engine, settings)
-        if not leadership.try_acquire():
-            raise refused
-        try:
-            yield
-        finally:
-            leadership.release()
-        return
-    key = {"key": ADVISORY_LOCK_KEY}
-    with engine.connect() as connection:
-        got = connection.execute(text("SELECT pg_try_advisory_lock(:key)"), key).scalar()
-        connection.commit()
-        if not got:
-            raise refused
-        try:
-            yield
-        finally:
-            connection.execute(text("SELECT pg_advisory_unlock(:key)"), key)
-            connection.commit()
+    """The tick leader's lock, held meanwhile (``Leadership``, which lets go of it at the end
+    on either database); :class:`ReplicaRunning` when a replica holds it."""
+    leadership = Leadership(engine, settings)
+    if not leadership.try_acquire():
+        raise ReplicaRunning(
+            "a replica of this market is running (it holds the tick loop's lock): stop every "
+            "replica, then run this again"
+        )
+    try:
+        yield
+    finally:
+        leadership.release()
