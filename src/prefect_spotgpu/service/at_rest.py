@@ -75,6 +75,20 @@ def create_once(path: Path, value: Callable[[], str]) -> str:
     return path.read_text().strip()
 
 
+def replace_private_file(path: Path, text: str) -> None:
+    """``path`` holding ``text``, mode 0600, replaced in one step (never half written)."""
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE)
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(text + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def sqlite_file(url: str | URL) -> Path | None:
     """The database file of a SQLite URL; None for PostgreSQL, an in-memory database or a
     ``file:`` URI."""

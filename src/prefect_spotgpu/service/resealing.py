@@ -37,8 +37,6 @@ Example::
 
 from __future__ import annotations
 
-import os
-import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -47,7 +45,7 @@ from pathlib import Path
 from sqlalchemy import Engine, bindparam, func, select
 from sqlalchemy.orm import InstrumentedAttribute, Session, sessionmaker
 
-from prefect_spotgpu.service.at_rest import PRIVATE_FILE, private_dir
+from prefect_spotgpu.service.at_rest import private_dir, replace_private_file
 from prefect_spotgpu.service.db import make_sessionmaker
 from prefect_spotgpu.service.maintenance import maintenance_lock
 from prefect_spotgpu.service.models import BidRow, Tenant
@@ -265,22 +263,8 @@ def install_key(*, home: Path, key: str) -> Path | None:
         n = 1
         while (home / f"secret_key.old.{n}").exists():
             n += 1
-        _write_private(home / f"secret_key.old.{n}", kept.read_text().strip())
+        replace_private_file(home / f"secret_key.old.{n}", kept.read_text().strip())
     if previous:
-        _write_private(kept, previous)
-    _write_private(path, key)
+        replace_private_file(kept, previous)
+    replace_private_file(path, key)
     return kept if previous else None
-
-
-def _write_private(path: Path, text: str) -> None:
-    """``path`` holding ``text``, mode 0600, replaced in one step (never half written)."""
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE)
-    try:
-        with os.fdopen(fd, "w") as out:
-            out.write(text + "\n")
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
