@@ -235,7 +235,7 @@ def create_app(
     app.state.admin_key = settings.resolved_admin_key()
     app.state.sealer = sealer
     app.state.market_version = prefect_spotgpu.__version__  # what clients are judged by
-    app.state.skew_log = SkewLog()  # a skew logged once per node or tenant and version
+    app.state.skew_log = SkewLog()  # a skew logged once per node or tenant and kind
     # fair shares: caps and buckets, one event watcher, forecasts per bar, one stream read
     app.state.fair_shares = FairShares.from_settings(settings)
     app.state.event_watch = EventWatch(

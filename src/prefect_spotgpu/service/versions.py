@@ -30,7 +30,7 @@ A request without the header:
     (<Skew.TOO_OLD: 'too old'>, <Skew.UNVERSIONED: 'unversioned'>)
 
 ``judge`` decides (pure); ``check_client_version`` (an app-wide dependency after
-``roles.authorize``) applies it, and logs a skew once per node or tenant and version
+``roles.authorize``) applies it, and logs a skew once per node or tenant and kind of skew
 (``SkewLog``). The heartbeat route records the agent's version in its node's telemetry
 (``protocol.TELEMETRY_AGENT_VERSION``).
 """
@@ -238,9 +238,10 @@ def sent_version(request: Request) -> str | None:
 async def check_client_version(
     request: Request, caller: Annotated[Caller, Depends(authorize)]
 ) -> None:
-    """The app-wide dependency: refuse a client older than the market accepts (426), log a
-    skew once per node or tenant and version. Given ``authorize``'s caller (FastAPI calls it
-    once a request); no I/O, so ``async``."""
+    """The app-wide dependency: refuse a client older than the market accepts (426; an agent
+    leaving still reaches ``WINDING_DOWN``), log a skew once per node or tenant and kind of
+    skew. Given ``authorize``'s caller (FastAPI calls it once a request); no I/O, so
+    ``async``."""
     sent = sent_version(request)
     market = _release(request.app.state.market_version)
     agent = caller.node_id is not None
