@@ -643,6 +643,10 @@ def test_server_prune_says_what_to_change(db_url, tmp_path):
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGPU_")}
     env.update(COLUMNS="200", SPOTGPU_HOME=str(tmp_path / "home"), SPOTGPU_DB_URL=db_url)
+    missing = tmp_path / "elsewhere" / "market.db"  # a wrong path: no market made there
+    out = spotgpu("server", "prune", env={**env, "SPOTGPU_DB_URL": f"sqlite:///{missing}"})
+    assert out.returncode == 1 and "does not exist: no market there" in out.stdout, out.stdout
+    assert not missing.exists()
     upgrade(db_url, "0014")  # a market of the version before retention
     out = spotgpu("server", "prune", "--dry-run", env=env)
     assert out.returncode == 1 and "run `spotgpu server migrate` first" in out.stdout

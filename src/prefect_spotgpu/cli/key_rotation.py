@@ -16,7 +16,14 @@ from pathlib import Path
 import typer
 
 from prefect_spotgpu.cli.common import console
-from prefect_spotgpu.cli.service_cmds import DB, DB_URL_FILE, _database_url, _settings, shown
+from prefect_spotgpu.cli.service_cmds import (
+    DB,
+    DB_URL_FILE,
+    database_url,
+    market_at_head,
+    service_settings,
+    shown,
+)
 
 NEW_KEY_FILE = typer.Option(
     ...,
@@ -58,39 +65,21 @@ def rotate_key(
     key comes from SPOTGPU_SECRET_KEY, the command says to set it in every replica's
     environment before they start.
     """
-    from prefect_spotgpu.service.at_rest import sqlite_file
-    from prefect_spotgpu.service.db import (
-        DatabaseUnavailable,
-        check_database,
-        make_engine,
-        schema_status,
-    )
+    from prefect_spotgpu.service.db import DatabaseUnavailable
     from prefect_spotgpu.service.maintenance import ReplicaRunning
     from prefect_spotgpu.service.resealing import StillChanging, Unopenable, install_key
     from prefect_spotgpu.service.resealing import rotate_key as reseal
 
     new = _key_from(new_key_file)
-    settings = _settings(db_url=_database_url(db, db_url_file))
+    settings = service_settings(db_url=database_url(db, db_url_file))
     from_environment = settings.secret_key is not None
     old = _key_from(old_key_file) if old_key_file is not None else _market_key(settings)
     if old.key == new.key:
-        where = old_key_file or ("SPOTGPU_SECRET_KEY" if from_environment else old.source)
-        _refuse(f"{new_key_file} holds the key the values are sealed under now ({where})")
+        source = old_key_file or ("SPOTGPU_SECRET_KEY" if from_environment else old.source)
+        _refuse(f"{new_key_file} holds the key the values are sealed under now ({source})")
     where = shown(settings.database_url())
-    if (path := sqlite_file(settings.database_url())) is not None and not path.exists():
-        _refuse(f"{where} does not exist: no market there (is SPOTGPU_HOME the service's?)", 1)
-    engine = make_engine(settings.database_url())
+    engine = market_at_head(settings, "re-seal")
     try:
-        check_database(engine)
-        status = schema_status(engine)
-        if status.current is None:
-            _refuse(f"{where} holds no market (no schema): nothing is sealed there", code=1)
-        if not status.known or status.pending:
-            _refuse(
-                f"{where} is at revision {status.current}, this version {status.head}: run "
-                "`spotgpu server migrate` (or use the version that matches it) first",
-                code=1,
-            )
         rotation = reseal(
             engine=engine,
             settings=settings,

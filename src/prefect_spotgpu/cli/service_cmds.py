@@ -35,7 +35,7 @@ DB_URL_FILE = typer.Option(
 )
 
 
-def _database_url(db: str | None, db_url_file: Path | None) -> str | None:
+def database_url(db: str | None, db_url_file: Path | None) -> str | None:
     """The URL from ``--db``/``SPOTGPU_DB_URL`` or ``--db-url-file`` (one of them); a
     password given as ``--db`` on the command line is refused."""
     import os
@@ -74,7 +74,7 @@ def _database_url(db: str | None, db_url_file: Path | None) -> str | None:
     return db
 
 
-def _settings(**overrides):
+def service_settings(**overrides):
     from pydantic import ValidationError
 
     from prefect_spotgpu.service.settings import ServiceSettings
@@ -95,6 +95,46 @@ def shown(url: str) -> str:
     from sqlalchemy.engine import make_url
 
     return make_url(url).set(query={}).render_as_string(hide_password=True)
+
+
+def market_at_head(settings, doing: str):
+    """The engine of the market ``settings`` name, for an offline command that is ``doing``
+    something to it (``prune``, ``re-seal``): refused, exit 1 with what to do, when that market
+    is not there (a SQLite file missing: never made here), holds no schema, or is not at this
+    version's revision. The caller disposes of the engine."""
+    from prefect_spotgpu.service.at_rest import sqlite_file
+    from prefect_spotgpu.service.db import (
+        DatabaseUnavailable,
+        check_database,
+        make_engine,
+        schema_status,
+    )
+
+    where = shown(settings.database_url())
+
+    def refuse(message: str):
+        console.print(message, style="red", markup=False, soft_wrap=True)
+        raise typer.Exit(1)
+
+    if (path := sqlite_file(settings.database_url())) is not None and not path.exists():
+        refuse(f"{where} does not exist: no market there (is SPOTGPU_HOME the service's?)")
+    engine = make_engine(settings.database_url())
+    try:
+        check_database(engine)
+        status = schema_status(engine)
+    except DatabaseUnavailable as exc:
+        engine.dispose()
+        refuse(str(exc))
+    if status.current is None:
+        engine.dispose()
+        refuse(f"{where} holds no market (no schema): nothing to {doing}")
+    if not status.known or status.pending:
+        engine.dispose()
+        refuse(
+            f"{where} is at revision {status.current}, this version needs {status.head}: run "
+            "`spotgpu server migrate` first (or use the prefect-spotgpu that migrated it)"
+        )
+    return engine
 
 
 @server_app.command("start")
@@ -119,8 +159,8 @@ def server_start(
     is refused until `spotgpu server migrate` has run. The admin key is SPOTGPU_ADMIN_KEY, or
     generated once into $SPOTGPU_HOME/admin_key.
     """
-    settings = _settings(
-        db_url=_database_url(db, db_url_file),
+    settings = service_settings(
+        db_url=database_url(db, db_url_file),
         host=host,
         port=port,
         tick_seconds=tick_seconds,
@@ -159,7 +199,7 @@ def server_migrate(
         schema_status,
     )
 
-    settings = _settings(db_url=_database_url(db, db_url_file))
+    settings = service_settings(db_url=database_url(db, db_url_file))
     engine = make_engine(settings.database_url())
     try:
         check_database(engine)
@@ -207,38 +247,17 @@ def server_prune(
     from prefect_spotgpu.service.clock import SYSTEM
     from prefect_spotgpu.service.db import (
         DatabaseUnavailable,
-        check_database,
-        make_engine,
         make_reading_sessionmaker,
         make_sessionmaker,
-        schema_status,
     )
     from prefect_spotgpu.service.retention import count_prunable, prune_all
     from prefect_spotgpu.service.retention_rules import RetentionPolicy, cutoffs
 
-    settings = _settings(db_url=_database_url(db, db_url_file))
+    settings = service_settings(db_url=database_url(db, db_url_file))
     policy = RetentionPolicy.from_settings(settings)
-    engine = make_engine(settings.database_url())
+    engine = market_at_head(settings, "prune")
     where = shown(settings.database_url())
     try:
-        check_database(engine)
-        status = schema_status(engine)
-        if status.current is None:
-            console.print(f"[red]{where} holds no market[/red]: nothing to prune")
-            raise typer.Exit(1)
-        if not status.known:
-            console.print(
-                f"[red]{where} is at revision {status.current}[/red], which this version "
-                f"({status.head}) does not know: prune with the prefect-spotgpu that migrated it"
-            )
-            raise typer.Exit(1)
-        if status.pending:
-            console.print(
-                f"[red]{where} is at revision {status.current}[/red], this version needs "
-                f"{status.head}: run `spotgpu server migrate` first (retention needs its "
-                "columns and indexes)"
-            )
-            raise typer.Exit(1)
         if policy.keeps_everything:
             console.print(
                 "every retention is 0 (kept for ever): nothing to prune. Set "
