@@ -48,6 +48,7 @@ with open(log_path, "a") as log:
                 "gpus": os.environ.get(
                     "CUDA_VISIBLE_DEVICES", os.environ.get("NVIDIA_VISIBLE_DEVICES")
                 ),
+                "threads": os.environ.get("OMP_NUM_THREADS"),
             }
         )
         + "\n"

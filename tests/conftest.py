@@ -28,6 +28,11 @@ from prefect_spotgpu.cli.stack import free_port, wait_for
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="spotgpu-test-prefect-"))
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+# Torch and NumPy, in this process and the ones it starts (the ranks of a gang, a benchmark): one
+# thread each. The suite's two workers already fill the two cores; a thread per core in each
+# process (torch's default) spends the cores switching between them. A test of threads sets its
+# own; the agents' jobs get their share from the agent (``OMP_NUM_THREADS``, the runners).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The suite runs in parallel workers (pytest-xdist, pyproject's addopts), each with its own
 # Prefect server, services and agents. What the workers share of the host is kept apart:
@@ -234,7 +239,7 @@ class Service:
             self.clock.advance(min(step, seconds - moved))
             moved += step
             at = self.clock.time()  # a pass that began before the move does not count
-            wait_for(lambda: ticker.round_at >= at, 30, "a tick at the new time", 0.002)
+            wait_for(lambda at=at: ticker.round_at >= at, 30, "a tick at the new time", 0.002)
 
     def flushed(self) -> None:
         """Until the tick loop has written its charges of this moment (a charge flush after

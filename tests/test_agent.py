@@ -359,6 +359,7 @@ def test_two_agents_a_reclaim_and_a_resume_from_the_checkpoint(tmp_path):
         bid = job_bid(buyer, 120, job_log, tmp_path / "ckpt")
         first = wait(lambda: [e for e in read_log(job_log) if "start" in e], 30, "job start")[0]
         assert first["start"] == 0 and first["gpus"] == "0,1"
+        assert first["threads"] == str(len(os.sched_getaffinity(0)))  # 2 of 2 GPUs: every core
         wait(lambda: sum("step" in e for e in read_log(job_log)) >= 20, 30, "progress")
         allocs = buyer.get(f"/bids/{bid['id']}/allocations").json()
         victim_node = allocs[0]["node_id"]

@@ -23,11 +23,13 @@ from prefect_spotgpu.agent.reactions import (
     Refused,
     StartJob,
     StopJob,
+    cpu_threads,
     exit_report,
     job_request,
     react,
     start_decision,
 )
+from prefect_spotgpu.agent.runners.process import process_environment
 from prefect_spotgpu.messages import EventResponse
 
 CALM = LocalView(frozenset(), frozenset(), leaving=False)
@@ -100,10 +102,22 @@ def test_a_gang_member_starts_with_its_place_and_a_malformed_one_fails_saying_wh
 
 def test_the_request_is_the_assignments_on_the_gpus_taken():
     go = start_decision(7, assignment(gang=GANG), CALM)
-    request = job_request(go, (2, 3), Path("/state"))
+    request = job_request(go, (2, 3), Path("/state"), node_gpus=8, cpus=96)
     assert (request.allocation_id, request.epoch, request.bid_id) == (7, 3, 2)
     assert request.gpu_indices == [2, 3] and request.workdir == Path("/state/alloc-7")
     assert (request.tenant_id, request.checkpoint_key, request.gang) == (5, "flow-run-x", go.gang)
+    assert request.thread_default() == {"OMP_NUM_THREADS": "24"}  # 2 of 8 GPUs: 24 of 96 cores
+
+
+def test_a_jobs_threads_are_its_share_of_the_cores_by_its_share_of_the_gpus():
+    assert cpu_threads(1, 8, 96) == 12 and cpu_threads(8, 8, 96) == 96
+    assert cpu_threads(1, 2, 2) == 1 and cpu_threads(1, 8, 4) == 1  # never none
+    assert cpu_threads(3, 8, 100) == 37  # (rounded down: the jobs together fit the cores)
+    go = start_decision(7, assignment(), CALM)
+    request = job_request(go, (0,), Path("/state"), node_gpus=2, cpus=2)
+    assert process_environment(request, None)["OMP_NUM_THREADS"] == "1"
+    request.env["OMP_NUM_THREADS"] = "3"  # the bid's own choice is kept
+    assert process_environment(request, None)["OMP_NUM_THREADS"] == "3"
 
 
 def test_an_exit_reports_finished_or_failed_with_its_code_and_last_line():

@@ -298,8 +298,15 @@ def test_the_arrows_point_one_way(room):
 IMPORT_EACH_ALONE = """
 import importlib, os, sys
 for heavy in ("prefect", "prefect.flows", "prefect.workers.base", "sqlalchemy", "fastapi",
-              "httpx", "pydantic", "numpy", "boto3", "typer", "rich", "alembic"):
+              "httpx", "pydantic", "numpy", "boto3", "typer", "rich", "alembic", "uvicorn",
+              "psycopg", "prefect_docker", "distributed"):
     importlib.import_module(heavy)  # third parties once; nothing of ours is imported yet
+for extra in ("torch", "torch.distributed.checkpoint", "transformers.trainer_callback",
+              "lightning.pytorch.callbacks", "prefect_dask"):  # the extras, where installed
+    try:  # (each costs seconds of CPU: paid once here, not once per module that uses it)
+        importlib.import_module(extra)
+    except ImportError:
+        pass
 assert not any(m.startswith("prefect_spotgpu") for m in sys.modules)
 failed, children = [], {}
 for name in sys.argv[1:]:

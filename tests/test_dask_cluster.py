@@ -309,7 +309,7 @@ def test_a_prefect_flow_maps_over_spot_workers_and_no_task_run_fails(stack, tmp_
             done = len(runs) == shards and all(r.state.is_final() for r in runs)
             return runs if done else None
 
-        runs = wait_for(task_runs, 30, f"the {shards} task runs recorded")
+        runs = wait_for(task_runs, 90, f"the {shards} task runs recorded")
         costs = ArtifactFilter(key=ArtifactFilterKey(any_=["spot-dask-cost"]))
         artifacts = client.read_artifacts(artifact_filter=costs)  # (not a page of them all)
     assert {r.state.type.value for r in runs} == {"COMPLETED"}

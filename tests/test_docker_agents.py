@@ -10,6 +10,7 @@ the job is ``agent_job.py`` run by the image's python3 in the session's job imag
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -79,6 +80,7 @@ def test_a_reclaimed_container_saves_and_resumes_in_a_container_on_the_other_nod
         )
         first = wait(lambda: [e for e in job_logs(tmp_path) if "start" in e], 60, "start")[0]
         assert first["start"] == 0 and first["gpus"] == "0,1"
+        assert first["threads"] == str(len(os.sched_getaffinity(0)))  # 2 of 2 GPUs: every core
         wait(lambda: sum("step" in e for e in job_logs(tmp_path)) >= 20, 30, "progress")
         victim = buyer.get(f"/bids/{bid['id']}/allocations").json()[0]["node_id"]
         reclaimed_at = time.time()

@@ -26,6 +26,7 @@ lock.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -114,6 +115,7 @@ class Agent(Lifecycle):
         self.token = token  # a node token, or the owner's key until registration is done
         self.runner = runner
         self.gpus = gpus
+        self.cpus = len(os.sched_getaffinity(0))  # (the cores this agent may use)
         self.declared = declared
         self.state_dir = Path(state_dir)
         self.name = name
@@ -345,7 +347,8 @@ class Agent(Lifecycle):
             self.metrics.start_failed(StartFailure.GPUS)
             self.reporter.report_failed(alloc_id, assignment.epoch)
             return None
-        return job_request(go, taken.indices, self.state_dir)
+        node_gpus, cpus = len(self.gpus), self.cpus
+        return job_request(go, taken.indices, self.state_dir, node_gpus=node_gpus, cpus=cpus)
 
     def _prepare(self, request: JobRequest) -> None:
         """Prepare the job (pull its image, reporting how far), then start it, unless its

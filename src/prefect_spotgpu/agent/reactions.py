@@ -168,8 +168,16 @@ def start_decision(alloc_id: int, assignment: Assignment | None, view: LocalView
     return Go(assignment, gang)
 
 
-def job_request(go: Go, gpu_indices, state_dir: Path) -> JobRequest:
-    """The runner's request for a job the agent starts on ``gpu_indices``."""
+def cpu_threads(job_gpus: int, node_gpus: int, cpus: int) -> int:
+    """A job's share of the host's ``cpus`` cores, as its share of the node's GPUs (at least
+    one): its default ``OMP_NUM_THREADS``, so that the jobs of one node do not each start a
+    thread per core of the host (torch's default) and spend the cores switching between them."""
+    return max(1, cpus * job_gpus // max(1, node_gpus))
+
+
+def job_request(go: Go, gpu_indices, state_dir: Path, *, node_gpus: int, cpus: int) -> JobRequest:
+    """The runner's request for a job the agent starts on ``gpu_indices`` of the node's
+    ``node_gpus``, on a host of ``cpus`` cores."""
     assignment, job = go.assignment, go.assignment.job
     return JobRequest(
         allocation_id=assignment.id,
@@ -185,6 +193,7 @@ def job_request(go: Go, gpu_indices, state_dir: Path) -> JobRequest:
         tenant_id=assignment.tenant_id,
         gang=go.gang,
         job_address=assignment.job_address,
+        cpu_threads=cpu_threads(len(gpu_indices), node_gpus, cpus),
     )
 
 

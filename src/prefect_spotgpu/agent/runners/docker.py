@@ -176,6 +176,7 @@ class DockerRunner:
             "HOME": WORKDIR,
             "PREFECT_HOME": f"{WORKDIR}/.prefect",
             **gang_defaults,
+            **request.thread_default(),
             **request.env,
             **request.job_variables(workdir=WORKDIR, checkpoint_url=url),
             # last: neither the bid nor the image's ENV widens the GPUs the device request

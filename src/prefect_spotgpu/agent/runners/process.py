@@ -109,6 +109,7 @@ def process_environment(
         "HOME": workdir,
         "LANG": os.environ.get("LANG") or "C.UTF-8",
         "PREFECT_HOME": f"{workdir}/.prefect",
+        **request.thread_default(),
         **request.env,
         "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in request.gpu_indices),
         **request.job_variables(workdir=workdir, checkpoint_url=checkpoint_url),

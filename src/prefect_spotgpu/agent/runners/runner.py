@@ -151,6 +151,12 @@ class JobRequest:
     tenant_id: int | None = None  # whose job: its checkpoint directory and group
     gang: GangPlace | None = None  # a gang member: its torch.distributed rendezvous
     job_address: str | None = None  # its address on the node's job network (job_network.py)
+    cpu_threads: int | None = None  # its share of the host's cores: OMP_NUM_THREADS by default
+
+    def thread_default(self) -> dict[str, str]:
+        """``OMP_NUM_THREADS`` at the job's share of the host's cores, where the agent gave
+        one: a default the bid's own variables override."""
+        return {"OMP_NUM_THREADS": str(self.cpu_threads)} if self.cpu_threads else {}
 
     @property
     def notice_file(self) -> Path:
