@@ -9,7 +9,8 @@ OPs, in order: ``save:STEP`` (a gang save of this rank's state for STEP), ``mayb
 background save in flight written and committed: prints the newest committed step),
 ``notice`` (writes this rank's notice file), ``restore`` (prints
 ``{"op": "restore", "rank", "step", "value"}``), ``gate:PATH`` (rank 0's next shard write
-waits until PATH exists: the test kills another rank in between). Every op prints one JSON
+waits until PATH exists, ``PATH.held`` made while it waits: the test kills another rank in
+between). Every op prints one JSON
 line. ``{rank}`` in STORAGE_URL is the rank (storage that is not shared);
 ``SPOTGPU_TEST_S3_ENDPOINT`` points an ``s3://`` storage at moto; ``SPOTGPU_TEST_EVERY``,
 ``_KEEP`` and ``_SYNC_EVERY`` are the checkpointer's options (default 3600 s, 5, 1); notice,
@@ -49,6 +50,7 @@ class Gated:
 
     def write(self, name, step, buffers, size, manifest):
         if self.gate is not None and "/rank-" in name:
+            Path(f"{self.gate}.held").touch()  # (what a test waits for before it opens it)
             while not self.gate.exists():
                 time.sleep(0.01)
             self.gate = None

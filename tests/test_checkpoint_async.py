@@ -21,6 +21,7 @@ import torch
 
 from prefect_spotgpu.checkpoint import Checkpointer, LocalStorage
 from prefect_spotgpu.checkpoint.background import CHUNK_BYTES
+from prefect_spotgpu.cli.stack import wait_for
 from test_checkpoint_shards import start_gang
 
 HERE = Path(__file__).parent
@@ -227,14 +228,17 @@ def test_a_gang_commits_a_background_save_once_and_its_final_save_wins(tmp_path)
     procs, errs = start_gang("shard_ops.py", [str(tmp_path / "s"), "run", *ops], tmp_path, envs)
     lines = [[], []]
     try:
-        first = json.loads(procs[0].stdout.readline())
-        assert first["op"] == "maybe"
-        time.sleep(1.0)  # rank 0 is held at the gate with step 2, the notice seen at step 3
+        read = []  # rank 0's lines until its notice: held at the gate with step 2, the notice
+        while not read or read[-1]["op"] != "notice":  # seen at step 3 (each op prints a line)
+            line = procs[0].stdout.readline()
+            assert line, errs[0].read_text()[-3000:]
+            read.append(json.loads(line))
+        wait_for(Path(f"{gate}.held").exists, 30, "rank 0's step 2 held at the gate")
         gate.write_text("open")
         for rank, proc in enumerate(procs):
             out, _ = proc.communicate(timeout=90)
             assert proc.returncode == 0, errs[rank].read_text()[-3000:]
-            lines[rank] = ([first] if rank == 0 else []) + [json.loads(x) for x in out.splitlines()]
+            lines[rank] = (read if rank == 0 else []) + [json.loads(x) for x in out.splitlines()]
     finally:
         for proc in procs:
             proc.kill()

@@ -433,13 +433,14 @@ def test_a_running_agent_the_market_finds_too_old_leaves_its_jobs_saved_and_stop
     running = threading.Thread(target=agent.run, daemon=True)
     running.start()
     try:
-        noticed = tmp_path / "noticed"
-        job = f"trap 'touch {noticed}; exit 0' USR1; while true; do sleep 0.1; done"
+        noticed, trapping = tmp_path / "noticed", tmp_path / "trapping"
+        job = f"trap 'touch {noticed}; exit 0' USR1; touch {trapping}; while :; do sleep 0.1; done"
         order = {"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0,
                  "job": {"command": ["sh", "-c", job]}}  # fmt: skip
         placed = buyer.post("/bids", json=order)
         assert placed.status_code == 201, placed.text
         (handle,) = wait(lambda: list(agent.jobs.values()), 20, "the job running")
+        wait(trapping.exists, 20, "the job's trap set")  # (a notice before it would kill it)
         too_old_market(service, "0.3.0")  # (this agent is 0.1.0)
         running.join(timeout=30)
         assert not running.is_alive(), "the agent did not leave"
