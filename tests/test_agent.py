@@ -469,6 +469,35 @@ def make_agent(service, owner, tmp_path, gpus=1, runner=None):
 
 
 @one_database("the agent's side; the service's runs on both databases in its own tests")
+def test_a_notice_of_a_job_never_started_here_is_answered_at_once(service, tmp_path):
+    """An allocation placed on the node and noticed before the agent started its job (its
+    node reclaimed the moment it was placed: both events in one batch, its assignment already
+    noticed): the agent never starts it and answers the notice now, so the bid moves on at
+    once, not at the notice's deadline five minutes later."""
+    owner, buyer = service.tenant(), service.tenant(credit=50.0)
+    node, agent = make_agent(service, owner, tmp_path)
+    agent.register()
+    order = {"gpu_model": "A100-80G", "gpu_count": 1, "max_price": 1.0,
+             "job": {"command": ["sleep", "600"]}}  # fmt: skip
+    placed = buyer.post("/bids", json=order)
+    assert placed.status_code == 201, placed.text
+    allocations = f"/bids/{placed.json()['id']}/allocations"
+    (alloc,) = wait(lambda: buyer.get(allocations).json(), 20, "the allocation")
+    service.client(owner.headers["Authorization"].split()[1]).patch(
+        f"/nodes/{node['id']}", json={"state": "reclaimed"}
+    )
+    noticed = wait(
+        lambda: (a := buyer.get(allocations).json()[0])["status"] == "noticed" and a, 20, "notice"
+    )
+    agent.notice(alloc["id"], time.time() + 300, noticed["epoch"])  # (the noticed event's)
+    ended = wait(
+        lambda: (a := buyer.get(allocations).json()[0])["status"] != "noticed" and a, 10, "answer"
+    )
+    assert ended["status"] == "preempted" and agent.jobs == {}
+    assert agent.gpu_book.free_count() == 1
+
+
+@one_database("the agent's side; the service's runs on both databases in its own tests")
 def test_a_job_that_cannot_start_gives_its_gpus_back(service, tmp_path):
     owner = service.tenant()
     _, agent = make_agent(service, owner, tmp_path, gpus=2)
