@@ -489,6 +489,7 @@ def test_a_notice_of_a_job_never_started_here_is_answered_at_once(service, tmp_p
     noticed = wait(
         lambda: (a := buyer.get(allocations).json()[0])["status"] == "noticed" and a, 20, "notice"
     )
+    agent.start(alloc["id"])  # the allocated event, read with the notice: it is noticed now
     agent.notice(alloc["id"], time.time() + 300, noticed["epoch"])  # (the noticed event's)
     ended = wait(
         lambda: (a := buyer.get(allocations).json()[0])["status"] != "noticed" and a, 10, "answer"

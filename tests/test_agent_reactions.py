@@ -81,7 +81,8 @@ def test_a_job_starts_once_and_only_while_startable():
         Already()
     )
     assert start_decision(7, None, CALM) == Ended()  # not assigned here any more
-    assert start_decision(7, assignment("noticed"), CALM) == Ended()
+    assert start_decision(7, assignment("noticed"), CALM) == Decline(3)  # noticed, not started:
+    assert start_decision(7, assignment("preempted"), CALM) == Ended()  # its notice is answered
     assert start_decision(7, assignment(), LocalView(frozenset(), frozenset(), True)) == (
         Decline(3)  # leaving: never started; the epoch answers its notice
     )

@@ -450,7 +450,7 @@ class Agent(Lifecycle):
             if unstarted is not None:
                 self.gpu_book.give_back(alloc_id)
             declined = self.declined.pop(alloc_id, None)
-        if unstarted or declined or (not handle and epoch):  # it never starts here
+        if unstarted is not None or declined is not None:  # it never starts here
             logger.warning("allocation %s: noticed before its job started; not started", alloc_id)
             body = notice_before_start_report(epoch=epoch or declined or unstarted.epoch)
             self.reporter.report_later(alloc_id, body)

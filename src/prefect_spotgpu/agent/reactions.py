@@ -17,6 +17,7 @@ What the agent does, by what it hears (``react``)::
 Before it starts a job (``start_decision``)::
 
     running or being prepared here          Already
+    noticed before its job started          Decline: never started; its notice is answered
     not assigned here, or not startable     Ended: its GPUs are no longer awaited
     the agent is leaving (asked to stop)    Decline: never started; its notice is answered
     reserved and no job given               NotYet: it starts when promoted
@@ -155,6 +156,8 @@ def start_decision(alloc_id: int, assignment: Assignment | None, view: LocalView
     """Whether and how to start allocation ``alloc_id``'s job (the module's second table)."""
     if alloc_id in view.jobs or alloc_id in view.preparing:
         return Already()
+    if assignment is not None and assignment.status == AllocationStatus.NOTICED:
+        return Decline(assignment.epoch)  # noticed before its job started here: never starts
     if assignment is None or assignment.status not in STARTABLE:
         return Ended()
     if view.leaving:
