@@ -489,8 +489,16 @@ def test_a_notice_of_a_job_never_started_here_is_answered_at_once(service, tmp_p
     noticed = wait(
         lambda: (a := buyer.get(allocations).json()[0])["status"] == "noticed" and a, 20, "notice"
     )
-    agent.start(alloc["id"])  # the allocated event, read with the notice: it is noticed now
-    agent.notice(alloc["id"], time.time() + 300, noticed["epoch"])  # (the noticed event's)
+    agent.notice(alloc["id"], time.time() + 300, noticed["epoch"])  # no job here: nothing yet
+    workdir, sent = tmp_path / "agent" / f"alloc-{alloc['id']}", []
+    workdir.mkdir(parents=True)  # as if a job of it ran here, under an earlier agent:
+    answering = agent.reporter.report_later
+    agent.reporter.report_later = lambda *report: sent.append(report)
+    agent.start(alloc["id"])  # reconcile answers that one, by its acknowledgement
+    assert sent == []
+    workdir.rmdir()
+    agent.reporter.report_later = answering
+    agent.start(alloc["id"])  # the allocated event, read after it: its assignment is noticed
     ended = wait(
         lambda: (a := buyer.get(allocations).json()[0])["status"] != "noticed" and a, 10, "answer"
     )

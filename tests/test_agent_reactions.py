@@ -29,6 +29,7 @@ from prefect_spotgpu.agent.reactions import (
     react,
     start_decision,
 )
+from prefect_spotgpu.agent.reports import notice_before_start_report, notice_report
 from prefect_spotgpu.agent.runners.process import process_environment
 from prefect_spotgpu.messages import EventResponse
 
@@ -81,8 +82,9 @@ def test_a_job_starts_once_and_only_while_startable():
         Already()
     )
     assert start_decision(7, None, CALM) == Ended()  # not assigned here any more
-    assert start_decision(7, assignment("noticed"), CALM) == Decline(3)  # noticed, not started:
-    assert start_decision(7, assignment("preempted"), CALM) == Ended()  # its notice is answered
+    noticed = start_decision(7, assignment("noticed"), CALM)  # never started: answered now
+    assert noticed == Decline(3, answer=notice_before_start_report(epoch=3))
+    assert start_decision(7, assignment("preempted"), CALM) == Ended()
     assert start_decision(7, assignment(), LocalView(frozenset(), frozenset(), True)) == (
         Decline(3)  # leaving: never started; the epoch answers its notice
     )
@@ -103,7 +105,7 @@ def test_a_gang_member_starts_with_its_place_and_a_malformed_one_fails_saying_wh
 
 def test_the_request_is_the_assignments_on_the_gpus_taken():
     go = start_decision(7, assignment(gang=GANG), CALM)
-    request = job_request(go, (2, 3), Path("/state"), node_gpus=8, cpus=96)
+    request = job_request(go, (2, 3), Path("/state"), node=(8, 96))
     assert (request.allocation_id, request.epoch, request.bid_id) == (7, 3, 2)
     assert request.gpu_indices == [2, 3] and request.workdir == Path("/state/alloc-7")
     assert (request.tenant_id, request.checkpoint_key, request.gang) == (5, "flow-run-x", go.gang)
@@ -115,7 +117,7 @@ def test_a_jobs_threads_are_its_share_of_the_cores_by_its_share_of_the_gpus():
     assert cpu_threads(1, 2, 2) == 1 and cpu_threads(1, 8, 4) == 1  # never none
     assert cpu_threads(3, 8, 100) == 37  # (rounded down: the jobs together fit the cores)
     go = start_decision(7, assignment(), CALM)
-    request = job_request(go, (0,), Path("/state"), node_gpus=2, cpus=2)
+    request = job_request(go, (0,), Path("/state"), node=(2, 2))
     assert process_environment(request, None)["OMP_NUM_THREADS"] == "1"
     request.env["OMP_NUM_THREADS"] = "3"  # the bid's own choice is kept
     assert process_environment(request, None)["OMP_NUM_THREADS"] == "3"
@@ -134,7 +136,6 @@ def test_the_agents_reports_are_the_services_request_model():
     """One declaration both ways: the service takes ``messages.AllocationReport`` (its own
     class adds only the checks of characters and unknown fields), so what an agent builds is
     what the OpenAPI schema names."""
-    from prefect_spotgpu.agent.reports import notice_before_start_report, notice_report
     from prefect_spotgpu.messages import AllocationReport
     from prefect_spotgpu.service.schemas import AllocationReport as Taken
 

@@ -1,26 +1,24 @@
 """The node agent: registers its host, heartbeats, and runs what the market assigns to it.
 
-It talks to the market over HTTP only: a heartbeat every few seconds (GPU telemetry, the images
-it holds: ``heartbeat``) and a long-poll on its node's events. On ``allocated`` (or
-``reserved``, for a migration target the market warms up: its job waits for its go in the
-launcher) it starts the job on free GPUs — after the runner prepares it (an image pull) on a
-thread of its own that reports progress, never for an allocation noticed or ended meanwhile.
-On ``noticed`` it writes the notice file, sends SIGUSR1 to the job's main process, waits for
-the checkpoint library's acknowledgement (or the deadline), stops the job and reports the
-outcome with the allocation's epoch (the fencing token; ``reports``, ``reporter``); on an
-ending event it stops whatever still runs. A job that exits by itself is reported
-``finished`` (exit 0) or ``failed`` with its exit code and last line (``reports.exit_detail``);
-one that cannot start is reported failed, and a node whose jobs cannot start several times in
-a row drains itself (``start_failures``). Every durable save in a job's saved file is reported
-as a ``checkpoint`` within about a second. On start it reconciles: local jobs the market no
-longer assigns here are killed (``Runner.reconcile``). Asked to stop (SIGTERM, Ctrl-C), it
-leaves as a reclaim of its node: every job saves and stops, and its run resumes elsewhere
-(``leaving``); the CLI's guard kills the jobs of an agent that dies (``guard``).
+It talks to the market over HTTP only: a heartbeat every few seconds (GPU telemetry, the images it
+holds: ``heartbeat``) and a long-poll on its node's events. On ``allocated`` (or ``reserved``, for
+a migration target the market warms up: its job waits for its go in the launcher) it starts the job
+on free GPUs — after the runner prepares it (an image pull) on a thread of its own that reports
+progress, never for an allocation noticed or ended meanwhile. On ``noticed`` it writes the notice
+file, sends SIGUSR1 to the job's main process, waits for the checkpoint library's acknowledgement
+(or the deadline), stops the job and reports the outcome with the allocation's epoch (the fencing
+token; ``reports``, ``reporter``); on an ending event it stops whatever still runs. A job that
+exits by itself is reported ``finished`` (exit 0) or ``failed`` with its exit code and last line
+(``reports.exit_detail``); one that cannot start is reported failed, and a node whose jobs cannot
+start several times in a row drains itself (``start_failures``). Every durable save in a job's
+saved file is reported as a ``checkpoint`` within about a second. On start it reconciles: local
+jobs the market no longer assigns here are killed (``Runner.reconcile``). Asked to stop (SIGTERM,
+Ctrl-C), it leaves as a reclaim of its node: every job saves and stops, and its run resumes
+elsewhere (``leaving``); the CLI's guard kills the jobs of an agent that dies (``guard``).
 
-Its credential is the node's token (``credentials``); the runner isolates the jobs
-(``runners``, ``isolation``). What it does for each event, assignment and exit is decided by
-pure functions (``reactions``); this class executes: never a market or runner call under its
-lock.
+Its credential is the node's token (``credentials``); the runner isolates the jobs (``runners``,
+``isolation``). What it does for each event, assignment and exit is decided by pure functions
+(``reactions``); this class executes: never a market or runner call under its lock.
 """
 
 from __future__ import annotations
@@ -127,8 +125,7 @@ class Agent(Lifecycle):
         self.telemetry = telemetry
         self.node_id: int | None = None
         self.jobs: dict[int, JobHandle] = {}
-        # allocation -> its job being prepared (image pulled) on a thread of its own, GPUs
-        # taken; an end or a notice removes it, and the job is then never started
+        # allocation -> its job being prepared (image pulled), GPUs taken; an end or notice drops it
         self.preparing: dict[int, JobRequest] = {}
         self.epochs: dict[int, int] = {}
         # which GPUs each allocation holds, and who waits for some (``gpu_book``; under lock)
@@ -304,9 +301,12 @@ class Agent(Lifecycle):
                 case Ended():
                     self.gpu_book.stop_waiting(alloc_id)
                     return
-                case Decline(epoch):  # its notice, when it comes, is answered at once
+                case Decline(epoch, answer):  # its notice is answered: now, or when it comes
                     self.gpu_book.stop_waiting(alloc_id)
-                    self.declined[alloc_id] = epoch
+                    if answer is None:
+                        self.declined[alloc_id] = epoch
+                    elif not (self.state_dir / f"alloc-{alloc_id}").exists():  # never ran here
+                        self.reporter.report_later(alloc_id, answer)
                     return
                 case NoJob():
                     logger.warning("allocation %s has no job to run", alloc_id)
@@ -347,8 +347,7 @@ class Agent(Lifecycle):
             self.metrics.start_failed(StartFailure.GPUS)
             self.reporter.report_failed(alloc_id, assignment.epoch)
             return None
-        node_gpus, cpus = len(self.gpus), self.cpus
-        return job_request(go, taken.indices, self.state_dir, node_gpus=node_gpus, cpus=cpus)
+        return job_request(go, taken.indices, self.state_dir, node=(len(self.gpus), self.cpus))
 
     def _prepare(self, request: JobRequest) -> None:
         """Prepare the job (pull its image, reporting how far), then start it, unless its

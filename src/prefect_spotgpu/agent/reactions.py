@@ -17,7 +17,7 @@ What the agent does, by what it hears (``react``)::
 Before it starts a job (``start_decision``)::
 
     running or being prepared here          Already
-    noticed before its job started          Decline: never started; its notice is answered
+    noticed before its job started          Decline, noticed: never started; answered now
     not assigned here, or not startable     Ended: its GPUs are no longer awaited
     the agent is leaving (asked to stop)    Decline: never started; its notice is answered
     reserved and no job given               NotYet: it starts when promoted
@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefect_spotgpu.agent.reports import exit_detail
+from prefect_spotgpu.agent.reports import exit_detail, notice_before_start_report
 from prefect_spotgpu.agent.runners.runner import GangPlace, JobRequest
 from prefect_spotgpu.messages import AllocationReport, Assignment, EventResponse
 from prefect_spotgpu.protocol import (
@@ -125,6 +125,9 @@ class Ended:
 @dataclass(frozen=True, slots=True)
 class Decline:
     epoch: int
+    # noticed already: its notice's answer, sent now, unless a job of it ran on this host (its
+    # directory is there: the notice's own wait, or reconcile after a restart, answers it then)
+    answer: AllocationReport | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +160,8 @@ def start_decision(alloc_id: int, assignment: Assignment | None, view: LocalView
     if alloc_id in view.jobs or alloc_id in view.preparing:
         return Already()
     if assignment is not None and assignment.status == AllocationStatus.NOTICED:
-        return Decline(assignment.epoch)  # noticed before its job started here: never starts
+        epoch = assignment.epoch  # noticed before its job started here: it never starts
+        return Decline(epoch, answer=notice_before_start_report(epoch=epoch))
     if assignment is None or assignment.status not in STARTABLE:
         return Ended()
     if view.leaving:
@@ -178,9 +182,9 @@ def cpu_threads(job_gpus: int, node_gpus: int, cpus: int) -> int:
     return max(1, cpus * job_gpus // max(1, node_gpus))
 
 
-def job_request(go: Go, gpu_indices, state_dir: Path, *, node_gpus: int, cpus: int) -> JobRequest:
-    """The runner's request for a job the agent starts on ``gpu_indices`` of the node's
-    ``node_gpus``, on a host of ``cpus`` cores."""
+def job_request(go: Go, gpu_indices, state_dir: Path, *, node: tuple[int, int]) -> JobRequest:
+    """The runner's request for a job the agent starts on ``gpu_indices``; ``node``: the
+    node's GPUs and the host's cores."""
     assignment, job = go.assignment, go.assignment.job
     return JobRequest(
         allocation_id=assignment.id,
@@ -196,7 +200,7 @@ def job_request(go: Go, gpu_indices, state_dir: Path, *, node_gpus: int, cpus: i
         tenant_id=assignment.tenant_id,
         gang=go.gang,
         job_address=assignment.job_address,
-        cpu_threads=cpu_threads(len(gpu_indices), node_gpus, cpus),
+        cpu_threads=cpu_threads(len(gpu_indices), *node),
     )
 
 
