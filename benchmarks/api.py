@@ -42,6 +42,8 @@ import httpx
 import numpy as np
 import sqlalchemy as sa
 
+from prefect_spotgpu.api_client import tls
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -89,7 +91,7 @@ def start(
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         try:
-            if httpx.get(url + "/health", timeout=2).json().get("leader"):
+            if httpx.get(url + "/health", timeout=2, verify=tls()).json().get("leader"):
                 return proc, url
         except (httpx.HTTPError, ValueError):
             pass
@@ -251,7 +253,7 @@ def bench_bulk(
         def tick_times() -> None:  # the leader's own tick durations meanwhile (/health)
             seen = None
             while time.monotonic() < end:
-                health = httpx.get(base + "/health", timeout=10).json()
+                health = httpx.get(base + "/health", timeout=10, verify=tls()).json()
                 if health["ticks"] != seen:
                     ticks.append(health["last_tick_seconds"])
                     seen = health["ticks"]
@@ -352,19 +354,19 @@ def bench_tick(kind: str, bids: int, samples: int = 10) -> dict:
         fill(url, bids)
         t0 = time.monotonic()
         proc, base = start(url, home)
-        while httpx.get(base + "/health", timeout=30).json()["ticks"] < 1:
+        while httpx.get(base + "/health", timeout=30, verify=tls()).json()["ticks"] < 1:
             time.sleep(0.05)
         first_tick = time.monotonic() - t0  # start, cold load, and the tick that places all
         try:
             ticks = []
             seen = None
             while len(ticks) < samples:
-                health = httpx.get(base + "/health", timeout=10).json()
+                health = httpx.get(base + "/health", timeout=10, verify=tls()).json()
                 if health["ticks"] != seen and health["ticks"] > 2:
                     ticks.append(health["last_tick_seconds"])
                 seen = health["ticks"]
                 time.sleep(0.3)
-            quotes = httpx.get(base + "/prices", timeout=10).json()
+            quotes = httpx.get(base + "/prices", timeout=10, verify=tls()).json()
         finally:
             stop(proc)
         return {

@@ -66,6 +66,8 @@ import httpx
 import numpy as np
 import sqlalchemy as sa
 
+from prefect_spotgpu.api_client import tls
+
 TICK_LOG_ENV = "SPOTGPU_BENCH_TICK_LOG"
 GC_ENV = "SPOTGPU_BENCH_GC"
 TARGET_RATIO = 1.5
@@ -287,7 +289,7 @@ def start(
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         try:
-            health = httpx.get(root + "/api/v1/health", timeout=2)
+            health = httpx.get(root + "/api/v1/health", timeout=2, verify=tls())
             if health.status_code == 200 and (health.json().get("leader") or not leader):
                 return proc, root
         except (httpx.HTTPError, ValueError):
@@ -301,7 +303,7 @@ def start(
 
 def wait_for_ticks(root: str, tick_log: Path, ticks: int, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
-    while httpx.get(root + "/api/v1/health", timeout=30).json()["ticks"] < ticks:
+    while httpx.get(root + "/api/v1/health", timeout=30, verify=tls()).json()["ticks"] < ticks:
         records = map(json.loads, tick_log.read_text().splitlines())
         failed = sum(1 for r in records if r.get("kind") is None and not r["ok"])
         if failed >= 3 or time.monotonic() > deadline:

@@ -21,6 +21,7 @@ import pytest
 import sqlalchemy as sa
 import uvicorn
 
+from prefect_spotgpu.api_client import tls
 from prefect_spotgpu.cli.stack import free_port, wait_for
 
 # Prefect, before anything imports it: a private home, no analytics, and time for the test
@@ -261,7 +262,9 @@ class Service:
 
     def client(self, key: str | None = None) -> httpx.Client:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        client = httpx.Client(base_url=self.base_url + "/api/v1", headers=headers, timeout=30)
+        client = httpx.Client(
+            base_url=self.base_url + "/api/v1", headers=headers, timeout=30, verify=tls()
+        )
         self.clients.append(client)
         return client
 

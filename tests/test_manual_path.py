@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from prefect_spotgpu.api_client import tls
 from prefect_spotgpu.cli.stack import free_port, wait_for
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -113,7 +114,7 @@ def processes_under(home: Path) -> list[int]:
 
 def healthy(url: str) -> bool:
     try:
-        return httpx.get(url, timeout=2).status_code == 200
+        return httpx.get(url, timeout=2, verify=tls()).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -143,7 +144,9 @@ def test_the_first_hour_runs_as_written_in_a_fresh_home():
 
     def market_as(name: str) -> httpx.Client:
         return httpx.Client(
-            base_url=market + "/api/v1", headers={"Authorization": f"Bearer {key(name)}"}
+            base_url=market + "/api/v1",
+            headers={"Authorization": f"Bearer {key(name)}"},
+            verify=tls(),
         )
 
     def ready(command: str, process: subprocess.Popen, log: Path) -> None:

@@ -16,6 +16,7 @@ import pytest
 import sqlalchemy as sa
 
 from conftest import ADMIN_KEY, free_port, wait_for
+from prefect_spotgpu.api_client import tls
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +64,8 @@ class Server:
         deadline = time.monotonic() + 60
         while True:
             try:
-                if httpx.get(self.url + "/api/v1/health", timeout=2).status_code == 200:
+                health = httpx.get(self.url + "/api/v1/health", timeout=2, verify=tls())
+                if health.status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -72,11 +74,14 @@ class Server:
             time.sleep(0.1)
 
     def health(self) -> dict:
-        return httpx.get(self.url + "/api/v1/health", timeout=5).json()
+        return httpx.get(self.url + "/api/v1/health", timeout=5, verify=tls()).json()
 
     def client(self, key: str) -> httpx.Client:
         return httpx.Client(
-            base_url=self.url + "/api/v1", timeout=30, headers={"Authorization": f"Bearer {key}"}
+            base_url=self.url + "/api/v1",
+            timeout=30,
+            headers={"Authorization": f"Bearer {key}"},
+            verify=tls(),
         )
 
     def kill(self) -> None:

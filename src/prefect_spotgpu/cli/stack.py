@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from prefect_spotgpu.api_client import api_base, api_client
+from prefect_spotgpu.api_client import api_base, api_client, tls
 from prefect_spotgpu.protocol import JOB_ENV, Capacity, NodeState, Runner
 from prefect_spotgpu.service.at_rest import private_dir
 
@@ -427,7 +427,7 @@ class LocalStack:
 
 def _healthy(url: str) -> bool:
     try:
-        return httpx.get(url, timeout=2).status_code == 200
+        return httpx.get(url, timeout=2, verify=tls()).status_code == 200
     except httpx.HTTPError:
         return False
 
