@@ -299,7 +299,8 @@ IMPORT_EACH_ALONE = """
 import importlib, os, sys
 for heavy in ("prefect", "prefect.flows", "prefect.workers.base", "sqlalchemy", "fastapi",
               "httpx", "pydantic", "numpy", "boto3", "typer", "rich", "alembic", "uvicorn",
-              "psycopg", "prefect_docker", "distributed"):
+              "psycopg", "prefect_docker", "distributed", "sqlalchemy.orm", "prometheus_client",
+              "cryptography.fernet"):
     importlib.import_module(heavy)  # third parties once; nothing of ours is imported yet
 for extra in ("torch", "torch.distributed.checkpoint", "transformers.trainer_callback",
               "lightning.pytorch.callbacks", "prefect_dask"):  # the extras, where installed
