@@ -23,6 +23,7 @@ from concurrent.futures import Future
 
 import httpx
 
+from prefect_spotgpu.api_client import tls
 from prefect_spotgpu.messages import BidBatchResponse, BidResponse, ErrorResponse
 from prefect_spotgpu.protocol import MAX_BIDS_PER_BATCH
 
@@ -74,7 +75,10 @@ class BidBatcher:
 
     def _run(self) -> None:
         headers = {"Authorization": self.authorization} if self.authorization else {}
-        with httpx.Client(base_url=self.base_url, headers=headers, timeout=self.timeout) as http:
+        client = httpx.Client(
+            base_url=self.base_url, headers=headers, timeout=self.timeout, verify=tls()
+        )
+        with client as http:
             closed = False
             while not closed:
                 first = self.pending.get()
