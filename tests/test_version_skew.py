@@ -94,7 +94,6 @@ def test_every_client_built_by_api_client_says_its_version():
     )
 
 
-
 def test_every_client_shares_one_tls_context_that_verifies():
     """httpx builds a TLS context for each client (the CA bundle loaded again: about 30 ms of
     CPU); ours share one, built once, and it still checks the market's certificate and name."""
@@ -107,6 +106,7 @@ def test_every_client_shares_one_tls_context_that_verifies():
         assert sync._transport._pool._ssl_context is context
     asynchronous = async_api_client("https://127.0.0.1:1", None)
     assert asynchronous._transport._pool._ssl_context is context
+
 
 # ------------------------------------------- recorded messages of an older agent and worker
 #

@@ -42,16 +42,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(predicate, timeout: float = 10.0, what: str = "the condition", interval: float = 0.05):
-    """Poll ``predicate`` until it returns something truthy (returned), or raise TimeoutError."""
+FIRST_POLL_SECONDS = 0.05
+SLOWEST_POLL_SECONDS = 0.25
+
+
+def wait_for(
+    predicate, timeout: float = 10.0, what: str = "the condition", interval: float | None = None
+):
+    """Poll ``predicate`` until it returns something truthy (returned), or raise TimeoutError.
+
+    Every ``interval`` seconds when given; by default every ``FIRST_POLL_SECONDS`` at first,
+    then a fifth less often each time, down to every ``SLOWEST_POLL_SECONDS`` from about the
+    first second on: a long wait (a Prefect server starting, a run training) does not ask the
+    market or Prefect twenty times a second, and a short one is seen as soon as before."""
     deadline = time.monotonic() + timeout
+    pause = interval or FIRST_POLL_SECONDS
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+        time.sleep(pause)
+        if interval is None:
+            pause = min(pause * 1.2, SLOWEST_POLL_SECONDS)
 
 
 STACK_ENV = "SPOTGPU_STACK_HOME"
