@@ -171,6 +171,18 @@ def test_a_market_rebuilt_from_its_state_still_owes_the_fee():
     assert cold.cancel_bid(2, 11.0).fees == m.cancel_bid(2, 11.0).fees
 
 
+def test_a_takeover_outbid_in_the_tick_it_starts_is_promoted_then_noticed():
+    """At t=310 bid 1's notice runs out and bid 2's takeover starts; bid 3, come a second
+    before, outbids it in that same tick. The decision holds both (the promotion, then the
+    notice): the service writes them in that order (the attack below)."""
+    m = outbid()
+    m.add_bid(Bid(3, A100, 8, 5.0, region="eu-west", tenant_id=3, created_at=309.0))
+    d = m.tick(310.0)
+    takeover = d.promotions[0]
+    assert [(n.allocation_id, n.bid_id) for n in d.notices] == [(takeover, 2)]
+    assert alloc(m, 2, AllocationStatus.NOTICED).id == takeover
+
+
 # ---------------------------------------------------------------- the attacks, on the service
 
 
@@ -254,3 +266,40 @@ def test_a_providers_outbid_cannot_make_its_own_node_a_warm_target(service):
     wait_event(alice, f"/bids/{victim['id']}/events", "released")
     seen = trap_agent.get(f"/nodes/{trap['id']}/allocations")
     assert SECRET not in seen.text and node_jobs(trap_agent, trap["id"]) == {}
+
+
+def test_an_outbid_timed_to_the_start_of_a_takeover_does_not_stop_the_market(db_url, tmp_path):
+    """A tenant who bids so that its bid reaches the market in the very tick a takeover starts
+    (the notice's deadline is in the events: anyone can time it) had the takeover promoted and
+    outbid in one tick; the tick wrote the notice before the promotion, failed on its own
+    compare-and-set, rebuilt the same market and failed again, every tick: no bid placed, no
+    notice ended, no charge written, for everyone, until a restart that failed the same way.
+    Now the promotion is written first and the market goes on."""
+    from prefect_spotgpu.service.clock import ManualClock
+
+    market = start_service(db_url, tmp_path / "home", clock=ManualClock(), notice_seconds=2)
+    try:
+        owner, first, second, third = (market.tenant() for _ in range(4))
+        market.node(owner, gpus=8, reserve=0.9)
+        ran = bid(first, gpu_count=8, max_price=1.0)
+        market.advance(0.1)
+        wait_event(first, f"/bids/{ran['id']}/events", "allocated")
+        takeover = bid(second, gpu_count=8, max_price=2.0)
+        market.advance(0.1)
+        wait_event(first, f"/bids/{ran['id']}/events", "noticed")
+        reserved = wait_event(second, f"/bids/{takeover['id']}/events", "reserved")
+        market.advance(1.0)  # the notice runs 2 s: 0.9 s are left
+        attack = bid(third, gpu_count=8, max_price=5.0)
+        ticks = market.app.state.ticker.ticks
+        market.advance(1.5, step=1.5)  # one tick: the deadline, the promotion, the attack
+        started = wait_event(second, f"/bids/{takeover['id']}/events", "allocated")
+        assert started["allocation_id"] == reserved["allocation_id"]
+        assert started["payload"]["placement"] == "promoted"
+        noticed = wait_event(second, f"/bids/{takeover['id']}/events", "noticed")
+        assert noticed["allocation_id"] == started["allocation_id"]
+        assert noticed["payload"]["reason"] == "outbid"
+        market.advance(0.3)
+        assert market.app.state.ticker.ticks >= ticks + 4  # every tick since, done
+        wait_event(third, f"/bids/{attack['id']}/events", "reserved")
+    finally:
+        market.stop()

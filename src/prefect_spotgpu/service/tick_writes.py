@@ -193,6 +193,16 @@ class TickWrites:
                 epoch=1,
                 expires_at=p.expires_at,
             )
+        # A reservation promoted in this tick and then outbid or ended in it (the market's own
+        # order: promotions before the clearing) is written running first, as those writes
+        # expect; every other promotion after the endings, as its events have always come (a
+        # migration's: the old allocation's end, then the new one's start).
+        changed = {n.allocation_id for n in decision.notices} | {
+            e.allocation_id for e in decision.endings
+        }
+        promoted_first = [a for a in decision.promotions if a in changed]
+        for alloc_id in promoted_first:
+            self.promote(alloc_id)
         for n in decision.notices:
             row = gate.set_allocation_status(
                 session=self.session,
@@ -215,27 +225,32 @@ class TickWrites:
         self.accrued.add(decision.charges, decision.fees)  # first: compensation reads it
         self.settlement_endings(decision.endings)
         for alloc_id in decision.promotions:
-            row = gate.set_allocation_status(
-                session=self.session,
-                allocation_id=alloc_id,
-                expected=S.RESERVED,
-                to=S.RUNNING,
-                started_at=self.now,
-                charged_until=self.now,
-                price=self.market.price_in_force(alloc_id),
-                deadline=None,
-            )
-            self.event(
-                EventKind.ALLOCATED,
-                alloc_id=alloc_id,
-                bid_id=row.bid_id,
-                node_id=row.node_id,
-                tenant_id=row.tenant_id,
-                status=S.RUNNING.value,
-                gpu_count=row.gpu_count,
-                placement=EventPlacement.PROMOTED,
-                epoch=row.epoch,
-            )
+            if alloc_id not in promoted_first:
+                self.promote(alloc_id)
+
+    def promote(self, alloc_id: int) -> None:
+        """A reservation started: reserved to running, and its ``allocated`` event."""
+        row = gate.set_allocation_status(
+            session=self.session,
+            allocation_id=alloc_id,
+            expected=S.RESERVED,
+            to=S.RUNNING,
+            started_at=self.now,
+            charged_until=self.now,
+            price=self.market.price_in_force(alloc_id),
+            deadline=None,
+        )
+        self.event(
+            EventKind.ALLOCATED,
+            alloc_id=alloc_id,
+            bid_id=row.bid_id,
+            node_id=row.node_id,
+            tenant_id=row.tenant_id,
+            status=S.RUNNING.value,
+            gpu_count=row.gpu_count,
+            placement=EventPlacement.PROMOTED,
+            epoch=row.epoch,
+        )
 
     def settlement(self, settlement, reason: str, detail: str | None = None) -> None:
         """Write a settlement made outside the tick (a cancel, a hold, an agent's report;
