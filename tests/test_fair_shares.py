@@ -313,7 +313,10 @@ def test_an_anonymous_estimate_flood_is_rationed_and_a_tenant_still_estimates(se
 
 @pytest.mark.slow
 @one_database("caps, buckets and the forecast cache are in memory")
-def test_a_forecast_is_fitted_once_per_bar_and_the_any_region_estimate_reuses_it(service, db_url):
+def test_a_forecast_is_fitted_once_per_bar_and_the_any_region_estimate_reuses_it(driven, db_url):
+    """On a clock that stands still (``driven``): the wall clock's minute moving on would slide
+    the window past its oldest bar, a new fingerprint and a fit this test does not count."""
+    service = driven
     newest = store_minute_history(db_url)
     tenant = service.tenant()
     forecasts = service.app.state.forecasts
