@@ -339,3 +339,34 @@ def test_bids_and_nodes_fit_80_columns_without_cutting_values(service):
         assert out.returncode == 0, out.stdout + out.stderr
         assert "…" not in out.stdout, out.stdout
         assert max(len(line) for line in out.stdout.splitlines()) <= 80, out.stdout
+
+
+class FakeTime:
+    """``time`` for ``stack.wait_for``: its sleeps move a clock of its own, and are recorded."""
+
+    def __init__(self) -> None:
+        self.now, self.sleeps = 0.0, []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_wait_for_eases_off_to_four_polls_a_second_unless_given_an_interval(monkeypatch):
+    from prefect_spotgpu.cli import stack
+
+    clock = FakeTime()
+    monkeypatch.setattr(stack, "time", clock)
+    assert stack.wait_for(lambda: clock.now >= 10 and "done", 30) == "done"
+    assert clock.sleeps[0] == stack.FIRST_POLL_SECONDS  # a short wait is seen as soon as before
+    assert clock.sleeps == sorted(clock.sleeps) and max(clock.sleeps) == stack.SLOWEST_POLL_SECONDS
+    assert sum(clock.sleeps[:10]) < 1.5  # at full slowness from about the first second
+    assert len(clock.sleeps) < 50  # ten seconds: not the 200 polls of a fixed 0.05 s
+
+    clock.sleeps.clear()
+    with pytest.raises(TimeoutError, match="waiting for a tick"):
+        stack.wait_for(lambda: False, 1, "a tick", 0.002)
+    assert set(clock.sleeps) == {0.002}  # an explicit interval stays fixed

@@ -84,21 +84,7 @@ def test_no_operation_answers_5xx(markets):
                     calls += 1
                     for database, market, key in zip(DATABASES, markets, keys, strict=True):
                         auth = {"Authorization": key[role]}  # noqa: B023 (run() runs at once)
-                        responses = [
-                            (
-                                case.body,
-                                case.call(
-                                    base_url=market.base_url,
-                                    session=session,
-                                    headers=auth,
-                                    timeout=30,
-                                ),
-                            )
-                        ]
-                        if isinstance(case.body, dict | list):
-                            body = _with_surrogates(case.body)
-                            responses.append((body, _send(http, case, body, market, auth)))
-                        for body, response in responses:
+                        for body, response in _responses(case, market, auth, session, http):
                             if response.status_code >= 500:
                                 failures.append(
                                     f"{database}: {case.method} {case.formatted_path} "
@@ -112,6 +98,17 @@ def test_no_operation_answers_5xx(markets):
                     continue
     assert calls > 200
     assert failures == [], "\n".join(failures[:10])
+
+
+def _responses(case, market, auth: dict[str, str], session, http: httpx.Client) -> list:
+    """``(body, response)`` of the case sent to ``market`` as generated and, for a JSON body,
+    again with a lone surrogate in each of its strings and keys."""
+    call = case.call(base_url=market.base_url, session=session, headers=auth, timeout=30)
+    sent = [(case.body, call)]
+    if isinstance(case.body, dict | list):
+        body = _with_surrogates(case.body)
+        sent.append((body, _send(http, case, body, market, auth)))
+    return sent
 
 
 def _with_surrogates(value):
