@@ -330,6 +330,7 @@ def start_service(db_url: str, home, port: int | None = None, clock=None, **over
     (``Service.advance``) instead of the wall clock."""
     from prefect_spotgpu.service.api import create_app
     from prefect_spotgpu.service.clock import SYSTEM
+    from prefect_spotgpu.service.server import uvicorn_config
     from prefect_spotgpu.service.settings import ServiceSettings
 
     # webhooks go to loopback receivers in tests: private destinations are allowed unless a
@@ -346,9 +347,7 @@ def start_service(db_url: str, home, port: int | None = None, clock=None, **over
     )
     app = create_app(settings, clock=clock or SYSTEM)
     port = port or free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-    )
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning", lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60  # (generous: a loaded 2-core machine)

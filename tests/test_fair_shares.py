@@ -34,6 +34,7 @@ from prefect_spotgpu.service.fairness import (
     take_or_refuse,
 )
 from prefect_spotgpu.service.models import PriceBar
+from prefect_spotgpu.service.server import uvicorn_config
 
 # ---------------------------------------------------------------- the pure limits
 
@@ -467,9 +468,7 @@ def start_follower(db_url: str, home) -> Service:
     )
     app = create_app(settings)
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-    )
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning", lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True, name=f"replica-{uuid.uuid4()}")
     thread.start()
     deadline = time.monotonic() + 20

@@ -33,6 +33,45 @@ def bid(client, **fields):
     return response.json()
 
 
+# ---------------------------------------------------------------- connections
+
+
+def test_the_server_keeps_an_idle_connection_longer_than_a_client_reuses_one(tmp_path):
+    """A client's pooled connection is never closed by the service just as the client sends on
+    it ("Server disconnected without sending a response"): the service keeps an idle connection
+    open for longer than httpx keeps one, in ``spotgpu server start`` and in the tests' servers.
+    A raw connection idle past httpx's limit still gets its second answer."""
+    import http.client
+    from pathlib import Path
+
+    import httpx
+
+    from conftest import start_service
+    from prefect_spotgpu.service.server import KEEP_ALIVE_SECONDS, uvicorn_config
+
+    client_idle = httpx.Limits().keepalive_expiry  # (httpx's default: 5 s)
+    assert 2 * client_idle <= KEEP_ALIVE_SECONDS
+    assert uvicorn_config(None, "127.0.0.1", 1, "info").timeout_keep_alive == KEEP_ALIVE_SECONDS
+    proxies = (Path(__file__).parent.parent / "docs" / "operators" / "tls.md").read_text()
+    assert f"connection left idle for {KEEP_ALIVE_SECONDS} s" in " ".join(proxies.split())
+    service = start_service(f"sqlite:///{tmp_path / 'market.db'}", tmp_path / "home")
+    try:
+        assert service.server.config.timeout_keep_alive == KEEP_ALIVE_SECONDS
+        host, port = service.base_url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        try:
+            conn.request("GET", "/api/v1/health")
+            assert conn.getresponse().read()
+            sock = conn.sock
+            time.sleep(client_idle + 0.5)  # (uvicorn's own timer: only the wall clock shows it)
+            conn.request("GET", "/api/v1/health")  # on the same connection, or it fails
+            assert conn.getresponse().status == 200 and conn.sock is sock
+        finally:
+            conn.close()
+    finally:
+        service.stop()
+
+
 # ---------------------------------------------------------------- auth and tenants
 
 
