@@ -228,3 +228,40 @@ def market_ticked(stack, ticks: int = 10) -> None:
 
     done = stack.market().get("/health").json()["ticks"] + ticks
     wait_for(lambda: stack.market().get("/health").json()["ticks"] >= done, 60, "ticks", 0.05)
+
+
+@contextlib.contextmanager
+def slow_link(port: int, delay: float):
+    """A loopback port that forwards to ``port`` after ``delay`` seconds per connection: a
+    far or busy server (a first request, or an events socket's first message, arrives late)."""
+    import socket
+    import threading
+    import time
+
+    def pump(source, sink) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+    def forward(client) -> None:
+        time.sleep(delay)
+        with client, socket.create_connection(("127.0.0.1", port)) as server:
+            back = threading.Thread(target=pump, args=(server, client), daemon=True)
+            back.start()
+            pump(client, server)
+            back.join()
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):  # (closed: the link is gone)
+            while True:
+                threading.Thread(target=forward, args=(listener.accept()[0],), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        listener.close()

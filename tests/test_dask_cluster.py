@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import sys
 import time
 from collections import Counter
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import quote
+from helpers import quote, slow_link
 from prefect_spotgpu.cli.stack import LocalStack, wait_for
 from prefect_spotgpu.dask import rules
 
@@ -78,6 +79,68 @@ def test_a_worker_jobs_end_names_what_to_change():
     said = rules.diagnose_exit("exit code 4, last output: x", image=None, scheduler="tls://h:1")
     assert "cannot reach the Dask scheduler at tls://h:1" in said
     assert rules.diagnose_exit("exit code 1, last output: boom", image=None, scheduler="") is None
+
+
+# ---------------------------------------------------------------- a worker's last task
+
+NOTICED_WORKER = """
+import asyncio, os, sys
+from types import SimpleNamespace
+
+from prefect import task
+
+from prefect_spotgpu.dask import worker_job
+
+
+class Idle:  # what ``retire`` uses of a Dask worker, with nothing left running on it
+    status = None
+    state = SimpleNamespace(executing=(), long_running=())
+
+    async def close_gracefully(self, reason):
+        pass
+
+
+state = task(lambda: 7, name="last-before-the-notice")(return_state=True)
+print(state.state_details.task_run_id, flush=True)
+settings = SimpleNamespace(notice_file="/nonexistent", ack_file=sys.argv[1], name="w-1")
+asyncio.run(worker_job.retire(Idle(), settings))
+os._exit(0)  # (as the worker job ends: no exit hooks)
+"""
+
+
+def test_a_task_finished_just_before_the_notice_is_completed_in_prefect(prefect_api_url, tmp_path):
+    """A Dask worker's task that finished just before its notice: the worker retires and exits
+    at once, and Prefect, which records a task run's states from the events a background
+    thread sends, still gets the task's last state. Prefect is 1.5 s away here (a far API, or
+    a busy machine), longer than retiring an idle worker takes: the events were still queued
+    at the exit, and the task run was never even recorded."""
+    import subprocess
+    from urllib.parse import urlsplit
+
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    ack = tmp_path / "ack"
+    api = urlsplit(prefect_api_url)
+    with slow_link(api.port, delay=1.5) as port:
+        far_api = api._replace(netloc=f"127.0.0.1:{port}").geturl()
+        done = subprocess.run(
+            [sys.executable, "-c", NOTICED_WORKER, str(ack)], capture_output=True, text=True,
+            timeout=120, env={**os.environ, "PREFECT_API_URL": far_api},
+        )  # fmt: skip
+    assert done.returncode == 0 and ack.exists(), done.stderr[-3000:]
+    task_run_id = done.stdout.split()[0]
+    with get_client(sync_client=True) as client:
+
+        def final_state():
+            try:
+                state = client.read_task_run(task_run_id).state
+            except ObjectNotFound:  # (its first event not yet recorded)
+                return None
+            return state if state.is_final() else None
+
+        last = wait_for(final_state, 30, "the task run's last state in Prefect")
+    assert last.is_completed(), last
 
 
 # ---------------------------------------------------------------- on a real stack

@@ -132,6 +132,7 @@ async def serve(settings: Settings) -> int:
     while not (_noticed or os.path.exists(settings.notice_file)):
         if worker.status in (Status.closing, Status.closed, Status.failed):
             await worker.finished()
+            await send_prefect_records()
             print(f"spotgpu: Dask worker {settings.name} let go by its scheduler", flush=True)
             return 0
         await asyncio.sleep(0.05)
@@ -162,6 +163,7 @@ async def retire(worker, settings: Settings) -> None:
     except (TimeoutError, OSError):
         handed_back = True  # what still ran is the scheduler's to give to another worker
         await worker.close(reason="spot-notice-deadline")
+    await send_prefect_records()  # (before the ack: the agent stops the job after it)
     seconds = round(time.monotonic() - started, 3)
     write_ack(settings.ack_file, step=None, dask_worker=settings.name, retired_seconds=seconds,
               handed_back=handed_back)  # fmt: skip
@@ -184,6 +186,25 @@ async def _retire(worker) -> None:
     while worker.state.executing or worker.state.long_running:
         await asyncio.sleep(0.02)
     await worker.close_gracefully(reason="spot-notice")
+
+
+PREFECT_SEND_SECONDS = 5.0  # (within ``retire_seconds``' margin before the deadline)
+
+
+async def send_prefect_records(timeout: float = PREFECT_SEND_SECONDS) -> None:
+    """Send what Prefect still holds of the tasks this worker ran: their state events and logs.
+
+    Prefect records a task run's states from its events, which a background thread sends. This
+    process ends with ``os._exit``, which skips the exit hooks that would send the rest: a task
+    finished just before the notice would stay Running in Prefect, though its result reached
+    the flow."""
+    if "prefect" not in sys.modules:  # no task of Prefect's ran here
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for service in (EventsWorker, APILogWorker):
+        await service.drain_all(timeout=timeout, at_exit=False)
 
 
 if __name__ == "__main__":
