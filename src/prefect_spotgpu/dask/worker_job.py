@@ -200,11 +200,13 @@ async def send_prefect_records(timeout: float = PREFECT_SEND_SECONDS) -> None:
     the flow."""
     if "prefect" not in sys.modules:  # no task of Prefect's ran here
         return
+    import asyncio
+
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
 
-    for service in (EventsWorker, APILogWorker):
-        await service.drain_all(timeout=timeout, at_exit=False)
+    services = (EventsWorker, APILogWorker)  # (side by side: ``timeout`` in all)
+    await asyncio.gather(*(s.drain_all(timeout=timeout, at_exit=False) for s in services))
 
 
 if __name__ == "__main__":
