@@ -84,10 +84,11 @@ def test_a_worker_jobs_end_names_what_to_change():
 # ---------------------------------------------------------------- a worker's last task
 
 NOTICED_WORKER = """
-import asyncio, os, sys
+import asyncio, os, sys, time
 from types import SimpleNamespace
 
 from prefect import task
+from prefect.events import emit_event
 
 from prefect_spotgpu.dask import worker_job
 
@@ -100,12 +101,31 @@ class Idle:  # what ``retire`` uses of a Dask worker, with nothing left running 
         pass
 
 
-state = task(lambda: 7, name="last-before-the-notice")(return_state=True)
-print(state.state_details.task_run_id, flush=True)
+if sys.argv[2] == "task":  # a task finished just before the notice: its run's id
+    state = task(lambda: 7, name="last-before-the-notice")(return_state=True)
+    print(state.state_details.task_run_id, flush=True)
+else:  # an event only (a task run needs answers from Prefect first)
+    emit_event("spotgpu.test.last-event", resource={"prefect.resource.id": "spotgpu.test"})
 settings = SimpleNamespace(notice_file="/nonexistent", ack_file=sys.argv[1], name="w-1")
+began = time.monotonic()
 asyncio.run(worker_job.retire(Idle(), settings))
+print(time.monotonic() - began, flush=True)  # (the seconds retiring took)
 os._exit(0)  # (as the worker job ends: no exit hooks)
 """
+
+
+def noticed_worker(tmp_path, prefect_api_url: str, what: str) -> list[str]:
+    """``NOTICED_WORKER`` run with Prefect at ``prefect_api_url``: the lines it printed (the
+    task run's id first, for a task; the seconds retiring took last)."""
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-c", NOTICED_WORKER, str(tmp_path / "ack"), what],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PREFECT_API_URL": prefect_api_url},
+    )  # fmt: skip
+    assert done.returncode == 0 and (tmp_path / "ack").exists(), done.stderr[-3000:]
+    return done.stdout.splitlines()
 
 
 def test_a_task_finished_just_before_the_notice_is_completed_in_prefect(prefect_api_url, tmp_path):
@@ -114,22 +134,15 @@ def test_a_task_finished_just_before_the_notice_is_completed_in_prefect(prefect_
     thread sends, still gets the task's last state. Prefect is 1.5 s away here (a far API, or
     a busy machine), longer than retiring an idle worker takes: the events were still queued
     at the exit, and the task run was never even recorded."""
-    import subprocess
     from urllib.parse import urlsplit
 
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
-    ack = tmp_path / "ack"
     api = urlsplit(prefect_api_url)
     with slow_link(api.port, delay=1.5) as port:
         far_api = api._replace(netloc=f"127.0.0.1:{port}").geturl()
-        done = subprocess.run(
-            [sys.executable, "-c", NOTICED_WORKER, str(ack)], capture_output=True, text=True,
-            timeout=120, env={**os.environ, "PREFECT_API_URL": far_api},
-        )  # fmt: skip
-    assert done.returncode == 0 and ack.exists(), done.stderr[-3000:]
-    task_run_id = done.stdout.split()[0]
+        task_run_id = noticed_worker(tmp_path, far_api, "task")[0]
     with get_client(sync_client=True) as client:
 
         def final_state():
@@ -141,6 +154,22 @@ def test_a_task_finished_just_before_the_notice_is_completed_in_prefect(prefect_
 
         last = wait_for(final_state, 30, "the task run's last state in Prefect")
     assert last.is_completed(), last
+
+
+def test_a_prefect_that_never_answers_delays_the_acknowledgement_by_seconds_only(tmp_path):
+    """Sending Prefect what is left is bounded: a Prefect API that takes the connection and
+    never answers holds the worker's acknowledgement ``PREFECT_SEND_SECONDS`` at most, well
+    inside the margin ``retire_seconds`` leaves before the notice's deadline."""
+    import socket
+
+    from prefect_spotgpu.dask.worker_job import PREFECT_SEND_SECONDS
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # (listens, never accepts)
+        api = f"http://127.0.0.1:{silent.getsockname()[1]}/api"
+        seconds = noticed_worker(tmp_path, api, "event")[-1]
+    assert float(seconds) < PREFECT_SEND_SECONDS + 2
+    margin = 300.0 - rules.retire_seconds(deadline=300.0, now=0.0)  # (left after retiring)
+    assert margin > PREFECT_SEND_SECONDS
 
 
 # ---------------------------------------------------------------- on a real stack
