@@ -55,7 +55,7 @@ def count(
             # this step's save is the final one: said first, as the agent stops the job as soon
             # as the save is acknowledged (a SIGTERM that can land before any line after it)
             _log(progress, {"saved": step})
-            time.sleep(float(os.environ.get("SPOTGPU_TEST_FINAL_SAVE_SECONDS", "0")))
+            _hold_the_final_save()
             ckpt.maybe_save(state, step)
         else:
             ckpt.maybe_save(state, step)
@@ -67,6 +67,27 @@ def count(
     result = {"total": state["total"], "walk": state["walk"]}
     _log(progress, {"done": result})
     return result
+
+
+def _hold_the_final_save() -> None:
+    """``SPOTGPU_TEST_FINAL_SAVE_SECONDS`` of wait before the final save; with
+    ``SPOTGPU_TEST_FINAL_SAVE_AWAITS_WARM``, only until a replacement's set-up is noted in
+    ``SPOTGPU_TEST_WARM_LOG`` (a test of the warm start that holds however slow the machine)."""
+    seconds = float(os.environ.get("SPOTGPU_TEST_FINAL_SAVE_SECONDS", "0"))
+    if not os.environ.get("SPOTGPU_TEST_FINAL_SAVE_AWAITS_WARM"):
+        time.sleep(seconds)
+        return
+    warm_log, deadline = Path(os.environ["SPOTGPU_TEST_WARM_LOG"]), time.monotonic() + seconds
+    while time.monotonic() < deadline and not _warm_elsewhere(warm_log):
+        time.sleep(0.05)
+
+
+def _warm_elsewhere(warm_log: Path) -> bool:
+    """Whether another allocation than this job's has noted its set-up."""
+    if not warm_log.exists():
+        return False
+    lines = warm_log.read_text().splitlines()
+    return any(line.endswith("}") and json.loads(line)["warm"] != _allocation() for line in lines)
 
 
 @warm_up
