@@ -495,8 +495,12 @@ def test_a_cheap_window_only_run_bids_for_its_window(stack, prefect, tmp_path):
 def test_a_market_crash_mid_run_loses_nothing(stack, prefect, tmp_path):
     """The market is SIGKILLed while a run is Running and comes back 3 s later: the worker
     and the agents ride it out (retries), no node is declared lost on the restart, and a
-    reclaim afterwards still resumes the run on the other node."""
-    run_id, progress = start_run(prefect, stack, tmp_path, steps=120)
+    reclaim afterwards still resumes the run on the other node.
+
+    The run has two minutes of steps, hurried once it has resumed: its first attempt is still
+    running at the reclaim however long the market's restart takes (12 s of steps were done
+    first on a machine running three test workers)."""
+    run_id, progress = start_run(prefect, stack, tmp_path, steps=1200)
     first = running_allocation(prefect, run_id)
     wait_for(lambda: steps_done(progress) >= 5, 60, "progress")
     node = node_of(stack, first)
@@ -505,6 +509,12 @@ def test_a_market_crash_mid_run_loses_nothing(stack, prefect, tmp_path):
     assert all(n["state"] == "live" for n in owner.get("/nodes").json())
     assert stack.market().get(f"/allocations/{first}").json()["status"] == "running"
     reclaim(stack, node)
+    wait_for(
+        lambda: any("start" in e and e["alloc"] != str(first) for e in progress_of(progress)),
+        120,
+        "the resume on the other node",
+    )
+    hurry(progress)
     final = wait_state(prefect, run_id, lambda s: s.is_completed(), 120, "Completed")
     assert final.is_completed() and "Preempted" in state_names(prefect, run_id)
     assert all(n["state"] == "live" for n in owner.get("/nodes").json() if n["id"] != node)
