@@ -30,7 +30,7 @@ os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="spotgpu-test-pref
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 # Torch and NumPy, in this process and the ones it starts (the ranks of a gang, a benchmark): one
-# thread each. The suite's two workers already fill the two cores; a thread per core in each
+# thread each. The suite's workers already fill the two cores; a thread per core in each
 # process (torch's default) spends the cores switching between them. A test of threads sets its
 # own; the agents' jobs get their share from the agent (``OMP_NUM_THREADS``, the runners).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -40,16 +40,18 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # - job uids: an agent kills a stopped job's processes by its uid, so each worker's agents get
 #   their own range (``--job-uid-base``, by its environment variable), apart from the default
 #   range that agents started with a fresh environment use (the manual path's);
-# - the Docker engine, its job containers and the registry, the Prefect server and the demos:
-#   every test that uses them runs in one worker (the ``stack`` group,
-#   ``pytest_collection_modifyitems`` below);
+# - the Docker engine, its job containers, networks and the registry: every test that uses
+#   them runs in one worker (the ``docker`` group, ``pytest_collection_modifyitems`` below);
+#   a module of whole-stack tests (a Prefect server, a demo) runs in one worker, and each
+#   worker that runs one has its own Prefect test server;
 # - PostgreSQL: each worker its own database (``test_gw1``, ...), since the tick leader's
 #   advisory lock is one per database, whatever a test's schema.
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...; None: not in a worker
 WORKER = int(XDIST_WORKER.removeprefix("gw")) if XDIST_WORKER else 0
 if XDIST_WORKER:  # (the controller's conftest ran first: its value is inherited, replace it)
     os.environ["SPOTGPU_JOB_UID_BASE"] = str(300_000 + 100_000 * WORKER)
-STACK_FIXTURES = {"job_image", "flow_image", "registry", "prefect_api_url"}
+DOCKER_FIXTURES = {"job_image", "flow_image", "registry"}
+STACK_FIXTURES = {"prefect_api_url"}
 STACK_MODULES = {"test_demo.py", "test_prefect_ui.py", "test_readme.py", "test_manual_path.py"}
 
 POSTGRES_URL = os.environ.get(
@@ -443,11 +445,11 @@ def api(tmp_path) -> Iterator[Service]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """In parallel workers (``--dist loadgroup``), every test that runs the whole stack runs in
-    one worker, the ``stack`` group: the tests of the Docker engine (they share the engine, its
-    job containers, found by label, and the registry) and those of a Prefect server or a demo
-    (so one worker starts one Prefect server, and two end-to-end runs never contend for the two
-    cores); the service's and the pure tests share out over the other workers.
+    """In parallel workers (``--dist loadgroup``), the tests that run the whole stack are
+    grouped: every test of the Docker engine in one worker, the ``docker`` group (they share
+    the engine, its job containers, found by label, its networks and the registry); the tests
+    of a Prefect server or a demo by module (``stack-<module>``: a module's stack fixtures are
+    set up in one worker, once). The service's and the pure tests share out over the workers.
 
     xdist's own ``xdist_group`` marker works by appending ``@group`` to each test's id, which
     pytest 9.2 no longer lets it do (it sets ``item._nodeid``; the id is now ``item._id``), so
@@ -457,11 +459,15 @@ def pytest_collection_modifyitems(config, items):
     from _pytest.nodeid import NodeId
 
     for item in items:
-        whole_stack = STACK_FIXTURES & set(getattr(item, "fixturenames", ())) or (
-            item.path.name in STACK_MODULES
-        )
-        if whole_stack and "@" not in item.nodeid:
-            item._id = NodeId.parse(f"{item.nodeid}@stack")
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if DOCKER_FIXTURES & fixtures:
+            group = "docker"
+        elif STACK_FIXTURES & fixtures or item.path.name in STACK_MODULES:
+            group = f"stack-{item.path.stem}"
+        else:
+            continue
+        if "@" not in item.nodeid:
+            item._id = NodeId.parse(f"{item.nodeid}@{group}")
 
 
 @pytest.hookimpl(wrapper=True)
